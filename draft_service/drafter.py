@@ -1,0 +1,75 @@
+"""The drafter interface every proposer implements.
+
+A drafter is per session: it holds the session's committed context (prompt plus
+committed output) and proposes the next block of tokens. The draft service owns
+one drafter per session and drives it with two calls per round:
+
+* ``commit(position, tokens)`` — the orchestrator's committed tokens from
+  ``position`` on; anything the drafter held beyond ``position`` (its own
+  speculative tokens) is rolled back first.
+* ``propose(k)`` — up to ``k`` draft tokens continuing the committed context.
+
+Adding a drafter means one module implementing this class and one line in
+``draft_service.registry``.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+class DrafterKind(enum.Enum):
+    """Which proposer drafts a session; mirrors ``specsplit.v1.DrafterKind``."""
+
+    MODEL = 1  # a causal LM sharing the target's vocabulary
+    NGRAM = 2  # prompt lookup: model-free, continues the latest n-gram match
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """One proposal.
+
+    ``tokens`` may be shorter than the ``k`` asked for (an n-gram drafter with
+    no match proposes nothing). ``probs`` is set only when the drafter sampled
+    the tokens and was asked for its distributions (probability mode): row i is
+    the distribution token i was drawn from.
+    """
+
+    tokens: list[int]  # [k']
+    probs: torch.Tensor | None = None  # [k', vocab] float32, rows sum to 1
+
+
+class Drafter(abc.ABC):
+    """Per-session proposer over a committed context."""
+
+    @property
+    @abc.abstractmethod
+    def position(self) -> int:
+        """Number of committed tokens the drafter holds (prompt included)."""
+
+    @abc.abstractmethod
+    def rollback(self, position: int) -> None:
+        """Forget every committed token at index >= ``position``."""
+
+    @abc.abstractmethod
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append committed tokens to the context."""
+
+    @abc.abstractmethod
+    def propose(self, k: int) -> DraftBlock:
+        """Propose up to ``k`` tokens that continue the committed context."""
+
+    def commit(self, position: int, tokens: Sequence[int]) -> None:
+        """Roll back to ``position``, then append ``tokens`` (the committed ones)."""
+        if position > self.position:
+            raise ValueError(f"commit at position {position} is past the drafter's context ({self.position} tokens)")
+        self.rollback(position)
+        self.extend(tokens)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release per-session resources (caches)."""

@@ -1,0 +1,79 @@
+"""The model drafter: a causal LM sharing the target's vocabulary, with its own KV cache.
+
+It drafts autoregressively (greedy argmax, or sampling from q processed by the
+same ``logits_to_probs`` as the target's p). Rolled-back tokens are dropped
+lazily: the session cache keeps the longest prefix shared with the committed
+context and crops the rest on the next proposal.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from draft_service.drafter import DraftBlock, Drafter
+from lmkit.kvcache import SessionCache
+from lmkit.probs_codec import quantize_probs
+from lmkit.sampling import SamplingParams, logits_to_probs
+
+
+class ModelDrafter(Drafter):
+    def __init__(
+        self,
+        model,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        return_probs: bool,
+    ) -> None:
+        if not prompt:
+            raise ValueError("the model drafter needs a non-empty context")
+        if not sampling.greedy and generator is None:
+            raise ValueError("sampling needs a generator")
+        self._cache = SessionCache(model)
+        self._tokens = list(prompt)
+        self._sampling = sampling
+        self._generator = generator
+        self._return_probs = return_probs and not sampling.greedy
+
+    @property
+    def position(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._cache)
+
+    def rollback(self, position: int) -> None:
+        if not 0 <= position <= len(self._tokens):
+            raise ValueError(f"rollback to {position} is outside the context [0, {len(self._tokens)}]")
+        del self._tokens[position:]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._tokens.extend(tokens)
+
+    def propose(self, k: int) -> DraftBlock:
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        drafted: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self._cache.logits([*self._tokens, *drafted], [])  # [1, vocab]
+            token, probs = self._next(logits)
+            drafted.append(token)
+            if probs is not None:
+                rows.append(probs)
+        probs = torch.cat(rows) if self._return_probs and rows else None
+        return DraftBlock(tokens=drafted, probs=probs)
+
+    def _next(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """One draft token from [1, vocab] logits, and the distribution it came from."""
+        if self._sampling.greedy:
+            return int(logits[0].argmax()), None
+        q = logits_to_probs(logits, self._sampling)  # [1, vocab]
+        if self._return_probs:
+            # Sample from exactly what the target will decode from the wire.
+            q = quantize_probs(q)
+        token = int(torch.multinomial(q[0], 1, generator=self._generator))
+        return token, (q if self._return_probs else None)

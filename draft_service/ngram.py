@@ -1,0 +1,115 @@
+"""Prompt-lookup (n-gram) drafter: model-free proposals copied from the context.
+
+The idea is prompt lookup decoding (Saxena, 2023; HF transformers'
+``PromptLookupCandidateGenerator``, ``prompt_lookup_num_tokens``): outputs often
+repeat spans of the prompt or of themselves (code edits, quotes, summaries), so
+if the last n committed tokens occurred earlier, the tokens that followed that
+earlier occurrence are a cheap guess for what comes next. The target verifies
+the guess like any other draft; a wrong guess only costs the rejected tokens.
+
+Two choices differ from transformers: among earlier occurrences of the matched
+n-gram we take the *most recent* one (recent text predicts the continuation
+better than the prompt's first mention), and lookups go through an incremental
+index instead of a scan, so a proposal costs O(max_n) dictionary lookups
+whatever the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from draft_service.drafter import DraftBlock, Drafter
+
+# Longer suffixes rarely match and each extra n costs one tuple per token in the index.
+MAX_NGRAM = 32
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """Which suffix lengths the n-gram drafter tries, longest first."""
+
+    min_n: int = 1  # shortest suffix n-gram to match, >= 1
+    max_n: int = 4  # longest suffix n-gram to match, min_n <= max_n <= MAX_NGRAM
+
+    def __post_init__(self) -> None:
+        for name in ("min_n", "max_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"NgramConfig.{name} must be an int, got {value!r}")
+        if self.min_n < 1:
+            raise ValueError(f"NgramConfig.min_n must be >= 1, got {self.min_n}")
+        if self.max_n < self.min_n:
+            raise ValueError(f"NgramConfig.max_n ({self.max_n}) must be >= min_n ({self.min_n})")
+        if self.max_n > MAX_NGRAM:
+            raise ValueError(f"NgramConfig.max_n must be <= {MAX_NGRAM}, got {self.max_n}")
+
+
+class NgramDrafter(Drafter):
+    """Proposes the continuation of the most recent earlier occurrence of the context's suffix.
+
+    ``propose(k)`` tries suffix lengths n = max_n down to min_n; for the first n
+    whose suffix n-gram also ends at an earlier position ``e``, it proposes
+    ``context[e : e + k]`` (fewer tokens if the context ends first; the copied
+    span may overlap the suffix itself). With no match it proposes nothing.
+    Proposals are deterministic, so ``probs`` is always None.
+    """
+
+    def __init__(self, config: NgramConfig, prompt: Sequence[int]):
+        self._config = config
+        self._tokens: list[int] = []
+        # _ends[n][gram] = ascending end positions e (exclusive) with tokens[e - n : e] == gram.
+        # Ascending order makes the most recent occurrence the last entry and lets
+        # rollback pop entries from the back.
+        self._ends: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(config.min_n, config.max_n + 1)
+        }
+        self.extend(prompt)
+
+    @property
+    def position(self) -> int:
+        """Number of committed tokens the drafter holds (prompt included)."""
+        return len(self._tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append committed tokens and index every n-gram that ends at each of them."""
+        for token in tokens:
+            self._tokens.append(int(token))
+            end = len(self._tokens)
+            for n, ends_by_gram in self._ends.items():
+                if n > end:
+                    break  # n ascends: no longer n-gram fits either
+                ends_by_gram.setdefault(tuple(self._tokens[end - n : end]), []).append(end)
+
+    def rollback(self, position: int) -> None:
+        """Forget every committed token at index >= ``position`` and its n-grams."""
+        if not 0 <= position <= len(self._tokens):
+            raise ValueError(
+                f"rollback to position {position} is outside the drafter's context (0..{len(self._tokens)})"
+            )
+        for end in range(len(self._tokens), position, -1):
+            for n, ends_by_gram in self._ends.items():
+                if n > end:
+                    break
+                gram = tuple(self._tokens[end - n : end])
+                ends = ends_by_gram[gram]
+                assert ends[-1] == end, "n-gram index out of sync with the context"
+                ends.pop()
+                if not ends:
+                    del ends_by_gram[gram]  # keeps the index the size of the live context
+        del self._tokens[position:]
+
+    def propose(self, k: int) -> DraftBlock:
+        """Up to ``k`` tokens following the most recent earlier match of the longest matching suffix."""
+        if k < 0:
+            raise ValueError(f"propose needs k >= 0, got {k}")
+        if k == 0:
+            return DraftBlock(tokens=[])
+        length = len(self._tokens)
+        for n in range(min(self._config.max_n, length), self._config.min_n - 1, -1):
+            ends = self._ends[n].get(tuple(self._tokens[length - n :]))
+            # ends[-1] is the suffix itself; the entry before it is the latest earlier occurrence.
+            if ends is not None and len(ends) >= 2:
+                start = ends[-2]
+                return DraftBlock(tokens=self._tokens[start : start + k])
+        return DraftBlock(tokens=[])

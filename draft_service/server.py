@@ -1,0 +1,88 @@
+"""``specsplit serve-draft``: the drafters behind gRPC (n-gram always; the model drafter with --model)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from draft_service.engine import DraftEngine, DraftLimits
+from draft_service.ngram import NgramConfig
+from draft_service.servicer import DraftServicer
+from lmkit import models
+from lmkit.grpc_server import ComputeThread, add_common_flags, create_server, run_service, set_serving
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
+DEFAULT_PORT = 50051
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="specsplit serve-draft", description=__doc__)
+    parser.add_argument("--model", default="", help="draft model (folder, .gguf, cached hub id); empty = n-gram only")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
+    parser.add_argument("--max-block", type=int, default=32, help="largest k accepted per propose")
+    parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
+    parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest suffix to match")
+    parser.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix to match")
+    add_common_flags(parser, DEFAULT_PORT)
+    return parser
+
+
+def load_engine(args, limits: DraftLimits) -> DraftEngine:
+    if not args.model:
+        return DraftEngine(None, limits=limits)
+    spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
+    model = models.load_model(spec)
+    fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
+    return DraftEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits)
+
+
+async def serve(args) -> None:
+    limits = DraftLimits(max_block=args.max_block, max_sessions=args.max_sessions)
+    ngram = NgramConfig(min_n=args.ngram_min, max_n=args.ngram_max)
+    compute = ComputeThread("draft-compute")
+    servicer = DraftServicer(compute, ngram, device=f"{args.device}/{args.dtype}")
+
+    def load():
+        engine = load_engine(args, limits)
+        return lambda: servicer.attach(engine)
+
+    await run_service(args, SERVICE_NAME, lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s), load)
+    compute.shutdown()
+
+
+async def start_server(engine: DraftEngine, address: str = "127.0.0.1:0", ngram: NgramConfig | None = None):
+    """An in-process server over a loaded engine (tests, embedding); returns (server, port)."""
+    servicer = DraftServicer(ComputeThread("draft-compute"), ngram or NgramConfig())
+    servicer.attach(engine)
+    server, port, health = create_server(address, [SERVICE_NAME])
+    pb_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    await server.start()
+    await set_serving(health, [SERVICE_NAME], True)
+    return server, port
+
+
+def run(args) -> None:
+    """Validate flags, then serve until SIGTERM/SIGINT."""
+    DraftLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
+    if args.model:
+        models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s draft %(levelname)s %(message)s")
+    models.configure_torch_threads(args.threads)
+    models.pin_cpus(args.cpus)
+    asyncio.run(serve(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from orchestrator.cli import main as cli_main
+
+    cli_main(["serve-draft", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    main()

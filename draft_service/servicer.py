@@ -1,0 +1,122 @@
+"""gRPC servicer of the draft: protos in, engine calls on the compute thread, protos out."""
+
+from __future__ import annotations
+
+import grpc
+
+from draft_service.drafter import DrafterKind
+from draft_service.engine import DraftEngine
+from draft_service.ngram import NgramConfig
+from lmkit import errors
+from lmkit.grpc_server import ComputeThread, abort_on_error
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from lmkit.wire import probs_to_proto, sampling_from_proto
+
+
+def drafter_from_proto(value: int) -> DrafterKind:
+    try:
+        return DrafterKind(value)
+    except ValueError:
+        names = ", ".join(f"{k.name} ({k.value})" for k in DrafterKind)
+        raise errors.InvalidArgument(f"drafter {value} is not a drafter kind; send one of {names}") from None
+
+
+def ngram_from_proto(msg: pb.DraftOpen, default: NgramConfig) -> NgramConfig:
+    try:
+        return NgramConfig(min_n=msg.ngram_min or default.min_n, max_n=msg.ngram_max or default.max_n)
+    except ValueError as exc:
+        raise errors.InvalidArgument(str(exc)) from None
+
+
+def session_state(session) -> pb.SessionState:
+    cached = getattr(session.drafter, "cached_tokens", 0)
+    return pb.SessionState(session_id=session.session_id, position=session.drafter.position, cached_tokens=cached)
+
+
+class DraftServicer(pb_grpc.DraftServiceServicer):
+    """Serves before the model is loaded (calls UNAVAILABLE) until ``attach``."""
+
+    def __init__(self, compute: ComputeThread, ngram_default: NgramConfig, device: str = "cpu") -> None:
+        self.engine: DraftEngine | None = None
+        self.compute = compute
+        self.ngram_default = ngram_default
+        self.device = device
+
+    def attach(self, engine: DraftEngine) -> None:
+        self.engine = engine
+
+    async def _require_engine(self, context) -> DraftEngine:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the draft model is still loading; retry shortly")
+        return self.engine
+
+    async def Info(self, request, context):
+        e = await self._require_engine(context)
+        return pb.ModelInfo(
+            model_id=e.model_id,
+            vocab_size=e.vocab_size or 0,
+            vocab_fingerprint=e.vocab_fingerprint,
+            max_context=e.max_context,
+            max_block=e.limits.max_block,
+            drafters=[k.value for k in e.drafters],
+            tp_degree=1,
+            device=self.device,
+        )
+
+    async def Stats(self, request, context):
+        active, opened, rounds = (await self._require_engine(context)).stats()
+        return pb.StatsResponse(active_sessions=active, sessions_opened=opened, rounds=rounds)
+
+    async def GetSession(self, request, context):
+        engine = await self._require_engine(context)
+        session = await abort_on_error(context, _immediate(engine.get, request.session_id))
+        return session_state(session)
+
+    async def Session(self, request_iterator, context):
+        engine = await self._require_engine(context)
+        session = None
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if session is None:
+                    if kind != "open":
+                        await context.abort(
+                            grpc.StatusCode.FAILED_PRECONDITION, "the first message of a session must be `open`"
+                        )
+                    session = await abort_on_error(context, self._open(engine, request.open))
+                    yield pb.DraftResponse(opened=session_state(session))
+                elif kind == "propose":
+                    block = await abort_on_error(context, self._propose(engine, session, request.propose))
+                    yield pb.DraftResponse(block=block)
+                else:
+                    await context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"session {session.session_id!r} is already open; send `propose` messages",
+                    )
+        finally:
+            if session is not None:
+                engine.close(session.session_id)
+
+    async def _open(self, engine: DraftEngine, msg: pb.DraftOpen):
+        sampling = sampling_from_proto(msg.sampling)
+        kind = drafter_from_proto(msg.drafter)
+        ngram = ngram_from_proto(msg, self.ngram_default)
+        return await self.compute.run(
+            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram
+        )
+
+    async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
+        done = await self.compute.run(engine.propose, session, msg.position, list(msg.tokens), msg.k)
+        block = pb.DraftBlock(
+            position=msg.position + len(msg.tokens),
+            tokens=done.block.tokens,
+            compute_us=int(done.compute_s * 1e6),
+        )
+        if done.block.probs is not None:
+            block.probs.CopyFrom(probs_to_proto(done.block.probs))
+        return block
+
+
+async def _immediate(fn, *args):
+    return fn(*args)

@@ -1,0 +1,69 @@
+"""A session's KV cache over a token sequence, reused across rounds and cropped on rejection.
+
+Both the target and the model drafter run a model over a context that grows by
+a few tokens per round and sometimes loses its tail (rejected draft tokens).
+``SessionCache`` keeps the tokens whose keys/values are cached, reuses the
+longest common prefix with the next sequence, crops the rest
+(``DynamicCache.crop(-n)``: transformers 5.x refuses a positive argument) and
+feeds only what is new, so no round re-reads the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class SessionCache:
+    """KV cache of one session; not thread-safe (one compute thread per service)."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self._device = next(model.parameters()).device
+        self.cache = DynamicCache(config=model.config)
+        self.tokens: list[int] = []  # tokens whose keys/values are in the cache
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @torch.inference_mode()
+    def logits(self, context: Sequence[int], block: Sequence[int]) -> torch.Tensor:
+        """Logits after ``context[-1]`` and after each token of ``block``.
+
+        Returns [len(block) + 1, vocab] float32: row i predicts the token at
+        position len(context) + i. Afterwards the cache holds context + block.
+        """
+        if not context:
+            raise ValueError("context must hold at least one token")
+        seq = [*context, *block]
+        # The last context token is always fed so its logits exist.
+        keep = min(common_prefix(self.tokens, seq), len(context) - 1)
+        self.crop(keep)
+        feed = torch.tensor([seq[keep:]], dtype=torch.long, device=self._device)
+        out = self._model(input_ids=feed, cache=self.cache, use_cache=True, logits_to_keep=len(block) + 1)
+        self.tokens = seq
+        return out.logits[0].float()
+
+    def crop(self, length: int) -> None:
+        """Drop cached positions at index >= ``length``."""
+        extra = len(self.tokens) - length
+        if extra > 0:
+            self.cache.crop(-extra)
+            self.tokens = self.tokens[:length]

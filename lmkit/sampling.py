@@ -1,0 +1,148 @@
+"""Logits processing shared by draft and target, and the seeded random streams of a session.
+
+Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers
+via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model
+Decoding with Speculative Sampling") is lossless only if the draft distribution
+q and the target distribution p are the distributions the user asked for: the
+same temperature, top-k and top-p applied the same way. Both services therefore
+turn logits into probabilities through the one function here,
+``logits_to_probs``, and never through their own copy.
+
+Order of the processors is the one HF transformers uses: temperature, then
+top-k, then top-p, each on the output of the previous one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+_SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes values below this without wrapping
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a session turns logits into tokens; the same object drives draft and target."""
+
+    temperature: float = 0.0  # 0 means greedy (argmax); must be >= 0 and finite
+    top_k: int = 0  # keep the k most likely tokens; 0 disables; must be >= 0
+    top_p: float = 1.0  # nucleus mass, must be in (0, 1]; 1 disables
+    seed: int = 0  # seeds the per-session generators; >= 0, < 2**63
+
+    def __post_init__(self) -> None:
+        _check_real("temperature", self.temperature)
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}"
+            )
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables top-k), got {self.top_k}")
+        _check_real("top_p", self.top_p)
+        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 disables top-p), got {self.top_p!r}")
+        _check_int("seed", self.seed)
+        if not (0 <= self.seed < _SEED_LIMIT):
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are the argmax of the logits (temperature 0); top-k/top-p then do nothing."""
+        return self.temperature == 0.0
+
+
+def _check_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"SamplingParams.{name} must be a number, got {value!r}")
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"SamplingParams.{name} must be an int, got {value!r}")
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [n, vocab] floating point; -inf marks banned tokens
+    params: SamplingParams,
+) -> torch.Tensor:  # [n, vocab] float32, each row sums to 1
+    """Temperature, then top-k, then top-p; returns float32 probabilities on the logits' device.
+
+    Top-k keeps exactly ``min(top_k, vocab)`` tokens; among tokens with equal
+    logits the lower token id ranks first, so ties are cut deterministically.
+    Top-p keeps the smallest prefix of that same ranking whose probability mass
+    reaches ``top_p`` (at least the top token). Only for sampling: raises
+    ValueError when ``params.greedy``, where the caller should take the argmax.
+    """
+    _check_logits(logits)
+    if params.greedy:
+        raise ValueError("logits_to_probs is for sampling (temperature > 0); with temperature 0 take the argmax")
+    # Subtracting the row max first keeps a tiny temperature from overflowing to inf.
+    logits = logits.to(torch.float32)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
+    vocab = scaled.shape[-1]
+    if (params.top_k == 0 or params.top_k >= vocab) and params.top_p == 1.0:
+        return torch.softmax(scaled, dim=-1)
+    keep = _truncation_mask(scaled, params.top_k, params.top_p)
+    return torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a 2-D tensor [n, vocab], got {_describe(logits)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got dtype {logits.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension")
+    if logits.numel() == 0:
+        return
+    # One reduction: a row max is NaN if the row has a NaN, +inf if it has +inf, -inf if all are -inf.
+    for row, high in enumerate(logits.amax(dim=-1).tolist()):
+        if math.isnan(high) or high == math.inf:
+            raise ValueError(f"logits row {row} contains NaN or +inf; check the model output")
+        if high == -math.inf:
+            raise ValueError(f"logits row {row} is all -inf: every token is banned, nothing can be sampled")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _truncation_mask(
+    scaled: torch.Tensor,  # [n, vocab] float32 temperature-scaled logits
+    top_k: int,
+    top_p: float,
+) -> torch.Tensor:  # [n, vocab] bool, True = token kept
+    """Top-k then top-p as one cut of a single ranking (descending logit, then ascending id)."""
+    # A stable descending sort keeps equal logits in id order, which is the documented tie rule.
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if 0 < top_k < scaled.shape[-1]:
+        keep_sorted[:, top_k:] = False
+    if top_p < 1.0:
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, -math.inf), dim=-1)
+        # float64 cumsum: float32 rounding over ~50k terms could move the cut by a token.
+        mass_before = torch.cumsum(sorted_probs.to(torch.float64), dim=-1) - sorted_probs.to(torch.float64)
+        keep_sorted &= mass_before < top_p  # position 0 has mass_before 0 < top_p, so the top token stays
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def make_generator(seed: int, stream: str) -> torch.Generator:
+    """A CPU generator for one random stream ("draft", "target", ...) of a session.
+
+    The generator's seed is a SHA-256 of ``(seed, stream)``, so it is the same
+    in every process and Python version (unlike ``hash()``), and draft and
+    target never consume the same draws.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < _SEED_LIMIT):
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    if not isinstance(stream, str) or not stream:
+        raise ValueError(f"stream must be a non-empty string naming the random stream, got {stream!r}")
+    digest = hashlib.sha256(f"specsplit/{seed}/{stream}".encode()).digest()
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int.from_bytes(digest[:8], "little") % _SEED_LIMIT)
+    return generator

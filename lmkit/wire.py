@@ -1,0 +1,57 @@
+"""Conversions between ``specsplit.v1`` messages and domain values, with validation.
+
+Anything that arrives over the wire passes through here; a bad field becomes
+``errors.InvalidArgument`` with a message naming the field and what to send.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmkit import errors
+from lmkit.probs_codec import EncodedProbs, decode_probs, encode_probs
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.sampling import SamplingParams
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    top_p = msg.top_p if msg.HasField("top_p") else 1.0
+    try:
+        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed)
+    except ValueError as exc:
+        raise errors.InvalidArgument(str(exc)) from None
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed)
+
+
+def probs_to_proto(probs: torch.Tensor) -> pb.DraftProbs:
+    """[k, vocab] draft distributions -> compact fp16 message (sparse when smaller)."""
+    enc = encode_probs(probs)
+    return pb.DraftProbs(
+        rows=enc.rows,
+        vocab_size=enc.vocab_size,
+        sparse=enc.sparse,
+        values=enc.values,
+        indices=enc.indices,
+        row_nnz=list(enc.row_nnz),
+    )
+
+
+def probs_from_proto(msg: pb.DraftProbs, vocab_size: int) -> torch.Tensor:
+    """Decode untrusted draft probabilities into [rows, vocab] float32."""
+    if msg.vocab_size != vocab_size:
+        raise errors.InvalidArgument(f"draft_probs.vocab_size is {msg.vocab_size}; the target's vocabulary has {vocab_size}")
+    enc = EncodedProbs(
+        sparse=msg.sparse,
+        rows=msg.rows,
+        vocab_size=msg.vocab_size,
+        values=msg.values,
+        indices=msg.indices,
+        row_nnz=tuple(msg.row_nnz),
+    )
+    try:
+        return decode_probs(enc)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"draft_probs: {exc}") from None

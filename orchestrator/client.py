@@ -1,0 +1,67 @@
+"""``specsplit generate``: a client of the public Generate API that streams text to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from draft_service.drafter import DrafterKind
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("--server", default="127.0.0.1:50050", help="orchestrator address")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--k", type=int, default=None, help="draft block size; 0 = target-only")
+    parser.add_argument("--drafter", choices=[k.name.lower() for k in DrafterKind], default=None)
+    parser.add_argument("--draft-probs", action="store_true", help="probability-mode verification (model drafter)")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    return parser
+
+
+def to_request(args) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = pb.GenerateRequest(prompt=args.prompt, chat=not args.raw, sampling=sampling, stop=args.stop)
+    request.draft_probs = args.draft_probs
+    if args.max_new_tokens is not None:
+        request.max_new_tokens = args.max_new_tokens
+    if args.k is not None:
+        request.k = args.k
+    if args.drafter is not None:
+        request.drafter = DrafterKind[args.drafter.upper()].value
+    return request
+
+
+async def generate(args) -> int:
+    async with grpc.aio.insecure_channel(args.server) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        try:
+            async for response in stub.Generate(to_request(args), timeout=args.timeout_s):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if response.HasField("stats"):
+                    s = response.stats
+                    print(
+                        f"\n[{pb.FinishReason.Name(response.finish_reason)}] {s.new_tokens} tokens in "
+                        f"{s.wall_s:.2f} s ({s.tokens_per_s:.1f} tok/s), acceptance {s.acceptance_rate:.2f}, "
+                        f"mean accepted length {s.mean_accepted_length:.2f}, seed {s.seed}",
+                        file=sys.stderr,
+                    )
+        except grpc.aio.AioRpcError as exc:
+            print(f"\nspecsplit generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0

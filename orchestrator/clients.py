@@ -1,0 +1,139 @@
+"""Clients of the draft and target services: one open bidi stream per session.
+
+Per-round traffic rides an open stream (a ping-pong on loopback costs
+~0.3 ms, against ~0.7 ms for a unary call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+
+from lmkit.grpc_server import CHANNEL_OPTIONS
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+
+
+class PeerError(Exception):
+    """A draft or target call failed; carries the gRPC code and the peer's message."""
+
+    def __init__(self, peer: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{peer}: {code.name}: {details}")
+        self.peer = peer
+        self.code = code
+        self.details = details
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    """An insecure channel; ``dns:///name:port`` with round_robin spreads calls over replicas."""
+    options = [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+class _Stream:
+    """A request/response stream where each write is answered by one read."""
+
+    peer = "service"
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    async def _ask(self, request):
+        try:
+            await self._call.write(request)
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise PeerError(self.peer, exc.code(), exc.details() or "") from None
+        if response is grpc.aio.EOF:
+            code = await self._call.code()
+            details = await self._call.details()
+            raise PeerError(self.peer, code, details or "stream ended")
+        return response
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """End the stream cleanly and wait until the service has freed the session.
+
+        Falls back to cancelling the call (which frees it too, asynchronously)
+        when the stream already failed or the service does not answer in time.
+        """
+        try:
+            await asyncio.wait_for(self._drain(), timeout_s)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            self._call.cancel()
+        except asyncio.CancelledError:
+            self._call.cancel()
+            raise
+
+    async def _drain(self) -> None:
+        if self._call.done():
+            return
+        await self._call.done_writing()
+        while await self._call.read() is not grpc.aio.EOF:
+            pass
+
+
+class TargetStream(_Stream):
+    peer = "target"
+
+    async def open(self, session_id: str, tokens: Sequence[int], sampling: pb.SamplingParams, mode: int) -> None:
+        msg = pb.TargetOpen(session_id=session_id, tokens=tokens, sampling=sampling, mode=mode)
+        await self._ask(pb.TargetRequest(open=msg))
+
+    async def verify(self, position: int, draft_tokens: Sequence[int], draft_probs: pb.DraftProbs | None):
+        msg = pb.VerifyRequest(position=position, draft_tokens=draft_tokens)
+        if draft_probs is not None:
+            msg.draft_probs.CopyFrom(draft_probs)
+        return (await self._ask(pb.TargetRequest(verify=msg))).result
+
+
+class DraftStream(_Stream):
+    peer = "draft"
+
+    async def open(self, open_msg: pb.DraftOpen) -> None:
+        await self._ask(pb.DraftRequest(open=open_msg))
+
+    async def propose(self, position: int, tokens: Sequence[int], k: int) -> pb.DraftBlock:
+        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k)
+        return (await self._ask(pb.DraftRequest(propose=msg))).block
+
+
+@dataclass
+class ServiceClient:
+    """Stub plus identity of one service."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    info: pb.ModelInfo | None = None
+
+    async def fetch_info(self, timeout_s: float) -> pb.ModelInfo:
+        self.info = await self.stub.Info(pb.InfoRequest(), timeout=timeout_s, wait_for_ready=True)
+        return self.info
+
+    async def stats(self) -> pb.StatsResponse:
+        return await self.stub.Stats(pb.StatsRequest())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def target_client(address: str) -> ServiceClient:
+    channel = open_channel(address)
+    return ServiceClient(address, channel, pb_grpc.TargetServiceStub(channel))
+
+
+def draft_client(address: str) -> ServiceClient:
+    channel = open_channel(address)
+    return ServiceClient(address, channel, pb_grpc.DraftServiceStub(channel))
+
+
+def start_target_stream(client: ServiceClient) -> TargetStream:
+    return TargetStream(client.stub.Session())
+
+
+def start_draft_stream(client: ServiceClient) -> DraftStream:
+    return DraftStream(client.stub.Session())
+

@@ -1,0 +1,43 @@
+"""Configuration of the orchestrator, built from flags in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draft_service.drafter import DrafterKind
+from lmkit.models import DEFAULT_MODEL
+
+# Chosen by measurement on the bundled SmolLM2 target (README, "Choosing the
+# default drafter"): prompt lookup costs ~0 per token and drafts long runs on
+# input-grounded tasks, while proposing nothing (plain decoding) on open prose.
+DEFAULT_DRAFTER = DrafterKind.NGRAM
+DEFAULT_K = 8
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    target_address: str
+    draft_address: str = ""  # empty: target-only decoding
+    tokenizer: str = DEFAULT_MODEL  # must share the target's vocabulary
+    default_k: int = DEFAULT_K
+    default_drafter: DrafterKind = DEFAULT_DRAFTER
+    default_max_new_tokens: int = 128
+    max_new_tokens_limit: int = 4096
+    max_stop_strings: int = 16
+    ngram_min: int = 1
+    ngram_max: int = 4
+    connect_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.target_address:
+            raise ValueError("--target is required: the target service's address, e.g. 127.0.0.1:50052")
+        if self.default_k < 0:
+            raise ValueError(f"--k must be >= 0, got {self.default_k}")
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
+            raise ValueError(
+                f"--max-new-tokens must be in [1, {self.max_new_tokens_limit}], got {self.default_max_new_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
+        if self.connect_timeout_s <= 0:
+            raise ValueError("--connect-timeout-s must be > 0")

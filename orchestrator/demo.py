@@ -1,0 +1,76 @@
+"""``specsplit demo``: draft and target as separate processes on loopback, a few prompts, the figures.
+
+Every prompt runs twice through the same target service: target-only
+(k = 0) and speculative. Greedy output must be identical; the demo says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from draft_service.drafter import DrafterKind
+from lmkit import models
+from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
+from orchestrator.evaluation import compare, summarise
+from orchestrator.generation import Orchestrator
+from orchestrator.launcher import local_services
+from orchestrator.prompts import DEMO_PROMPTS
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, help="target model reference")
+    parser.add_argument("--draft-model", default="", help="draft model for --drafter model")
+    parser.add_argument("--drafter", default=DEFAULT_DRAFTER.name.lower(), choices=[k.name.lower() for k in DrafterKind])
+    parser.add_argument("--k", type=int, default=DEFAULT_K, help="draft block size")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--target-threads", type=int, default=2)
+    parser.add_argument("--draft-threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    return parser
+
+
+def service_args(args) -> tuple[list[str], list[str]]:
+    common = ["--device", args.device, "--dtype", args.dtype]
+    target = ["--model", args.model, "--threads", str(args.target_threads), *common]
+    draft = ["--threads", str(args.draft_threads), *common]
+    if args.draft_model:
+        draft += ["--model", args.draft_model]
+    return target, draft
+
+
+async def _run(args, target_address: str, draft_address: str) -> int:
+    config = OrchestratorConfig(target_address=target_address, draft_address=draft_address, tokenizer=args.model)
+    orch = await Orchestrator.connect(config)
+    try:
+        drafter = DrafterKind[args.drafter.upper()]
+        results = await compare(orch, DEMO_PROMPTS, args.k, drafter, args.max_new_tokens)
+    finally:
+        await orch.close()
+    for c in results:
+        s = c.speculative
+        print(f"\n=== {c.prompt.name} ({c.prompt.kind}) ===")
+        print(s.text.strip())
+        rate = s.accepted / s.drafted if s.drafted else 0.0
+        print(
+            f"--- {len(s.token_ids)} tokens, {s.rounds} target passes, acceptance {rate:.2f}, "
+            f"{len(s.token_ids) / s.wall_s:.1f} tok/s vs {len(c.baseline.token_ids) / c.baseline.wall_s:.1f} "
+            f"target-only, identical to target-only: {'yes' if c.identical else 'NO'}"
+        )
+    print(f"\nspecsplit demo: target {args.model}, drafter {args.drafter}, k={args.k}, greedy")
+    for name, g in summarise(results).items():
+        print(
+            f"[{name:8s}] prompts {g.prompts}  acceptance rate {g.acceptance_rate:.2f}  "
+            f"mean accepted length {g.mean_accepted_length:.2f}  "
+            f"tokens/s {g.tokens_per_s_speculative:.1f} (target-only {g.tokens_per_s_target_only:.1f})  "
+            f"speedup {g.speedup:.2f}x  identical {g.identical}/{g.prompts}"
+        )
+    return 0 if all(c.identical for c in results) else 1
+
+
+def run(args) -> int:
+    target_args, draft_args = service_args(args)
+    print("starting target and draft services on loopback (first run converts the model, ~30 s)...", flush=True)
+    with local_services(target_args, draft_args) as (target, draft):
+        return asyncio.run(_run(args, target.address, draft.address))

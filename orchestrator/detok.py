@@ -1,0 +1,137 @@
+"""Streaming text out of committed tokens: incremental detokenization and stop strings.
+
+Both classes keep one promise: text handed to the client is never retracted.
+``IncrementalDetokenizer`` withholds text while a multi-byte character is still
+incomplete; ``StopMatcher`` withholds text that could be the start of a stop
+string. Neither imports grpc or transformers; the tokenizer is passed in and
+only its ``decode`` is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+# Tokens of the prompt decoded together with the first output tokens, so that
+# tokenizers whose decoding depends on the left context (SentencePiece's
+# leading-space handling) render the first output token as they would mid-text.
+PROMPT_CONTEXT_TOKENS = 5
+
+# A UTF-8 character is at most 4 bytes, so an incomplete one at the tail has at
+# most 3 bytes, in at most 3 tokens: backing off 3 tokens always drops it.
+MAX_INCOMPLETE_TOKENS = 3
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns committed token ids into text deltas without retracting anything already emitted.
+
+    The prefix_offset / read_offset technique of vLLM and HF TGI: decode the
+    tokens from ``prefix_offset`` (a few already-emitted tokens, for context) to
+    the end, and emit what extends past the decoding of ``prefix_offset:read_offset``
+    (the already-emitted part of the window). A delta ending in U+FFFD means a
+    character's bytes are still arriving, so it waits.
+
+    For tokenizers whose ``decode`` is a concatenation of per-token pieces
+    (byte-level BPE, SentencePiece with byte fallback),
+    ``"".join(add(c) for c in chunks) + flush()`` equals
+    ``tokenizer.decode(output_ids, skip_special_tokens=...)``.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = [int(t) for t in prompt_ids]
+        self._prefix_offset = max(len(self._ids) - PROMPT_CONTEXT_TOKENS, 0)
+        self._read_offset = len(self._ids)  # tokens before this have been emitted
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append output tokens; return the newly stable text ("" while a character is incomplete)."""
+        self._ids.extend(int(t) for t in token_ids)
+        if len(self._ids) == self._read_offset:
+            return ""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        # Longest stable prefix of the new tokens first; shorter ones only when the
+        # tail ends mid-character, so text before an incomplete character still flows.
+        lowest_end = max(self._read_offset, len(self._ids) - MAX_INCOMPLETE_TOKENS - 1)
+        for end in range(len(self._ids), lowest_end, -1):
+            text = self._decode(self._prefix_offset, end)
+            if len(text) > len(prefix_text) and not text.endswith(REPLACEMENT_CHAR):
+                self._prefix_offset, self._read_offset = self._read_offset, end
+                return text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Return all text not yet emitted, incomplete characters included (as U+FFFD)."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        text = self._decode(self._prefix_offset, len(self._ids))
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(prefix_text) :]
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text; holds back text that might be the start of a stop string so nothing sent is ever retracted.
+
+    Generation stops at the stop string that *completes* first in the text (as
+    a model stopping criterion checked after every token would), ties going to
+    the longest one; the result is the same however the text is chunked.
+    """
+
+    def __init__(self, stop_strings: Sequence[str]):
+        if isinstance(stop_strings, str):
+            raise ValueError("stop_strings must be a sequence of strings, not a single string")
+        for s in stop_strings:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        self._stop_strings = tuple(dict.fromkeys(stop_strings))
+        self._pending = ""  # received but not emitted: a possible start of a stop string
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string has been seen."""
+        return self._stopped
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Take the next text; return (text safe to emit now, stopped).
+
+        Once stopped, the emitted text has ended right before the stop string,
+        and every later call returns ("", True).
+        """
+        if self._stopped:
+            return "", True
+        pending = self._pending + text
+        stop_at = self._first_stop(pending)
+        if stop_at is not None:
+            self._stopped, self._pending = True, ""
+            return pending[:stop_at], True
+        held = self._partial_stop_length(pending)
+        self._pending = pending[len(pending) - held :]
+        return pending[: len(pending) - held], False
+
+    def flush(self) -> str:
+        """Return the held-back text when generation ends without a stop ("" after a stop)."""
+        text, self._pending = self._pending, ""
+        return text
+
+    def _first_stop(self, text: str) -> int | None:
+        """Start index of the stop string that ends first in ``text``, or None."""
+        best: tuple[int, int] | None = None  # (end, start): earliest end, then longest
+        for s in self._stop_strings:
+            start = text.find(s)  # the first occurrence of s also ends first
+            if start >= 0 and (best is None or (start + len(s), start) < best):
+                best = (start + len(s), start)
+        return None if best is None else best[1]
+
+    def _partial_stop_length(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self._stop_strings:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,158 @@
+"""Run a prompt set target-only and speculatively on the same services; collect figures.
+
+Shared by ``specsplit demo`` (prints) and ``specsplit bench`` (writes JSON).
+Target-only decoding runs through the same target service with k = 0, so the
+speedup compares like with like: same model, threads, prompts and budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draft_service.drafter import DrafterKind
+from lmkit.sampling import SamplingParams
+from orchestrator.generation import GenerationRequest, Orchestrator
+from orchestrator.prompts import DemoPrompt
+
+
+@dataclass
+class RunResult:
+    prompt: DemoPrompt
+    text: str
+    token_ids: list[int]
+    wall_s: float
+    rounds: int
+    drafted: int
+    accepted: int
+    draft_compute_s: float
+    target_compute_s: float
+    finish: str
+
+
+@dataclass
+class Comparison:
+    prompt: DemoPrompt
+    baseline: RunResult  # k = 0
+    speculative: RunResult
+
+    @property
+    def identical(self) -> bool:
+        return self.baseline.token_ids == self.speculative.token_ids
+
+
+async def run_one(
+    orch: Orchestrator, prompt: DemoPrompt, k: int, drafter: DrafterKind, max_new_tokens: int,
+    sampling: SamplingParams, draft_probs: bool = False,
+) -> RunResult:
+    request = GenerationRequest(prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs)
+    prompt_ids = orch.encode(prompt.text, chat=True)
+    text, ids = [], []
+    async for event in orch.generate(request, prompt_ids):
+        text.append(event.text)
+        ids.extend(event.token_ids)
+        if event.finish is not None:
+            s = event.stats
+            return RunResult(
+                prompt, "".join(text), ids, s.wall_s, s.rounds, s.drafted_tokens, s.accepted_tokens,
+                s.draft_compute_s, s.target_compute_s, event.finish.name,
+            )
+    raise RuntimeError("generation ended without a finish event")
+
+
+async def compare(
+    orch: Orchestrator, prompts: tuple[DemoPrompt, ...], k: int, drafter: DrafterKind, max_new_tokens: int,
+    sampling: SamplingParams | None = None, warmup: bool = True,
+) -> list[Comparison]:
+    sampling = sampling or SamplingParams()
+    if warmup:  # first calls pay one-off allocation costs
+        await run_one(orch, prompts[0], k, drafter, 8, sampling)
+        await run_one(orch, prompts[0], 0, drafter, 8, sampling)
+    out = []
+    for prompt in prompts:
+        baseline = await run_one(orch, prompt, 0, drafter, max_new_tokens, sampling)
+        speculative = await run_one(orch, prompt, k, drafter, max_new_tokens, sampling)
+        out.append(Comparison(prompt, baseline, speculative))
+    return out
+
+
+@dataclass
+class Summary:
+    """Aggregate figures over a group of comparisons."""
+
+    prompts: int = 0
+    new_tokens: int = 0
+    baseline_s: float = 0.0
+    speculative_s: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_compute_s: float = 0.0
+    target_compute_s: float = 0.0
+    baseline_target_compute_s: float = 0.0
+    baseline_rounds: int = 0
+    identical: int = 0
+    names: list[str] = field(default_factory=list)
+
+    def add(self, c: Comparison) -> None:
+        self.prompts += 1
+        self.names.append(c.prompt.name)
+        self.new_tokens += len(c.speculative.token_ids)
+        self.baseline_s += c.baseline.wall_s
+        self.speculative_s += c.speculative.wall_s
+        self.rounds += c.speculative.rounds
+        self.drafted += c.speculative.drafted
+        self.accepted += c.speculative.accepted
+        self.draft_compute_s += c.speculative.draft_compute_s
+        self.target_compute_s += c.speculative.target_compute_s
+        self.baseline_target_compute_s += c.baseline.target_compute_s
+        self.baseline_rounds += c.baseline.rounds
+        self.identical += int(c.identical)
+
+    @property
+    def baseline_tokens(self) -> int:
+        return self.baseline_rounds  # one token per target-only round
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s_speculative(self) -> float:
+        return self.new_tokens / self.speculative_s if self.speculative_s else 0.0
+
+    @property
+    def tokens_per_s_target_only(self) -> float:
+        return self.baseline_tokens / self.baseline_s if self.baseline_s else 0.0
+
+    @property
+    def speedup(self) -> float:
+        base = self.tokens_per_s_target_only
+        return self.tokens_per_s_speculative / base if base else 0.0
+
+    @property
+    def draft_cost_ratio(self) -> float:
+        """c: time of one draft token over time of one target decode step."""
+        target_step = self.baseline_target_compute_s / self.baseline_rounds if self.baseline_rounds else 0.0
+        draft_token = self.draft_compute_s / self.drafted if self.drafted else 0.0
+        return draft_token / target_step if target_step else 0.0
+
+
+def theoretical_speedup(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al. 2023, eq. 1 and thm 3.8: E[tokens per round] / (k c + 1)."""
+    if k == 0:
+        return 1.0
+    expected = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected / (k * c + 1)
+
+
+def summarise(comparisons: list[Comparison]) -> dict[str, Summary]:
+    """Per kind and "all"."""
+    groups: dict[str, Summary] = {"all": Summary()}
+    for c in comparisons:
+        groups["all"].add(c)
+        groups.setdefault(c.prompt.kind, Summary()).add(c)
+    return groups

@@ -1,0 +1,226 @@
+"""The orchestrator: owns sessions, tokenizes once, drives the speculative loop, streams text.
+
+Only the orchestrator sees text. It connects to one target and optionally one
+draft service, refuses a pair whose vocabularies differ, and turns each
+request into a session on both services that lives exactly as long as the
+generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import AsyncIterator
+
+from draft_service.drafter import DrafterKind
+from lmkit import errors, models
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.sampling import SamplingParams
+from lmkit.wire import sampling_to_proto
+from orchestrator.clients import (
+    PeerError,
+    ServiceClient,
+    draft_client,
+    start_draft_stream,
+    start_target_stream,
+    target_client,
+)
+from orchestrator.config import OrchestratorConfig
+from orchestrator.detok import IncrementalDetokenizer, StopMatcher
+from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
+from target_service.rejection import VerificationMode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request (see ``orchestrator.requests``)."""
+
+    prompt: str
+    chat: bool
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    k: int
+    drafter: DrafterKind
+    draft_probs: bool
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    text: str
+    token_ids: list[int]
+    finish: Finish | None = None
+    stats: pb.GenerationStats | None = None
+
+
+def verification_mode(request: GenerationRequest) -> VerificationMode:
+    if request.sampling.greedy:
+        return VerificationMode.GREEDY
+    return VerificationMode.DRAFT_PROBS if request.draft_probs else VerificationMode.TOKEN_ONLY
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig, tokenizer, target: ServiceClient, draft: ServiceClient | None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.target = target
+        self.draft = draft
+        self.eos_ids = frozenset(eos_ids(config.tokenizer, tokenizer))
+
+    @classmethod
+    async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
+        """Connect to the services, check that they share a vocabulary, load the tokenizer."""
+        tokenizer = models.load_tokenizer(config.tokenizer)
+        target = target_client(config.target_address)
+        draft = draft_client(config.draft_address) if config.draft_address else None
+        target_info = await target.fetch_info(config.connect_timeout_s)
+        check_pair(
+            "tokenizer", config.tokenizer, models.vocab_fingerprint(tokenizer), "target", target_info
+        )
+        if draft is not None:
+            draft_info = await draft.fetch_info(config.connect_timeout_s)
+            if draft_info.vocab_fingerprint:  # model-free drafters accept any vocabulary
+                check_pair("target", target_info.model_id, target_info.vocab_fingerprint, "draft", draft_info)
+                if draft_info.vocab_size != target_info.vocab_size:
+                    raise ValueError(
+                        f"draft {draft_info.model_id} has {draft_info.vocab_size} output rows but target "
+                        f"{target_info.model_id} has {target_info.vocab_size}; they must match"
+                    )
+        log.info(
+            "target %s (tp=%d, %s) at %s; draft %s",
+            target_info.model_id,
+            target_info.tp_degree,
+            target_info.device,
+            config.target_address,
+            f"{draft.info.model_id} at {config.draft_address}" if draft else "none (target-only)",
+        )
+        return cls(config, tokenizer, target, draft)
+
+    async def close(self) -> None:
+        await self.target.close()
+        if self.draft is not None:
+            await self.draft.close()
+
+    @property
+    def max_block(self) -> int:
+        limits = [self.target.info.max_block]
+        if self.draft is not None:
+            limits.append(self.draft.info.max_block)
+        return min(limits)
+
+    @property
+    def drafters(self) -> list[DrafterKind]:
+        return [DrafterKind(d) for d in self.draft.info.drafters] if self.draft is not None else []
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(self.tokenizer.encode(prompt))
+
+    async def generate(self, request: GenerationRequest, prompt_ids: list[int]) -> AsyncIterator[GenerationEvent]:
+        """Stream committed text; the last event carries the finish reason and stats."""
+        start = time.perf_counter()
+        stats = LoopStats()
+        session_id = uuid.uuid4().hex
+        use_draft = request.k > 0 and self.draft is not None
+        mode = verification_mode(request)
+        target = start_target_stream(self.target)
+        draft = start_draft_stream(self.draft) if use_draft else None
+        try:
+            await target.open(session_id, prompt_ids, sampling_to_proto(request.sampling), mode.value)
+            if draft is not None:
+                await draft.open(self._draft_open(session_id, prompt_ids, request))
+            async for event in self._stream(request, prompt_ids, target, draft, stats):
+                if event.finish is not None:
+                    event = replace(event, stats=self._stats(request, mode, prompt_ids, stats, start))
+                yield event
+        finally:
+            await target.close()
+            if draft is not None:
+                await draft.close()
+
+    async def _stream(self, request, prompt_ids, target, draft, stats) -> AsyncIterator[GenerationEvent]:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        stops = StopMatcher(request.stop)
+        config = LoopConfig(
+            k=request.k if draft is not None else 0,
+            max_new_tokens=request.max_new_tokens,
+            eos_ids=self.eos_ids,
+            max_context=self.target.info.max_context or 1 << 30,
+        )
+        async for new, finish in speculative_decode(prompt_ids, config, target, draft, stats):
+            text, stopped = stops.feed(detok.add(new))
+            if stopped:
+                finish = Finish.STOP_STRING
+            elif finish is not None:
+                tail, stopped = stops.feed(detok.flush())
+                text += tail if stopped else tail + stops.flush()
+                finish = Finish.STOP_STRING if stopped else finish
+            yield GenerationEvent(text, new, finish)
+            if finish is not None:
+                return
+
+    def _draft_open(self, session_id: str, prompt_ids: list[int], request: GenerationRequest) -> pb.DraftOpen:
+        return pb.DraftOpen(
+            session_id=session_id,
+            tokens=prompt_ids,
+            sampling=sampling_to_proto(request.sampling),
+            drafter=request.drafter.value,
+            return_probs=request.draft_probs and not request.sampling.greedy,
+            ngram_min=self.config.ngram_min,
+            ngram_max=self.config.ngram_max,
+        )
+
+    @staticmethod
+    def _stats(request, mode, prompt_ids, stats: LoopStats, start: float) -> pb.GenerationStats:
+        wall = time.perf_counter() - start
+        return pb.GenerationStats(
+            prompt_tokens=len(prompt_ids),
+            new_tokens=stats.committed,
+            rounds=stats.rounds,
+            drafted_tokens=stats.drafted,
+            accepted_tokens=stats.accepted,
+            acceptance_rate=stats.acceptance_rate,
+            mean_accepted_length=stats.mean_accepted_length,
+            tokens_per_s=stats.committed / wall if wall > 0 else 0.0,
+            wall_s=wall,
+            k=request.k,
+            drafter=request.drafter.value,
+            mode=mode.value,
+            seed=request.sampling.seed,
+            draft_compute_s=stats.draft_compute_s,
+            target_compute_s=stats.target_compute_s,
+        )
+
+
+def check_pair(a_name: str, a_model: str, a_fingerprint: str, b_name: str, b_info: pb.ModelInfo) -> None:
+    """Refuse two components whose vocabularies differ, naming both."""
+    if a_fingerprint != b_info.vocab_fingerprint:
+        raise ValueError(
+            f"vocabulary mismatch: {a_name} {a_model} (fingerprint {a_fingerprint[:12]}) and {b_name} "
+            f"{b_info.model_id} (fingerprint {b_info.vocab_fingerprint[:12] or 'none'}) do not share a tokenizer; "
+            "pair models that use the same vocabulary"
+        )
+
+
+def eos_ids(model_ref: str, tokenizer) -> set[int]:
+    """End-of-sequence ids: the tokenizer's plus the generation config's (often a list)."""
+    from transformers import GenerationConfig
+
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    try:
+        configured = GenerationConfig.from_pretrained(models.resolve(model_ref), local_files_only=True).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
+        configured = None
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    return ids
+
+
+__all__ = ["GenerationEvent", "GenerationRequest", "Orchestrator", "PeerError", "errors"]

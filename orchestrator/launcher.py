@@ -1,0 +1,81 @@
+"""Start draft and target services as separate processes on loopback (demo, bench, tests).
+
+Each service binds port 0 and publishes its port through ``--port-file`` once
+its model is loaded and health is SERVING.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, grace_s: float = 5.0) -> int:
+        """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+def start_service(module: str, name: str, args: list[str], workdir: Path, timeout_s: float = 600.0) -> ServiceProcess:
+    """Run ``python -m module --port 0 ...`` and wait until it serves."""
+    port_file = workdir / f"{name}.port"
+    log_path = workdir / f"{name}.log"
+    port_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), *args]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    service = ServiceProcess(name, process, 0, log_path)
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {process.returncode}:\n{service.log_tail()}")
+        if time.monotonic() > deadline:
+            service.stop()
+            raise TimeoutError(f"{name} did not start within {timeout_s:.0f} s:\n{service.log_tail()}")
+        time.sleep(0.05)
+    service.port = int(port_file.read_text())
+    return service
+
+
+@contextlib.contextmanager
+def local_services(target_args: list[str], draft_args: list[str] | None):
+    """Draft (optional) and target processes for the duration of the block."""
+    with tempfile.TemporaryDirectory(prefix="specsplit-") as tmp:
+        started: list[ServiceProcess] = []
+        try:
+            started.append(start_service("target_service.server", "target", target_args, Path(tmp)))
+            if draft_args is not None:
+                started.append(start_service("draft_service.server", "draft", draft_args, Path(tmp)))
+            yield started
+        finally:
+            for service in reversed(started):
+                service.stop()

@@ -1,0 +1,103 @@
+"""The speculative loop: draft K, verify in one target pass, commit accepted + 1, repeat.
+
+The orchestrator's ``committed`` list is the source of truth. Each round the
+draft receives the tokens committed since it last heard (the accepted prefix of
+its own block plus the target's correction or bonus token) and rolls back the
+rest; the target commits the same accepted + 1 tokens itself, so both caches
+stay in step without re-reading the prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from orchestrator.clients import DraftStream, TargetStream
+
+
+class Finish(enum.Enum):
+    LENGTH = 1
+    EOS = 2
+    STOP_STRING = 3
+    CONTEXT = 4
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    k: int  # draft tokens per round; 0 = target-only decoding
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    max_context: int  # positions the target accepts
+
+
+@dataclass
+class LoopStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    draft_compute_s: float = 0.0
+    target_compute_s: float = 0.0
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward pass (accepted + 1)."""
+        return self.committed / self.rounds if self.rounds else 0.0
+
+
+def cut_at_finish(new: Sequence[int], eos_ids: frozenset[int], budget: int) -> tuple[list[int], Finish | None]:
+    """Truncate a round's tokens after the first EOS, or at the token budget."""
+    for i, token in enumerate(new[:budget]):
+        if token in eos_ids:
+            return list(new[: i + 1]), Finish.EOS
+    if len(new) >= budget:
+        return list(new[:budget]), Finish.LENGTH
+    return list(new), None
+
+
+async def speculative_decode(
+    prompt: Sequence[int],
+    config: LoopConfig,
+    target: TargetStream,
+    draft: DraftStream | None,
+    stats: LoopStats,
+) -> AsyncIterator[tuple[list[int], Finish | None]]:
+    """Yield (newly committed tokens, finish reason or None) once per round."""
+    committed = list(prompt)
+    draft_synced = len(committed)  # the draft holds committed[:draft_synced]
+    while True:
+        budget = config.max_new_tokens - stats.committed
+        room = config.max_context - len(committed)
+        if room <= 0:
+            yield [], Finish.CONTEXT
+            return
+        # accepted + 1 tokens are committed, so k + 1 must fit the budget and the context.
+        k = max(0, min(config.k, budget - 1, room - 1))
+        block_tokens: list[int] = []
+        block_probs = None
+        if draft is not None and k > 0:
+            block = await draft.propose(draft_synced, committed[draft_synced:], k)
+            draft_synced = len(committed)
+            block_tokens = list(block.tokens)
+            block_probs = block.probs if block.HasField("probs") else None
+            stats.draft_compute_s += block.compute_us / 1e6
+        result = await target.verify(len(committed), block_tokens, block_probs)
+        stats.target_compute_s += result.compute_us / 1e6
+        new, finish = cut_at_finish([*block_tokens[: result.accepted], result.next_token], config.eos_ids, budget)
+        committed.extend(new)
+        stats.rounds += 1
+        stats.drafted += len(block_tokens)
+        stats.accepted += result.accepted
+        stats.committed += len(new)
+        stats.accepted_per_round.append(result.accepted)
+        if finish is None and len(committed) >= config.max_context:
+            finish = Finish.CONTEXT
+        yield new, finish
+        if finish is not None:
+            return

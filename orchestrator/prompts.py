@@ -1,0 +1,78 @@
+"""Built-in prompts for ``specsplit demo`` and ``specsplit bench``.
+
+Two kinds, reported apart: *grounded* tasks whose answer re-uses the input
+(edit code, extract, summarise, answer from a passage) and *open* prose. The
+split matters because a model-free drafter only helps where the output copies
+from the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DemoPrompt:
+    name: str
+    kind: str  # "grounded" or "open"
+    text: str
+
+
+_CODE = '''def average(values):
+    total = 0
+    for v in values:
+        total = total + v
+    return total / len(values)
+
+
+def largest(values):
+    best = values[0]
+    for v in values:
+        if v > best:
+            best = v
+    return best
+'''
+
+_PASSAGE = (
+    "The Rhine is a river that begins in the Swiss Alps and flows through Switzerland, Liechtenstein, "
+    "Austria, Germany, France and the Netherlands before emptying into the North Sea. It is about 1,230 "
+    "kilometres long. Major cities on the Rhine include Basel, Strasbourg, Cologne, Düsseldorf and "
+    "Rotterdam. The river has been an important shipping route since Roman times, and today barges carry "
+    "coal, grain and containers along it."
+)
+
+_RECORDS = (
+    "Order 1041: customer Ana Lopez, item blue kettle, quantity 2, status shipped.\n"
+    "Order 1042: customer Ben Okafor, item steel pan, quantity 1, status pending.\n"
+    "Order 1043: customer Chen Wei, item glass jar, quantity 6, status shipped.\n"
+    "Order 1044: customer Dana Smith, item wooden spoon, quantity 3, status cancelled.\n"
+)
+
+DEMO_PROMPTS: tuple[DemoPrompt, ...] = (
+    DemoPrompt(
+        "code-edit",
+        "grounded",
+        "Rename the variable `values` to `numbers` everywhere in this Python code and return the full code:\n\n"
+        + _CODE,
+    ),
+    DemoPrompt(
+        "code-docstrings",
+        "grounded",
+        "Add a one-line docstring to each function in this code. Return the whole code.\n\n" + _CODE,
+    ),
+    DemoPrompt(
+        "extract-table",
+        "grounded",
+        "Rewrite these records as a Markdown table with columns Order, Customer, Item, Quantity, Status:\n\n"
+        + _RECORDS,
+    ),
+    DemoPrompt(
+        "answer-from-text",
+        "grounded",
+        f"Read the passage and answer: which countries does the Rhine flow through?\n\n{_PASSAGE}",
+    ),
+    DemoPrompt("summarise", "grounded", f"Summarise this passage in two sentences.\n\n{_PASSAGE}"),
+    DemoPrompt("story", "open", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+    DemoPrompt("explain", "open", "Explain why the sky is blue to a ten-year-old."),
+    DemoPrompt("advice", "open", "Give three tips for learning to play the guitar."),
+)

@@ -1,0 +1,60 @@
+"""Validation of public ``GenerateRequest`` messages into ``GenerationRequest``.
+
+Every field is checked; a bad one raises ``errors.InvalidArgument`` with a
+message that names the field and the accepted range.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from draft_service.drafter import DrafterKind
+from lmkit import errors
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.wire import sampling_from_proto
+from orchestrator.generation import GenerationRequest, Orchestrator
+
+
+def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[GenerationRequest, list[int]]:
+    """Validate a request against the server's limits; return it with the prompt's token ids."""
+    config = orch.config
+    if not msg.prompt:
+        raise errors.InvalidArgument("prompt is empty; send the text to continue")
+    max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else config.default_max_new_tokens
+    if not 1 <= max_new <= config.max_new_tokens_limit:
+        raise errors.InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
+    sampling = sampling_from_proto(msg.sampling)
+    if not msg.sampling.HasField("seed"):
+        sampling = type(sampling)(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbelow(2**63))
+    stop = tuple(msg.stop)
+    if len(stop) > config.max_stop_strings:
+        raise errors.InvalidArgument(f"{len(stop)} stop strings sent; at most {config.max_stop_strings} are allowed")
+    if any(not s for s in stop):
+        raise errors.InvalidArgument("stop strings must not be empty")
+    k = msg.k if msg.HasField("k") else config.default_k
+    if k > orch.max_block:
+        raise errors.InvalidArgument(f"k = {k} is larger than the services' max block {orch.max_block}")
+    drafter = _drafter(msg.drafter, config.default_drafter)
+    if k > 0 and orch.draft is not None and drafter not in orch.drafters:
+        available = ", ".join(d.name for d in orch.drafters)
+        raise errors.InvalidArgument(f"drafter {drafter.name} is not served by the draft service (it runs {available})")
+    if msg.draft_probs and drafter is not DrafterKind.MODEL:
+        raise errors.InvalidArgument("draft_probs needs the MODEL drafter; other drafters send token ids only")
+    prompt_ids = orch.encode(msg.prompt, msg.chat)
+    limit = orch.target.info.max_context
+    if limit and len(prompt_ids) >= limit:
+        raise errors.InvalidArgument(
+            f"the prompt is {len(prompt_ids)} tokens but the model's context is {limit}; shorten the prompt"
+        )
+    request = GenerationRequest(msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs)
+    return request, prompt_ids
+
+
+def _drafter(value: int, default: DrafterKind) -> DrafterKind:
+    if value == pb.DRAFTER_KIND_UNSPECIFIED:
+        return default
+    try:
+        return DrafterKind(value)
+    except ValueError:
+        names = ", ".join(f"{k.name} ({k.value})" for k in DrafterKind)
+        raise errors.InvalidArgument(f"drafter {value} is unknown; send one of {names}") from None

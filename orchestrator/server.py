@@ -1,0 +1,76 @@
+"""``specsplit serve``: the public Generate API in front of a draft and a target service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from draft_service.drafter import DrafterKind
+from lmkit import models
+from lmkit.grpc_server import create_server, serve_until_signal, set_serving, write_port_file
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
+from orchestrator.generation import Orchestrator
+from orchestrator.servicer import GeneratorServicer
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+DEFAULT_PORT = 50050
+log = logging.getLogger(__name__)
+
+
+def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="127.0.0.1:50052", help="target service address")
+    parser.add_argument("--draft", default="127.0.0.1:50051", help="draft service address; '' = target-only")
+    parser.add_argument("--tokenizer", default=models.DEFAULT_MODEL, help="tokenizer (model reference) of the target")
+    parser.add_argument("--k", type=int, default=DEFAULT_K, help="default draft block size")
+    parser.add_argument(
+        "--drafter", default=DEFAULT_DRAFTER.name.lower(), choices=[k.name.lower() for k in DrafterKind],
+        help="default drafter",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="default max new tokens per request")
+    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--connect-timeout-s", type=float, default=120.0, help="wait this long for the services")
+
+
+def config_from_args(args) -> OrchestratorConfig:
+    return OrchestratorConfig(
+        target_address=args.target,
+        draft_address=args.draft,
+        tokenizer=args.tokenizer,
+        default_k=args.k,
+        default_drafter=DrafterKind[args.drafter.upper()],
+        default_max_new_tokens=args.max_new_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        connect_timeout_s=args.connect_timeout_s,
+    )
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="specsplit serve", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind; 0 picks a free one")
+    parser.add_argument("--port-file", default="", help="write the bound port here once serving")
+    parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
+    parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight generations get on SIGTERM")
+    parser.add_argument("--log-level", default="INFO")
+    add_orchestrator_flags(parser)
+    return parser
+
+
+async def serve(args) -> None:
+    config = config_from_args(args)
+    server, port, health = create_server(f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection)
+    await set_serving(health, [SERVICE_NAME], False)
+    orchestrator = await Orchestrator.connect(config)
+    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(orchestrator), server)
+    await server.start()
+    await set_serving(health, [SERVICE_NAME], True)
+    write_port_file(args.port_file, port)
+    log.info("orchestrator serving on %s:%d", args.host, port)
+    try:
+        await serve_until_signal(server, health, args.grace_s)
+    finally:
+        await orchestrator.close()

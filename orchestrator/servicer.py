@@ -1,0 +1,49 @@
+"""The public ``Generator`` API: validate, generate, stream text back."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from lmkit import errors
+from lmkit.grpc_server import status_for
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from orchestrator.clients import PeerError
+from orchestrator.generation import Orchestrator
+from orchestrator.requests import parse_request
+
+log = logging.getLogger(__name__)
+
+# A peer's status passes through when it is the client's to act on; anything
+# else (a stale block, say) is an orchestrator bug and surfaces as INTERNAL.
+_PASS_THROUGH = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+class GeneratorServicer(pb_grpc.GeneratorServicer):
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orch = orchestrator
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            parsed, prompt_ids = parse_request(request, self.orch)
+            async for event in self.orch.generate(parsed, prompt_ids):
+                response = pb.GenerateResponse(text=event.text)
+                if request.return_token_ids:
+                    response.token_ids.extend(event.token_ids)
+                if event.finish is not None:
+                    response.finish_reason = event.finish.value
+                    response.stats.CopyFrom(event.stats)
+                yield response
+        except errors.SpecsplitError as exc:
+            await context.abort(status_for(exc), str(exc))
+        except PeerError as exc:
+            code = exc.code if exc.code in _PASS_THROUGH else grpc.StatusCode.INTERNAL
+            log.warning("generation failed: %s", exc)
+            await context.abort(code, str(exc))

@@ -1,0 +1,85 @@
+"""Regenerate the Python gRPC stubs in ``lmkit/proto/`` from ``protos/``.
+
+    python protos/generate.py           # write the stubs
+    python protos/generate.py --check   # exit 1 if the committed stubs are stale
+
+The generated modules are imported as ``lmkit.proto.specsplit.v1.specsplit_pb2``;
+they are never edited by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import sys
+import tempfile
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_ROOT = ROOT / "protos"
+OUT_ROOT = ROOT / "lmkit" / "proto"
+# Generated imports name the proto package path ("specsplit.v1"); the stubs
+# live under lmkit/proto, so rewrite that prefix to stay importable.
+IMPORT_FROM = "from specsplit.v1 import"
+IMPORT_TO = "from lmkit.proto.specsplit.v1 import"
+
+
+def proto_files() -> list[Path]:
+    return sorted(PROTO_ROOT.rglob("*.proto"))
+
+
+def generate(out_root: Path) -> None:
+    files = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
+    args = [
+        "grpc_tools.protoc",
+        f"--proto_path={PROTO_ROOT}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *files,
+    ]
+    if protoc.main(args) != 0:
+        raise SystemExit("protoc failed; see the message above")
+    for path in out_root.rglob("*.py*"):
+        text = path.read_text()
+        path.write_text(text.replace(IMPORT_FROM, IMPORT_TO))
+    for folder in [out_root, *[p for p in out_root.rglob("*") if p.is_dir()]]:
+        (folder / "__init__.py").touch()
+
+
+def stale_files(expected_root: Path, actual_root: Path) -> list[str]:
+    expected = {p.relative_to(expected_root) for p in expected_root.rglob("*") if p.is_file()}
+    actual = {
+        p.relative_to(actual_root)
+        for p in actual_root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    stale = sorted(str(p) for p in expected ^ actual)
+    stale += sorted(
+        str(p) for p in expected & actual if not filecmp.cmp(expected_root / p, actual_root / p, shallow=False)
+    )
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    if not args.check:
+        generate(OUT_ROOT)
+        print(f"wrote stubs for {len(proto_files())} proto file(s) to {OUT_ROOT.relative_to(ROOT)}")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(Path(tmp))
+        stale = stale_files(Path(tmp), OUT_ROOT)
+    if stale:
+        print("stale gRPC stubs (run `python protos/generate.py`): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    print("gRPC stubs are in sync with protos/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

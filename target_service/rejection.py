@@ -1,0 +1,221 @@
+"""Verification of a draft block: which draft tokens the target accepts, and the one token it adds.
+
+Speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers
+via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model
+Decoding with Speculative Sampling"). The draft proposes tokens x_0..x_{k-1};
+the target runs one forward pass over them and row i of its output is p_i, its
+distribution for the token at draft position i (row k is the one after the
+whole block). Positions are examined in order:
+
+* **accepted** tokens: the leading draft tokens that pass the test of the mode;
+* **recovered** token: at the first rejected position i, a replacement drawn so
+  that the emitted token is distributed exactly as p_i;
+* **bonus** token: when all k pass, one more token drawn from p_k for free.
+
+Each call emits ``accepted + 1`` tokens, distributed exactly as the target alone
+would have sampled them (greedy: exactly its argmax tokens), whatever the drafter.
+
+Randomness comes from an explicit CPU ``torch.Generator``: every sampling call
+draws exactly k + 1 float64 uniforms up front (one per draft position, used in
+order while positions are examined, then one inverting the CDF of the
+recovered / bonus distribution), so a seeded generator gives the same tokens
+whatever the outcome, device or vocabulary size.
+
+Values are checked where they are used (p(x), q(x), the row sampled from) and
+row sums once, so a verification never scans the [k+1, vocab] block twice.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Rows of target_probs / draft_probs must sum to 1 within this; catches logits passed by mistake
+# while tolerating bf16/fp16 softmax rounding.
+ROW_SUM_TOLERANCE = 1e-2
+
+
+class VerificationMode(enum.Enum):
+    """How the target checks draft tokens; carried in the session config and on the wire."""
+
+    GREEDY = 1  # accept while draft token == target argmax; correction = argmax
+    TOKEN_ONLY = 2  # x is a point proposal: accept w.p. p(x); on rejection sample from p without x, renormalised
+    DRAFT_PROBS = 3  # accept w.p. min(1, p(x)/q(x)); on rejection sample from norm(max(0, p - q))
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one block: emit ``draft_tokens[:accepted]`` then ``next_token``."""
+
+    accepted: int  # number of draft tokens accepted, 0..k
+    next_token: int  # the recovered token at position `accepted` (on rejection) or the bonus token (all k accepted)
+
+
+def verify_greedy(
+    target_logits: torch.Tensor,  # [k+1, vocab] logits (or probabilities: only the argmax matters)
+    draft_tokens: torch.Tensor,  # [k] int64
+) -> VerifyResult:
+    """Accepts the longest prefix of draft tokens equal to the target argmax; next token = argmax after it.
+
+    Argmax ties go to the lowest token id (``torch.max`` returns the first maximum).
+    """
+    tokens = _check_block("target_logits", target_logits, draft_tokens)
+    best, argmax = target_logits.max(dim=-1)  # [k+1] each; a NaN anywhere in a row becomes its max
+    if any(math.isnan(v) for v in best.tolist()):
+        raise ValueError("target_logits contain NaN; check the model output")
+    argmax = argmax.tolist()
+    accepted = 0
+    for drafted, target_choice in zip(tokens, argmax):
+        if drafted != target_choice:
+            break
+        accepted += 1
+    return VerifyResult(accepted=accepted, next_token=argmax[accepted])
+
+
+def verify_token_only(
+    target_probs: torch.Tensor,  # [k+1, vocab] rows sum to 1
+    draft_tokens: torch.Tensor,  # [k] int64
+    generator: torch.Generator,  # CPU; consumes k + 1 uniforms
+) -> VerifyResult:
+    """Treats each draft token x as a point proposal: accept w.p. p(x), else sample from p with x removed.
+
+    Lossless for any drafter, deterministic ones (n-gram) included: if x came
+    from any q, P(emit y) = q(y) p(y) + sum_{x != y} q(x) (1 - p(x)) p(y) / (1 - p(x)) = p(y).
+    """
+    tokens = _check_block("target_probs", target_probs, draft_tokens)
+    k = len(tokens)
+    _check_row_sums("target_probs", target_probs)
+    uniforms = _draw_uniforms(generator, k)
+    p_drafted = _probs_at("target_probs", target_probs, draft_tokens)  # [k] p_i(x_i)
+    accepted = _count_accepted(uniforms, p_drafted, [1.0] * k)
+    row = _row("target_probs", target_probs, accepted)  # [vocab] float64
+    if accepted == k:
+        return VerifyResult(accepted=k, next_token=_sample(row, uniforms[k]))
+    residual = row.clone()
+    residual[tokens[accepted]] = 0.0
+    # An all-zero residual means p(x) == 1 up to rounding: rejection then has probability ~0
+    # and the exact answer is x itself, which sampling from p returns.
+    return VerifyResult(accepted=accepted, next_token=_sample(residual, uniforms[k], fallback=row))
+
+
+def verify_draft_probs(
+    target_probs: torch.Tensor,  # [k+1, vocab] rows sum to 1
+    draft_probs: torch.Tensor,  # [k, vocab] rows sum to 1; row i is the q that x_i was sampled from
+    draft_tokens: torch.Tensor,  # [k] int64
+    generator: torch.Generator,  # CPU; consumes k + 1 uniforms
+) -> VerifyResult:
+    """Standard speculative sampling: accept w.p. min(1, p(x)/q(x)), else sample from norm(max(0, p - q)).
+
+    A draft token with q(x) == 0 could not have been sampled from q: the drafter
+    is broken, and the token is rejected (whatever p(x) is) rather than trusted.
+    """
+    tokens = _check_block("target_probs", target_probs, draft_tokens)
+    k, vocab = len(tokens), target_probs.shape[1]
+    if not isinstance(draft_probs, torch.Tensor) or tuple(draft_probs.shape) != (k, vocab):
+        raise ValueError(f"draft_probs must have shape [k, vocab] = {[k, vocab]}, got {_shape(draft_probs)}")
+    _check_float("draft_probs", draft_probs)
+    _check_row_sums("target_probs", target_probs)
+    _check_row_sums("draft_probs", draft_probs)
+    uniforms = _draw_uniforms(generator, k)
+    p_drafted = _probs_at("target_probs", target_probs, draft_tokens)  # [k] p_i(x_i)
+    q_drafted = _probs_at("draft_probs", draft_probs, draft_tokens)  # [k] q_i(x_i)
+    accepted = _count_accepted(uniforms, p_drafted, q_drafted)
+    row = _row("target_probs", target_probs, accepted)  # [vocab] float64
+    if accepted == k:
+        return VerifyResult(accepted=k, next_token=_sample(row, uniforms[k]))
+    residual = (row - _row("draft_probs", draft_probs, accepted)).clamp_(min=0.0)
+    # max(0, p - q) is all zero only if p <= q everywhere, i.e. p == q (both sum to 1). Then
+    # min(1, p/q) = 1 at every x with q(x) > 0, so this rejection is reached with probability 0
+    # (float rounding, or a broken drafter with q(x) = 0); sampling from p keeps the output exact.
+    return VerifyResult(accepted=accepted, next_token=_sample(residual, uniforms[k], fallback=row))
+
+
+def _check_block(name: str, target: torch.Tensor, draft_tokens: torch.Tensor) -> list[int]:
+    """Shapes, dtypes and token range of a block; returns the draft tokens as a list."""
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 1:
+        raise ValueError(f"draft_tokens must be a 1-D tensor [k], got {_shape(draft_tokens)}")
+    if draft_tokens.dtype != torch.int64:
+        raise ValueError(f"draft_tokens must be int64 (use .long()), got {draft_tokens.dtype}")
+    tokens = draft_tokens.tolist()
+    k = len(tokens)
+    if not isinstance(target, torch.Tensor) or target.dim() != 2 or target.shape[0] != k + 1:
+        raise ValueError(f"{name} must be a 2-D tensor [k+1, vocab] with k = {k} draft tokens, got {_shape(target)}")
+    _check_float(name, target)
+    vocab = target.shape[1]
+    if vocab == 0:
+        raise ValueError(f"{name} must have a non-empty vocabulary dimension")
+    if any(not 0 <= token < vocab for token in tokens):
+        raise ValueError(f"draft_tokens must be token ids in [0, {vocab}), got {tokens}")
+    return tokens
+
+
+def _check_float(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {tensor.dtype}")
+
+
+def _check_row_sums(name: str, probs: torch.Tensor) -> None:  # probs: [rows, vocab]
+    # One reduction over the block: NaN or inf anywhere makes a sum non-finite, and logits rarely sum to 1.
+    for row, total in enumerate(probs.sum(dim=-1, dtype=torch.float32).tolist()):
+        if not abs(total - 1.0) <= ROW_SUM_TOLERANCE:  # `not <=` also catches NaN
+            raise ValueError(f"{name} row {row} sums to {total}, not 1: pass finite probabilities (softmax), not logits")
+
+
+def _shape(value: object) -> str:
+    return f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _draw_uniforms(generator: torch.Generator, k: int) -> list[float]:  # -> [k+1] in [0, 1)
+    if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
+        raise ValueError("generator must be a CPU torch.Generator (see lmkit.sampling.make_generator)")
+    return torch.rand(k + 1, dtype=torch.float64, generator=generator).tolist()
+
+
+def _probs_at(name: str, probs: torch.Tensor, draft_tokens: torch.Tensor) -> list[float]:
+    """probs[i, x_i] for each draft position i, checked to be probabilities."""
+    k = draft_tokens.shape[0]
+    values = probs[:k].gather(1, draft_tokens.to(probs.device).unsqueeze(1)).squeeze(1).tolist()
+    if any(not (v >= 0.0) for v in values):  # `not >=` also catches NaN
+        raise ValueError(f"{name} has a negative or NaN probability at a draft token")
+    return values
+
+
+def _count_accepted(uniforms: list[float], p_drafted: list[float], q_drafted: list[float]) -> int:
+    """Leading positions with u_i < p_i(x_i) / q_i(x_i), i.e. accepted w.p. min(1, p/q); q == 0 rejects.
+
+    zip stops at the k draft positions; the last uniform is left for the recovered / bonus token.
+    """
+    accepted = 0
+    for u, p, q in zip(uniforms, p_drafted, q_drafted):
+        if not (q > 0.0 and u * q < p):  # u * q < p is u < p / q without dividing by a tiny q
+            break
+        accepted += 1
+    return accepted
+
+
+def _row(name: str, probs: torch.Tensor, index: int) -> torch.Tensor:  # -> [vocab] float64 on CPU
+    row = probs[index].to(device="cpu", dtype=torch.float64)
+    low, high = torch.aminmax(row)  # NaN propagates into both
+    if not (float(low) >= 0.0 and float(high) < float("inf")):
+        raise ValueError(f"{name} row {index} has NaN, inf or negative values")
+    return row
+
+
+def _sample(
+    probs: torch.Tensor,  # [vocab] float64 >= 0, need not be normalised
+    uniform: float,
+    fallback: torch.Tensor | None = None,  # [vocab] float64, used when probs has no mass
+) -> int:
+    """Inverse-CDF sample of one token; zero-probability tokens are never returned."""
+    cdf = torch.cumsum(probs, dim=0)
+    total = cdf[-1:]  # [1]
+    if fallback is not None and not float(total) > 0.0:
+        return _sample(fallback, uniform)
+    # right=True finds the first token whose CDF exceeds the target, which skips tokens with p == 0.
+    token = int(torch.searchsorted(cdf, total * uniform, right=True))
+    if token >= probs.shape[0]:  # uniform * total rounded up onto the total: take the last token with mass
+        token = int(probs.nonzero()[-1])
+    return token

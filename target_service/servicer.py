@@ -1,0 +1,112 @@
+"""gRPC servicer of the target: protos in, engine calls on the compute thread, protos out."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from lmkit import errors
+from lmkit.grpc_server import ComputeThread, abort_on_error
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from lmkit.wire import probs_from_proto, sampling_from_proto
+from target_service.engine import TargetEngine
+from target_service.rejection import VerificationMode
+
+log = logging.getLogger(__name__)
+
+
+def mode_from_proto(value: int) -> VerificationMode:
+    try:
+        return VerificationMode(value)
+    except ValueError:
+        raise errors.InvalidArgument(
+            f"mode {value} is not a verification mode; send GREEDY (1), TOKEN_ONLY (2) or DRAFT_PROBS (3)"
+        ) from None
+
+
+def session_state(session) -> pb.SessionState:
+    return pb.SessionState(session_id=session.session_id, position=len(session.tokens), cached_tokens=len(session.cache))
+
+
+class TargetServicer(pb_grpc.TargetServiceServicer):
+    """Serves before the model is loaded (health NOT_SERVING, calls UNAVAILABLE) until ``attach``."""
+
+    def __init__(self, compute: ComputeThread, tp_degree: int = 1, device: str = "cpu") -> None:
+        self.engine: TargetEngine | None = None
+        self.compute = compute
+        self.tp_degree = tp_degree
+        self.device = device
+
+    def attach(self, engine: TargetEngine) -> None:
+        self.engine = engine
+
+    async def _require_engine(self, context) -> TargetEngine:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the target model is still loading; retry shortly")
+        return self.engine
+
+    async def Info(self, request, context):
+        e = await self._require_engine(context)
+        return pb.ModelInfo(
+            model_id=e.model_id,
+            vocab_size=e.vocab_size,
+            vocab_fingerprint=e.vocab_fingerprint,
+            max_context=min(e.max_context, 2**32 - 1),
+            max_block=e.limits.max_block,
+            tp_degree=self.tp_degree,
+            device=self.device,
+        )
+
+    async def Stats(self, request, context):
+        active, opened, rounds = (await self._require_engine(context)).stats()
+        return pb.StatsResponse(active_sessions=active, sessions_opened=opened, rounds=rounds)
+
+    async def GetSession(self, request, context):
+        engine = await self._require_engine(context)
+        session = await abort_on_error(context, _immediate(engine.get, request.session_id))
+        return session_state(session)
+
+    async def Session(self, request_iterator, context):
+        await self._require_engine(context)
+        session = None
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if session is None:
+                    if kind != "open":
+                        await context.abort(
+                            grpc.StatusCode.FAILED_PRECONDITION, "the first message of a session must be `open`"
+                        )
+                    session = await abort_on_error(context, self._open(request.open))
+                    yield pb.TargetResponse(opened=session_state(session))
+                elif kind == "verify":
+                    yield pb.TargetResponse(result=await abort_on_error(context, self._verify(session, request.verify)))
+                else:
+                    await context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"session {session.session_id!r} is already open; send `verify` messages",
+                    )
+        finally:
+            if session is not None:
+                self.engine.close(session.session_id)
+
+    async def _open(self, msg: pb.TargetOpen):
+        sampling = sampling_from_proto(msg.sampling)
+        mode = mode_from_proto(msg.mode)
+        return await self.compute.run(self.engine.open, msg.session_id, list(msg.tokens), sampling, mode)
+
+    async def _verify(self, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
+        probs = probs_from_proto(msg.draft_probs, self.engine.vocab_size) if msg.HasField("draft_probs") else None
+        done = await self.compute.run(self.engine.verify, session, msg.position, list(msg.draft_tokens), probs)
+        return pb.VerifyResult(
+            position=msg.position,
+            accepted=done.accepted,
+            next_token=done.next_token,
+            compute_us=int(done.compute_s * 1e6),
+        )
+
+
+async def _immediate(fn, *args):
+    return fn(*args)

@@ -1,0 +1,147 @@
+"""Shared fixtures: tiny random models on the real vocabulary, and real gRPC services on 127.0.0.1.
+
+Services run in-process on a background event loop (real servers, real
+sockets, port 0); tests drive them from their own loop through real channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+VOCAB = 49152  # SmolLM2's vocabulary: tiny models share it, so any of them drafts for the real target
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer():
+    """The SmolLM2 tokenizer, read straight from the bundled GGUF (no conversion needed)."""
+    from transformers import AutoTokenizer
+
+    from lmkit.models import bundled_gguf
+
+    gguf = bundled_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def save_tiny_llama(path: Path, tokenizer, seed: int, layers: int = 2, hidden: int = 64) -> Path:
+    """A random Llama on the SmolLM2 vocabulary, saved like any checkpoint folder."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    # Larger logits make argmax ties (and so fp32 reduction-order flips) vanishingly rare.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(eos_token_id=2, pad_token_id=2, bos_token_id=1).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, gguf_tokenizer) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-target"), gguf_tokenizer, seed=1, layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory, gguf_tokenizer) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), gguf_tokenizer, seed=2, layers=1)
+
+
+class BackgroundLoop:
+    """An asyncio loop on its own thread, hosting servers for the length of a fixture."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def background_loop():
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
+class Services:
+    """A target and a draft server on 127.0.0.1 with their engines (for session counts)."""
+
+    def __init__(self, loop: BackgroundLoop, target_engine, draft_engine) -> None:
+        from draft_service.server import start_server as start_draft
+        from target_service.server import start_server as start_target
+
+        self.loop = loop
+        self.target_engine = target_engine
+        self.draft_engine = draft_engine
+        self.target_server, target_port = loop.run(start_target(target_engine))
+        self.draft_server, draft_port = loop.run(start_draft(draft_engine))
+        self.target_address = f"127.0.0.1:{target_port}"
+        self.draft_address = f"127.0.0.1:{draft_port}"
+
+    def stop(self) -> None:
+        self.loop.run(self.target_server.stop(0))
+        self.loop.run(self.draft_server.stop(0))
+
+
+def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32):
+    from draft_service.engine import DraftEngine, DraftLimits
+    from lmkit import models
+    from target_service.engine import TargetEngine, TargetLimits
+
+    target_model = models.load_model(models.ModelSpec(target_ref))
+    fingerprint = models.vocab_fingerprint(models.load_tokenizer(target_ref))
+    target = TargetEngine(
+        target_model, model_id=target_ref, vocab_fingerprint=fingerprint, limits=TargetLimits(max_block=max_block)
+    )
+    draft_model = models.load_model(models.ModelSpec(draft_ref)) if draft_ref else None
+    draft = DraftEngine(
+        draft_model,
+        model_id=draft_ref or "",
+        vocab_fingerprint=models.vocab_fingerprint(models.load_tokenizer(draft_ref)) if draft_ref else "",
+        limits=DraftLimits(max_block=max_block),
+    )
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_services(background_loop, tiny_target_dir, tiny_draft_dir):
+    """Tiny random target + tiny random draft (model and n-gram drafters) behind real gRPC."""
+    target, draft = make_engines(str(tiny_target_dir), str(tiny_draft_dir))
+    services = Services(background_loop, target, draft)
+    yield services
+    services.stop()
+
+
+def run_async(coro, timeout: float = 600.0):
+    """Run a coroutine on a fresh loop in this thread (the test's client side)."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))

@@ -1,0 +1,126 @@
+"""Greedy output through draft_service + target_service + orchestrator equals the target's own generate().
+
+Token for token, for 8 prompts and K in {1, 4, 8}, with both drafters; on a
+tiny random target (fast) and on the real SmolLM2 target with the default
+(n-gram) drafter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_service.drafter import DrafterKind
+from lmkit.sampling import SamplingParams
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import GenerationRequest, Orchestrator
+from orchestrator.prompts import DEMO_PROMPTS
+from tests.conftest import Services, make_engines, run_async
+
+TINY_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5, 6,",
+    "Paris is the capital of",
+    "import numpy as np\nimport torch\n",
+    "a b a b a b a b",
+    "Q: What is two plus two?\nA:",
+]
+
+
+def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+async def generate_ids(orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, sampling=None) -> list[int]:
+    request = GenerationRequest("", False, max_new_tokens, sampling or SamplingParams(), (), k, drafter, False)
+    ids: list[int] = []
+    async for event in orch.generate(request, prompt_ids):
+        ids.extend(event.token_ids)
+    return ids
+
+
+async def generate_all(services: Services, tokenizer_ref, prompts_ids, k, drafter, max_new_tokens) -> list[list[int]]:
+    config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=tokenizer_ref)
+    orch = await Orchestrator.connect(config)
+    try:
+        return [await generate_ids(orch, ids, k, drafter, max_new_tokens) for ids in prompts_ids]
+    finally:
+        await orch.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_target_dir, gguf_tokenizer):
+    from lmkit import models
+
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    prompts_ids = [gguf_tokenizer.encode(p) for p in TINY_PROMPTS]
+    return prompts_ids, [reference_greedy(model, ids, 24) for ids in prompts_ids]
+
+
+@pytest.mark.parametrize("drafter", [DrafterKind.MODEL, DrafterKind.NGRAM])
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_tiny_greedy_equals_generate(tiny_services, tiny_target_dir, tiny_reference, k, drafter):
+    prompts_ids, expected = tiny_reference
+    got = run_async(generate_all(tiny_services, str(tiny_target_dir), prompts_ids, k, drafter, 24))
+    for prompt, want, have in zip(TINY_PROMPTS, expected, got):
+        assert have == want, f"k={k} {drafter.name} diverged on {prompt!r}"
+    # The run must have exercised speculation, not only plain decoding.
+    active, opened, rounds = tiny_services.target_engine.stats()
+    assert active == 0
+
+
+def test_tiny_drafts_are_accepted_and_rejected(tiny_services, tiny_target_dir, tiny_reference):
+    """The model drafter must hit both paths: some accepted, some rejected tokens."""
+    prompts_ids, _ = tiny_reference
+
+    async def go():
+        config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
+        orch = await Orchestrator.connect(config)
+        totals = [0, 0]
+        try:
+            for ids in prompts_ids:
+                request = GenerationRequest("", False, 24, SamplingParams(), (), 4, DrafterKind.NGRAM, False)
+                async for event in orch.generate(request, ids):
+                    if event.stats is not None:
+                        totals[0] += event.stats.drafted_tokens
+                        totals[1] += event.stats.accepted_tokens
+        finally:
+            await orch.close()
+        return totals
+
+    drafted, accepted = run_async(go())
+    assert drafted > 0 and 0 < accepted < drafted
+
+
+@pytest.fixture(scope="module")
+def smollm2_services(background_loop):
+    target, draft = make_engines("smollm2-135m", None)
+    services = Services(background_loop, target, draft)
+    yield services
+    services.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_smollm2_greedy_equals_generate_with_default_drafter(smollm2_services, k):
+    """The real default target with the default (n-gram) drafter, 8 demo prompts, chat template."""
+    from lmkit import models
+
+    services = smollm2_services
+    tokenizer = models.load_tokenizer("smollm2-135m")
+    prompts_ids = [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True)["input_ids"])
+        for p in DEMO_PROMPTS
+    ]
+    model = services.target_engine.model
+    expected = [reference_greedy(model, ids, 32) for ids in prompts_ids]
+    got = run_async(generate_all(services, "smollm2-135m", prompts_ids, k, DrafterKind.NGRAM, 32))
+    for prompt, want, have in zip(DEMO_PROMPTS, expected, got):
+        assert have == want, f"k={k} diverged on {prompt.name}"
+    assert services.target_engine.stats()[0] == 0

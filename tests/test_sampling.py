@@ -1,0 +1,219 @@
+"""Tests for lmkit.sampling: SamplingParams checks, logits_to_probs (temperature, top-k, top-p), generators."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+
+from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
+
+
+def kept(probs: torch.Tensor) -> list[list[int]]:  # probs: [n, vocab]
+    return [row.nonzero().flatten().tolist() for row in probs]
+
+
+def reference_nucleus(probs: list[float], top_p: float) -> set[int]:
+    """Smallest set of most likely tokens (lower id first on ties) whose mass reaches top_p, by a plain loop."""
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    chosen, mass = set(), 0.0
+    for token in order:
+        if mass >= top_p:
+            break
+        chosen.add(token)
+        mass += probs[token]
+    return chosen
+
+
+# --- SamplingParams -------------------------------------------------------------
+
+
+def test_defaults_are_greedy_and_valid():
+    params = SamplingParams()
+    assert params.greedy
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": -0.2}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": 1.0}, "seed"),
+    ],
+)
+def test_params_reject_out_of_range_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_params_accept_the_edges_of_their_ranges():
+    SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    SamplingParams(temperature=1e-6, top_k=1, top_p=1e-9, seed=2**63 - 1)
+
+
+# --- logits_to_probs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.25, 1.0, 3.0])
+def test_temperature_matches_softmax_of_scaled_logits(temperature):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 4
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature))
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs, torch.softmax(logits / temperature, dim=-1), rtol=1e-5, atol=1e-7)
+
+
+def test_tiny_temperature_does_not_overflow_and_approaches_argmax():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, -1.0, -1e4]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1e-6))
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+
+
+def test_greedy_params_are_refused():
+    with pytest.raises(ValueError, match="temperature"):
+        logits_to_probs(torch.zeros(1, 4), SamplingParams())
+
+
+def test_top_k_keeps_exactly_the_k_largest_and_renormalises():
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(2))
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=7))
+    for row_logits, row_probs, kept_ids in zip(logits, probs, kept(probs)):
+        expected = sorted(torch.topk(row_logits, 7).indices.tolist())
+        assert kept_ids == expected
+        torch.testing.assert_close(row_probs[expected], torch.softmax(row_logits[expected], dim=0))
+
+
+def test_top_k_ties_keep_the_lower_token_ids():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert kept(probs) == [[1, 2], [0, 1]]
+    torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.5, 0.0, 0.0, 0.0]))
+
+
+def test_top_k_at_least_vocab_changes_nothing():
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(3))
+    plain = logits_to_probs(logits, SamplingParams(temperature=1.0))
+    torch.testing.assert_close(logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=10)), plain)
+    torch.testing.assert_close(logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=99)), plain)
+
+
+@pytest.mark.parametrize(
+    "top_p, expected",
+    [(0.3, [0]), (0.45, [0]), (0.79, [0, 1]), (0.81, [0, 1, 2]), (0.96, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
+)
+def test_top_p_keeps_the_minimal_nucleus(top_p, expected):
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert kept(probs) == [expected]
+    base = torch.tensor([0.5, 0.3, 0.15, 0.05])[expected]
+    torch.testing.assert_close(probs[0, expected], base / base.sum())
+
+
+def test_top_p_matches_a_reference_nucleus_on_random_rows():
+    generator = torch.Generator().manual_seed(4)
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        logits = torch.randn(20, 64, generator=generator) * 2
+        probs = logits_to_probs(logits, SamplingParams(temperature=0.8, top_p=top_p))
+        full = torch.softmax(logits / 0.8, dim=-1).tolist()
+        for row, kept_ids in zip(full, kept(probs)):
+            assert set(kept_ids) == reference_nucleus(row, top_p)
+
+
+def test_top_p_ties_keep_the_lower_token_ids():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0]])  # probs ~ [0.48, 0.17, 0.17, 0.17]
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    assert kept(probs) == [[0, 1]]
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert kept(probs) == [[0, 1, 2]]
+
+
+def test_top_k_is_applied_before_top_p():
+    # After top-k = 2 the top token holds 0.4 / 0.75 = 0.53 >= 0.5, so top-p keeps it alone;
+    # top-p on the untruncated row (0.4 < 0.5) would keep two tokens.
+    logits = torch.tensor([[0.4, 0.35, 0.25]]).log()
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.5))
+    assert kept(probs) == [[0]]
+
+
+def test_tiny_top_p_keeps_the_top_token():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=2.0, top_p=1e-9))
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.6),
+    SamplingParams(temperature=0.5, top_k=20, top_p=0.9),
+])
+def test_rows_are_float32_distributions(dtype, params):
+    logits = (torch.randn(6, 300, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    probs = logits_to_probs(logits, params)
+    assert probs.dtype == torch.float32 and probs.shape == (6, 300)
+    assert (probs >= 0).all()
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(6), rtol=0, atol=1e-5)
+
+
+def test_banned_tokens_get_zero_probability_and_vocab_of_one_works():
+    logits = torch.tensor([[0.0, -math.inf, 1.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert probs[0, 1] == 0.0
+    assert logits_to_probs(torch.tensor([[3.0]]), SamplingParams(temperature=1.0, top_p=0.5)).tolist() == [[1.0]]
+
+
+@pytest.mark.parametrize(
+    "logits, message",
+    [
+        (torch.zeros(4), "2-D"),
+        (torch.zeros(2, 3, dtype=torch.int64), "floating"),
+        (torch.zeros(2, 0), "vocabulary"),
+        (torch.tensor([[0.0, math.nan]]), "NaN"),
+        (torch.tensor([[0.0, math.inf]]), r"\+inf"),
+        (torch.tensor([[0.0, 1.0], [-math.inf, -math.inf]]), "row 1 is all -inf"),
+    ],
+)
+def test_bad_logits_are_refused(logits, message):
+    with pytest.raises(ValueError, match=message):
+        logits_to_probs(logits, SamplingParams(temperature=1.0))
+
+
+# --- make_generator -------------------------------------------------------------
+
+
+def draws(generator: torch.Generator) -> list[float]:
+    return torch.rand(8, generator=generator).tolist()
+
+
+def test_generator_is_a_deterministic_function_of_seed_and_stream():
+    assert draws(make_generator(7, "draft")) == draws(make_generator(7, "draft"))
+    assert draws(make_generator(7, "draft")) != draws(make_generator(7, "target"))
+    assert draws(make_generator(7, "draft")) != draws(make_generator(8, "draft"))
+    assert make_generator(7, "draft").device.type == "cpu"
+
+
+def test_generator_seed_is_a_stable_hash_not_pythons_hash():
+    # Python's hash() of a str changes per process (PYTHONHASHSEED); a SHA-256 does not.
+    digest = hashlib.sha256(b"specsplit/7/target").digest()
+    assert make_generator(7, "target").initial_seed() == int.from_bytes(digest[:8], "little") % 2**63
+
+
+@pytest.mark.parametrize("seed, stream", [(-1, "draft"), (2**63, "draft"), (1.5, "draft"), (0, ""), (0, None)])
+def test_generator_rejects_bad_arguments(seed, stream):
+    with pytest.raises(ValueError):
+        make_generator(seed, stream)
