@@ -151,7 +151,11 @@ async def run_service(args, service_name: str, register, load) -> None:
     await set_serving(health, [service_name], False)
     await server.start()
     log.info("%s listening on %s:%d (loading)", service_name, args.host, port)
-    attach = await asyncio.get_running_loop().run_in_executor(None, load)
+    try:
+        attach = await asyncio.get_running_loop().run_in_executor(None, load)
+    except BaseException:
+        await server.stop(0)  # a failed load leaves no half-started server behind
+        raise
     attach()
     await set_serving(health, [service_name], True)
     write_port_file(args.port_file, port)

@@ -12,17 +12,24 @@ from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--server", default="127.0.0.1:50050", help="orchestrator address")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
-    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=non_negative, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-k", type=non_negative, default=0)
     parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=non_negative, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--k", type=int, default=None, help="draft block size; 0 = target-only")
+    parser.add_argument("--k", type=non_negative, default=None, help="draft block size; 0 = target-only")
     parser.add_argument("--drafter", choices=[k.name.lower() for k in DrafterKind], default=None)
     parser.add_argument("--draft-probs", action="store_true", help="probability-mode verification (model drafter)")
     parser.add_argument("--timeout-s", type=float, default=600.0)

@@ -60,6 +60,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
+async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0"):
+    """An in-process public server over a connected orchestrator; returns (server, port)."""
+    server, port, health = create_server(address, [SERVICE_NAME])
+    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(orchestrator), server)
+    await server.start()
+    await set_serving(health, [SERVICE_NAME], True)
+    return server, port
+
+
 async def serve(args) -> None:
     config = config_from_args(args)
     server, port, health = create_server(f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection)
@@ -74,3 +83,15 @@ async def serve(args) -> None:
         await serve_until_signal(server, health, args.grace_s)
     finally:
         await orchestrator.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    from orchestrator.cli import main as cli_main
+
+    cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    main()

@@ -89,7 +89,8 @@ def verify_token_only(
     k = len(tokens)
     _check_row_sums("target_probs", target_probs)
     uniforms = _draw_uniforms(generator, k)
-    p_drafted = _probs_at("target_probs", target_probs, draft_tokens)  # [k] p_i(x_i)
+    flat_index = _flat_index(draft_tokens, target_probs.shape[1], target_probs.device)
+    p_drafted = _probs_at("target_probs", target_probs, flat_index)  # [k] p_i(x_i)
     accepted = _count_accepted(uniforms, p_drafted, [1.0] * k)
     row = _row("target_probs", target_probs, accepted)  # [vocab] float64
     if accepted == k:
@@ -120,8 +121,9 @@ def verify_draft_probs(
     _check_row_sums("target_probs", target_probs)
     _check_row_sums("draft_probs", draft_probs)
     uniforms = _draw_uniforms(generator, k)
-    p_drafted = _probs_at("target_probs", target_probs, draft_tokens)  # [k] p_i(x_i)
-    q_drafted = _probs_at("draft_probs", draft_probs, draft_tokens)  # [k] q_i(x_i)
+    flat_index = _flat_index(draft_tokens, vocab, target_probs.device)
+    p_drafted = _probs_at("target_probs", target_probs, flat_index)  # [k] p_i(x_i)
+    q_drafted = _probs_at("draft_probs", draft_probs, flat_index.to(draft_probs.device))  # [k] q_i(x_i)
     accepted = _count_accepted(uniforms, p_drafted, q_drafted)
     row = _row("target_probs", target_probs, accepted)  # [vocab] float64
     if accepted == k:
@@ -161,7 +163,9 @@ def _check_row_sums(name: str, probs: torch.Tensor) -> None:  # probs: [rows, vo
     # One reduction over the block: NaN or inf anywhere makes a sum non-finite, and logits rarely sum to 1.
     for row, total in enumerate(probs.sum(dim=-1, dtype=torch.float32).tolist()):
         if not abs(total - 1.0) <= ROW_SUM_TOLERANCE:  # `not <=` also catches NaN
-            raise ValueError(f"{name} row {row} sums to {total}, not 1: pass finite probabilities (softmax), not logits")
+            raise ValueError(
+                f"{name} row {row} sums to {total}, not 1: pass finite probabilities (softmax), not logits"
+            )
 
 
 def _shape(value: object) -> str:
@@ -174,10 +178,15 @@ def _draw_uniforms(generator: torch.Generator, k: int) -> list[float]:  # -> [k+
     return torch.rand(k + 1, dtype=torch.float64, generator=generator).tolist()
 
 
-def _probs_at(name: str, probs: torch.Tensor, draft_tokens: torch.Tensor) -> list[float]:
-    """probs[i, x_i] for each draft position i, checked to be probabilities."""
+def _flat_index(draft_tokens: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:  # -> [k] int64
+    """Positions of (i, x_i) in a row-major [rows, vocab] block, for torch.take."""
     k = draft_tokens.shape[0]
-    values = probs[:k].gather(1, draft_tokens.to(probs.device).unsqueeze(1)).squeeze(1).tolist()
+    return torch.arange(0, k * vocab, vocab, device=device) + draft_tokens.to(device)
+
+
+def _probs_at(name: str, probs: torch.Tensor, flat_index: torch.Tensor) -> list[float]:
+    """probs[i, x_i] for each draft position i, checked to be probabilities."""
+    values = torch.take(probs, flat_index).tolist()
     if any(not (v >= 0.0) for v in values):  # `not >=` also catches NaN
         raise ValueError(f"{name} has a negative or NaN probability at a draft token")
     return values
@@ -198,9 +207,9 @@ def _count_accepted(uniforms: list[float], p_drafted: list[float], q_drafted: li
 
 def _row(name: str, probs: torch.Tensor, index: int) -> torch.Tensor:  # -> [vocab] float64 on CPU
     row = probs[index].to(device="cpu", dtype=torch.float64)
-    low, high = torch.aminmax(row)  # NaN propagates into both
-    if not (float(low) >= 0.0 and float(high) < float("inf")):
-        raise ValueError(f"{name} row {index} has NaN, inf or negative values")
+    # Row sums were checked finite, so with no negative value every value is finite too.
+    if not float(row.min()) >= 0.0:
+        raise ValueError(f"{name} row {index} has negative values")
     return row
 
 
@@ -211,11 +220,11 @@ def _sample(
 ) -> int:
     """Inverse-CDF sample of one token; zero-probability tokens are never returned."""
     cdf = torch.cumsum(probs, dim=0)
-    total = cdf[-1:]  # [1]
-    if fallback is not None and not float(total) > 0.0:
+    total = float(cdf[-1])
+    if fallback is not None and not total > 0.0:
         return _sample(fallback, uniform)
     # right=True finds the first token whose CDF exceeds the target, which skips tokens with p == 0.
-    token = int(torch.searchsorted(cdf, total * uniform, right=True))
+    token = int(torch.searchsorted(cdf, uniform * total, right=True))
     if token >= probs.shape[0]:  # uniform * total rounded up onto the total: take the last token with mass
         token = int(probs.nonzero()[-1])
     return token

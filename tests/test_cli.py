@@ -1,0 +1,71 @@
+"""The user's path: serve-target, serve-draft and serve as processes, `specsplit generate` as a client."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lmkit import models
+from orchestrator.launcher import start_service
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_target_dir, tiny_draft_dir):
+    work = tmp_path_factory.mktemp("cli")
+    started = []
+    try:
+        target = start_service("target_service.server", "target", ["--model", str(tiny_target_dir)], work, 300)
+        started.append(target)
+        draft = start_service("draft_service.server", "draft", ["--model", str(tiny_draft_dir)], work, 300)
+        started.append(draft)
+        orch = start_service(
+            "orchestrator.server", "orchestrator",
+            ["--target", target.address, "--draft", draft.address, "--tokenizer", str(tiny_target_dir)], work, 300,
+        )
+        started.append(orch)
+        yield orch.address
+    finally:
+        for service in reversed(started):
+            assert service.stop() == 0, service.log_tail()  # SIGTERM drains and exits cleanly
+
+
+def specsplit(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_generate_streams_the_targets_greedy_text(stack, tiny_target_dir, drafter):
+    result = specsplit("generate", "Tell me a story.", "--server", stack, "--max-new-tokens", "16", "--k", "4",
+                       "--drafter", drafter)
+    assert result.returncode == 0, result.stderr
+    tokenizer = models.load_tokenizer(str(tiny_target_dir))
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}], add_generation_prompt=True)
+    ids = list(ids["input_ids"])
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=2)
+    expected = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    assert result.stdout == expected
+    assert "acceptance" in result.stderr and "tok/s" in result.stderr
+
+
+def test_generate_reports_bad_input_without_traceback(stack):
+    result = specsplit("generate", "hi", "--server", stack, "--temperature", "-1")
+    assert result.returncode == 1
+    assert "INVALID_ARGUMENT" in result.stderr and "temperature" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_service_flag_is_a_cli_error():
+    result = specsplit("serve-target", "--max-block", "-3", "--port", "0")
+    assert result.returncode == 2
+    assert "--max-block" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_model_is_a_cli_error(tmp_path):
+    result = specsplit("serve-draft", "--model", str(tmp_path / "nothing.gguf"), "--port", "0")
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr

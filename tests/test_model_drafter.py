@@ -1,0 +1,54 @@
+"""The model drafter's cache rollback: after a rejection at any position, it proposes what a fresh drafter would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_service.model_drafter import ModelDrafter
+from lmkit import models
+from lmkit.sampling import SamplingParams, make_generator
+
+K = 5
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_draft_dir):
+    return models.load_model(models.ModelSpec(str(tiny_draft_dir)))
+
+
+PROMPT = [11, 300, 4000, 27, 9]
+
+
+@pytest.mark.parametrize("rejected_at", range(K + 1))
+def test_rollback_matches_fresh_drafter(draft_model, rejected_at):
+    drafter = ModelDrafter(draft_model, PROMPT, SamplingParams(), None, False)
+    block = drafter.propose(K).tokens
+    assert len(block) == K
+    # The target accepted block[:rejected_at] and sent a correction that differs from the draft's token.
+    correction = (block[rejected_at] + 1) % 49152 if rejected_at < K else 77
+    committed = [*block[:rejected_at], correction]
+    drafter.commit(len(PROMPT), committed)
+    fresh = ModelDrafter(draft_model, PROMPT + committed, SamplingParams(), None, False)
+    assert drafter.propose(K).tokens == fresh.propose(K).tokens
+    # The cache kept the shared prefix instead of re-reading the prompt.
+    assert drafter.cached_tokens >= len(PROMPT) + rejected_at
+
+
+def test_sampling_returns_the_distributions_it_sampled_from(draft_model):
+    params = SamplingParams(temperature=1.0, top_k=20, seed=3)
+    drafter = ModelDrafter(draft_model, PROMPT, params, make_generator(3, "draft"), True)
+    block = drafter.propose(4)
+    assert block.probs is not None and block.probs.shape == (4, 49152)
+    assert torch.allclose(block.probs.sum(-1), torch.ones(4), atol=1e-5)
+    for row, token in zip(block.probs, block.tokens):
+        assert row[token] > 0
+        assert int((row > 0).sum()) <= 20
+
+
+def test_rollback_outside_context_is_refused(draft_model):
+    drafter = ModelDrafter(draft_model, PROMPT, SamplingParams(), None, False)
+    with pytest.raises(ValueError, match="outside the context"):
+        drafter.rollback(len(PROMPT) + 1)
+    with pytest.raises(ValueError, match="past the drafter's context"):
+        drafter.commit(len(PROMPT) + 2, [1])

@@ -1,0 +1,87 @@
+"""Sampling through the whole system: seeded runs reproduce, and the output distribution is the target's.
+
+The pure verifier has its own exact and statistical tests (test_rejection.py);
+these check the wired system: the draft's q and the target's p processed by
+the same function, q on the wire in fp16, per-session generators, rollback.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from scipy import stats
+
+from draft_service.drafter import DrafterKind
+from lmkit.sampling import SamplingParams, logits_to_probs
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import GenerationRequest, Orchestrator
+from tests.conftest import run_async
+
+PROMPT = [504, 2365, 6354]  # a few SmolLM2 token ids
+
+
+async def sample_many(services, target_dir, runs, k, drafter, draft_probs, sampling, max_new_tokens, seed0=0):
+    config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir))
+    orch = await Orchestrator.connect(config)
+    outputs = []
+    try:
+        for i in range(runs):
+            params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed0 + i)
+            request = GenerationRequest("", False, max_new_tokens, params, (), k, drafter, draft_probs)
+            ids: list[int] = []
+            async for event in orch.generate(request, PROMPT):
+                ids.extend(event.token_ids)
+            outputs.append(tuple(ids))
+    finally:
+        await orch.close()
+    return outputs
+
+
+MODES = [
+    pytest.param(DrafterKind.MODEL, True, id="draft-probs"),
+    pytest.param(DrafterKind.MODEL, False, id="token-only-model"),
+    pytest.param(DrafterKind.NGRAM, False, id="token-only-ngram"),
+]
+
+
+@pytest.mark.parametrize("drafter,draft_probs", MODES)
+def test_seeded_sampling_is_reproducible(tiny_services, tiny_target_dir, drafter, draft_probs):
+    sampling = SamplingParams(temperature=1.5, top_k=50, top_p=0.95)
+    first = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, draft_probs, sampling, 20))
+    again = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, draft_probs, sampling, 20))
+    other = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, draft_probs, sampling, 20, seed0=100))
+    assert first == again
+    assert first != other
+
+
+def exact_first_two(model_dir, sampling: SamplingParams) -> dict[tuple[int, int], float]:
+    """The target's own joint distribution of the first two sampled tokens."""
+    from lmkit import models
+
+    model = models.load_model(models.ModelSpec(str(model_dir)))
+    with torch.inference_mode():
+        p1 = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0]
+        joint = {}
+        for t1 in torch.nonzero(p1).flatten().tolist():
+            p2 = logits_to_probs(model(torch.tensor([PROMPT + [t1]])).logits[0, -1:], sampling)[0]
+            for t2 in torch.nonzero(p2).flatten().tolist():
+                joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return joint
+
+
+@pytest.mark.parametrize("drafter,draft_probs", MODES[:2])
+def test_system_output_distribution_is_the_targets(tiny_services, tiny_target_dir, drafter, draft_probs):
+    sampling = SamplingParams(temperature=4.0, top_k=3)
+    exact = exact_first_two(tiny_target_dir, sampling)
+    runs = 1500
+    samples = run_async(sample_many(tiny_services, tiny_target_dir, runs, 2, drafter, draft_probs, sampling, 2))
+    counts = collections.Counter(samples)
+    assert set(counts) <= set(exact), "sampled a pair outside the target's support"
+    cells = sorted(exact)
+    observed = [counts.get(c, 0) for c in cells]
+    expected = [exact[c] * runs for c in cells]
+    scale = sum(observed) / sum(expected)
+    result = stats.chisquare(observed, [e * scale for e in expected])
+    assert result.pvalue > 1e-3, (result, dict(counts), exact)

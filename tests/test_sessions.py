@@ -1,0 +1,101 @@
+"""A session lives exactly as long as its stream: ended or cancelled streams free it on every service."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import Orchestrator
+from orchestrator.server import start_server
+from tests.conftest import run_async
+
+
+def active(services) -> tuple[int, int]:
+    return services.target_engine.stats()[0], services.draft_engine.stats()[0]
+
+
+def wait_for_zero(services, timeout_s: float = 10.0) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout_s
+    while active(services) != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return active(services)
+
+
+@pytest.fixture(scope="module")
+def public_api(tiny_services, tiny_target_dir, background_loop):
+    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
+    orch = background_loop.run(Orchestrator.connect(config))
+    server, port = background_loop.run(start_server(orch))
+    yield f"127.0.0.1:{port}"
+    background_loop.run(server.stop(0))
+    background_loop.run(orch.close())
+
+
+def test_sessions_live_while_streaming_and_end_with_the_stream(tiny_services):
+    async def go():
+        async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
+            stub = pb_grpc.TargetServiceStub(channel)
+            call = stub.Session()
+            await call.write(pb.TargetRequest(open=pb.TargetOpen(
+                session_id="live", tokens=[1, 2, 3], sampling=pb.SamplingParams(), mode=pb.VERIFICATION_MODE_GREEDY)))
+            opened = await call.read()
+            during = (await stub.Stats(pb.StatsRequest())).active_sessions
+            state = await stub.GetSession(pb.GetSessionRequest(session_id="live"))
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            after = (await stub.Stats(pb.StatsRequest())).active_sessions
+            return opened, during, state, after
+
+    opened, during, state, after = run_async(go())
+    assert opened.opened.position == 3
+    assert during == 1 and state.position == 3
+    assert after == 0
+
+
+def test_full_generation_frees_sessions_on_both_services(public_api, tiny_services):
+    async def go():
+        async with grpc.aio.insecure_channel(public_api) as channel:
+            request = pb.GenerateRequest(prompt="a b a b a b", max_new_tokens=12, k=4)
+            return [r async for r in pb_grpc.GeneratorStub(channel).Generate(request)]
+
+    responses = run_async(go())
+    assert responses[-1].stats.new_tokens == 12
+    assert active(tiny_services) == (0, 0)  # the orchestrator waits for each service to close
+
+
+def test_client_cancellation_frees_sessions_on_both_services(public_api, tiny_services):
+    async def go():
+        async with grpc.aio.insecure_channel(public_api) as channel:
+            call = pb_grpc.GeneratorStub(channel).Generate(
+                pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=400, k=4, drafter=pb.DRAFTER_KIND_MODEL)
+            )
+            first = await call.read()
+            seen_during = active(tiny_services)
+            call.cancel()
+            await asyncio.sleep(0)
+            return first, seen_during
+
+    first, seen_during = run_async(go())
+    assert first.text is not None
+    assert seen_during == (1, 1)
+    assert wait_for_zero(tiny_services) == (0, 0)
+
+
+def test_many_sequential_sessions_leave_nothing_behind(public_api, tiny_services):
+    async def go():
+        async with grpc.aio.insecure_channel(public_api) as channel:
+            stub = pb_grpc.GeneratorStub(channel)
+            for i in range(10):
+                request = pb.GenerateRequest(prompt=f"count {i}", max_new_tokens=3, k=2)
+                [r async for r in stub.Generate(request)]
+
+    opened_before = tiny_services.target_engine.stats()[1]
+    run_async(go())
+    assert tiny_services.target_engine.stats()[1] - opened_before == 10
+    assert active(tiny_services) == (0, 0)
