@@ -50,6 +50,7 @@ def figures(g: Summary, k: int) -> dict:
         "theoretical_speedup": round(theoretical_speedup(g.acceptance_rate, k, c), 3),
         "rounds": g.rounds,
         "drafted_tokens": g.drafted,
+        "mean_drafted_per_round": round(g.drafted / g.rounds, 3) if g.rounds else 0.0,
         "accepted_tokens": g.accepted,
         "identical_to_target_only": g.identical,
     }
@@ -59,11 +60,12 @@ async def _measure(args, target_address: str, draft_address: str) -> dict:
     config = OrchestratorConfig(target_address=target_address, draft_address=draft_address, tokenizer=args.model)
     orch = await Orchestrator.connect(config)
     try:
-        results = await compare(orch, DEMO_PROMPTS, args.k, DrafterKind[args.drafter.upper()], args.max_new_tokens)
+        drafter = DrafterKind[args.drafter.upper()]
+        results = await compare(orch, DEMO_PROMPTS, args.k, drafter, args.max_new_tokens, adaptive_k=not args.fixed_k)
     finally:
         await orch.close()
     groups = summarise(results)
-    report = {"k": args.k, **figures(groups["all"], args.k)}
+    report = {"k": args.k, "adaptive_k": not args.fixed_k, **figures(groups["all"], args.k)}
     report["by_kind"] = {name: figures(g, args.k) for name, g in groups.items() if name != "all"}
     report["per_prompt"] = [
         {

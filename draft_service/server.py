@@ -7,11 +7,12 @@ import asyncio
 import logging
 import sys
 
-from draft_service.engine import DraftEngine, DraftLimits
+from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
 from draft_service.servicer import DraftServicer
 from lmkit import models
-from lmkit.grpc_server import ComputeThread, add_common_flags, create_server, run_service, set_serving
+from lmkit.grpc_server import ComputeThread, add_common_flags, run_service, start_in_process
+from lmkit.sessions import SessionLimits
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
@@ -27,13 +28,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     parser.add_argument("--max-block", type=int, default=32, help="largest k accepted per propose")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
-    parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest suffix to match")
+    parser.add_argument("--ngram-min", type=int, default=2, help="n-gram drafter: shortest suffix to match")
     parser.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix to match")
     add_common_flags(parser, DEFAULT_PORT)
     return parser
 
 
-def load_engine(args, limits: DraftLimits) -> DraftEngine:
+def load_engine(args, limits: SessionLimits) -> DraftEngine:
     if not args.model:
         return DraftEngine(None, limits=limits)
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
@@ -43,7 +44,7 @@ def load_engine(args, limits: DraftLimits) -> DraftEngine:
 
 
 async def serve(args) -> None:
-    limits = DraftLimits(max_block=args.max_block, max_sessions=args.max_sessions)
+    limits = SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)
     ngram = NgramConfig(min_n=args.ngram_min, max_n=args.ngram_max)
     compute = ComputeThread("draft-compute")
     servicer = DraftServicer(compute, ngram, device=f"{args.device}/{args.dtype}")
@@ -60,16 +61,12 @@ async def start_server(engine: DraftEngine, address: str = "127.0.0.1:0", ngram:
     """An in-process server over a loaded engine (tests, embedding); returns (server, port)."""
     servicer = DraftServicer(ComputeThread("draft-compute"), ngram or NgramConfig())
     servicer.attach(engine)
-    server, port, health = create_server(address, [SERVICE_NAME])
-    pb_grpc.add_DraftServiceServicer_to_server(servicer, server)
-    await server.start()
-    await set_serving(health, [SERVICE_NAME], True)
-    return server, port
+    return await start_in_process(servicer, pb_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, address)
 
 
 def run(args) -> None:
     """Validate flags, then serve until SIGTERM/SIGINT."""
-    DraftLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
+    SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
     if args.model:
         models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s draft %(levelname)s %(message)s")

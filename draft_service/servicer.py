@@ -8,7 +8,7 @@ from draft_service.drafter import DrafterKind
 from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
 from lmkit import errors
-from lmkit.grpc_server import ComputeThread, abort_on_error
+from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.wire import probs_to_proto, sampling_from_proto
@@ -29,27 +29,17 @@ def ngram_from_proto(msg: pb.DraftOpen, default: NgramConfig) -> NgramConfig:
         raise errors.InvalidArgument(str(exc)) from None
 
 
-def session_state(session) -> pb.SessionState:
-    cached = getattr(session.drafter, "cached_tokens", 0)
-    return pb.SessionState(session_id=session.session_id, position=session.drafter.position, cached_tokens=cached)
-
-
-class DraftServicer(pb_grpc.DraftServiceServicer):
-    """Serves before the model is loaded (calls UNAVAILABLE) until ``attach``."""
+class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
+    service_label = "draft"
 
     def __init__(self, compute: ComputeThread, ngram_default: NgramConfig, device: str = "cpu") -> None:
-        self.engine: DraftEngine | None = None
-        self.compute = compute
+        super().__init__(compute)
         self.ngram_default = ngram_default
         self.device = device
 
-    def attach(self, engine: DraftEngine) -> None:
-        self.engine = engine
-
-    async def _require_engine(self, context) -> DraftEngine:
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the draft model is still loading; retry shortly")
-        return self.engine
+    def session_state(self, session) -> pb.SessionState:
+        cached = getattr(session.drafter, "cached_tokens", 0)
+        return pb.SessionState(session_id=session.session_id, position=session.drafter.position, cached_tokens=cached)
 
     async def Info(self, request, context):
         e = await self._require_engine(context)
@@ -64,15 +54,6 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             device=self.device,
         )
 
-    async def Stats(self, request, context):
-        active, opened, rounds = (await self._require_engine(context)).stats()
-        return pb.StatsResponse(active_sessions=active, sessions_opened=opened, rounds=rounds)
-
-    async def GetSession(self, request, context):
-        engine = await self._require_engine(context)
-        session = await abort_on_error(context, _immediate(engine.get, request.session_id))
-        return session_state(session)
-
     async def Session(self, request_iterator, context):
         engine = await self._require_engine(context)
         session = None
@@ -85,7 +66,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                             grpc.StatusCode.FAILED_PRECONDITION, "the first message of a session must be `open`"
                         )
                     session = await abort_on_error(context, self._open(engine, request.open))
-                    yield pb.DraftResponse(opened=session_state(session))
+                    yield pb.DraftResponse(opened=self.session_state(session))
                 elif kind == "propose":
                     block = await abort_on_error(context, self._propose(engine, session, request.propose))
                     yield pb.DraftResponse(block=block)
@@ -117,6 +98,3 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             block.probs.CopyFrom(probs_to_proto(done.block.probs))
         return block
 
-
-async def _immediate(fn, *args):
-    return fn(*args)

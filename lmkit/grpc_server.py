@@ -67,6 +67,46 @@ class ComputeThread:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class EngineServicer:
+    """What both model services' servicers share: the engine slot, Stats and GetSession.
+
+    A servicer exists before its engine (the model loads while health says
+    NOT_SERVING); until ``attach`` every call answers UNAVAILABLE.
+    """
+
+    service_label = "service"
+
+    def __init__(self, compute: ComputeThread) -> None:
+        self.engine = None
+        self.compute = compute
+
+    def attach(self, engine) -> None:
+        self.engine = engine
+
+    def session_state(self, session):  # -> pb.SessionState
+        raise NotImplementedError
+
+    async def _require_engine(self, context):
+        if self.engine is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the {self.service_label} model is still loading; retry shortly"
+            )
+        return self.engine
+
+    async def Stats(self, request, context):
+        from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+
+        active, opened, rounds = (await self._require_engine(context)).sessions.stats()
+        return pb.StatsResponse(active_sessions=active, sessions_opened=opened, rounds=rounds)
+
+    async def GetSession(self, request, context):
+        engine = await self._require_engine(context)
+        try:
+            return self.session_state(engine.sessions.get(request.session_id))
+        except errors.SpecsplitError as exc:
+            await context.abort(status_for(exc), str(exc))
+
+
 async def abort_on_error(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
     """Await ``call``; a domain error aborts the RPC with its status and message."""
     try:
@@ -92,6 +132,15 @@ def create_server(address: str, service_names: list[str], reflection_on: bool = 
         names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
     return server, port, health
+
+
+async def start_in_process(servicer, add_to_server, service_name: str, address: str = "127.0.0.1:0"):
+    """Serve an attached servicer in this process (tests, embedding); returns (server, port)."""
+    server, port, health = create_server(address, [service_name])
+    add_to_server(servicer, server)
+    await server.start()
+    await set_serving(health, [service_name], True)
+    return server, port
 
 
 async def set_serving(health: HealthServicer, service_names: list[str], serving: bool) -> None:

@@ -21,10 +21,11 @@ class OrchestratorConfig:
     tokenizer: str = DEFAULT_MODEL  # must share the target's vocabulary
     default_k: int = DEFAULT_K
     default_drafter: DrafterKind = DEFAULT_DRAFTER
+    default_adaptive_k: bool = True
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096
     max_stop_strings: int = 16
-    ngram_min: int = 1
+    ngram_min: int = 2
     ngram_max: int = 4
     connect_timeout_s: float = 120.0
 

@@ -22,7 +22,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=models.DEFAULT_MODEL, help="target model reference")
     parser.add_argument("--draft-model", default="", help="draft model for --drafter model")
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER.name.lower(), choices=[k.name.lower() for k in DrafterKind])
-    parser.add_argument("--k", type=int, default=DEFAULT_K, help="draft block size")
+    parser.add_argument("--k", type=int, default=DEFAULT_K, help="draft block size (upper bound unless --fixed-k)")
+    parser.add_argument("--fixed-k", action="store_true", help="draft exactly k per round (no adaptive k)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--target-threads", type=int, default=2)
     parser.add_argument("--draft-threads", type=int, default=1)
@@ -45,7 +46,7 @@ async def _run(args, target_address: str, draft_address: str) -> int:
     orch = await Orchestrator.connect(config)
     try:
         drafter = DrafterKind[args.drafter.upper()]
-        results = await compare(orch, DEMO_PROMPTS, args.k, drafter, args.max_new_tokens)
+        results = await compare(orch, DEMO_PROMPTS, args.k, drafter, args.max_new_tokens, adaptive_k=not args.fixed_k)
     finally:
         await orch.close()
     for c in results:
@@ -58,7 +59,8 @@ async def _run(args, target_address: str, draft_address: str) -> int:
             f"{len(s.token_ids) / s.wall_s:.1f} tok/s vs {len(c.baseline.token_ids) / c.baseline.wall_s:.1f} "
             f"target-only, identical to target-only: {'yes' if c.identical else 'NO'}"
         )
-    print(f"\nspecsplit demo: target {args.model}, drafter {args.drafter}, k={args.k}, greedy")
+    k_mode = "fixed" if args.fixed_k else "adaptive, at most"
+    print(f"\nspecsplit demo: target {args.model}, drafter {args.drafter}, k {k_mode} {args.k}, greedy")
     for name, g in summarise(results).items():
         print(
             f"[{name:8s}] prompts {g.prompts}  acceptance rate {g.acceptance_rate:.2f}  "

@@ -42,9 +42,9 @@ class Comparison:
 
 async def run_one(
     orch: Orchestrator, prompt: DemoPrompt, k: int, drafter: DrafterKind, max_new_tokens: int,
-    sampling: SamplingParams, draft_probs: bool = False,
+    sampling: SamplingParams, draft_probs: bool = False, adaptive_k: bool = False,
 ) -> RunResult:
-    request = GenerationRequest(prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs)
+    request = GenerationRequest(prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k)
     prompt_ids = orch.encode(prompt.text, chat=True)
     text, ids = [], []
     async for event in orch.generate(request, prompt_ids):
@@ -61,16 +61,16 @@ async def run_one(
 
 async def compare(
     orch: Orchestrator, prompts: tuple[DemoPrompt, ...], k: int, drafter: DrafterKind, max_new_tokens: int,
-    sampling: SamplingParams | None = None, warmup: bool = True,
+    sampling: SamplingParams | None = None, warmup: bool = True, adaptive_k: bool = False,
 ) -> list[Comparison]:
     sampling = sampling or SamplingParams()
-    if warmup:  # first calls pay one-off allocation costs
-        await run_one(orch, prompts[0], k, drafter, 8, sampling)
+    if warmup:  # first calls pay one-off allocation costs and seed the cost model
+        await run_one(orch, prompts[0], k, drafter, 16, sampling, adaptive_k=adaptive_k)
         await run_one(orch, prompts[0], 0, drafter, 8, sampling)
     out = []
     for prompt in prompts:
         baseline = await run_one(orch, prompt, 0, drafter, max_new_tokens, sampling)
-        speculative = await run_one(orch, prompt, k, drafter, max_new_tokens, sampling)
+        speculative = await run_one(orch, prompt, k, drafter, max_new_tokens, sampling, adaptive_k=adaptive_k)
         out.append(Comparison(prompt, baseline, speculative))
     return out
 

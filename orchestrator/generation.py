@@ -29,6 +29,7 @@ from orchestrator.clients import (
 )
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detok import IncrementalDetokenizer, StopMatcher
+from orchestrator.adaptive_k import AdaptiveK, CostModel
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from target_service.rejection import VerificationMode
 
@@ -47,6 +48,7 @@ class GenerationRequest:
     k: int
     drafter: DrafterKind
     draft_probs: bool
+    adaptive_k: bool = False  # k is then the per-round upper bound
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Orchestrator:
         self.target = target
         self.draft = draft
         self.eos_ids = frozenset(eos_ids(config.tokenizer, tokenizer))
+        self.costs = CostModel()  # one target: its measured costs serve every session
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -154,7 +157,8 @@ class Orchestrator:
             eos_ids=self.eos_ids,
             max_context=self.target.info.max_context or 1 << 30,
         )
-        async for new, finish in speculative_decode(prompt_ids, config, target, draft, stats):
+        controller = AdaptiveK(config.k, self.costs) if request.adaptive_k and config.k > 0 else None
+        async for new, finish in speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs):
             text, stopped = stops.feed(detok.add(new))
             if stopped:
                 finish = Finish.STOP_STRING
@@ -196,6 +200,8 @@ class Orchestrator:
             seed=request.sampling.seed,
             draft_compute_s=stats.draft_compute_s,
             target_compute_s=stats.target_compute_s,
+            adaptive_k=request.adaptive_k,
+            mean_k=stats.mean_k,
         )
 
 

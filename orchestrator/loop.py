@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from orchestrator.adaptive_k import AdaptiveK, CostModel
 from orchestrator.clients import DraftStream, TargetStream
 
 
@@ -25,7 +26,7 @@ class Finish(enum.Enum):
 
 @dataclass(frozen=True)
 class LoopConfig:
-    k: int  # draft tokens per round; 0 = target-only decoding
+    k: int  # draft tokens per round (the bound when adaptive); 0 = target-only decoding
     max_new_tokens: int
     eos_ids: frozenset[int]
     max_context: int  # positions the target accepts
@@ -40,6 +41,7 @@ class LoopStats:
     draft_compute_s: float = 0.0
     target_compute_s: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
+    k_per_round: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -49,6 +51,10 @@ class LoopStats:
     def mean_accepted_length(self) -> float:
         """Tokens committed per target forward pass (accepted + 1)."""
         return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return sum(self.k_per_round) / len(self.k_per_round) if self.k_per_round else 0.0
 
 
 def cut_at_finish(new: Sequence[int], eos_ids: frozenset[int], budget: int) -> tuple[list[int], Finish | None]:
@@ -67,8 +73,14 @@ async def speculative_decode(
     target: TargetStream,
     draft: DraftStream | None,
     stats: LoopStats,
+    controller: AdaptiveK | None = None,
+    costs: CostModel | None = None,
 ) -> AsyncIterator[tuple[list[int], Finish | None]]:
-    """Yield (newly committed tokens, finish reason or None) once per round."""
+    """Yield (newly committed tokens, finish reason or None) once per round.
+
+    With a ``controller``, each round's k is chosen in [0, config.k]; ``costs``
+    learns from every round but the first (which carries the prompt's prefill).
+    """
     committed = list(prompt)
     draft_synced = len(committed)  # the draft holds committed[:draft_synced]
     while True:
@@ -78,17 +90,26 @@ async def speculative_decode(
             yield [], Finish.CONTEXT
             return
         # accepted + 1 tokens are committed, so k + 1 must fit the budget and the context.
-        k = max(0, min(config.k, budget - 1, room - 1))
+        wanted = controller.choose() if controller is not None else config.k
+        k = max(0, min(wanted, config.k, budget - 1, room - 1))
         block_tokens: list[int] = []
         block_probs = None
+        draft_s = 0.0
         if draft is not None and k > 0:
             block = await draft.propose(draft_synced, committed[draft_synced:], k)
             draft_synced = len(committed)
             block_tokens = list(block.tokens)
             block_probs = block.probs if block.HasField("probs") else None
-            stats.draft_compute_s += block.compute_us / 1e6
+            draft_s = block.compute_us / 1e6
         result = await target.verify(len(committed), block_tokens, block_probs)
-        stats.target_compute_s += result.compute_us / 1e6
+        target_s = result.compute_us / 1e6
+        stats.draft_compute_s += draft_s
+        stats.target_compute_s += target_s
+        if controller is not None:
+            controller.observe(len(block_tokens), result.accepted)
+        if costs is not None and stats.rounds > 0:
+            costs.observe_verify(len(block_tokens), target_s)
+            costs.observe_draft(len(block_tokens), draft_s)
         new, finish = cut_at_finish([*block_tokens[: result.accepted], result.next_token], config.eos_ids, budget)
         committed.extend(new)
         stats.rounds += 1
@@ -96,6 +117,7 @@ async def speculative_decode(
         stats.accepted += result.accepted
         stats.committed += len(new)
         stats.accepted_per_round.append(result.accepted)
+        stats.k_per_round.append(k)
         if finish is None and len(committed) >= config.max_context:
             finish = Finish.CONTEXT
         yield new, finish

@@ -46,7 +46,8 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
         raise errors.InvalidArgument(
             f"the prompt is {len(prompt_ids)} tokens but the model's context is {limit}; shorten the prompt"
         )
-    request = GenerationRequest(msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs)
+    adaptive = msg.adaptive_k if msg.HasField("adaptive_k") else config.default_adaptive_k
+    request = GenerationRequest(msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive)
     return request, prompt_ids
 
 

@@ -7,7 +7,7 @@ import logging
 
 from draft_service.drafter import DrafterKind
 from lmkit import models
-from lmkit.grpc_server import create_server, serve_until_signal, set_serving, write_port_file
+from lmkit.grpc_server import create_server, serve_until_signal, set_serving, start_in_process, write_port_file
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
@@ -28,8 +28,11 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
         "--drafter", default=DEFAULT_DRAFTER.name.lower(), choices=[k.name.lower() for k in DrafterKind],
         help="default drafter",
     )
+    parser.add_argument(
+        "--fixed-k", action="store_true", help="draft exactly k each round instead of adapting k in [0, k]"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default max new tokens per request")
-    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--connect-timeout-s", type=float, default=120.0, help="wait this long for the services")
 
@@ -41,6 +44,7 @@ def config_from_args(args) -> OrchestratorConfig:
         tokenizer=args.tokenizer,
         default_k=args.k,
         default_drafter=DrafterKind[args.drafter.upper()],
+        default_adaptive_k=not args.fixed_k,
         default_max_new_tokens=args.max_new_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
@@ -62,11 +66,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0"):
     """An in-process public server over a connected orchestrator; returns (server, port)."""
-    server, port, health = create_server(address, [SERVICE_NAME])
-    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(orchestrator), server)
-    await server.start()
-    await set_serving(health, [SERVICE_NAME], True)
-    return server, port
+    servicer = GeneratorServicer(orchestrator)
+    return await start_in_process(servicer, pb_grpc.add_GeneratorServicer_to_server, SERVICE_NAME, address)
 
 
 async def serve(args) -> None:

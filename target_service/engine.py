@@ -6,30 +6,18 @@ No grpc here: the servicer converts protos to these calls and maps
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from lmkit import errors
 from lmkit.kvcache import SessionCache
+from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
 from target_service import rejection
 from target_service.rejection import VerificationMode
-
-
-@dataclass(frozen=True)
-class TargetLimits:
-    max_block: int = 32  # draft tokens per verify
-    max_sessions: int = 64
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.max_block <= 1024:
-            raise ValueError(f"--max-block must be in [0, 1024], got {self.max_block}")
-        if self.max_sessions < 1:
-            raise ValueError(f"--max-sessions must be >= 1, got {self.max_sessions}")
 
 
 @dataclass
@@ -50,20 +38,6 @@ class Verified:
     compute_s: float
 
 
-@dataclass
-class _Counters:
-    opened: int = 0
-    rounds: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> None:
-    """Every id must index the vocabulary."""
-    for i, t in enumerate(tokens):
-        if not 0 <= t < vocab_size:
-            raise errors.InvalidArgument(f"{what}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
-
-
 def check_mode(mode: VerificationMode, sampling: SamplingParams) -> None:
     if mode is VerificationMode.GREEDY and not sampling.greedy:
         raise errors.InvalidArgument(
@@ -77,57 +51,26 @@ def check_mode(mode: VerificationMode, sampling: SamplingParams) -> None:
 class TargetEngine:
     """Holds the target model and its sessions; all model work runs on one thread."""
 
-    def __init__(self, model, *, model_id: str, vocab_fingerprint: str, limits: TargetLimits) -> None:
+    def __init__(self, model, *, model_id: str, vocab_fingerprint: str, limits: SessionLimits) -> None:
         self.model = model
         self.model_id = model_id
         self.vocab_fingerprint = vocab_fingerprint
         self.limits = limits
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-        self._sessions: dict[str, TargetSession] = {}
-        self._lock = threading.Lock()
-        self._counters = _Counters()
+        self.sessions: SessionTable[TargetSession] = SessionTable(limits, "target")
 
     # -- sessions -----------------------------------------------------------
     def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode):
-        if not session_id:
-            raise errors.InvalidArgument("session_id is empty; choose a unique id per generation (e.g. a UUID)")
-        if not tokens:
-            raise errors.InvalidArgument("the prompt is empty; send at least one token")
-        if len(tokens) >= self.max_context:
-            raise errors.InvalidArgument(
-                f"the prompt has {len(tokens)} tokens but the model's context is {self.max_context}; "
-                f"shorten it to at most {self.max_context - 1}"
-            )
+        check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
         check_mode(mode, sampling)
         generator = None if sampling.greedy else make_generator(sampling.seed, "target")
         session = TargetSession(session_id, list(tokens), sampling, mode, SessionCache(self.model), generator)
-        with self._lock:
-            if session_id in self._sessions:
-                raise errors.AlreadyExists(f"session {session_id!r} is already open; use a new id")
-            if len(self._sessions) >= self.limits.max_sessions:
-                raise errors.ResourceExhausted(
-                    f"the target holds its maximum of {self.limits.max_sessions} sessions; retry later"
-                )
-            self._sessions[session_id] = session
-            self._counters.opened += 1
-        return session
+        return self.sessions.add(session_id, session)
 
     def close(self, session_id: str) -> None:
-        with self._lock:
-            self._sessions.pop(session_id, None)
-
-    def get(self, session_id: str) -> TargetSession:
-        with self._lock:
-            session = self._sessions.get(session_id)
-        if session is None:
-            raise errors.NotFound(f"no live session {session_id!r}; sessions end with their stream")
-        return session
-
-    def stats(self) -> tuple[int, int, int]:
-        with self._lock:
-            return len(self._sessions), self._counters.opened, self._counters.rounds
+        self.sessions.remove(session_id)
 
     # -- verification -------------------------------------------------------
     def verify(
@@ -145,8 +88,7 @@ class TargetEngine:
         session.tokens.extend(draft_tokens[: result.accepted])
         session.tokens.append(result.next_token)
         session.rounds += 1
-        with self._lock:
-            self._counters.rounds += 1
+        self.sessions.count_round()
         return Verified(result.accepted, result.next_token, time.perf_counter() - start)
 
     def _check_block(self, session, position, draft_tokens, draft_probs) -> None:

@@ -8,10 +8,11 @@ import logging
 import sys
 
 from lmkit import models
-from lmkit.grpc_server import ComputeThread, add_common_flags, create_server, run_service, set_serving
+from lmkit.grpc_server import ComputeThread, add_common_flags, run_service, start_in_process
+from lmkit.sessions import SessionLimits
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from target_service.engine import TargetEngine, TargetLimits
+from target_service.engine import TargetEngine
 from target_service.servicer import TargetServicer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -32,7 +33,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def load_engine(args) -> TargetEngine:
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
-    limits = TargetLimits(max_block=args.max_block, max_sessions=args.max_sessions)
+    limits = SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)
     model = models.load_model(spec)
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     return TargetEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits)
@@ -54,16 +55,12 @@ async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_de
     """An in-process server over a loaded engine (tests, embedding); returns (server, port)."""
     servicer = TargetServicer(ComputeThread("target-compute"), tp_degree=tp_degree, device=str(engine.model.device))
     servicer.attach(engine)
-    server, port, health = create_server(address, [SERVICE_NAME])
-    pb_grpc.add_TargetServiceServicer_to_server(servicer, server)
-    await server.start()
-    await set_serving(health, [SERVICE_NAME], True)
-    return server, port
+    return await start_in_process(servicer, pb_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, address)
 
 
 def run(args) -> None:
     """Validate flags, then serve until SIGTERM/SIGINT."""
-    TargetLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
+    SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
     if args.model:
         models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s target %(levelname)s %(message)s")

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import logging
-
 import grpc
 
 from lmkit import errors
-from lmkit.grpc_server import ComputeThread, abort_on_error
+from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.wire import probs_from_proto, sampling_from_proto
 from target_service.engine import TargetEngine
 from target_service.rejection import VerificationMode
-
-log = logging.getLogger(__name__)
 
 
 def mode_from_proto(value: int) -> VerificationMode:
@@ -26,29 +22,21 @@ def mode_from_proto(value: int) -> VerificationMode:
         ) from None
 
 
-def session_state(session) -> pb.SessionState:
-    return pb.SessionState(session_id=session.session_id, position=len(session.tokens), cached_tokens=len(session.cache))
-
-
-class TargetServicer(pb_grpc.TargetServiceServicer):
-    """Serves before the model is loaded (health NOT_SERVING, calls UNAVAILABLE) until ``attach``."""
+class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
+    service_label = "target"
 
     def __init__(self, compute: ComputeThread, tp_degree: int = 1, device: str = "cpu") -> None:
-        self.engine: TargetEngine | None = None
-        self.compute = compute
+        super().__init__(compute)
         self.tp_degree = tp_degree
         self.device = device
 
-    def attach(self, engine: TargetEngine) -> None:
-        self.engine = engine
-
-    async def _require_engine(self, context) -> TargetEngine:
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the target model is still loading; retry shortly")
-        return self.engine
+    def session_state(self, session) -> pb.SessionState:
+        return pb.SessionState(
+            session_id=session.session_id, position=len(session.tokens), cached_tokens=len(session.cache)
+        )
 
     async def Info(self, request, context):
-        e = await self._require_engine(context)
+        e: TargetEngine = await self._require_engine(context)
         return pb.ModelInfo(
             model_id=e.model_id,
             vocab_size=e.vocab_size,
@@ -59,17 +47,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             device=self.device,
         )
 
-    async def Stats(self, request, context):
-        active, opened, rounds = (await self._require_engine(context)).stats()
-        return pb.StatsResponse(active_sessions=active, sessions_opened=opened, rounds=rounds)
-
-    async def GetSession(self, request, context):
-        engine = await self._require_engine(context)
-        session = await abort_on_error(context, _immediate(engine.get, request.session_id))
-        return session_state(session)
-
     async def Session(self, request_iterator, context):
-        await self._require_engine(context)
+        engine: TargetEngine = await self._require_engine(context)
         session = None
         try:
             async for request in request_iterator:
@@ -79,10 +58,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                         await context.abort(
                             grpc.StatusCode.FAILED_PRECONDITION, "the first message of a session must be `open`"
                         )
-                    session = await abort_on_error(context, self._open(request.open))
-                    yield pb.TargetResponse(opened=session_state(session))
+                    session = await abort_on_error(context, self._open(engine, request.open))
+                    yield pb.TargetResponse(opened=self.session_state(session))
                 elif kind == "verify":
-                    yield pb.TargetResponse(result=await abort_on_error(context, self._verify(session, request.verify)))
+                    result = await abort_on_error(context, self._verify(engine, session, request.verify))
+                    yield pb.TargetResponse(result=result)
                 else:
                     await context.abort(
                         grpc.StatusCode.FAILED_PRECONDITION,
@@ -90,23 +70,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     )
         finally:
             if session is not None:
-                self.engine.close(session.session_id)
+                engine.close(session.session_id)
 
-    async def _open(self, msg: pb.TargetOpen):
+    async def _open(self, engine: TargetEngine, msg: pb.TargetOpen):
         sampling = sampling_from_proto(msg.sampling)
         mode = mode_from_proto(msg.mode)
-        return await self.compute.run(self.engine.open, msg.session_id, list(msg.tokens), sampling, mode)
+        return await self.compute.run(engine.open, msg.session_id, list(msg.tokens), sampling, mode)
 
-    async def _verify(self, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
-        probs = probs_from_proto(msg.draft_probs, self.engine.vocab_size) if msg.HasField("draft_probs") else None
-        done = await self.compute.run(self.engine.verify, session, msg.position, list(msg.draft_tokens), probs)
+    async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
+        probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
+        done = await self.compute.run(engine.verify, session, msg.position, list(msg.draft_tokens), probs)
         return pb.VerifyResult(
             position=msg.position,
             accepted=done.accepted,
             next_token=done.next_token,
             compute_us=int(done.compute_s * 1e6),
         )
-
-
-async def _immediate(fn, *args):
-    return fn(*args)

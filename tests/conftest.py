@@ -114,21 +114,22 @@ class Services:
 
 
 def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32):
-    from draft_service.engine import DraftEngine, DraftLimits
+    from draft_service.engine import DraftEngine
     from lmkit import models
-    from target_service.engine import TargetEngine, TargetLimits
+    from lmkit.sessions import SessionLimits
+    from target_service.engine import TargetEngine
 
     target_model = models.load_model(models.ModelSpec(target_ref))
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(target_ref))
     target = TargetEngine(
-        target_model, model_id=target_ref, vocab_fingerprint=fingerprint, limits=TargetLimits(max_block=max_block)
+        target_model, model_id=target_ref, vocab_fingerprint=fingerprint, limits=SessionLimits(max_block=max_block)
     )
     draft_model = models.load_model(models.ModelSpec(draft_ref)) if draft_ref else None
     draft = DraftEngine(
         draft_model,
         model_id=draft_ref or "",
         vocab_fingerprint=models.vocab_fingerprint(models.load_tokenizer(draft_ref)) if draft_ref else "",
-        limits=DraftLimits(max_block=max_block),
+        limits=SessionLimits(max_block=max_block),
     )
     return target, draft
 
@@ -140,6 +141,21 @@ def tiny_services(background_loop, tiny_target_dir, tiny_draft_dir):
     services = Services(background_loop, target, draft)
     yield services
     services.stop()
+
+
+@pytest.fixture(scope="module")
+def public_api(tiny_services, tiny_target_dir, background_loop):
+    """The public Generate API (an in-process orchestrator server) over ``tiny_services``."""
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.generation import Orchestrator
+    from orchestrator.server import start_server
+
+    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
+    orch = background_loop.run(Orchestrator.connect(config))
+    server, port = background_loop.run(start_server(orch))
+    yield f"127.0.0.1:{port}"
+    background_loop.run(server.stop(0))
+    background_loop.run(orch.close())
 
 
 def run_async(coro, timeout: float = 600.0):

@@ -12,7 +12,6 @@ from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Orchestrator
-from orchestrator.server import start_server
 from tests.conftest import VOCAB, run_async
 
 GREEDY = pb.SamplingParams(temperature=0.0)
@@ -139,16 +138,6 @@ def test_unknown_session_is_not_found(tiny_services, stub_name):
             await getattr(pb_grpc, stub_name)(channel).GetSession(pb.GetSessionRequest(session_id="nope"))
 
     expect_status(go(), grpc.StatusCode.NOT_FOUND, "nope")
-
-
-@pytest.fixture(scope="module")
-def public_api(tiny_services, tiny_target_dir, background_loop):
-    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
-    orch = background_loop.run(Orchestrator.connect(config))
-    server, port = background_loop.run(start_server(orch))
-    yield f"127.0.0.1:{port}"
-    background_loop.run(server.stop(0))
-    background_loop.run(orch.close())
 
 
 async def generate(address, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:

@@ -37,19 +37,21 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[
     return out[0, len(prompt_ids) :].tolist()
 
 
-async def generate_ids(orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, sampling=None) -> list[int]:
-    request = GenerationRequest("", False, max_new_tokens, sampling or SamplingParams(), (), k, drafter, False)
+async def generate_ids(orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, adaptive=False) -> list[int]:
+    request = GenerationRequest("", False, max_new_tokens, SamplingParams(), (), k, drafter, False, adaptive)
     ids: list[int] = []
     async for event in orch.generate(request, prompt_ids):
         ids.extend(event.token_ids)
     return ids
 
 
-async def generate_all(services: Services, tokenizer_ref, prompts_ids, k, drafter, max_new_tokens) -> list[list[int]]:
+async def generate_all(
+    services: Services, tokenizer_ref, prompts_ids, k, drafter, max_new_tokens, adaptive=False
+) -> list[list[int]]:
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=tokenizer_ref)
     orch = await Orchestrator.connect(config)
     try:
-        return [await generate_ids(orch, ids, k, drafter, max_new_tokens) for ids in prompts_ids]
+        return [await generate_ids(orch, ids, k, drafter, max_new_tokens, adaptive) for ids in prompts_ids]
     finally:
         await orch.close()
 
@@ -70,13 +72,18 @@ def test_tiny_greedy_equals_generate(tiny_services, tiny_target_dir, tiny_refere
     got = run_async(generate_all(tiny_services, str(tiny_target_dir), prompts_ids, k, drafter, 24))
     for prompt, want, have in zip(TINY_PROMPTS, expected, got):
         assert have == want, f"k={k} {drafter.name} diverged on {prompt!r}"
-    # The run must have exercised speculation, not only plain decoding.
-    active, opened, rounds = tiny_services.target_engine.stats()
-    assert active == 0
+    assert tiny_services.target_engine.sessions.stats()[0] == 0  # every session ended with its stream
+
+
+@pytest.mark.parametrize("drafter", [DrafterKind.MODEL, DrafterKind.NGRAM])
+def test_tiny_greedy_with_adaptive_k_equals_generate(tiny_services, tiny_target_dir, tiny_reference, drafter):
+    prompts_ids, expected = tiny_reference
+    got = run_async(generate_all(tiny_services, str(tiny_target_dir), prompts_ids, 8, drafter, 24, adaptive=True))
+    assert got == expected
 
 
 def test_tiny_drafts_are_accepted_and_rejected(tiny_services, tiny_target_dir, tiny_reference):
-    """The model drafter must hit both paths: some accepted, some rejected tokens."""
+    """The equality runs above must hit both paths: some draft tokens accepted, some rejected."""
     prompts_ids, _ = tiny_reference
 
     async def go():
@@ -123,4 +130,4 @@ def test_smollm2_greedy_equals_generate_with_default_drafter(smollm2_services, k
     got = run_async(generate_all(services, "smollm2-135m", prompts_ids, k, DrafterKind.NGRAM, 32))
     for prompt, want, have in zip(DEMO_PROMPTS, expected, got):
         assert have == want, f"k={k} diverged on {prompt.name}"
-    assert services.target_engine.stats()[0] == 0
+    assert services.target_engine.sessions.stats()[0] == 0

@@ -10,14 +10,11 @@ import pytest
 
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Orchestrator
-from orchestrator.server import start_server
 from tests.conftest import run_async
 
 
 def active(services) -> tuple[int, int]:
-    return services.target_engine.stats()[0], services.draft_engine.stats()[0]
+    return services.target_engine.sessions.stats()[0], services.draft_engine.sessions.stats()[0]
 
 
 def wait_for_zero(services, timeout_s: float = 10.0) -> tuple[int, int]:
@@ -25,16 +22,6 @@ def wait_for_zero(services, timeout_s: float = 10.0) -> tuple[int, int]:
     while active(services) != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.02)
     return active(services)
-
-
-@pytest.fixture(scope="module")
-def public_api(tiny_services, tiny_target_dir, background_loop):
-    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
-    orch = background_loop.run(Orchestrator.connect(config))
-    server, port = background_loop.run(start_server(orch))
-    yield f"127.0.0.1:{port}"
-    background_loop.run(server.stop(0))
-    background_loop.run(orch.close())
 
 
 def test_sessions_live_while_streaming_and_end_with_the_stream(tiny_services):
@@ -95,7 +82,7 @@ def test_many_sequential_sessions_leave_nothing_behind(public_api, tiny_services
                 request = pb.GenerateRequest(prompt=f"count {i}", max_new_tokens=3, k=2)
                 [r async for r in stub.Generate(request)]
 
-    opened_before = tiny_services.target_engine.stats()[1]
+    opened_before = tiny_services.target_engine.sessions.stats()[1]
     run_async(go())
-    assert tiny_services.target_engine.stats()[1] - opened_before == 10
+    assert tiny_services.target_engine.sessions.stats()[1] - opened_before == 10
     assert active(tiny_services) == (0, 0)

@@ -229,7 +229,7 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids")
+    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class GenerateRequest(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: bool
     max_new_tokens: int
@@ -248,10 +249,11 @@ class GenerateRequest(_message.Message):
     drafter: DrafterKind
     draft_probs: bool
     return_token_ids: bool
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ...) -> None: ...
+    adaptive_k: bool
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s")
+    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +269,8 @@ class GenerationStats(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     TARGET_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
+    MEAN_K_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     new_tokens: int
     rounds: int
@@ -282,7 +286,9 @@ class GenerationStats(_message.Message):
     seed: int
     draft_compute_s: float
     target_compute_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ...) -> None: ...
+    adaptive_k: bool
+    mean_k: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

@@ -1,0 +1,92 @@
+"""Per-service session bookkeeping shared by the draft and the target: limits, the live table, id checks.
+
+Thread-safe: the event loop opens and closes sessions while the compute
+thread runs rounds.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Generic, Sequence, TypeVar
+
+from lmkit import errors
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_block: int = 32  # draft tokens per round
+    max_sessions: int = 64  # live sessions
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_block <= 1024:
+            raise ValueError(f"--max-block must be in [0, 1024], got {self.max_block}")
+        if self.max_sessions < 1:
+            raise ValueError(f"--max-sessions must be >= 1, got {self.max_sessions}")
+
+
+def check_tokens(tokens: Sequence[int], vocab_size: int | None, what: str) -> None:
+    """Every id must index the vocabulary (any id >= 0 when the vocabulary is unknown)."""
+    for i, t in enumerate(tokens):
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise errors.InvalidArgument(f"{what}[{i}] = {t} is outside the vocabulary {bound}")
+
+
+def check_open(session_id: str, tokens: Sequence[int], max_context: int, model: str) -> None:
+    """What every session open must satisfy, whatever the service."""
+    if not session_id:
+        raise errors.InvalidArgument("session_id is empty; choose a unique id per generation (e.g. a UUID)")
+    if not tokens:
+        raise errors.InvalidArgument("the prompt is empty; send at least one token")
+    if max_context and len(tokens) >= max_context:
+        raise errors.InvalidArgument(
+            f"the prompt has {len(tokens)} tokens but the {model}'s context is {max_context}; "
+            f"shorten it to at most {max_context - 1}"
+        )
+
+
+class SessionTable(Generic[S]):
+    """Live sessions by id, bounded, with counters for Stats."""
+
+    def __init__(self, limits: SessionLimits, service: str) -> None:
+        self.limits = limits
+        self._service = service
+        self._sessions: dict[str, S] = {}
+        self._lock = threading.Lock()
+        self._opened = 0
+        self._rounds = 0
+
+    def add(self, session_id: str, session: S) -> S:
+        with self._lock:
+            if session_id in self._sessions:
+                raise errors.AlreadyExists(f"session {session_id!r} is already open; use a new id")
+            if len(self._sessions) >= self.limits.max_sessions:
+                raise errors.ResourceExhausted(
+                    f"the {self._service} holds its maximum of {self.limits.max_sessions} sessions; retry later"
+                )
+            self._sessions[session_id] = session
+            self._opened += 1
+        return session
+
+    def remove(self, session_id: str) -> S | None:
+        with self._lock:
+            return self._sessions.pop(session_id, None)
+
+    def get(self, session_id: str) -> S:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise errors.NotFound(f"no live session {session_id!r}; sessions end with their stream")
+        return session
+
+    def count_round(self) -> None:
+        with self._lock:
+            self._rounds += 1
+
+    def stats(self) -> tuple[int, int, int]:
+        """(active sessions, sessions opened, rounds served)."""
+        with self._lock:
+            return len(self._sessions), self._opened, self._rounds

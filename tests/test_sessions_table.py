@@ -1,0 +1,41 @@
+"""Session bookkeeping shared by both services: bounded, unique ids, counters."""
+
+import pytest
+
+from lmkit import errors
+from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
+
+
+def test_table_bounds_and_counts():
+    table = SessionTable(SessionLimits(max_sessions=2), "target")
+    table.add("a", object())
+    table.add("b", object())
+    with pytest.raises(errors.ResourceExhausted, match="maximum of 2 sessions"):
+        table.add("c", object())
+    with pytest.raises(errors.AlreadyExists, match="'a'"):
+        table.add("a", object())
+    table.count_round()
+    assert table.remove("a") is not None and table.remove("a") is None
+    assert table.stats() == (1, 2, 1)
+    with pytest.raises(errors.NotFound, match="'a'"):
+        table.get("a")
+
+
+@pytest.mark.parametrize("kwargs,flag", [({"max_block": -1}, "--max-block"), ({"max_sessions": 0}, "--max-sessions")])
+def test_limits_name_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        SessionLimits(**kwargs)
+
+
+def test_open_checks():
+    with pytest.raises(errors.InvalidArgument, match="session_id"):
+        check_open("", [1], 10, "model")
+    with pytest.raises(errors.InvalidArgument, match="empty"):
+        check_open("s", [], 10, "model")
+    with pytest.raises(errors.InvalidArgument, match="context is 10"):
+        check_open("s", list(range(10)), 10, "model")
+    check_open("s", list(range(9)), 10, "model")
+    with pytest.raises(errors.InvalidArgument, match=r"tokens\[1\] = 10"):
+        check_tokens([0, 10], 10, "tokens")
+    with pytest.raises(errors.InvalidArgument, match=">= 0"):
+        check_tokens([-1], None, "tokens")
