@@ -12,9 +12,9 @@ from draft_service.ngram import NgramConfig
 from draft_service.servicer import DraftServicer
 from lmkit import models
 from lmkit.grpc_server import ComputeThread, add_common_flags, run_service, start_in_process
-from lmkit.sessions import SessionLimits
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from lmkit.sessions import SessionLimits
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 DEFAULT_PORT = 50051

@@ -59,7 +59,7 @@ class SessionCache:
         feed = torch.tensor([seq[keep:]], dtype=torch.long, device=self._device)
         out = self._model(input_ids=feed, cache=self.cache, use_cache=True, logits_to_keep=len(block) + 1)
         self.tokens = seq
-        return out.logits[0].float()
+        return out.logits[0].float().cpu()  # small: [k+1, vocab]; verification runs on the CPU
 
     def crop(self, length: int) -> None:
         """Drop cached positions at index >= ``length``."""

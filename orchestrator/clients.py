@@ -12,6 +12,7 @@ from typing import Sequence
 
 import grpc
 
+from lmkit import errors
 from lmkit.grpc_server import CHANNEL_OPTIONS
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
@@ -110,8 +111,21 @@ class ServiceClient:
     info: pb.ModelInfo | None = None
 
     async def fetch_info(self, timeout_s: float) -> pb.ModelInfo:
-        self.info = await self.stub.Info(pb.InfoRequest(), timeout=timeout_s, wait_for_ready=True)
-        return self.info
+        """Wait up to ``timeout_s`` for the service to load and answer ``Info``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                self.info = await self.stub.Info(pb.InfoRequest(), timeout=max(remaining, 0.01), wait_for_ready=True)
+                return self.info
+            except grpc.aio.AioRpcError as exc:
+                # UNAVAILABLE with a message: the server is up but its model is still loading.
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or remaining <= 0.5:
+                    raise errors.Unavailable(
+                        f"could not reach the service at {self.address} within {timeout_s:.0f} s "
+                        f"({exc.code().name}: {exc.details()}); is it running?"
+                    ) from None
+                await asyncio.sleep(0.5)
 
     async def stats(self) -> pb.StatsResponse:
         return await self.stub.Stats(pb.StatsRequest())

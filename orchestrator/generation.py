@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from draft_service.drafter import DrafterKind
-from lmkit import errors, models
+from lmkit import models
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.wire import sampling_to_proto
+from orchestrator.adaptive_k import AdaptiveK, CostModel
 from orchestrator.clients import (
-    PeerError,
     ServiceClient,
     draft_client,
     start_draft_stream,
@@ -29,7 +29,6 @@ from orchestrator.clients import (
 )
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detok import IncrementalDetokenizer, StopMatcher
-from orchestrator.adaptive_k import AdaptiveK, CostModel
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from target_service.rejection import VerificationMode
 
@@ -228,5 +227,3 @@ def eos_ids(model_ref: str, tokenizer) -> set[int]:
         ids.update([configured] if isinstance(configured, int) else configured)
     return ids
 
-
-__all__ = ["GenerationEvent", "GenerationRequest", "Orchestrator", "PeerError", "errors"]

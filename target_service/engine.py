@@ -14,8 +14,8 @@ import torch
 
 from lmkit import errors
 from lmkit.kvcache import SessionCache
-from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
+from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection
 from target_service.rejection import VerificationMode
 

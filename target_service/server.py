@@ -9,9 +9,9 @@ import sys
 
 from lmkit import models
 from lmkit.grpc_server import ComputeThread, add_common_flags, run_service, start_in_process
-from lmkit.sessions import SessionLimits
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from lmkit.sessions import SessionLimits
 from target_service.engine import TargetEngine
 from target_service.servicer import TargetServicer
 

@@ -167,21 +167,44 @@ def test_public_api_refuses(public_api, case):
     assert ok[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
 
 
-def test_vocabulary_mismatch_is_refused_naming_both(tiny_services, tmp_path):
-    from transformers import AutoTokenizer
+def other_vocabulary_model(path):
+    """A tiny Llama whose tokenizer (3 words) is not SmolLM2's."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     raw = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    assert AutoTokenizer.from_pretrained(tmp_path) is not None
-    config = OrchestratorConfig(tiny_services.target_address, "", tokenizer=str(tmp_path))
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(path)
+    config = LlamaConfig(vocab_size=3, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_tokenizer_target_mismatch_is_refused_naming_both(tiny_services, tmp_path):
+    other = other_vocabulary_model(tmp_path)
+    config = OrchestratorConfig(tiny_services.target_address, "", tokenizer=str(other))
     with pytest.raises(ValueError) as info:
         run_async(Orchestrator.connect(config))
     message = str(info.value)
     assert "vocabulary mismatch" in message and str(tmp_path) in message and "tiny-target" in message
+
+
+def test_draft_target_mismatch_is_refused_naming_both(tiny_services, tiny_target_dir, tmp_path, background_loop):
+    from draft_service.server import start_server
+    from tests.conftest import make_engines
+
+    other = other_vocabulary_model(tmp_path / "other")
+    _, draft = make_engines(str(tiny_target_dir), str(other))
+    server, port = background_loop.run(start_server(draft))
+    try:
+        config = OrchestratorConfig(tiny_services.target_address, f"127.0.0.1:{port}", tokenizer=str(tiny_target_dir))
+        with pytest.raises(ValueError) as info:
+            run_async(Orchestrator.connect(config))
+    finally:
+        background_loop.run(server.stop(0))
+    message = str(info.value)
+    assert "vocabulary mismatch" in message and "other" in message and "tiny-target" in message
 
 
 def test_cli_rejects_negative_k_without_traceback():

@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import grpc
-import pytest
 
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
