@@ -100,6 +100,7 @@ def run(args) -> int:
         "draft_model": args.draft_model or None,
         "decoding": "greedy",
         "max_new_tokens": args.max_new_tokens,
+        "tp": args.tp,
         "target_threads": args.target_threads,
         "draft_threads": args.draft_threads,
         "target_cpus": args.target_cpus or "unpinned",

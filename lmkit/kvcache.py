@@ -43,23 +43,36 @@ class SessionCache:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @torch.inference_mode()
     def logits(self, context: Sequence[int], block: Sequence[int]) -> torch.Tensor:
         """Logits after ``context[-1]`` and after each token of ``block``.
 
-        Returns [len(block) + 1, vocab] float32: row i predicts the token at
-        position len(context) + i. Afterwards the cache holds context + block.
+        Returns [len(block) + 1, vocab] float32 on the CPU: row i predicts the
+        token at position len(context) + i. Afterwards the cache holds
+        context + block.
         """
+        keep, feed = self.plan(context, block)
+        return self.apply(keep, feed, len(block) + 1)
+
+    def plan(self, context: Sequence[int], block: Sequence[int]) -> tuple[int, list[int]]:
+        """How many cached positions to keep, and which tokens to feed after them."""
         if not context:
             raise ValueError("context must hold at least one token")
         seq = [*context, *block]
         # The last context token is always fed so its logits exist.
         keep = min(common_prefix(self.tokens, seq), len(context) - 1)
+        return keep, seq[keep:]
+
+    @torch.inference_mode()
+    def apply(self, keep: int, feed: Sequence[int], n_logits: int) -> torch.Tensor:
+        """Crop to ``keep`` positions, feed ``feed``, return the last ``n_logits`` rows [n_logits, vocab]."""
         self.crop(keep)
-        feed = torch.tensor([seq[keep:]], dtype=torch.long, device=self._device)
-        out = self._model(input_ids=feed, cache=self.cache, use_cache=True, logits_to_keep=len(block) + 1)
-        self.tokens = seq
-        return out.logits[0].float().cpu()  # small: [k+1, vocab]; verification runs on the CPU
+        ids = torch.tensor([list(feed)], dtype=torch.long, device=self._device)
+        out = self._model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits)
+        self.tokens = [*self.tokens, *feed]
+        return out.logits[0].float().cpu()  # small: [n_logits, vocab]; verification runs on the CPU
+
+    def release(self) -> None:  # noqa: B027 - a hook; the plain cache is freed by the GC
+        """Called once when the session ends (a sharded cache tells the other ranks)."""
 
     def crop(self, length: int) -> None:
         """Drop cached positions at index >= ``length``."""

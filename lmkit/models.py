@@ -141,17 +141,23 @@ def load_tokenizer(ref: str):
     return AutoTokenizer.from_pretrained(resolve(ref), local_files_only=True)
 
 
-def load_model(spec: ModelSpec):
-    """A causal LM in eval mode on ``spec.device`` in ``spec.dtype``."""
+def load_model(spec: ModelSpec, tensor_parallel: bool = False):
+    """A causal LM in eval mode on ``spec.device`` in ``spec.dtype``.
+
+    ``tensor_parallel``: shard it over the initialised process group with
+    transformers' own plan (``tp_plan="auto"``, needs accelerate).
+    """
     from transformers import AutoModelForCausalLM
 
+    extra = {"tp_plan": "auto"} if tensor_parallel else {}
     model = AutoModelForCausalLM.from_pretrained(
         resolve(spec.ref),
         dtype=spec.torch_dtype,
         local_files_only=True,
         trust_remote_code=spec.trust_remote_code,
+        **extra,
     )
-    return model.to(spec.device).eval()
+    return (model if tensor_parallel else model.to(spec.device)).eval()
 
 
 def vocab_fingerprint(tokenizer) -> str:

@@ -20,8 +20,7 @@ def _serve_draft(args) -> int:
 def _serve_target(args) -> int:
     from target_service import server
 
-    server.run(args)
-    return 0
+    return server.run(args)
 
 
 def _serve(args) -> int:

@@ -25,6 +25,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--k", type=int, default=DEFAULT_K, help="draft block size (upper bound unless --fixed-k)")
     parser.add_argument("--fixed-k", action="store_true", help="draft exactly k per round (no adaptive k)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target (gloo on CPU)")
     parser.add_argument("--target-threads", type=int, default=2)
     parser.add_argument("--draft-threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
@@ -34,7 +35,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def service_args(args) -> tuple[list[str], list[str]]:
     common = ["--device", args.device, "--dtype", args.dtype]
-    target = ["--model", args.model, "--threads", str(args.target_threads), *common]
+    target = ["--model", args.model, "--threads", str(args.target_threads), "--tp", str(args.tp), *common]
     draft = ["--threads", str(args.draft_threads), *common]
     if args.draft_model:
         draft += ["--model", args.draft_model]
@@ -60,7 +61,7 @@ async def _run(args, target_address: str, draft_address: str) -> int:
             f"target-only, identical to target-only: {'yes' if c.identical else 'NO'}"
         )
     k_mode = "fixed" if args.fixed_k else "adaptive, at most"
-    print(f"\nspecsplit demo: target {args.model}, drafter {args.drafter}, k {k_mode} {args.k}, greedy")
+    print(f"\nspecsplit demo: target {args.model} (tp={args.tp}), drafter {args.drafter}, k {k_mode} {args.k}, greedy")
     for name, g in summarise(results).items():
         print(
             f"[{name:8s}] prompts {g.prompts}  acceptance rate {g.acceptance_rate:.2f}  "

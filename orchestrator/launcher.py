@@ -57,7 +57,7 @@ def start_service(module: str, name: str, args: list[str], workdir: Path, timeou
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():
         if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {process.returncode}:\n{service.log_tail()}")
+            raise ValueError(f"{name} exited with code {process.returncode}:\n{service.log_tail(6)}")
         if time.monotonic() > deadline:
             service.stop()
             raise TimeoutError(f"{name} did not start within {timeout_s:.0f} s:\n{service.log_tail()}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -51,7 +51,16 @@ def check_mode(mode: VerificationMode, sampling: SamplingParams) -> None:
 class TargetEngine:
     """Holds the target model and its sessions; all model work runs on one thread."""
 
-    def __init__(self, model, *, model_id: str, vocab_fingerprint: str, limits: SessionLimits) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        model_id: str,
+        vocab_fingerprint: str,
+        limits: SessionLimits,
+        new_cache: Callable[[], SessionCache] | None = None,  # tensor parallel: caches mirrored on every rank
+        tp_degree: int = 1,
+    ) -> None:
         self.model = model
         self.model_id = model_id
         self.vocab_fingerprint = vocab_fingerprint
@@ -59,6 +68,8 @@ class TargetEngine:
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.sessions: SessionTable[TargetSession] = SessionTable(limits, "target")
+        self._new_cache = new_cache or (lambda: SessionCache(model))
+        self.tp_degree = tp_degree
 
     # -- sessions -----------------------------------------------------------
     def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode):
@@ -66,11 +77,13 @@ class TargetEngine:
         check_tokens(tokens, self.vocab_size, "tokens")
         check_mode(mode, sampling)
         generator = None if sampling.greedy else make_generator(sampling.seed, "target")
-        session = TargetSession(session_id, list(tokens), sampling, mode, SessionCache(self.model), generator)
+        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(), generator)
         return self.sessions.add(session_id, session)
 
     def close(self, session_id: str) -> None:
-        self.sessions.remove(session_id)
+        session = self.sessions.remove(session_id)
+        if session is not None:
+            session.cache.release()
 
     # -- verification -------------------------------------------------------
     def verify(

@@ -5,16 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
+
+import torch
 
 from lmkit import models
 from lmkit.grpc_server import ComputeThread, add_common_flags, run_service, start_in_process
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.sessions import SessionLimits
+from target_service import ranks, tp
 from target_service.engine import TargetEngine
 from target_service.servicer import TargetServicer
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
 DEFAULT_PORT = 50052
 
@@ -27,28 +33,53 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     parser.add_argument("--max-block", type=int, default=32, help="largest draft block accepted per verify")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun; gloo on CPU, NCCL on GPU)")
+    parser.add_argument("--tp-timeout-s", type=float, default=60.0, help="a collective stuck this long fails the group")
     add_common_flags(parser, DEFAULT_PORT)
     return parser
 
 
-def load_engine(args) -> TargetEngine:
+def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]:
+    """Load the model (sharded over the process group when --tp > 1) and build the engine."""
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     limits = SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)
-    model = models.load_model(spec)
+    model = models.load_model(spec, tensor_parallel=args.tp > 1)
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
-    return TargetEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits)
+    leader = tp.Leader(model, on_broken=leader_hook) if args.tp > 1 else None
+    engine = TargetEngine(
+        model,
+        model_id=args.model,
+        vocab_fingerprint=fingerprint,
+        limits=limits,
+        new_cache=leader.new_cache if leader else None,
+        tp_degree=args.tp,
+    )
+    rank = int(os.environ.get("RANK", "0"))
+    log.info("rank %d holds %.1f MB of weights (tp=%d)", rank, tp.weight_bytes(model) / 1e6, args.tp)
+    return engine, leader
 
 
-async def serve(args) -> None:
+async def serve(args) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code (1 when a tensor-parallel rank was lost)."""
     compute = ComputeThread("target-compute")
-    servicer = TargetServicer(compute, tp_degree=1, device=f"{args.device}/{args.dtype}")
+    servicer = TargetServicer(compute, tp_degree=args.tp, device=f"{args.device}/{args.dtype}")
+    leaders: list[tp.Leader] = []
 
     def load():
-        engine = load_engine(args)
+        engine, leader = load_engine(args, leader_hook=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        leaders.extend([leader] if leader else [])
         return lambda: servicer.attach(engine)
 
     await run_service(args, SERVICE_NAME, lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s), load)
+    broken = any(leader.broken for leader in leaders)
+    if leaders and not broken:
+        try:
+            await compute.run(leaders[0].shutdown)  # followers leave their loop and exit 0
+        except RuntimeError as exc:  # a follower is already gone
+            log.error("could not stop the followers cleanly: %s", exc)
+            broken = True
     compute.shutdown()
+    return 1 if broken else 0
 
 
 async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_degree: int = 1):
@@ -58,15 +89,42 @@ async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_de
     return await start_in_process(servicer, pb_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, address)
 
 
-def run(args) -> None:
-    """Validate flags, then serve until SIGTERM/SIGINT."""
+def run(args) -> int:
+    """Validate flags, then serve until SIGTERM/SIGINT (as --tp supervised ranks when --tp > 1)."""
     SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
-    if args.model:
-        models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
+    spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s target %(levelname)s %(message)s")
+    if args.tp > 1 and "RANK" not in os.environ:
+        return launch_ranks(args, spec)
     models.configure_torch_threads(args.threads)
     models.pin_cpus(args.cpus)
-    asyncio.run(serve(args))
+    if args.tp == 1:
+        return asyncio.run(serve(args))
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rank, world = tp.init_process_group(spec.device, args.tp_timeout_s)
+    if world != args.tp:
+        raise ValueError(f"--tp {args.tp} but torchrun started {world} ranks")
+    if rank == 0:
+        return asyncio.run(serve(args))
+    engine, _ = load_engine(args)
+    tp.follow(engine.model)
+    return 0
+
+
+def launch_ranks(args, spec: models.ModelSpec) -> int:
+    """Start --tp ranks of this same command and supervise them (target_service.ranks)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(models.resolve(args.model), local_files_only=True)
+    tp.check_divisible(config, args.tp, args.model)
+    return ranks.launch(args.tp, _service_argv(), spec.device.startswith("cuda"), args.grace_s)
+
+
+def _service_argv() -> list[str]:
+    """This command's own flags, however it was started (specsplit serve-target or python -m)."""
+    argv = sys.argv[1:]
+    return argv[argv.index("serve-target") + 1 :] if "serve-target" in argv else argv
 
 
 def main(argv: list[str] | None = None) -> None:
