@@ -24,7 +24,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.evaluation import Summary, compare, summarise, theoretical_speedup
 from orchestrator.generation import Orchestrator
 from orchestrator.launcher import local_services
-from orchestrator.prompts import DEMO_PROMPTS
+from orchestrator.prompts import PROMPT_SETS
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -32,6 +32,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--target-cpus", default="", help="pin the target to these CPUs, e.g. '0,1'")
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
+    parser.add_argument(
+        "--prompt-set", default="demo", choices=sorted(PROMPT_SETS),
+        help="demo: the 8 demo prompts; drafters: 4 code-edit + 4 free-text prompts (drafter comparison)",
+    )
     return parser
 
 
@@ -61,7 +65,8 @@ async def _measure(args, target_address: str, draft_address: str) -> dict:
     orch = await Orchestrator.connect(config)
     try:
         drafter = DrafterKind[args.drafter.upper()]
-        results = await compare(orch, DEMO_PROMPTS, args.k, drafter, args.max_new_tokens, adaptive_k=not args.fixed_k)
+        prompts = PROMPT_SETS[args.prompt_set]
+        results = await compare(orch, prompts, args.k, drafter, args.max_new_tokens, adaptive_k=not args.fixed_k)
     finally:
         await orch.close()
     groups = summarise(results)
@@ -98,6 +103,9 @@ def run(args) -> int:
         "target": args.model,
         "drafter": args.drafter,
         "draft_model": args.draft_model or None,
+        "self_draft_flags": demo.self_draft_flags(args) if not args.draft_model else [],
+        "chain": [k.name.lower() for k in demo.chain_members(args)],
+        "prompt_set": args.prompt_set,
         "decoding": "greedy",
         "max_new_tokens": args.max_new_tokens,
         "tp": args.tp,

@@ -28,6 +28,13 @@ class DrafterKind(enum.Enum):
 
     MODEL = 1  # a causal LM sharing the target's vocabulary
     NGRAM = 2  # prompt lookup: model-free, continues the latest n-gram match
+    LAYERSKIP = 3  # the target's own first L layers + final norm + LM head (self-drafting)
+    QUANTIZED = 4  # the target's own checkpoint, transformer layers in int8 (self-drafting)
+    CHAIN = 5  # an ordered list of the kinds above, tried in turn each round
+
+
+# Drafters that sample from a distribution they can send (probability mode).
+DRAFTERS_WITH_PROBS = frozenset({DrafterKind.MODEL, DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED})
 
 
 @dataclass(frozen=True)

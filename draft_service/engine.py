@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from draft_service.drafter import DraftBlock, Drafter, DrafterKind
 from draft_service.ngram import NgramConfig
@@ -12,6 +12,14 @@ from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
 from lmkit.sampling import SamplingParams, make_generator
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
+
+_ENABLE_HINT = {
+    DrafterKind.MODEL: "start serve-draft with --model to enable the model drafter",
+    DrafterKind.NGRAM: "",
+    DrafterKind.LAYERSKIP: "start serve-draft with --model TARGET --layerskip-layers L to enable it",
+    DrafterKind.QUANTIZED: "start serve-draft with --model TARGET --quantize int8 to enable it",
+    DrafterKind.CHAIN: "",
+}
 
 
 @dataclass
@@ -31,8 +39,23 @@ class Proposed:
 class DraftEngine:
     """Holds an optional draft model and the live sessions."""
 
-    def __init__(self, model=None, *, model_id: str = "", vocab_fingerprint: str = "", limits: SessionLimits) -> None:
+    def __init__(
+        self,
+        model=None,
+        *,
+        model_id: str = "",
+        vocab_fingerprint: str = "",
+        limits: SessionLimits,
+        derived: Mapping[DrafterKind, object] | None = None,
+    ) -> None:
+        derived = dict(derived or {})
+        if derived and model is None:
+            raise ValueError("self-drafters (--layerskip-layers, --quantize) derive from --model; pass --model")
+        unknown = [kind.name for kind in derived if not DRAFTERS[kind].derived]
+        if unknown:
+            raise ValueError(f"{unknown} are not derived drafters")
         self.model = model
+        self.derived = derived  # LAYERSKIP / QUANTIZED views of ``model``
         self.model_id = model_id or "(model-free)"
         self.vocab_fingerprint = vocab_fingerprint if model is not None else ""
         self.vocab_size = int(model.config.vocab_size) if model is not None else None
@@ -42,7 +65,34 @@ class DraftEngine:
 
     @property
     def drafters(self) -> list[DrafterKind]:
-        return [kind for kind, entry in DRAFTERS.items() if self.model is not None or not entry.needs_model]
+        return [kind for kind in DRAFTERS if self._available(kind)]
+
+    def _available(self, kind: DrafterKind) -> bool:
+        entry = DRAFTERS[kind]
+        if entry.derived:
+            return kind in self.derived
+        return self.model is not None or not entry.needs_model
+
+    def _check_available(self, kind: DrafterKind) -> None:
+        if not self._available(kind):
+            raise errors.FailedPrecondition(
+                f"drafter {kind.name} is not available here (this service runs {[d.name for d in self.drafters]}); "
+                f"{_ENABLE_HINT[kind]}"
+            )
+
+    def _check_chain(self, kind: DrafterKind, chain: Sequence[DrafterKind]) -> None:
+        if kind is not DrafterKind.CHAIN:
+            if chain:
+                raise errors.InvalidArgument(f"chain is only for the CHAIN drafter, but drafter is {kind.name}")
+            return
+        if not chain:
+            raise errors.InvalidArgument("drafter CHAIN needs a chain: the drafters to try in order, e.g. [NGRAM, MODEL]")
+        if DrafterKind.CHAIN in chain:
+            raise errors.InvalidArgument("a chain cannot contain CHAIN; list the member drafters")
+        if len(set(chain)) != len(chain):
+            raise errors.InvalidArgument(f"chain {[c.name for c in chain]} repeats a drafter; list each at most once")
+        for member in chain:
+            self._check_available(member)
 
     def open(
         self,
@@ -52,19 +102,19 @@ class DraftEngine:
         kind: DrafterKind,
         return_probs: bool,
         ngram: NgramConfig,
+        chain: Sequence[DrafterKind] = (),
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
-        if kind not in self.drafters:
-            raise errors.FailedPrecondition(
-                f"drafter {kind.name} is not available here (this service runs {[d.name for d in self.drafters]}); "
-                "start serve-draft with --model to enable the model drafter"
-            )
+        self._check_available(kind)
+        self._check_chain(kind, chain)
         entry = DRAFTERS[kind]
         if return_probs and not entry.has_probs:
             raise errors.InvalidArgument(f"drafter {kind.name} has no draft probabilities; use token-only verification")
         generator = None if sampling.greedy else make_generator(sampling.seed, "draft")
-        context = DraftRequestContext(list(tokens), sampling, generator, return_probs, ngram, self.model)
+        context = DraftRequestContext(
+            list(tokens), sampling, generator, return_probs, ngram, self.model, self.derived, tuple(chain)
+        )
         return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context)))
 
     def propose(self, session: DraftSession, position: int, tokens: Sequence[int], k: int) -> Proposed:

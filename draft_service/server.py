@@ -1,4 +1,4 @@
-"""``specsplit serve-draft``: the drafters behind gRPC (n-gram always; the model drafter with --model)."""
+"""``specsplit serve-draft``: the drafters behind gRPC (n-gram always; model and self-drafters with --model)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import asyncio
 import logging
 import sys
 
+from draft_service import self_draft
+from draft_service.drafter import DrafterKind
 from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
+from draft_service.self_draft import QuantizeMode
 from draft_service.servicer import DraftServicer
 from lmkit import models
-from lmkit.grpc_server import ComputeThread, add_common_flags, run_service, start_in_process
+from lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.sessions import SessionLimits
@@ -30,8 +33,55 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
     parser.add_argument("--ngram-min", type=int, default=2, help="n-gram drafter: shortest suffix to match")
     parser.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix to match")
+    parser.add_argument(
+        "--layerskip-layers", type=int, default=0,
+        help="enable the LAYERSKIP self-drafter: --model's first L layers + norm + head (0 = off)",
+    )
+    parser.add_argument(
+        "--layerskip-adapter", default="",
+        help="exit adapter folder written by `specsplit distill` (enables LAYERSKIP with its layer count)",
+    )
+    parser.add_argument(
+        "--quantize", default="", choices=["", *(m.value for m in QuantizeMode)],
+        help="enable the QUANTIZED self-drafter: --model's transformer layers in int8, LM head in fp32",
+    )
     add_common_flags(parser, DEFAULT_PORT)
     return parser
+
+
+def check_self_draft_flags(args) -> None:
+    """Fail fast (ValueError) on self-drafting flags that cannot work, before loading anything."""
+    wants = args.layerskip_layers or args.layerskip_adapter or args.quantize
+    if wants and not args.model:
+        raise ValueError("--layerskip-layers, --layerskip-adapter and --quantize derive from --model; pass --model TARGET")
+    if args.layerskip_layers < 0:
+        raise ValueError(f"--layerskip-layers must be >= 1 (0 = off), got {args.layerskip_layers}")
+    if args.layerskip_adapter:
+        _, meta = self_draft.load_adapter(args.layerskip_adapter)
+        if args.layerskip_layers and args.layerskip_layers != meta.layers:
+            raise ValueError(
+                f"--layerskip-layers {args.layerskip_layers} disagrees with the adapter, trained for {meta.layers} "
+                "layers; drop --layerskip-layers or pass the adapter's count"
+            )
+
+
+def derive_drafts(args, model, fingerprint: str) -> dict[DrafterKind, object]:
+    """The self-drafting views of ``model`` the flags ask for."""
+    derived: dict[DrafterKind, object] = {}
+    layers, adapter = args.layerskip_layers, None
+    if args.layerskip_adapter:
+        adapter, meta = self_draft.load_adapter(args.layerskip_adapter)
+        if meta.vocab_fingerprint != fingerprint or meta.hidden_size != int(model.config.hidden_size):
+            raise ValueError(
+                f"the exit adapter {args.layerskip_adapter} was trained for {meta.target}, not for {args.model}; "
+                "pass the target it was distilled from as --model"
+            )
+        layers = meta.layers
+    if layers:
+        derived[DrafterKind.LAYERSKIP] = self_draft.layerskip_view(model, layers, adapter)
+    if args.quantize:
+        derived[DrafterKind.QUANTIZED] = self_draft.quantized_view(model, QuantizeMode(args.quantize))
+    return derived
 
 
 def load_engine(args, limits: SessionLimits) -> DraftEngine:
@@ -40,7 +90,8 @@ def load_engine(args, limits: SessionLimits) -> DraftEngine:
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     model = models.load_model(spec)
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
-    return DraftEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits)
+    derived = derive_drafts(args, model, fingerprint)
+    return DraftEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits, derived=derived)
 
 
 async def serve(args) -> None:
@@ -53,7 +104,11 @@ async def serve(args) -> None:
         engine = load_engine(args, limits)
         return lambda: servicer.attach(engine)
 
-    await run_service(args, SERVICE_NAME, lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s), load)
+    servicer.session_ttl_s = args.session_ttl_s
+    await run_service(
+        args, SERVICE_NAME, lambda s: add_servicer(pb_grpc.add_DraftServiceServicer_to_server, servicer, s), load,
+        servicer,
+    )
     compute.shutdown()
 
 
@@ -69,6 +124,7 @@ def run(args) -> None:
     SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
     if args.model:
         models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
+    check_self_draft_flags(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s draft %(levelname)s %(message)s")
     models.configure_torch_threads(args.threads)
     models.pin_cpus(args.cpus)

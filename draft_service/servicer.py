@@ -58,7 +58,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         engine = await self._require_engine(context)
         session = None
         try:
-            async for request in request_iterator:
+            async for request in self.session_requests(context):
                 kind = request.WhichOneof("kind")
                 if session is None:
                     if kind != "open":
@@ -83,8 +83,9 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         sampling = sampling_from_proto(msg.sampling)
         kind = drafter_from_proto(msg.drafter)
         ngram = ngram_from_proto(msg, self.ngram_default)
+        chain = [drafter_from_proto(value) for value in msg.chain]
         return await self.compute.run(
-            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram
+            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain
         )
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:

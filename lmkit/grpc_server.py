@@ -21,6 +21,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from lmkit import errors
+from lmkit.metrics import serve_metrics
+from lmkit.security import ServerTls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +45,78 @@ CHANNEL_OPTIONS = [
 ]
 
 
+class Malformed:
+    """A request whose bytes did not parse; handlers answer it with INVALID_ARGUMENT."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.detail = f"malformed {message_type}: {error}; send a valid serialized message"
+
+
+def _tolerant_deserializer(deserialize):
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - any parser error is the client's
+            owner = getattr(deserialize, "__self__", None)
+            return Malformed(getattr(owner, "__name__", "message"), exc)
+
+    return parse
+
+
+def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """Same handler, but unparseable bytes become INVALID_ARGUMENT instead of a logged traceback."""
+    kwargs = {
+        "request_deserializer": _tolerant_deserializer(handler.request_deserializer),
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        inner_unary = handler.unary_unary
+
+        async def unary(request, context):
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            return await inner_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+    if handler.unary_stream:
+        inner_stream = handler.unary_stream
+
+        async def stream(request, context):
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            async for response in inner_stream(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
+    # Streaming requests are checked where they are read (EngineServicer.session_requests).
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(handler.stream_stream, **kwargs)
+    return grpc.stream_unary_rpc_method_handler(handler.stream_unary, **kwargs)
+
+
+class _Capture:
+    """Stands in for a server to collect the handlers a generated add_*_to_server registers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def add_servicer(add_to_server, servicer, server) -> None:
+    """Register a servicer through its generated add function, with tolerant deserialization."""
+    capture = _Capture()
+    add_to_server(servicer, capture)
+    handlers = {name: _tolerant_handler(h) for name, h in capture.handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
+    server.add_registered_method_handlers(capture.service, handlers)
+
+
 def status_for(exc: errors.SpecsplitError) -> grpc.StatusCode:
     for cls, code in _CODES.items():
         if isinstance(exc, cls):
@@ -59,9 +133,18 @@ class ComputeThread:
 
     def __init__(self, name: str) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending = 0
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._pending -= 1
+
+    def queued(self) -> int:
+        """Calls submitted and not finished (the one running included)."""
+        return self._pending
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -75,10 +158,27 @@ class EngineServicer:
     """
 
     service_label = "service"
+    session_ttl_s = 300.0  # a session idle this long is evicted (--session-ttl-s)
 
     def __init__(self, compute: ComputeThread) -> None:
         self.engine = None
         self.compute = compute
+
+    async def session_requests(self, context):
+        """The stream's requests, in order; a session idle past the TTL is evicted (the stream ends)."""
+        while True:
+            try:
+                request = await asyncio.wait_for(context.read(), self.session_ttl_s)
+            except asyncio.TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"session evicted after {self.session_ttl_s:g} s idle; open a new one from the committed tokens",
+                )
+            if request is grpc.aio.EOF:
+                return
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            yield request
 
     def attach(self, engine) -> None:
         self.engine = engine
@@ -116,14 +216,20 @@ async def abort_on_error(context: grpc.aio.ServicerContext, call: Awaitable[T]) 
         raise  # unreachable: abort raises
 
 
-def create_server(address: str, service_names: list[str], reflection_on: bool = False):
-    """A grpc.aio server bound to ``address`` (port 0 picks one) with health.
+def create_server(
+    address: str, service_names: list[str], reflection_on: bool = False, tls: ServerTls | None = None,
+    interceptors: tuple = (),
+):
+    """A grpc.aio server bound to ``address`` (port 0 picks one) with health; TLS when ``tls`` is enabled.
 
     Returns (server, port, health). Health starts NOT_SERVING for every
     service; flip it with ``set_serving`` once the model is loaded.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    port = server.add_insecure_port(address)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+    if tls is not None and tls.enabled:
+        port = server.add_secure_port(address, tls.credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}; is the port in use?")
     health = HealthServicer()
@@ -134,10 +240,13 @@ def create_server(address: str, service_names: list[str], reflection_on: bool = 
     return server, port, health
 
 
-async def start_in_process(servicer, add_to_server, service_name: str, address: str = "127.0.0.1:0"):
+async def start_in_process(
+    servicer, add_to_server, service_name: str, address: str = "127.0.0.1:0", tls: ServerTls | None = None,
+    interceptors: tuple = (),
+):
     """Serve an attached servicer in this process (tests, embedding); returns (server, port)."""
-    server, port, health = create_server(address, [service_name])
-    add_to_server(servicer, server)
+    server, port, health = create_server(address, [service_name], tls=tls, interceptors=interceptors)
+    add_servicer(add_to_server, servicer, server)
     await server.start()
     await set_serving(health, [service_name], True)
     return server, port
@@ -186,17 +295,31 @@ def add_common_flags(parser, default_port: int) -> None:
     parser.add_argument("--cpus", default="", help="pin the process to these CPU ids, e.g. '1' or '0,1'")
     parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    parser.add_argument("--session-ttl-s", type=float, default=300.0, help="evict sessions idle this long")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_tls_flags(parser)
 
 
-async def run_service(args, service_name: str, register, load) -> None:
+def add_tls_flags(parser) -> None:
+    parser.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", default="", help="private key of --tls-cert (PEM)")
+    parser.add_argument("--tls-ca", default="", help="require client certificates signed by this CA (mTLS)")
+
+
+def server_tls(args) -> ServerTls:
+    return ServerTls(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+
+
+async def run_service(args, service_name: str, register, load, servicer=None) -> None:
     """Bind, report NOT_SERVING while ``load()`` runs off the loop, then serve until a signal.
 
     ``register(server)`` adds the servicer; ``load()`` builds the engine
     (blocking) and returns a callback that attaches it to the servicer.
     """
-    server, port, health = create_server(f"{args.host}:{args.port}", [service_name], args.reflection)
+    server, port, health = create_server(f"{args.host}:{args.port}", [service_name], args.reflection, server_tls(args))
     register(server)
+    serve_metrics(args.metrics_port, args.host, service_name.rsplit(".", 1)[-1], servicer)
     await set_serving(health, [service_name], False)
     await server.start()
     log.info("%s listening on %s:%d (loading)", service_name, args.host, port)

@@ -53,6 +53,7 @@ def _bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench import speculative
+    from draft_service import distill
     from draft_service import server as draft_server
     from orchestrator import client, demo
     from orchestrator import server as orch_server
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("generate", "stream a completion from a running orchestrator", client.build_parser, _generate),
         ("demo", "start services on loopback and compare with target-only decoding", demo.build_parser, _demo),
         ("bench", "benchmark speculative vs target-only decoding, write JSON", speculative.build_parser, _bench),
+        ("distill", "train a layer-skip exit adapter for a target (KL distillation)", distill.build_parser, distill.run),
     ]
     for name, help_text, build, handler in commands:
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -10,6 +11,8 @@ import grpc
 from draft_service.drafter import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from lmkit.security import ClientTls
+from orchestrator.clients import open_channel
 
 
 def non_negative(text: str) -> int:
@@ -33,6 +36,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--drafter", choices=[k.name.lower() for k in DrafterKind], default=None)
     parser.add_argument("--draft-probs", action="store_true", help="probability-mode verification (model drafter)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--token", default="", help="bearer token (or SPECSPLIT_AUTH_TOKEN)")
+    parser.add_argument("--tls-ca", default="", help="CA of the orchestrator's certificate (TLS)")
+    parser.add_argument("--tls-cert", default="", help="client certificate (mTLS)")
+    parser.add_argument("--tls-key", default="", help="client key (mTLS)")
     return parser
 
 
@@ -54,10 +61,12 @@ def to_request(args) -> pb.GenerateRequest:
 
 
 async def generate(args) -> int:
-    async with grpc.aio.insecure_channel(args.server) as channel:
+    token = args.token or os.environ.get("SPECSPLIT_AUTH_TOKEN", "")
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    async with open_channel(args.server, ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)) as channel:
         stub = pb_grpc.GeneratorStub(channel)
         try:
-            async for response in stub.Generate(to_request(args), timeout=args.timeout_s):
+            async for response in stub.Generate(to_request(args), timeout=args.timeout_s, metadata=metadata):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.HasField("stats"):

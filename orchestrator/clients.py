@@ -16,6 +16,7 @@ from lmkit import errors
 from lmkit.grpc_server import CHANNEL_OPTIONS
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from lmkit.security import ClientTls
 
 
 class PeerError(Exception):
@@ -28,9 +29,11 @@ class PeerError(Exception):
         self.details = details
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel; ``dns:///name:port`` with round_robin spreads calls over replicas."""
+def open_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
+    """A channel (TLS when ``tls`` is enabled); ``dns:///name:port`` with round_robin spreads calls over replicas."""
     options = [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(address, tls.credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=options)
 
 
@@ -48,6 +51,9 @@ class _Stream:
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise PeerError(self.peer, exc.code(), exc.details() or "") from None
+        except asyncio.InvalidStateError:  # the stream already ended (the peer went away)
+            code = await self._call.code()
+            raise PeerError(self.peer, code, await self._call.details() or "stream ended") from None
         if response is grpc.aio.EOF:
             code = await self._call.code()
             details = await self._call.details()
@@ -68,6 +74,10 @@ class _Stream:
             self._call.cancel()
             raise
 
+    def abort(self) -> None:
+        """Drop the stream at once (a failed or stalled peer); the service frees the session when it notices."""
+        self._call.cancel()
+
     async def _drain(self) -> None:
         if self._call.done():
             return
@@ -79,9 +89,8 @@ class _Stream:
 class TargetStream(_Stream):
     peer = "target"
 
-    async def open(self, session_id: str, tokens: Sequence[int], sampling: pb.SamplingParams, mode: int) -> None:
-        msg = pb.TargetOpen(session_id=session_id, tokens=tokens, sampling=sampling, mode=mode)
-        await self._ask(pb.TargetRequest(open=msg))
+    async def open(self, open_msg: pb.TargetOpen) -> None:
+        await self._ask(pb.TargetRequest(open=open_msg))
 
     async def verify(self, position: int, draft_tokens: Sequence[int], draft_probs: pb.DraftProbs | None):
         msg = pb.VerifyRequest(position=position, draft_tokens=draft_tokens)
@@ -134,20 +143,11 @@ class ServiceClient:
         await self.channel.close()
 
 
-def target_client(address: str) -> ServiceClient:
-    channel = open_channel(address)
+def target_client(address: str, tls: ClientTls | None = None) -> ServiceClient:
+    channel = open_channel(address, tls)
     return ServiceClient(address, channel, pb_grpc.TargetServiceStub(channel))
 
 
-def draft_client(address: str) -> ServiceClient:
-    channel = open_channel(address)
+def draft_client(address: str, tls: ClientTls | None = None) -> ServiceClient:
+    channel = open_channel(address, tls)
     return ServiceClient(address, channel, pb_grpc.DraftServiceStub(channel))
-
-
-def start_target_stream(client: ServiceClient) -> TargetStream:
-    return TargetStream(client.stub.Session())
-
-
-def start_draft_stream(client: ServiceClient) -> DraftStream:
-    return DraftStream(client.stub.Session())
-

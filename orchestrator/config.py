@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from draft_service.drafter import DrafterKind
 from lmkit.models import DEFAULT_MODEL
+from lmkit.security import ClientTls
+from orchestrator.links import LinkPolicy
 
 # Chosen by measurement on the bundled SmolLM2 target (README, "Choosing the
 # default drafter"): prompt lookup costs ~0 per token and drafts long runs on
@@ -25,9 +27,12 @@ class OrchestratorConfig:
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096
     max_stop_strings: int = 16
+    max_concurrent: int = 64  # generations in flight; beyond it RESOURCE_EXHAUSTED
     ngram_min: int = 2
     ngram_max: int = 4
     connect_timeout_s: float = 120.0
+    link_policy: LinkPolicy = LinkPolicy()
+    peer_tls: ClientTls = ClientTls()  # TLS/mTLS towards the draft and target services
 
     def __post_init__(self) -> None:
         if not self.target_address:
@@ -40,5 +45,7 @@ class OrchestratorConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
+        if self.max_concurrent < 1:
+            raise ValueError(f"--max-concurrent must be >= 1, got {self.max_concurrent}")
         if self.connect_timeout_s <= 0:
             raise ValueError("--connect-timeout-s must be > 0")

@@ -30,15 +30,55 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--draft-threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--layerskip-layers", type=int, default=4, help="--drafter layerskip: layers kept")
+    parser.add_argument("--layerskip-adapter", default="", help="--drafter layerskip: exit adapter from distill")
+    parser.add_argument("--quantize", default="int8", help="--drafter quantized: int8 or int8-weight")
+    parser.add_argument(
+        "--chain", default="ngram,quantized",
+        help="--drafter chain: members tried in order each round (comma-separated drafter names)",
+    )
     return parser
+
+
+def chain_members(args) -> tuple[DrafterKind, ...]:
+    """The --chain flag as drafter kinds (only meaningful with --drafter chain)."""
+    if args.drafter != "chain":
+        return ()
+    try:
+        members = tuple(DrafterKind[name.strip().upper()] for name in args.chain.split(",") if name.strip())
+    except KeyError as exc:
+        raise ValueError(f"--chain: unknown drafter {exc}; use names from {[k.name.lower() for k in DrafterKind]}") from None
+    # demo and bench send no explicit chain: the orchestrator's default chain (n-gram, then the one
+    # model drafter this draft service is started with) is what these flags describe.
+    if len(members) != 2 or members[0] is not DrafterKind.NGRAM or members[1] in (DrafterKind.NGRAM, DrafterKind.CHAIN):
+        raise ValueError("--chain must be ngram followed by one model drafter, e.g. ngram,quantized or ngram,layerskip")
+    return members
+
+
+def self_draft_flags(args) -> list[str]:
+    """serve-draft flags for the self-drafters the chosen drafter (or chain) uses, derived from the target."""
+    kinds = {DrafterKind[args.drafter.upper()], *chain_members(args)}
+    flags = []
+    if DrafterKind.LAYERSKIP in kinds:
+        flags += ["--layerskip-adapter", args.layerskip_adapter] if args.layerskip_adapter else [
+            "--layerskip-layers", str(args.layerskip_layers)
+        ]
+    if DrafterKind.QUANTIZED in kinds:
+        flags += ["--quantize", args.quantize]
+    return flags
 
 
 def service_args(args) -> tuple[list[str], list[str]]:
     common = ["--device", args.device, "--dtype", args.dtype]
     target = ["--model", args.model, "--threads", str(args.target_threads), "--tp", str(args.tp), *common]
     draft = ["--threads", str(args.draft_threads), *common]
+    derived = self_draft_flags(args)
+    if derived and args.draft_model:
+        raise ValueError("self-drafters derive from the target; drop --draft-model for layerskip/quantized")
     if args.draft_model:
         draft += ["--model", args.draft_model]
+    elif derived:
+        draft += ["--model", args.model, *derived]
     return target, draft
 
 

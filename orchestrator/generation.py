@@ -10,25 +10,21 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
+from draft_service.chain import default_chain
 from draft_service.drafter import DrafterKind
 from lmkit import models
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.wire import sampling_to_proto
+from orchestrator import metrics
 from orchestrator.adaptive_k import AdaptiveK, CostModel
-from orchestrator.clients import (
-    ServiceClient,
-    draft_client,
-    start_draft_stream,
-    start_target_stream,
-    target_client,
-)
+from orchestrator.clients import ServiceClient, draft_client, target_client
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detok import IncrementalDetokenizer, StopMatcher
+from orchestrator.links import DraftLink, TargetLink
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from target_service.rejection import VerificationMode
 
@@ -48,6 +44,7 @@ class GenerationRequest:
     drafter: DrafterKind
     draft_probs: bool
     adaptive_k: bool = False  # k is then the per-round upper bound
+    chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
 
 
 @dataclass(frozen=True)
@@ -77,8 +74,8 @@ class Orchestrator:
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
         """Connect to the services, check that they share a vocabulary, load the tokenizer."""
         tokenizer = models.load_tokenizer(config.tokenizer)
-        target = target_client(config.target_address)
-        draft = draft_client(config.draft_address) if config.draft_address else None
+        target = target_client(config.target_address, config.peer_tls)
+        draft = draft_client(config.draft_address, config.peer_tls) if config.draft_address else None
         target_info = await target.fetch_info(config.connect_timeout_s)
         check_pair(
             "tokenizer", config.tokenizer, models.vocab_fingerprint(tokenizer), "target", target_info
@@ -129,18 +126,24 @@ class Orchestrator:
         """Stream committed text; the last event carries the finish reason and stats."""
         start = time.perf_counter()
         stats = LoopStats()
-        session_id = uuid.uuid4().hex
-        use_draft = request.k > 0 and self.draft is not None
         mode = verification_mode(request)
-        target = start_target_stream(self.target)
-        draft = start_draft_stream(self.draft) if use_draft else None
+        sampling = sampling_to_proto(request.sampling)
+        policy = self.config.link_policy
+        target = TargetLink(
+            self.target,
+            lambda sid, tokens: pb.TargetOpen(session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value),
+            policy,
+        )
+        draft = None
+        if request.k > 0 and self.draft is not None:
+            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request), policy)
         try:
-            await target.open(session_id, prompt_ids, sampling_to_proto(request.sampling), mode.value)
             if draft is not None:
-                await draft.open(self._draft_open(session_id, prompt_ids, request))
+                await draft.open(prompt_ids)  # a draft that is down only means no speculation for now
             async for event in self._stream(request, prompt_ids, target, draft, stats):
                 if event.finish is not None:
-                    event = replace(event, stats=self._stats(request, mode, prompt_ids, stats, start))
+                    event = replace(event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft))
+                    metrics.record_generation(stats, draft.fallback_rounds if draft else 0, target.reopens)
                 yield event
         finally:
             await target.close()
@@ -178,10 +181,16 @@ class Orchestrator:
             return_probs=request.draft_probs and not request.sampling.greedy,
             ngram_min=self.config.ngram_min,
             ngram_max=self.config.ngram_max,
+            chain=[kind.value for kind in self._chain(request)],
         )
 
+    def _chain(self, request: GenerationRequest) -> tuple[DrafterKind, ...]:
+        if request.drafter is not DrafterKind.CHAIN:
+            return ()
+        return request.chain or default_chain(self.drafters)
+
     @staticmethod
-    def _stats(request, mode, prompt_ids, stats: LoopStats, start: float) -> pb.GenerationStats:
+    def _stats(request, mode, prompt_ids, stats: LoopStats, start: float, target, draft) -> pb.GenerationStats:
         wall = time.perf_counter() - start
         return pb.GenerationStats(
             prompt_tokens=len(prompt_ids),
@@ -201,6 +210,9 @@ class Orchestrator:
             target_compute_s=stats.target_compute_s,
             adaptive_k=request.adaptive_k,
             mean_k=stats.mean_k,
+            draft_fallback_rounds=draft.fallback_rounds if draft else 0,
+            draft_reattached=draft.reattached if draft else 0,
+            target_reopens=target.reopens,
         )
 
 

@@ -45,13 +45,15 @@ class ServiceProcess:
         return ""
 
 
-def start_service(module: str, name: str, args: list[str], workdir: Path, timeout_s: float = 600.0) -> ServiceProcess:
-    """Run ``python -m module --port 0 ...`` and wait until it serves."""
+def start_service(
+    module: str, name: str, args: list[str], workdir: Path, timeout_s: float = 600.0, port: int = 0
+) -> ServiceProcess:
+    """Run ``python -m module --port PORT ...`` (0: a free one) and wait until it serves."""
     port_file = workdir / f"{name}.port"
     log_path = workdir / f"{name}.log"
     port_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), *args]
-    with log_path.open("w") as log:
+    cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file), *args]
+    with log_path.open("a") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     service = ServiceProcess(name, process, 0, log_path)
     deadline = time.monotonic() + timeout_s

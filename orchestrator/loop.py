@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from orchestrator.adaptive_k import AdaptiveK, CostModel
-from orchestrator.clients import DraftStream, TargetStream
+from orchestrator.links import DraftLink, TargetLink
 
 
 class Finish(enum.Enum):
@@ -42,6 +42,7 @@ class LoopStats:
     target_compute_s: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
     k_per_round: list[int] = field(default_factory=list)
+    drafted_per_round: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -70,8 +71,8 @@ def cut_at_finish(new: Sequence[int], eos_ids: frozenset[int], budget: int) -> t
 async def speculative_decode(
     prompt: Sequence[int],
     config: LoopConfig,
-    target: TargetStream,
-    draft: DraftStream | None,
+    target: TargetLink,
+    draft: DraftLink | None,
     stats: LoopStats,
     controller: AdaptiveK | None = None,
     costs: CostModel | None = None,
@@ -82,7 +83,6 @@ async def speculative_decode(
     learns from every round but the first (which carries the prompt's prefill).
     """
     committed = list(prompt)
-    draft_synced = len(committed)  # the draft holds committed[:draft_synced]
     while True:
         budget = config.max_new_tokens - stats.committed
         room = config.max_context - len(committed)
@@ -95,13 +95,12 @@ async def speculative_decode(
         block_tokens: list[int] = []
         block_probs = None
         draft_s = 0.0
-        if draft is not None and k > 0:
-            block = await draft.propose(draft_synced, committed[draft_synced:], k)
-            draft_synced = len(committed)
+        block = await draft.propose(committed, k) if draft is not None and k > 0 else None
+        if block is not None:
             block_tokens = list(block.tokens)
             block_probs = block.probs if block.HasField("probs") else None
             draft_s = block.compute_us / 1e6
-        result = await target.verify(len(committed), block_tokens, block_probs)
+        result = await target.verify(committed, block_tokens, block_probs)
         target_s = result.compute_us / 1e6
         stats.draft_compute_s += draft_s
         stats.target_compute_s += target_s
@@ -118,6 +117,7 @@ async def speculative_decode(
         stats.committed += len(new)
         stats.accepted_per_round.append(result.accepted)
         stats.k_per_round.append(k)
+        stats.drafted_per_round.append(len(block_tokens))
         if finish is None and len(committed) >= config.max_context:
             finish = Finish.CONTEXT
         yield new, finish

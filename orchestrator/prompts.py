@@ -76,3 +76,57 @@ DEMO_PROMPTS: tuple[DemoPrompt, ...] = (
     DemoPrompt("explain", "open", "Explain why the sky is blue to a ten-year-old."),
     DemoPrompt("advice", "open", "Give three tips for learning to play the guitar."),
 )
+
+
+# Drafter comparison (``specsplit bench --prompt-set drafters``): code edits, where the answer copies
+# most of its input, against free text, where nothing can be copied and only a model drafter helps.
+_PARSER = '''def parse_line(line):
+    parts = line.split(",")
+    name = parts[0].strip()
+    age = int(parts[1])
+    city = parts[2].strip()
+    return {"name": name, "age": age, "city": city}
+
+
+def parse_file(path):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            rows.append(parse_line(line))
+    return rows
+'''
+
+CODE_EDIT_PROMPTS: tuple[DemoPrompt, ...] = (
+    DemoPrompt(
+        "rename-function", "code-edit",
+        "Rename the function `parse_line` to `parse_record` everywhere in this code. Return the full code.\n\n"
+        + _PARSER,
+    ),
+    DemoPrompt(
+        "add-type-hints", "code-edit",
+        "Add Python type hints to every function in this code. Return the full code.\n\n" + _PARSER,
+    ),
+    DemoPrompt(
+        "fix-division", "code-edit",
+        "This code crashes on an empty list. Fix `average` so it returns 0 for an empty list and return "
+        "the whole code.\n\n" + _CODE,
+    ),
+    DemoPrompt(
+        "loop-to-builtin", "code-edit",
+        "Rewrite `largest` to use the built-in max() and `average` to use sum(). Return the whole code.\n\n" + _CODE,
+    ),
+)
+
+FREE_TEXT_PROMPTS: tuple[DemoPrompt, ...] = (
+    DemoPrompt("story-robot", "free-text", "Write a short story about a robot who learns to paint."),
+    DemoPrompt("explain-tides", "free-text", "Explain what causes ocean tides, in simple words."),
+    DemoPrompt("letter", "free-text", "Write a friendly letter inviting a neighbour to a garden party."),
+    DemoPrompt("compare", "free-text", "What are the differences between cats and dogs as pets?"),
+)
+
+PROMPT_SETS: dict[str, tuple[DemoPrompt, ...]] = {
+    "demo": DEMO_PROMPTS,
+    "drafters": CODE_EDIT_PROMPTS + FREE_TEXT_PROMPTS,
+    "code-edit": CODE_EDIT_PROMPTS,
+    "free-text": FREE_TEXT_PROMPTS,
+}

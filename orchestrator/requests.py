@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 
-from draft_service.drafter import DrafterKind
+from draft_service.drafter import DRAFTERS_WITH_PROBS, DrafterKind
 from lmkit import errors
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import sampling_from_proto
@@ -38,8 +38,10 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     if k > 0 and orch.draft is not None and drafter not in orch.drafters:
         available = ", ".join(d.name for d in orch.drafters)
         raise errors.InvalidArgument(f"drafter {drafter.name} is not served by the draft service (it runs {available})")
-    if msg.draft_probs and drafter is not DrafterKind.MODEL:
-        raise errors.InvalidArgument("draft_probs needs the MODEL drafter; other drafters send token ids only")
+    if msg.draft_probs and drafter not in DRAFTERS_WITH_PROBS:
+        names = "/".join(sorted(d.name for d in DRAFTERS_WITH_PROBS))
+        raise errors.InvalidArgument(f"draft_probs needs a {names} drafter; {drafter.name} sends token ids only")
+    chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
     prompt_ids = orch.encode(msg.prompt, msg.chat)
     limit = orch.target.info.max_context
     if limit and len(prompt_ids) >= limit:
@@ -47,8 +49,25 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
             f"the prompt is {len(prompt_ids)} tokens but the model's context is {limit}; shorten the prompt"
         )
     adaptive = msg.adaptive_k if msg.HasField("adaptive_k") else config.default_adaptive_k
-    request = GenerationRequest(msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive)
+    request = GenerationRequest(
+        msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain
+    )
     return request, prompt_ids
+
+
+def _chain(values, drafter: DrafterKind, served: list[DrafterKind] | None) -> tuple[DrafterKind, ...]:
+    """Validate GenerateRequest.chain (``served`` is None when no draft will run)."""
+    if not values:
+        return ()
+    if drafter is not DrafterKind.CHAIN:
+        raise errors.InvalidArgument(f"chain is only for the CHAIN drafter, but drafter is {drafter.name}")
+    chain = tuple(_drafter(v, DrafterKind.CHAIN) for v in values)
+    if DrafterKind.CHAIN in chain or len(set(chain)) != len(chain):
+        raise errors.InvalidArgument("chain must list distinct member drafters (not CHAIN), e.g. [NGRAM, LAYERSKIP]")
+    missing = [d.name for d in chain if served is not None and d not in served]
+    if missing:
+        raise errors.InvalidArgument(f"chain members {missing} are not served by the draft service")
+    return chain
 
 
 def _drafter(value: int, default: DrafterKind) -> DrafterKind:

@@ -7,11 +7,23 @@ import logging
 
 from draft_service.drafter import DrafterKind
 from lmkit import models
-from lmkit.grpc_server import create_server, serve_until_signal, set_serving, start_in_process, write_port_file
+from lmkit.grpc_server import (
+    add_servicer,
+    add_tls_flags,
+    create_server,
+    serve_until_signal,
+    server_tls,
+    set_serving,
+    start_in_process,
+    write_port_file,
+)
+from lmkit.metrics import serve_metrics
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from lmkit.security import BearerTokenInterceptor, ClientTls, load_token
 from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
 from orchestrator.generation import Orchestrator
+from orchestrator.links import LinkPolicy
 from orchestrator.servicer import GeneratorServicer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
@@ -35,6 +47,11 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--connect-timeout-s", type=float, default=120.0, help="wait this long for the services")
+    parser.add_argument("--max-concurrent", type=int, default=64,
+                        help="generations in flight at most; more get RESOURCE_EXHAUSTED")
+    parser.add_argument("--draft-timeout-s", type=float, default=5.0, help="a propose slower than this drops the draft")
+    parser.add_argument("--target-deadline-s", type=float, default=30.0,
+                        help="a target down this long fails in-flight generations with UNAVAILABLE")
 
 
 def config_from_args(args) -> OrchestratorConfig:
@@ -49,6 +66,9 @@ def config_from_args(args) -> OrchestratorConfig:
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         connect_timeout_s=args.connect_timeout_s,
+        max_concurrent=args.max_concurrent,
+        peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
+        link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, target_deadline_s=args.target_deadline_s),
     )
 
 
@@ -58,24 +78,39 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind; 0 picks a free one")
     parser.add_argument("--port-file", default="", help="write the bound port here once serving")
     parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight generations get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
+    add_tls_flags(parser)
+    parser.add_argument("--peer-tls-ca", default="", help="CA that signed the draft/target certificates (TLS to them)")
+    parser.add_argument("--peer-tls-cert", default="", help="our client certificate for mTLS to draft/target")
+    parser.add_argument("--peer-tls-key", default="", help="private key of --peer-tls-cert")
+    parser.add_argument("--auth-token-file", default="",
+                        help="require `authorization: Bearer <token>` on Generate (file content; or SPECSPLIT_AUTH_TOKEN)")
     add_orchestrator_flags(parser)
     return parser
 
 
-async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0"):
+async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0", token: str = ""):
     """An in-process public server over a connected orchestrator; returns (server, port)."""
     servicer = GeneratorServicer(orchestrator)
-    return await start_in_process(servicer, pb_grpc.add_GeneratorServicer_to_server, SERVICE_NAME, address)
+    interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
+    return await start_in_process(
+        servicer, pb_grpc.add_GeneratorServicer_to_server, SERVICE_NAME, address, interceptors=interceptors
+    )
 
 
 async def serve(args) -> None:
     config = config_from_args(args)
-    server, port, health = create_server(f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection)
+    serve_metrics(args.metrics_port, args.host, "orchestrator")
+    token = load_token(args.auth_token_file)
+    interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
+    server, port, health = create_server(
+        f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection, server_tls(args), interceptors
+    )
     await set_serving(health, [SERVICE_NAME], False)
     orchestrator = await Orchestrator.connect(config)
-    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(orchestrator), server)
+    add_servicer(pb_grpc.add_GeneratorServicer_to_server, GeneratorServicer(orchestrator), server)
     await server.start()
     await set_serving(health, [SERVICE_NAME], True)
     write_port_file(args.port_file, port)

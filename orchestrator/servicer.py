@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -10,6 +11,7 @@ from lmkit import errors
 from lmkit.grpc_server import status_for
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from orchestrator import metrics
 from orchestrator.clients import PeerError
 from orchestrator.generation import Orchestrator
 from orchestrator.requests import parse_request
@@ -29,8 +31,18 @@ _PASS_THROUGH = {
 class GeneratorServicer(pb_grpc.GeneratorServicer):
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orch = orchestrator
+        self.active = 0  # generations in flight; bounded by config.max_concurrent
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        limit = self.orch.config.max_concurrent
+        if self.active >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the orchestrator is serving its maximum of {limit} concurrent generations; retry with backoff",
+            )
+        self.active += 1
+        metrics.ACTIVE.inc()
+        code = grpc.StatusCode.OK
         try:
             parsed, prompt_ids = parse_request(request, self.orch)
             async for event in self.orch.generate(parsed, prompt_ids):
@@ -42,8 +54,16 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                     response.stats.CopyFrom(event.stats)
                 yield response
         except errors.SpecsplitError as exc:
-            await context.abort(status_for(exc), str(exc))
+            code = status_for(exc)
+            await context.abort(code, str(exc))
         except PeerError as exc:
             code = exc.code if exc.code in _PASS_THROUGH else grpc.StatusCode.INTERNAL
             log.warning("generation failed: %s", exc)
             await context.abort(code, str(exc))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.active -= 1
+            metrics.ACTIVE.dec()
+            metrics.REQUESTS.labels(code.name).inc()

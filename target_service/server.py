@@ -12,7 +12,7 @@ import sys
 import torch
 
 from lmkit import models
-from lmkit.grpc_server import ComputeThread, add_common_flags, run_service, start_in_process
+from lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.sessions import SessionLimits
@@ -63,6 +63,7 @@ async def serve(args) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (1 when a tensor-parallel rank was lost)."""
     compute = ComputeThread("target-compute")
     servicer = TargetServicer(compute, tp_degree=args.tp, device=f"{args.device}/{args.dtype}")
+    servicer.session_ttl_s = args.session_ttl_s
     leaders: list[tp.Leader] = []
 
     def load():
@@ -70,7 +71,9 @@ async def serve(args) -> int:
         leaders.extend([leader] if leader else [])
         return lambda: servicer.attach(engine)
 
-    await run_service(args, SERVICE_NAME, lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s), load)
+    await run_service(
+        args, SERVICE_NAME, lambda s: add_servicer(pb_grpc.add_TargetServiceServicer_to_server, servicer, s), load, servicer
+    )
     broken = any(leader.broken for leader in leaders)
     if leaders and not broken:
         try:

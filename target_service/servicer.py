@@ -51,7 +51,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         engine: TargetEngine = await self._require_engine(context)
         session = None
         try:
-            async for request in request_iterator:
+            async for request in self.session_requests(context):
                 kind = request.WhichOneof("kind")
                 if session is None:
                     if kind != "open":

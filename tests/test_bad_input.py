@@ -154,7 +154,7 @@ PUBLIC_CASES = {
     "prompt longer than context": (pb.GenerateRequest(prompt="word " * 700), ["context is 512"]),
     "empty stop string": (pb.GenerateRequest(prompt="hi", stop=[""]), ["stop"]),
     "probs without a model drafter": (
-        pb.GenerateRequest(prompt="hi", draft_probs=True, drafter=pb.DRAFTER_KIND_NGRAM), ["MODEL drafter"]),
+        pb.GenerateRequest(prompt="hi", draft_probs=True, drafter=pb.DRAFTER_KIND_NGRAM), ["draft_probs needs"]),
 }
 
 

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
@@ -85,3 +86,27 @@ def test_many_sequential_sessions_leave_nothing_behind(public_api, tiny_services
     run_async(go())
     assert tiny_services.target_engine.sessions.stats()[1] - opened_before == 10
     assert active(tiny_services) == (0, 0)
+
+
+def test_idle_sessions_are_evicted_after_the_ttl(tiny_services):
+    from target_service.servicer import TargetServicer
+
+    async def go():
+        async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
+            call = pb_grpc.TargetServiceStub(channel).Session()
+            await call.write(pb.TargetRequest(open=pb.TargetOpen(
+                session_id="idle", tokens=[1, 2], sampling=pb.SamplingParams(), mode=pb.VERIFICATION_MODE_GREEDY)))
+            await call.read()
+            held = tiny_services.target_engine.sessions.stats()[0]
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()  # nothing sent: the TTL runs out
+            return held, info.value
+
+    TargetServicer.session_ttl_s = 0.5
+    try:
+        held, error = run_async(go())
+    finally:
+        TargetServicer.session_ttl_s = 300.0
+    assert held == 1
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "evicted" in error.details()
+    assert wait_for_zero(tiny_services) == (0, 0)

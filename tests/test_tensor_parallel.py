@@ -23,6 +23,7 @@ from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
 from orchestrator.launcher import start_service
+from orchestrator.links import LinkPolicy
 from target_service.tp import check_divisible
 from tests.conftest import run_async
 from tests.test_greedy_e2e import reference_greedy
@@ -116,7 +117,8 @@ def test_killing_a_rank_takes_the_target_down_and_the_client_sees_unavailable(
         ["--model", str(tiny_target_dir), "--tp", "2", "--grace-s", "1", "--tp-timeout-s", "20"], tmp_path, 300,
     )
     try:
-        config = OrchestratorConfig(target.address, tiny_services.draft_address, str(tiny_target_dir))
+        config = OrchestratorConfig(target.address, tiny_services.draft_address, str(tiny_target_dir),
+                                    link_policy=LinkPolicy(target_deadline_s=5.0))
         orch = background_loop.run(Orchestrator.connect(config))
         server, port = background_loop.run(start_server(orch))
         assert run_async(health(target.address)) == "SERVING"

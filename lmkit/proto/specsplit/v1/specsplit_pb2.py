@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecsplit/v1/specsplit.proto\x12\x0cspecsplit.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"p\n\nDraftProbs\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0e\n\x06sparse\x18\x03 \x01(\x08\x12\x0e\n\x06values\x18\x04 \x01(\x0c\x12\x0f\n\x07indices\x18\x05 \x01(\x0c\x12\x0f\n\x07row_nnz\x18\x06 \x03(\r\"\xc4\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x11\n\tmax_block\x18\x05 \x01(\r\x12+\n\x08\x64rafters\x18\x06 \x03(\x0e\x32\x19.specsplit.v1.DrafterKind\x12\x11\n\ttp_degree\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\"\r\n\x0bInfoRequest\"\x0e\n\x0cStatsRequest\"Q\n\rStatsResponse\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"K\n\x0cSessionState\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\"\xc7\x01\n\tDraftOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12*\n\x07\x64rafter\x18\x04 \x01(\x0e\x32\x19.specsplit.v1.DrafterKind\x12\x14\n\x0creturn_probs\x18\x05 \x01(\x08\x12\x11\n\tngram_min\x18\x06 \x01(\r\x12\x11\n\tngram_max\x18\x07 \x01(\r\"=\n\x0eProposeRequest\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\r\"p\n\x0c\x44raftRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.DraftOpenH\x00\x12/\n\x07propose\x18\x02 \x01(\x0b\x32\x1c.specsplit.v1.ProposeRequestH\x00\x42\x06\n\x04kind\"k\n\nDraftBlock\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\'\n\x05probs\x18\x03 \x01(\x0b\x32\x18.specsplit.v1.DraftProbs\x12\x12\n\ncompute_us\x18\x04 \x01(\x04\"p\n\rDraftResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.SessionStateH\x00\x12)\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x18.specsplit.v1.DraftBlockH\x00\x42\x06\n\x04kind\"\x8e\x01\n\nTargetOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12,\n\x04mode\x18\x04 \x01(\x0e\x32\x1e.specsplit.v1.VerificationMode\"f\n\rVerifyRequest\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12-\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x18.specsplit.v1.DraftProbs\"p\n\rTargetRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.specsplit.v1.TargetOpenH\x00\x12-\n\x06verify\x18\x02 \x01(\x0b\x32\x1b.specsplit.v1.VerifyRequestH\x00\x42\x06\n\x04kind\"Z\n\x0cVerifyResult\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x12\n\ncompute_us\x18\x04 \x01(\x04\"t\n\x0eTargetResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.SessionStateH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.VerifyResultH\x00\x42\x06\n\x04kind\"\xb6\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0c\n\x04\x63hat\x18\x02 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0e\n\x01k\x18\x06 \x01(\rH\x01\x88\x01\x01\x12*\n\x07\x64rafter\x18\x08 \x01(\x0e\x32\x19.specsplit.v1.DrafterKind\x12\x13\n\x0b\x64raft_probs\x18\t \x01(\x08\x12\x18\n\x10return_token_ids\x18\n \x01(\x08\x12\x17\n\nadaptive_k\x18\x0b \x01(\x08H\x02\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x04\n\x02_kB\r\n\x0b_adaptive_k\"\xa4\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x12\n\nnew_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x02\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x02\x12\x0e\n\x06wall_s\x18\t \x01(\x02\x12\t\n\x01k\x18\n \x01(\r\x12*\n\x07\x64rafter\x18\x0b \x01(\x0e\x32\x19.specsplit.v1.DrafterKind\x12,\n\x04mode\x18\x0c \x01(\x0e\x32\x1e.specsplit.v1.VerificationMode\x12\x0c\n\x04seed\x18\r \x01(\x04\x12\x17\n\x0f\x64raft_compute_s\x18\x0e \x01(\x02\x12\x18\n\x10target_compute_s\x18\x0f \x01(\x02\x12\x12\n\nadaptive_k\x18\x10 \x01(\x08\x12\x0e\n\x06mean_k\x18\x11 \x01(\x02\"\x94\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specsplit.v1.FinishReason\x12,\n\x05stats\x18\x04 \x01(\x0b\x32\x1d.specsplit.v1.GenerationStats*\x98\x01\n\x10VerificationMode\x12!\n\x1dVERIFICATION_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18VERIFICATION_MODE_GREEDY\x10\x01\x12 \n\x1cVERIFICATION_MODE_TOKEN_ONLY\x10\x02\x12!\n\x1dVERIFICATION_MODE_DRAFT_PROBS\x10\x03*[\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFTER_KIND_MODEL\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x02*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\x9f\x02\n\x0c\x44raftService\x12:\n\x04Info\x12\x19.specsplit.v1.InfoRequest\x1a\x17.specsplit.v1.ModelInfo\x12@\n\x05Stats\x12\x1a.specsplit.v1.StatsRequest\x1a\x1b.specsplit.v1.StatsResponse\x12I\n\nGetSession\x12\x1f.specsplit.v1.GetSessionRequest\x1a\x1a.specsplit.v1.SessionState\x12\x46\n\x07Session\x12\x1a.specsplit.v1.DraftRequest\x1a\x1b.specsplit.v1.DraftResponse(\x01\x30\x01\x32\xa2\x02\n\rTargetService\x12:\n\x04Info\x12\x19.specsplit.v1.InfoRequest\x1a\x17.specsplit.v1.ModelInfo\x12@\n\x05Stats\x12\x1a.specsplit.v1.StatsRequest\x1a\x1b.specsplit.v1.StatsResponse\x12I\n\nGetSession\x12\x1f.specsplit.v1.GetSessionRequest\x1a\x1a.specsplit.v1.SessionState\x12H\n\x07Session\x12\x1b.specsplit.v1.TargetRequest\x1a\x1c.specsplit.v1.TargetResponse(\x01\x30\x01\x32X\n\tGenerator\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecsplit/v1/specsplit.proto\x12\x0cspecsplit.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"p\n\nDraftProbs\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0e\n\x06sparse\x18\x03 \x01(\x08\x12\x0e\n\x06values\x18\x04 \x01(\x0c\x12\x0f\n\x07indices\x18\x05 \x01(\x0c\x12\x0f\n\x07row_nnz\x18\x06 \x03(\r\"\xc4\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x11\n\tmax_block\x18\x05 \x01(\r\x12+\n\x08\x64rafters\x18\x06 \x03(\x0e\x32\x19.specsplit.v1.DrafterKind\x12\x11\n\ttp_degree\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\"\r\n\x0bInfoRequest\"\x0e\n\x0cStatsRequest\"Q\n\rStatsResponse\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x17\n\x0fsessions_opened\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"K\n\x0cSessionState\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\"\xf1\x01\n\tDraftOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12*\n\x07\x64rafter\x18\x04 \x01(\x0e\x32\x19.specsplit.v1.DrafterKind\x12\x14\n\x0creturn_probs\x18\x05 \x01(\x08\x12\x11\n\tngram_min\x18\x06 \x01(\r\x12\x11\n\tngram_max\x18\x07 \x01(\r\x12(\n\x05\x63hain\x18\x08 \x03(\x0e\x32\x19.specsplit.v1.DrafterKind\"=\n\x0eProposeRequest\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\r\"p\n\x0c\x44raftRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.DraftOpenH\x00\x12/\n\x07propose\x18\x02 \x01(\x0b\x32\x1c.specsplit.v1.ProposeRequestH\x00\x42\x06\n\x04kind\"k\n\nDraftBlock\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\'\n\x05probs\x18\x03 \x01(\x0b\x32\x18.specsplit.v1.DraftProbs\x12\x12\n\ncompute_us\x18\x04 \x01(\x04\"p\n\rDraftResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.SessionStateH\x00\x12)\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x18.specsplit.v1.DraftBlockH\x00\x42\x06\n\x04kind\"\x8e\x01\n\nTargetOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12,\n\x04mode\x18\x04 \x01(\x0e\x32\x1e.specsplit.v1.VerificationMode\"f\n\rVerifyRequest\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12-\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x18.specsplit.v1.DraftProbs\"p\n\rTargetRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.specsplit.v1.TargetOpenH\x00\x12-\n\x06verify\x18\x02 \x01(\x0b\x32\x1b.specsplit.v1.VerifyRequestH\x00\x42\x06\n\x04kind\"Z\n\x0cVerifyResult\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x12\n\ncompute_us\x18\x04 \x01(\x04\"t\n\x0eTargetResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.SessionStateH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.VerifyResultH\x00\x42\x06\n\x04kind\"\xe0\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0c\n\x04\x63hat\x18\x02 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0e\n\x01k\x18\x06 \x01(\rH\x01\x88\x01\x01\x12*\n\x07\x64rafter\x18\x08 \x01(\x0e\x32\x19.specsplit.v1.DrafterKind\x12\x13\n\x0b\x64raft_probs\x18\t \x01(\x08\x12\x18\n\x10return_token_ids\x18\n \x01(\x08\x12\x17\n\nadaptive_k\x18\x0b \x01(\x08H\x02\x88\x01\x01\x12(\n\x05\x63hain\x18\x0c \x03(\x0e\x32\x19.specsplit.v1.DrafterKindB\x11\n\x0f_max_new_tokensB\x04\n\x02_kB\r\n\x0b_adaptive_k\"\xf5\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x12\n\nnew_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x02\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x02\x12\x0e\n\x06wall_s\x18\t \x01(\x02\x12\t\n\x01k\x18\n \x01(\r\x12*\n\x07\x64rafter\x18\x0b \x01(\x0e\x32\x19.specsplit.v1.DrafterKind\x12,\n\x04mode\x18\x0c \x01(\x0e\x32\x1e.specsplit.v1.VerificationMode\x12\x0c\n\x04seed\x18\r \x01(\x04\x12\x17\n\x0f\x64raft_compute_s\x18\x0e \x01(\x02\x12\x18\n\x10target_compute_s\x18\x0f \x01(\x02\x12\x12\n\nadaptive_k\x18\x10 \x01(\x08\x12\x0e\n\x06mean_k\x18\x11 \x01(\x02\x12\x1d\n\x15\x64raft_fallback_rounds\x18\x12 \x01(\r\x12\x18\n\x10\x64raft_reattached\x18\x13 \x01(\r\x12\x16\n\x0etarget_reopens\x18\x14 \x01(\r\"\x94\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specsplit.v1.FinishReason\x12,\n\x05stats\x18\x04 \x01(\x0b\x32\x1d.specsplit.v1.GenerationStats*\x98\x01\n\x10VerificationMode\x12!\n\x1dVERIFICATION_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18VERIFICATION_MODE_GREEDY\x10\x01\x12 \n\x1cVERIFICATION_MODE_TOKEN_ONLY\x10\x02\x12!\n\x1dVERIFICATION_MODE_DRAFT_PROBS\x10\x03*\xab\x01\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFTER_KIND_MODEL\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x02\x12\x1a\n\x16\x44RAFTER_KIND_LAYERSKIP\x10\x03\x12\x1a\n\x16\x44RAFTER_KIND_QUANTIZED\x10\x04\x12\x16\n\x12\x44RAFTER_KIND_CHAIN\x10\x05*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\x9f\x02\n\x0c\x44raftService\x12:\n\x04Info\x12\x19.specsplit.v1.InfoRequest\x1a\x17.specsplit.v1.ModelInfo\x12@\n\x05Stats\x12\x1a.specsplit.v1.StatsRequest\x1a\x1b.specsplit.v1.StatsResponse\x12I\n\nGetSession\x12\x1f.specsplit.v1.GetSessionRequest\x1a\x1a.specsplit.v1.SessionState\x12\x46\n\x07Session\x12\x1a.specsplit.v1.DraftRequest\x1a\x1b.specsplit.v1.DraftResponse(\x01\x30\x01\x32\xa2\x02\n\rTargetService\x12:\n\x04Info\x12\x19.specsplit.v1.InfoRequest\x1a\x17.specsplit.v1.ModelInfo\x12@\n\x05Stats\x12\x1a.specsplit.v1.StatsRequest\x1a\x1b.specsplit.v1.StatsResponse\x12I\n\nGetSession\x12\x1f.specsplit.v1.GetSessionRequest\x1a\x1a.specsplit.v1.SessionState\x12H\n\x07Session\x12\x1b.specsplit.v1.TargetRequest\x1a\x1c.specsplit.v1.TargetResponse(\x01\x30\x01\x32X\n\tGenerator\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.specsplit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFICATIONMODE']._serialized_start=2766
-  _globals['_VERIFICATIONMODE']._serialized_end=2918
-  _globals['_DRAFTERKIND']._serialized_start=2920
-  _globals['_DRAFTERKIND']._serialized_end=3011
-  _globals['_FINISHREASON']._serialized_start=3014
-  _globals['_FINISHREASON']._serialized_end=3166
+  _globals['_VERIFICATIONMODE']._serialized_start=2931
+  _globals['_VERIFICATIONMODE']._serialized_end=3083
+  _globals['_DRAFTERKIND']._serialized_start=3086
+  _globals['_DRAFTERKIND']._serialized_end=3257
+  _globals['_FINISHREASON']._serialized_start=3260
+  _globals['_FINISHREASON']._serialized_end=3412
   _globals['_SAMPLINGPARAMS']._serialized_start=46
   _globals['_SAMPLINGPARAMS']._serialized_end=156
   _globals['_DRAFTPROBS']._serialized_start=158
@@ -54,35 +54,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONSTATE']._serialized_start=626
   _globals['_SESSIONSTATE']._serialized_end=701
   _globals['_DRAFTOPEN']._serialized_start=704
-  _globals['_DRAFTOPEN']._serialized_end=903
-  _globals['_PROPOSEREQUEST']._serialized_start=905
-  _globals['_PROPOSEREQUEST']._serialized_end=966
-  _globals['_DRAFTREQUEST']._serialized_start=968
-  _globals['_DRAFTREQUEST']._serialized_end=1080
-  _globals['_DRAFTBLOCK']._serialized_start=1082
-  _globals['_DRAFTBLOCK']._serialized_end=1189
-  _globals['_DRAFTRESPONSE']._serialized_start=1191
-  _globals['_DRAFTRESPONSE']._serialized_end=1303
-  _globals['_TARGETOPEN']._serialized_start=1306
-  _globals['_TARGETOPEN']._serialized_end=1448
-  _globals['_VERIFYREQUEST']._serialized_start=1450
-  _globals['_VERIFYREQUEST']._serialized_end=1552
-  _globals['_TARGETREQUEST']._serialized_start=1554
-  _globals['_TARGETREQUEST']._serialized_end=1666
-  _globals['_VERIFYRESULT']._serialized_start=1668
-  _globals['_VERIFYRESULT']._serialized_end=1758
-  _globals['_TARGETRESPONSE']._serialized_start=1760
-  _globals['_TARGETRESPONSE']._serialized_end=1876
-  _globals['_GENERATEREQUEST']._serialized_start=1879
-  _globals['_GENERATEREQUEST']._serialized_end=2189
-  _globals['_GENERATIONSTATS']._serialized_start=2192
-  _globals['_GENERATIONSTATS']._serialized_end=2612
-  _globals['_GENERATERESPONSE']._serialized_start=2615
-  _globals['_GENERATERESPONSE']._serialized_end=2763
-  _globals['_DRAFTSERVICE']._serialized_start=3169
-  _globals['_DRAFTSERVICE']._serialized_end=3456
-  _globals['_TARGETSERVICE']._serialized_start=3459
-  _globals['_TARGETSERVICE']._serialized_end=3749
-  _globals['_GENERATOR']._serialized_start=3751
-  _globals['_GENERATOR']._serialized_end=3839
+  _globals['_DRAFTOPEN']._serialized_end=945
+  _globals['_PROPOSEREQUEST']._serialized_start=947
+  _globals['_PROPOSEREQUEST']._serialized_end=1008
+  _globals['_DRAFTREQUEST']._serialized_start=1010
+  _globals['_DRAFTREQUEST']._serialized_end=1122
+  _globals['_DRAFTBLOCK']._serialized_start=1124
+  _globals['_DRAFTBLOCK']._serialized_end=1231
+  _globals['_DRAFTRESPONSE']._serialized_start=1233
+  _globals['_DRAFTRESPONSE']._serialized_end=1345
+  _globals['_TARGETOPEN']._serialized_start=1348
+  _globals['_TARGETOPEN']._serialized_end=1490
+  _globals['_VERIFYREQUEST']._serialized_start=1492
+  _globals['_VERIFYREQUEST']._serialized_end=1594
+  _globals['_TARGETREQUEST']._serialized_start=1596
+  _globals['_TARGETREQUEST']._serialized_end=1708
+  _globals['_VERIFYRESULT']._serialized_start=1710
+  _globals['_VERIFYRESULT']._serialized_end=1800
+  _globals['_TARGETRESPONSE']._serialized_start=1802
+  _globals['_TARGETRESPONSE']._serialized_end=1918
+  _globals['_GENERATEREQUEST']._serialized_start=1921
+  _globals['_GENERATEREQUEST']._serialized_end=2273
+  _globals['_GENERATIONSTATS']._serialized_start=2276
+  _globals['_GENERATIONSTATS']._serialized_end=2777
+  _globals['_GENERATERESPONSE']._serialized_start=2780
+  _globals['_GENERATERESPONSE']._serialized_end=2928
+  _globals['_DRAFTSERVICE']._serialized_start=3415
+  _globals['_DRAFTSERVICE']._serialized_end=3702
+  _globals['_TARGETSERVICE']._serialized_start=3705
+  _globals['_TARGETSERVICE']._serialized_end=3995
+  _globals['_GENERATOR']._serialized_start=3997
+  _globals['_GENERATOR']._serialized_end=4085
 # @@protoc_insertion_point(module_scope)

@@ -19,6 +19,9 @@ class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_KIND_UNSPECIFIED: _ClassVar[DrafterKind]
     DRAFTER_KIND_MODEL: _ClassVar[DrafterKind]
     DRAFTER_KIND_NGRAM: _ClassVar[DrafterKind]
+    DRAFTER_KIND_LAYERSKIP: _ClassVar[DrafterKind]
+    DRAFTER_KIND_QUANTIZED: _ClassVar[DrafterKind]
+    DRAFTER_KIND_CHAIN: _ClassVar[DrafterKind]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +37,9 @@ VERIFICATION_MODE_DRAFT_PROBS: VerificationMode
 DRAFTER_KIND_UNSPECIFIED: DrafterKind
 DRAFTER_KIND_MODEL: DrafterKind
 DRAFTER_KIND_NGRAM: DrafterKind
+DRAFTER_KIND_LAYERSKIP: DrafterKind
+DRAFTER_KIND_QUANTIZED: DrafterKind
+DRAFTER_KIND_CHAIN: DrafterKind
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -123,7 +129,7 @@ class SessionState(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "drafter", "return_probs", "ngram_min", "ngram_max")
+    __slots__ = ("session_id", "tokens", "sampling", "drafter", "return_probs", "ngram_min", "ngram_max", "chain")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +137,7 @@ class DraftOpen(_message.Message):
     RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
     NGRAM_MIN_FIELD_NUMBER: _ClassVar[int]
     NGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -138,7 +145,8 @@ class DraftOpen(_message.Message):
     return_probs: bool
     ngram_min: int
     ngram_max: int
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ...) -> None: ...
+    chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("position", "tokens", "k")
@@ -229,7 +237,7 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k")
+    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +248,7 @@ class GenerateRequest(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: bool
     max_new_tokens: int
@@ -250,10 +259,11 @@ class GenerateRequest(_message.Message):
     draft_probs: bool
     return_token_ids: bool
     adaptive_k: bool
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ...) -> None: ...
+    chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k")
+    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +281,9 @@ class GenerationStats(_message.Message):
     TARGET_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     MEAN_K_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REATTACHED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REOPENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     new_tokens: int
     rounds: int
@@ -288,7 +301,10 @@ class GenerationStats(_message.Message):
     target_compute_s: float
     adaptive_k: bool
     mean_k: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ...) -> None: ...
+    draft_fallback_rounds: int
+    draft_reattached: int
+    target_reopens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

@@ -1,0 +1,78 @@
+"""A drafter chain: several drafters over one session, tried in a fixed order each round.
+
+Rule: each round the members are asked in order and the first non-empty
+proposal is the block (e.g. ``[NGRAM, LAYERSKIP]``: copy from the context when
+the suffix matches, otherwise run the layer-skip model). Every member sees every
+committed token, so whichever answers next round starts from the same context;
+model members crop their caches lazily, so a member that sat out a few rounds
+only catches up (one forward over the missed tokens) when it is next asked.
+
+Chains send token ids only (no draft probabilities): a block's distribution
+would depend on which member answered.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from draft_service.drafter import DraftBlock, Drafter, DrafterKind
+
+
+class ChainDrafter(Drafter):
+    def __init__(self, members: Sequence[tuple[DrafterKind, Drafter]]) -> None:
+        if not members:
+            raise ValueError("a drafter chain needs at least one member")
+        positions = {drafter.position for _, drafter in members}
+        if len(positions) != 1:
+            raise ValueError(f"chain members hold different contexts: {sorted(positions)}")
+        self.members = list(members)
+        self.last_kind: DrafterKind | None = None  # which member drafted the latest block
+        self.blocks_by_kind: dict[DrafterKind, int] = {kind: 0 for kind, _ in members}
+
+    @property
+    def position(self) -> int:
+        return self.members[0][1].position
+
+    @property
+    def cached_tokens(self) -> int:
+        return max((getattr(d, "cached_tokens", 0) for _, d in self.members), default=0)
+
+    def rollback(self, position: int) -> None:
+        for _, drafter in self.members:
+            drafter.rollback(position)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for _, drafter in self.members:
+            drafter.extend(tokens)
+
+    def propose(self, k: int) -> DraftBlock:
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        self.last_kind = None
+        if k == 0:
+            return DraftBlock(tokens=[])
+        for kind, drafter in self.members:
+            block = drafter.propose(k)
+            if block.tokens:
+                self.last_kind = kind
+                self.blocks_by_kind[kind] += 1
+                return DraftBlock(tokens=list(block.tokens))
+        return DraftBlock(tokens=[])
+
+    def close(self) -> None:
+        for _, drafter in self.members:
+            drafter.close()
+
+
+# Model-backed drafters in order of preference as the fallback behind n-gram lookup.
+_FALLBACK_ORDER = (DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED, DrafterKind.MODEL)
+
+
+def default_chain(available: Sequence[DrafterKind]) -> tuple[DrafterKind, ...]:
+    """The chain used when CHAIN is asked for without members: n-gram, then the first model drafter served.
+
+    Prompt lookup costs ~0 and is right where the output copies its input; the
+    model drafter covers the rounds where nothing matches.
+    """
+    fallback = next((kind for kind in _FALLBACK_ORDER if kind in available), None)
+    return (DrafterKind.NGRAM,) if fallback is None else (DrafterKind.NGRAM, fallback)

@@ -1,0 +1,182 @@
+"""Fault-tolerant links from one generation to its draft and target sessions.
+
+Services hold caches, never truth: the orchestrator's committed tokens are the
+truth, so a lost session is rebuilt by opening a new one with them.
+
+* ``DraftLink``: a draft that fails, stalls past its deadline or is
+  unreachable is dropped for the round (the target decodes on its own, k = 0)
+  and re-attached, re-prefilled from the committed tokens, once it answers
+  again. Speculation is an optimisation; its loss never fails a generation.
+* ``TargetLink``: a target that restarts or drops the session is re-opened
+  from the committed tokens and the same block is verified again; only a
+  target that stays down past its deadline fails the generation (UNAVAILABLE).
+
+A failed round commits nothing, so no token is lost, duplicated or retracted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import grpc
+
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from orchestrator.clients import DraftStream, PeerError, ServiceClient, TargetStream
+
+log = logging.getLogger(__name__)
+
+# Codes after which a new session may succeed (restart, eviction, a stall). RESOURCE_EXHAUSTED goes to the client.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+}
+
+
+@dataclass(frozen=True)
+class LinkPolicy:
+    draft_timeout_s: float = 5.0  # one propose; past it the draft is dropped for now
+    draft_retry_s: float = 1.0  # wait between re-attach attempts
+    target_timeout_s: float = 120.0  # one verify (a long prompt's prefill on a CPU is slow)
+    target_deadline_s: float = 30.0  # how long a target may stay down before the client hears UNAVAILABLE
+    target_retry_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("draft_timeout_s", "draft_retry_s", "target_timeout_s", "target_deadline_s", "target_retry_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class TargetLink:
+    def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
+                 policy: LinkPolicy) -> None:
+        self._client = client
+        self._open_msg = open_msg
+        self._policy = policy
+        self._stream: TargetStream | None = None
+        self._opened = 0
+
+    @property
+    def reopens(self) -> int:
+        """Sessions opened after the first (target restarts or evictions survived)."""
+        return max(self._opened - 1, 0)
+
+    async def open(self, committed: Sequence[int]) -> None:
+        stream = TargetStream(self._client.stub.Session())
+        try:
+            await asyncio.wait_for(stream.open(self._open_msg(_new_id(), committed)), self._policy.target_timeout_s)
+        except BaseException:
+            stream.abort()
+            raise
+        self._stream = stream
+        self._opened += 1
+
+    async def verify(self, committed: Sequence[int], tokens: Sequence[int], probs) -> pb.VerifyResult:
+        """Verify a block at len(committed), re-opening the session until the deadline if the target fails."""
+        deadline = time.monotonic() + self._policy.target_deadline_s
+        while True:
+            try:
+                if self._stream is None:
+                    await self.open(committed)
+                call = self._stream.verify(len(committed), tokens, probs)
+                return await asyncio.wait_for(call, self._policy.target_timeout_s)
+            except (PeerError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
+                    raise
+                self.abort()
+                if time.monotonic() > deadline:
+                    reason = exc.details if isinstance(exc, PeerError) else "timed out"
+                    raise PeerError(
+                        "target", grpc.StatusCode.UNAVAILABLE,
+                        f"the target at {self._client.address} stayed unavailable for "
+                        f"{self._policy.target_deadline_s:.0f} s ({reason})",
+                    ) from None
+                log.warning("target failed (%s); re-opening the session from %d committed tokens", exc, len(committed))
+                await asyncio.sleep(self._policy.target_retry_s)
+
+    def abort(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            stream.abort()
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.close()
+
+
+class DraftLink:
+    def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
+                 policy: LinkPolicy) -> None:
+        self._client = client
+        self._open_msg = open_msg
+        self._policy = policy
+        self._stream: DraftStream | None = None
+        self._synced = 0  # the draft holds committed[:_synced]
+        self._down_since: float | None = None
+        self.fallback_rounds = 0  # rounds decoded without a draft because it was down
+        self.reattached = 0
+
+    @property
+    def up(self) -> bool:
+        return self._stream is not None
+
+    async def open(self, committed: Sequence[int]) -> bool:
+        stream = DraftStream(self._client.stub.Session())
+        try:
+            await asyncio.wait_for(stream.open(self._open_msg(_new_id(), committed)), self._policy.draft_timeout_s)
+        except (PeerError, asyncio.TimeoutError) as exc:
+            stream.abort()
+            self._mark_down(exc)
+            return False
+        self._stream, self._synced, self._down_since = stream, len(committed), None
+        return True
+
+    async def propose(self, committed: Sequence[int], k: int) -> pb.DraftBlock | None:
+        """A block of up to k tokens, or None when the draft is down (this round decodes without it)."""
+        if self._stream is None and not await self._try_reattach(committed):
+            self.fallback_rounds += 1
+            return None
+        try:
+            call = self._stream.propose(self._synced, committed[self._synced :], k)
+            block = await asyncio.wait_for(call, self._policy.draft_timeout_s)
+        except (PeerError, asyncio.TimeoutError) as exc:
+            stream, self._stream = self._stream, None
+            stream.abort()
+            self._mark_down(exc)
+            self.fallback_rounds += 1
+            return None
+        self._synced = len(committed)
+        return block
+
+    async def _try_reattach(self, committed: Sequence[int]) -> bool:
+        if self._down_since is not None and time.monotonic() - self._down_since < self._policy.draft_retry_s:
+            return False
+        if await self.open(committed):
+            self.reattached += 1
+            log.info("draft re-attached at position %d", len(committed))
+            return True
+        return False
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if self._down_since is None:
+            log.warning("draft unavailable (%s); continuing with target-only decoding", exc)
+        self._down_since = time.monotonic()
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.close()

@@ -1,0 +1,127 @@
+"""``specsplit distill`` on a tiny target: trains, checkpoints, resumes, reports, and serve-draft loads the result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from draft_service import distill, self_draft
+from draft_service.drafter import DrafterKind
+from draft_service.server import build_parser as draft_parser
+from draft_service.server import check_self_draft_flags, derive_drafts
+from lmkit import models
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("\n\n".join(topics[k] for k in sorted(topics)[:40]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def deep_target_dir(tiny_target_dir, tmp_path_factory):
+    """The tiny target with its second layer amplified, so skipping it changes the output (KL ~0.9, not ~0.003)."""
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(30.0)
+        model.model.layers[1].self_attn.o_proj.weight.mul_(30.0)
+    out = tmp_path_factory.mktemp("deep-target")
+    model.save_pretrained(out)
+    models.load_tokenizer(str(tiny_target_dir)).save_pretrained(out)
+    return out
+
+
+def args_for(target, out, corpus, steps, **extra):
+    argv = ["--target", str(target), "--layers", "1", "--out", str(out), "--corpus", str(corpus),
+            "--steps", str(steps), "--batch", "2", "--seq-len", "32", "--lr", "0.003", "--save-every", "3",
+            "--eval-windows", "4", "--max-corpus-tokens", "20000", "--threads", "1"]
+    for key, value in extra.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return distill.build_parser(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_distill_trains_checkpoints_resumes_and_reports(deep_target_dir, corpus, tmp_path):
+    tiny_target_dir = deep_target_dir
+    out = tmp_path / "adapter"
+    first = distill.distill(distill.config_from_args(args_for(tiny_target_dir, out, corpus, 3)), log=lambda _: None)
+    assert first["resumed_at"] == 0
+    assert torch.load(out / distill.CHECKPOINT, weights_only=False)["step"] == 3
+    # Same settings, more steps: the run picks up at the checkpoint instead of starting over.
+    messages = []
+    report = distill.distill(distill.config_from_args(args_for(tiny_target_dir, out, corpus, 12)), log=messages.append)
+    assert report["resumed_at"] == 3 and any("resuming" in m for m in messages)
+    assert torch.load(out / distill.CHECKPOINT, weights_only=False)["step"] == 12
+    saved = json.loads((out / distill.REPORT).read_text())
+    assert saved == report
+    # Training moved the draft towards the target on held-out text.
+    assert report["held_out_after"]["kl"] < report["held_out_before"]["kl"]
+    assert 0.0 <= report["held_out_after"]["greedy_agreement"] <= 1.0
+    assert any("held-out greedy agreement" in m for m in messages)
+
+    # serve-draft loads the folder: LAYERSKIP over 1 layer with the trained adapter.
+    adapter, meta = self_draft.load_adapter(out)
+    assert meta.layers == 1 and adapter.proj.weight.abs().sum() > 0
+    flags = draft_parser().parse_args(["--model", str(tiny_target_dir), "--layerskip-adapter", str(out)])
+    check_self_draft_flags(flags)
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    fingerprint = models.vocab_fingerprint(models.load_tokenizer(str(tiny_target_dir)))
+    view = derive_drafts(flags, model, fingerprint)[DrafterKind.LAYERSKIP]
+    ids = torch.tensor([[5, 100, 2000, 7, 9]])
+    with torch.inference_mode():
+        expected, _ = distill.draft_and_target_logits(model, adapter, 1, ids)
+        assert torch.allclose(view(ids).logits, expected, atol=1e-5)
+        assert not torch.allclose(view(ids).logits, self_draft.layerskip_view(model, 1)(ids).logits)
+
+
+def test_training_logits_are_the_layerskip_drafts(tiny_target_dir):
+    """The cheap training path (hidden_states[L] of one target pass) computes what the served view computes."""
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    adapter = self_draft.ExitAdapter(model.config.hidden_size)
+    torch.nn.init.normal_(adapter.proj.weight, std=0.05)
+    ids = torch.tensor([[5, 100, 2000, 7, 9, 31, 8]])
+    with torch.no_grad():
+        draft, target = distill.draft_and_target_logits(model, adapter, 1, ids)
+        assert torch.allclose(draft, self_draft.layerskip_view(model, 1, adapter)(ids).logits, atol=1e-5)
+        assert torch.allclose(target, model(ids).logits)
+
+
+def test_resume_with_other_settings_is_refused(deep_target_dir, corpus, tmp_path):
+    out = tmp_path / "adapter"
+    distill.distill(distill.config_from_args(args_for(deep_target_dir, out, corpus, 3)), log=lambda _: None)
+    with pytest.raises(ValueError, match="other settings"):
+        distill.distill(distill.config_from_args(args_for(deep_target_dir, out, corpus, 6, lr=0.02)), log=lambda _: None)
+
+
+def test_adapter_for_another_target_is_refused(tiny_target_dir, tiny_draft_dir, tmp_path):
+    out = tmp_path / "foreign"
+    meta = self_draft.AdapterMeta(1, 64, "other", "0" * 64)  # a fingerprint no tokenizer has
+    self_draft.save_adapter(out, self_draft.ExitAdapter(64), meta)
+    flags = draft_parser().parse_args(["--model", str(tiny_target_dir), "--layerskip-adapter", str(out)])
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    with pytest.raises(ValueError, match="was trained for other"):
+        derive_drafts(flags, model, "f" * 64)
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--corpus", "/nonexistent/texts"], "does not exist"),
+    ],
+)
+def test_distill_cli_bad_input_is_a_clear_error(tmp_path, argv, fragment):
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "distill", "--out", str(tmp_path / "o"), "--target",
+         str(tmp_path / "missing-model"), *argv],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert fragment in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,169 @@
+"""Faults survived with real processes: a killed draft, a restarted target, a target that stays down.
+
+Services hold caches, never truth: whatever dies, the output is still exactly
+the target's own greedy output, and nothing is lost, duplicated or retracted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from draft_service.drafter import DrafterKind
+from lmkit import models
+from lmkit.sampling import SamplingParams
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import GenerationRequest, Orchestrator
+from orchestrator.launcher import start_service
+from orchestrator.links import LinkPolicy
+from tests.conftest import run_async
+from tests.test_greedy_e2e import reference_greedy
+
+PROMPT = "Once upon a time"
+NEW_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_target_dir, gguf_tokenizer):
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    return reference_greedy(model, gguf_tokenizer.encode(PROMPT), NEW_TOKENS)
+
+
+def free_port() -> int:
+    from target_service.ranks import free_port as pick
+
+    return pick()
+
+
+async def generate_with_fault(target_address, draft_address, tokenizer_dir, fault, policy=None):
+    """Generate greedily; call ``fault()`` (in a thread) after the 3rd round; return ids, stats, texts."""
+    config = OrchestratorConfig(
+        target_address, draft_address, tokenizer=str(tokenizer_dir), link_policy=policy or LinkPolicy()
+    )
+    orch = await Orchestrator.connect(config)
+    request = GenerationRequest("", False, NEW_TOKENS, SamplingParams(), (), 4, DrafterKind.MODEL, False)
+    ids, texts, stats = [], [], None
+    try:
+        async for event in orch.generate(request, orch.encode(PROMPT, False)):
+            ids.extend(event.token_ids)
+            texts.append(event.text)
+            if len(texts) == 3:
+                await asyncio.to_thread(fault)
+            stats = event.stats or stats
+    finally:
+        await orch.close()
+    return ids, stats
+
+
+def test_killed_draft_falls_back_to_target_only(tmp_path, tiny_target_dir, tiny_draft_dir, tiny_services, expected):
+    draft = start_service("draft_service.server", "draft", ["--model", str(tiny_draft_dir)], tmp_path, 300)
+    try:
+        ids, stats = run_async(generate_with_fault(
+            tiny_services.target_address, draft.address, tiny_target_dir,
+            lambda: os.kill(draft.process.pid, signal.SIGKILL),
+        ))
+    finally:
+        draft.stop()
+    assert ids == expected
+    assert stats.draft_fallback_rounds > 0 and stats.drafted_tokens > 0
+
+
+class Restartable:
+    """A service process on a fixed port that a test can SIGKILL and start again in its place."""
+
+    def __init__(self, module: str, args: list[str], workdir) -> None:
+        self.module, self.args, self.workdir, self.port = module, args, workdir, free_port()
+        self.instances = [start_service(module, f"{module}-first", args, workdir, 300, port=self.port)]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill_and_restart(self) -> None:
+        os.kill(self.instances[-1].process.pid, signal.SIGKILL)
+        self.instances[-1].process.wait()
+        self.instances.append(
+            start_service(self.module, f"{self.module}-again", self.args, self.workdir, 300, port=self.port)
+        )
+
+    def stop(self) -> None:
+        for service in self.instances:
+            service.stop()
+
+
+def test_draft_is_reattached_when_it_comes_back(tmp_path, tiny_target_dir, tiny_draft_dir, tiny_services, expected):
+    draft = Restartable("draft_service.server", ["--model", str(tiny_draft_dir)], tmp_path)
+    try:
+        policy = LinkPolicy(draft_retry_s=0.05)
+        ids, stats = run_async(generate_with_fault(
+            tiny_services.target_address, draft.address, tiny_target_dir, draft.kill_and_restart, policy))
+    finally:
+        draft.stop()
+    assert ids == expected
+    assert stats.draft_reattached >= 1
+
+
+def test_target_restarted_mid_generation_is_reopened(tmp_path, tiny_target_dir, tiny_draft_dir, expected):
+    target = Restartable("target_service.server", ["--model", str(tiny_target_dir)], tmp_path)
+    draft = start_service("draft_service.server", "draft", ["--model", str(tiny_draft_dir)], tmp_path, 300)
+    try:
+        ids, stats = run_async(generate_with_fault(target.address, draft.address, tiny_target_dir, target.kill_and_restart))
+    finally:
+        target.stop()
+        draft.stop()
+    assert ids == expected
+    assert stats.target_reopens >= 1
+
+
+def test_target_down_past_its_deadline_is_unavailable_not_a_hang(tmp_path, tiny_target_dir, tiny_services):
+    target = start_service("target_service.server", "target", ["--model", str(tiny_target_dir)], tmp_path, 300)
+    policy = LinkPolicy(target_deadline_s=2.0)
+    started = time.monotonic()
+    with pytest.raises(Exception) as info:
+        run_async(generate_with_fault(
+            target.address, tiny_services.draft_address, tiny_target_dir,
+            lambda: os.kill(target.process.pid, signal.SIGKILL), policy))
+    assert getattr(info.value, "code", None) == grpc.StatusCode.UNAVAILABLE, info.value
+    assert "stayed unavailable" in str(info.value)
+    assert time.monotonic() - started < 60
+
+
+def test_sigterm_drains_in_flight_generations_and_refuses_new_ones(tmp_path, tiny_target_dir, tiny_services):
+    import grpc
+
+    from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+    from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+
+    orch = start_service(
+        "orchestrator.server", "orchestrator",
+        ["--target", tiny_services.target_address, "--draft", "", "--tokenizer", str(tiny_target_dir),
+         "--grace-s", "20"], tmp_path, 300,
+    )
+
+    async def go():
+        async with grpc.aio.insecure_channel(orch.address) as channel:
+            stub = pb_grpc.GeneratorStub(channel)
+            call = stub.Generate(pb.GenerateRequest(prompt="drain me", max_new_tokens=300, k=0))
+            await call.read()
+            orch.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            replies = []
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                replies.append(reply)
+            async with grpc.aio.insecure_channel(orch.address) as fresh:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await pb_grpc.GeneratorStub(fresh).Generate(pb.GenerateRequest(prompt="late"), timeout=5).read()
+            return replies, refused.value
+
+    try:
+        replies, refused = run_async(go())
+        assert replies[-1].HasField("stats") and replies[-1].stats.new_tokens == 300  # finished, not cut
+        assert refused.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert orch.process.wait(30) == 0
+    finally:
+        orch.stop()
