@@ -8,14 +8,12 @@ as ``serve-draft --model TARGET --layerskip-layers 1 --quantize int8`` does.
 from __future__ import annotations
 
 import asyncio
-import collections
 import subprocess
 import sys
 
 import grpc
 import pytest
 import torch
-from scipy import stats
 
 from draft_service import self_draft
 from draft_service.drafter import DrafterKind
@@ -29,7 +27,7 @@ from orchestrator.generation import GenerationRequest, Orchestrator
 from tests.conftest import Services, make_engines, run_async
 from tests.test_bad_input import GREEDY, draft_exchange, expect_status
 from tests.test_greedy_e2e import TINY_PROMPTS, reference_greedy
-from tests.test_sampling_e2e import PROMPT, exact_first_two
+from tests.test_sampling_e2e import PROMPT, assert_distributed_as, exact_first_two
 
 ADAPTER_STD = 0.03  # measured: the layer-skip draft then agrees on ~8 % of tokens (63 of 843 at k = 8)
 CONCURRENT = 8  # sessions in flight at once, as under load; each has its own seeded generators
@@ -164,14 +162,7 @@ def test_output_distribution_is_the_targets(self_draft_services, tiny_target_dir
     samples = run_async(
         sample_many(self_draft_services, tiny_target_dir, runs, 2, drafter, chain, draft_probs, sampling, 2)
     )
-    counts = collections.Counter(samples)
-    assert set(counts) <= set(exact), "sampled a pair outside the target's support"
-    cells = sorted(exact)
-    observed = [counts.get(c, 0) for c in cells]
-    expected = [exact[c] * runs for c in cells]
-    scale = sum(observed) / sum(expected)
-    result = stats.chisquare(observed, [e * scale for e in expected])
-    assert result.pvalue > 1e-3, (result, dict(counts), exact)
+    assert_distributed_as(samples, exact)
 
 
 @pytest.mark.parametrize("drafter,chain,draft_probs", SAMPLING_CASES)
