@@ -55,3 +55,16 @@ def probs_from_proto(msg: pb.DraftProbs, vocab_size: int) -> torch.Tensor:
         return decode_probs(enc)
     except ValueError as exc:
         raise errors.InvalidArgument(f"draft_probs: {exc}") from None
+
+
+def drop_leading_rows(msg: pb.DraftProbs, n: int) -> pb.DraftProbs:
+    """The same distributions without their first ``n`` rows (byte slicing; nothing is re-encoded)."""
+    if not 0 <= n <= msg.rows:
+        raise ValueError(f"cannot drop {n} of {msg.rows} rows")
+    if msg.sparse:
+        nnz = sum(msg.row_nnz[:n])
+        return pb.DraftProbs(
+            rows=msg.rows - n, vocab_size=msg.vocab_size, sparse=True,
+            values=msg.values[2 * nnz :], indices=msg.indices[4 * nnz :], row_nnz=list(msg.row_nnz[n:]),
+        )
+    return pb.DraftProbs(rows=msg.rows - n, vocab_size=msg.vocab_size, values=msg.values[2 * n * msg.vocab_size :])

@@ -1,11 +1,29 @@
-"""Choosing K per round from measured acceptance and measured costs (Leviathan et al. 2023, sec. 3.3-3.4).
+"""Choosing K per round from measured acceptance, measured costs and the target's load.
 
-With per-token acceptance rate alpha, a block of k draft tokens yields on
-average E(k) = (1 - alpha^(k+1)) / (1 - alpha) committed tokens per target
-pass. The round costs T(k) = t_verify(k) + k * t_draft, where t_verify grows
-with k on CPUs (verifying 8 tokens costs ~2 decode steps there, unlike a GPU
-at batch 1). We pick the k in [0, k_max] maximising E(k) / T(k); k = 0 is
-plain decoding, so speculation that does not pay for itself switches off.
+Leviathan et al. 2023 (sec. 3.3-3.4): with per-token acceptance rate alpha, a
+block of k draft tokens yields on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+committed tokens per target pass. A target forward over x tokens costs
+t(x) = a + s x (fitted from reported compute times; on CPUs s matters:
+verifying 8 tokens costs ~2 decode steps there).
+
+Load (continuous batching): the target reports the forward that verified the
+last block: B sessions, the other rows' width w_o (rows are padded to the
+longest) and the tokens G_o the others committed from it. A block of k makes
+the forward cost t(B * max(w_o, k + 1)), so we pick the k in [0, k_max] that
+maximises the tokens *everyone* gets per unit time,
+
+    (G_o + E(k)) / (t(B * max(w_o, k + 1)) + draft time(k)),
+
+not this session's alone. Alone (B = 1) this is Leviathan's E(k) / T(k). When
+the target is saturated (t grows with every token) extra rows cost more than
+the accepted tokens they bring and the choice falls to k = 0: speculation
+never slows anyone down, and returns when load falls. k = 0 is plain
+decoding, so speculation that does not pay for itself switches off.
+
+Overlap: when drafting runs during verification, drafting the next block is
+hidden unless it takes longer than the verification, and paid in full only
+when the speculation misses (the block is not accepted whole, or the bonus
+token was guessed wrong: probability 1 - alpha^(k+1)).
 
 Pure: no I/O. The orchestrator feeds it the services' reported compute times.
 """
@@ -15,9 +33,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Load:
+    """The target's forward that verified a session's last block (``VerifyResult.batch_*``)."""
+
+    sessions: int = 1
+    others_width: int = 0  # longest other row; 0 when alone
+    others_committed: float = 0.0  # tokens the other sessions committed from that forward
+
+    def tokens(self, k: int) -> int:
+        """Tokens in the forward if this session sends a block of k (rows padded to the longest)."""
+        return max(self.sessions, 1) * max(self.others_width, k + 1)
+
+
+ALONE = Load()
+
+
 @dataclass
 class CostModel:
-    """Least-squares fit of t_verify(k) = a + b k and the mean draft time per token, over all sessions."""
+    """Least-squares fit of t(x) = a + s x over target forwards of x tokens, and the draft time per token."""
 
     decay: float = 0.98  # forget old samples slowly: load and context length drift
     _n: float = 0.0
@@ -28,28 +62,29 @@ class CostModel:
     _draft_s: float = 0.0
     _draft_tokens: float = 0.0
 
-    def observe_verify(self, k: int, seconds: float) -> None:
-        d = self.decay
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        """A target forward over ``tokens`` tokens (all rows of a batch, padding included) took ``seconds``."""
+        d, x = self.decay, tokens
         self._n = self._n * d + 1
-        self._sk = self._sk * d + k
-        self._skk = self._skk * d + k * k
+        self._sk = self._sk * d + x
+        self._skk = self._skk * d + x * x
         self._st = self._st * d + seconds
-        self._skt = self._skt * d + k * seconds
+        self._skt = self._skt * d + x * seconds
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
             self._draft_s = self._draft_s * self.decay + seconds
             self._draft_tokens = self._draft_tokens * self.decay + tokens
 
-    def verify_s(self, k: int) -> float:
-        """Predicted target time for a block of k; a + b k with b >= 0."""
+    def verify_s(self, tokens: int) -> float:
+        """Predicted time of a target forward over ``tokens`` tokens; a + s x with s >= 0."""
         if self._n == 0:
-            return 1.0 + 0.1 * k  # no data yet: relative units, verification ~10 % per token
-        mean_k, mean_t = self._sk / self._n, self._st / self._n
-        var_k = self._skk / self._n - mean_k**2
-        slope = (self._skt / self._n - mean_k * mean_t) / var_k if var_k > 1e-9 else 0.1 * mean_t
+            return 1.0 + 0.1 * tokens  # no data yet: relative units, ~10 % per token
+        mean_x, mean_t = self._sk / self._n, self._st / self._n
+        var_x = self._skk / self._n - mean_x**2
+        slope = (self._skt / self._n - mean_x * mean_t) / var_x if var_x > 1e-9 else 0.1 * mean_t / max(mean_x, 1.0)
         slope = max(slope, 0.0)
-        return max(mean_t + slope * (k - mean_k), 1e-6)
+        return max(mean_t + slope * (tokens - mean_x), 1e-6)
 
     def draft_s_per_token(self) -> float:
         return self._draft_s / self._draft_tokens if self._draft_tokens else 0.0
@@ -93,18 +128,31 @@ class AdaptiveK:
         self._accepted = self._accepted * self.decay + accepted
         self._trials = self._trials * self.decay + trials
 
-    def choose(self) -> int:
-        alpha, draft_s = self.alpha, self.costs.draft_s_per_token()
-        best_k, best_rate = 0, 1.0 / self.costs.verify_s(0)
-        for k in range(1, self.k_max + 1):
-            rate = expected_tokens(alpha, k) / (self.costs.verify_s(k) + k * draft_s)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        if best_k == 0:
-            self._rounds_at_zero += 1
-            if self._rounds_at_zero >= self.probe_every:
-                self._rounds_at_zero = 0
-                return min(1, self.k_max)
+    def rate(self, k: int, alpha: float, load: Load = ALONE, overlap: bool = False) -> float:
+        """Expected committed tokens per second, over all sessions in the forward, for a block of k."""
+        verify = self.costs.verify_s(load.tokens(k))
+        draft_token_s = self.costs.draft_s_per_token()
+        if k == 0:
+            drafting = 0.0
+        elif overlap:  # the next block (k + 1 with the bonus guess) is drafted during this verification
+            miss = 1.0 - alpha ** (k + 1)
+            drafting = max(0.0, (k + 1) * draft_token_s - verify) + miss * k * draft_token_s
         else:
+            drafting = k * draft_token_s
+        return (load.others_committed + expected_tokens(alpha, k)) / (verify + drafting)
+
+    def best(self, alpha: float, load: Load = ALONE, overlap: bool = False) -> int:
+        rates = [self.rate(k, alpha, load, overlap) for k in range(self.k_max + 1)]
+        return max(range(len(rates)), key=lambda k: (rates[k], -k))  # ties: the smaller block
+
+    def choose(self, load: Load = ALONE, overlap: bool = False) -> int:
+        best_k = self.best(self.alpha, load, overlap)
+        if best_k > 0:
             self._rounds_at_zero = 0
-        return best_k
+            return best_k
+        # Re-measure acceptance now and then, but only where perfect drafts would pay: never under saturation.
+        self._rounds_at_zero += 1
+        if self._rounds_at_zero >= self.probe_every and self.best(1.0, load, overlap) > 0:
+            self._rounds_at_zero = 0
+            return min(1, self.k_max)
+        return 0

@@ -24,6 +24,7 @@ class OrchestratorConfig:
     default_k: int = DEFAULT_K
     default_drafter: DrafterKind = DEFAULT_DRAFTER
     default_adaptive_k: bool = True
+    default_overlap: bool = True  # draft the next block while the target verifies this one
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096
     max_stop_strings: int = 16

@@ -24,6 +24,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER.name.lower(), choices=[k.name.lower() for k in DrafterKind])
     parser.add_argument("--k", type=int, default=DEFAULT_K, help="draft block size (upper bound unless --fixed-k)")
     parser.add_argument("--fixed-k", action="store_true", help="draft exactly k per round (no adaptive k)")
+    parser.add_argument("--no-overlap", action="store_true", help="draft and verify in turn (no pipelined drafting)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target (gloo on CPU)")
     parser.add_argument("--target-threads", type=int, default=2)
@@ -87,7 +88,10 @@ async def _run(args, target_address: str, draft_address: str) -> int:
     orch = await Orchestrator.connect(config)
     try:
         drafter = DrafterKind[args.drafter.upper()]
-        results = await compare(orch, DEMO_PROMPTS, args.k, drafter, args.max_new_tokens, adaptive_k=not args.fixed_k)
+        results = await compare(
+            orch, DEMO_PROMPTS, args.k, drafter, args.max_new_tokens, adaptive_k=not args.fixed_k,
+            overlap=not args.no_overlap,
+        )
     finally:
         await orch.close()
     for c in results:
@@ -101,7 +105,11 @@ async def _run(args, target_address: str, draft_address: str) -> int:
             f"target-only, identical to target-only: {'yes' if c.identical else 'NO'}"
         )
     k_mode = "fixed" if args.fixed_k else "adaptive, at most"
-    print(f"\nspecsplit demo: target {args.model} (tp={args.tp}), drafter {args.drafter}, k {k_mode} {args.k}, greedy")
+    drafting = "in turn with verification" if args.no_overlap else "overlapped with verification"
+    print(
+        f"\nspecsplit demo: target {args.model} (tp={args.tp}), drafter {args.drafter}, k {k_mode} {args.k}, "
+        f"drafting {drafting}, greedy"
+    )
     for name, g in summarise(results).items():
         print(
             f"[{name:8s}] prompts {g.prompts}  acceptance rate {g.acceptance_rate:.2f}  "

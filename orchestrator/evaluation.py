@@ -27,6 +27,9 @@ class RunResult:
     draft_compute_s: float
     target_compute_s: float
     finish: str
+    accepted_per_round: list[int] = field(default_factory=list)
+    drafted_per_round: list[int] = field(default_factory=list)
+    overlap_hits: int = 0
 
 
 @dataclass
@@ -42,9 +45,11 @@ class Comparison:
 
 async def run_one(
     orch: Orchestrator, prompt: DemoPrompt, k: int, drafter: DrafterKind, max_new_tokens: int,
-    sampling: SamplingParams, draft_probs: bool = False, adaptive_k: bool = False,
+    sampling: SamplingParams, draft_probs: bool = False, adaptive_k: bool = False, overlap: bool = False,
 ) -> RunResult:
-    request = GenerationRequest(prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k)
+    request = GenerationRequest(
+        prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k, overlap=overlap
+    )
     prompt_ids = orch.encode(prompt.text, chat=True)
     text, ids = [], []
     async for event in orch.generate(request, prompt_ids):
@@ -55,22 +60,25 @@ async def run_one(
             return RunResult(
                 prompt, "".join(text), ids, s.wall_s, s.rounds, s.drafted_tokens, s.accepted_tokens,
                 s.draft_compute_s, s.target_compute_s, event.finish.name,
+                list(event.loop.accepted_per_round), list(event.loop.drafted_per_round), s.overlap_hits,
             )
     raise RuntimeError("generation ended without a finish event")
 
 
 async def compare(
     orch: Orchestrator, prompts: tuple[DemoPrompt, ...], k: int, drafter: DrafterKind, max_new_tokens: int,
-    sampling: SamplingParams | None = None, warmup: bool = True, adaptive_k: bool = False,
+    sampling: SamplingParams | None = None, warmup: bool = True, adaptive_k: bool = False, overlap: bool = False,
 ) -> list[Comparison]:
     sampling = sampling or SamplingParams()
     if warmup:  # first calls pay one-off allocation costs and seed the cost model
-        await run_one(orch, prompts[0], k, drafter, 16, sampling, adaptive_k=adaptive_k)
+        await run_one(orch, prompts[0], k, drafter, 16, sampling, adaptive_k=adaptive_k, overlap=overlap)
         await run_one(orch, prompts[0], 0, drafter, 8, sampling)
     out = []
     for prompt in prompts:
         baseline = await run_one(orch, prompt, 0, drafter, max_new_tokens, sampling)
-        speculative = await run_one(orch, prompt, k, drafter, max_new_tokens, sampling, adaptive_k=adaptive_k)
+        speculative = await run_one(
+            orch, prompt, k, drafter, max_new_tokens, sampling, adaptive_k=adaptive_k, overlap=overlap
+        )
         out.append(Comparison(prompt, baseline, speculative))
     return out
 

@@ -45,6 +45,7 @@ class GenerationRequest:
     draft_probs: bool
     adaptive_k: bool = False  # k is then the per-round upper bound
     chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
+    overlap: bool = False  # draft block i+1 while the target verifies block i
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class GenerationEvent:
     token_ids: list[int]
     finish: Finish | None = None
     stats: pb.GenerationStats | None = None
+    loop: LoopStats | None = None  # per-round figures, on the last event (benchmarks read them)
 
 
 def verification_mode(request: GenerationRequest) -> VerificationMode:
@@ -142,7 +144,9 @@ class Orchestrator:
                 await draft.open(prompt_ids)  # a draft that is down only means no speculation for now
             async for event in self._stream(request, prompt_ids, target, draft, stats):
                 if event.finish is not None:
-                    event = replace(event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft))
+                    event = replace(
+                        event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft), loop=stats
+                    )
                     metrics.record_generation(stats, draft.fallback_rounds if draft else 0, target.reopens)
                 yield event
         finally:
@@ -158,6 +162,8 @@ class Orchestrator:
             max_new_tokens=request.max_new_tokens,
             eos_ids=self.eos_ids,
             max_context=self.target.info.max_context or 1 << 30,
+            overlap=request.overlap and draft is not None,
+            ahead_max=min(request.k, self.draft.info.max_block - 1) if draft is not None else 0,
         )
         controller = AdaptiveK(config.k, self.costs) if request.adaptive_k and config.k > 0 else None
         async for new, finish in speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs):
@@ -213,6 +219,9 @@ class Orchestrator:
             draft_fallback_rounds=draft.fallback_rounds if draft else 0,
             draft_reattached=draft.reattached if draft else 0,
             target_reopens=target.reopens,
+            overlap=request.overlap,
+            overlap_hits=stats.overlap_hits,
+            mean_batch_size=stats.mean_batch_size,
         )
 
 

@@ -147,19 +147,35 @@ class DraftLink:
 
     async def propose(self, committed: Sequence[int], k: int) -> pb.DraftBlock | None:
         """A block of up to k tokens, or None when the draft is down (this round decodes without it)."""
-        if self._stream is None and not await self._try_reattach(committed):
+        block = await self._propose(committed, (), k)
+        if block is None:
             self.fallback_rounds += 1
+        return block
+
+    async def propose_ahead(self, committed: Sequence[int], block: Sequence[int], k: int) -> pb.DraftBlock | None:
+        """Draft past ``block`` as if the target will accept it whole: up to k + 1 tokens, the first being
+        the guess for the target's bonus token. Runs while the target verifies ``block``.
+
+        The draft treats ``block`` as committed for now; the next propose starts
+        at the last truly committed position, so it rolls all of this back.
+        """
+        if self._stream is None:  # re-attaching is the next plain propose's job
             return None
+        return await self._propose(committed, block, k + 1)
+
+    async def _propose(self, committed: Sequence[int], assumed: Sequence[int], k: int) -> pb.DraftBlock | None:
+        if self._stream is None and not await self._try_reattach(committed):
+            return None
+        synced = len(committed)  # read now: a proposal drafted ahead runs while ``committed`` grows
         try:
-            call = self._stream.propose(self._synced, committed[self._synced :], k)
+            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k)
             block = await asyncio.wait_for(call, self._policy.draft_timeout_s)
         except (PeerError, asyncio.TimeoutError) as exc:
             stream, self._stream = self._stream, None
             stream.abort()
             self._mark_down(exc)
-            self.fallback_rounds += 1
             return None
-        self._synced = len(committed)
+        self._synced = synced  # ``assumed`` is not committed: it is re-sent or rolled back next time
         return block
 
     async def _try_reattach(self, committed: Sequence[int]) -> bool:

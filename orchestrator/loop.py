@@ -5,15 +5,28 @@ draft receives the tokens committed since it last heard (the accepted prefix of
 its own block plus the target's correction or bonus token) and rolls back the
 rest; the target commits the same accepted + 1 tokens itself, so both caches
 stay in step without re-reading the prompt.
+
+Overlap (pipelined drafting): while the target verifies block i, the draft
+already drafts past it as if it were accepted whole, k + 1 tokens whose first
+is its guess for the bonus token. If the target accepts all of block i and its
+bonus token equals the guess, the rest is block i + 1, ready at once;
+otherwise it is discarded and the draft rolls back with the next proposal.
+A used block was drafted from exactly the context it now continues, with the
+draft's usual sampling, so greedy output is unchanged and sampling stays
+lossless (whether the block is used depends only on the target's decisions
+about block i, not on the block's own draws).
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from orchestrator.adaptive_k import AdaptiveK, CostModel
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.wire import drop_leading_rows
+from orchestrator.adaptive_k import ALONE, AdaptiveK, CostModel, Load
 from orchestrator.links import DraftLink, TargetLink
 
 
@@ -30,6 +43,8 @@ class LoopConfig:
     max_new_tokens: int
     eos_ids: frozenset[int]
     max_context: int  # positions the target accepts
+    overlap: bool = False  # draft block i+1 while the target verifies block i
+    ahead_max: int = 0  # largest k drafted ahead (the draft proposes k + 1 then); 0 = no overlap
 
 
 @dataclass
@@ -43,6 +58,12 @@ class LoopStats:
     accepted_per_round: list[int] = field(default_factory=list)
     k_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
+    overlap_hits: int = 0  # rounds whose block was drafted during the previous verification
+    batch_sizes: list[int] = field(default_factory=list)  # sessions in each verifying forward
+
+    @property
+    def mean_batch_size(self) -> float:
+        return sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -68,6 +89,122 @@ def cut_at_finish(new: Sequence[int], eos_ids: frozenset[int], budget: int) -> t
     return list(new), None
 
 
+def load_of(result: pb.VerifyResult) -> Load:
+    """The load signal of a verification (an old target without the fields reads as alone)."""
+    return Load(max(result.batch_size, 1), result.others_width, float(result.others_committed))
+
+
+@dataclass
+class _Block:
+    tokens: list[int]
+    probs: pb.DraftProbs | None = None
+    draft_s: float = 0.0
+    k: int = 0  # tokens asked for
+
+
+def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | None:
+    """A draft reply as a block, without its first ``skip`` tokens (the bonus guess of a block drafted ahead)."""
+    if reply is None:
+        return None
+    probs = reply.probs if reply.HasField("probs") else None
+    if probs is not None and skip:
+        probs = drop_leading_rows(probs, skip)
+    return _Block(list(reply.tokens)[skip:], probs, reply.compute_us / 1e6, k)
+
+
+class _Loop:
+    """One generation's rounds; ``speculative_decode`` drives it."""
+
+    def __init__(self, prompt, config, target, draft, stats, controller, costs) -> None:
+        self.committed = list(prompt)
+        self.config = config
+        self.target = target
+        self.draft = draft
+        self.stats = stats
+        self.controller = controller
+        self.costs = costs
+        self.load = ALONE
+        self.ahead: asyncio.Task | None = None  # the next block, drafted during this verification
+        self.ahead_base = 0  # committed length when it started
+        self.ahead_block: list[int] = []  # the block it assumes accepted whole
+        self.ahead_k = 0
+
+    def limit(self, extra: int = 0) -> int:
+        """The most draft tokens a round may carry ``extra`` tokens from now (k + 1 must fit budget and context)."""
+        budget = self.config.max_new_tokens - self.stats.committed - extra
+        room = self.config.max_context - len(self.committed) - extra
+        return min(self.config.k, budget - 1, room - 1)
+
+    def choose(self, limit: int) -> int:
+        wanted = self.controller.choose(self.load, self.config.overlap) if self.controller else self.config.k
+        return max(0, min(wanted, limit))
+
+    async def next_block(self) -> _Block:
+        """This round's block: the one drafted ahead when its assumption held, else a fresh proposal."""
+        ready = await self.take_ahead()
+        if ready is not None:
+            self.stats.overlap_hits += 1
+            return ready
+        k = self.choose(self.limit())
+        if self.draft is None or k <= 0:
+            return _Block([], k=k)
+        block = _block_of(await self.draft.propose(self.committed, k), k) or _Block([], k=k)
+        self.stats.draft_compute_s += block.draft_s
+        return block
+
+    async def take_ahead(self) -> _Block | None:
+        if self.ahead is None:
+            return None
+        reply, self.ahead = await self.ahead, None
+        if reply is None:
+            return None
+        self.stats.draft_compute_s += reply.compute_us / 1e6  # spent whether or not the block is used
+        guess = list(reply.tokens[:1])
+        # Usable iff the last round committed exactly the assumed block plus the guessed bonus token.
+        if len(reply.tokens) < 2 or self.committed[self.ahead_base :] != [*self.ahead_block, *guess]:
+            return None
+        return _block_of(reply, self.ahead_k, skip=1)
+
+    def start_ahead(self, block: _Block) -> None:
+        """While the target verifies ``block``, draft the next one assuming it is accepted whole."""
+        if not (self.config.overlap and self.draft is not None and self.draft.up and block.tokens):
+            return
+        k = self.choose(min(self.limit(extra=len(block.tokens) + 1), self.config.ahead_max))
+        if k > 0:
+            self.ahead_base, self.ahead_block, self.ahead_k = len(self.committed), list(block.tokens), k
+            self.ahead = asyncio.create_task(self.draft.propose_ahead(list(self.committed), block.tokens, k))
+
+    def cancel(self) -> None:
+        if self.ahead is not None:
+            self.ahead.cancel()
+            self.ahead = None
+
+    def commit(self, block: _Block, result: pb.VerifyResult) -> tuple[list[int], Finish | None]:
+        stats, target_s = self.stats, result.compute_us / 1e6
+        drafted = len(block.tokens)
+        budget = self.config.max_new_tokens - stats.committed
+        self.load = load_of(result)
+        stats.target_compute_s += target_s
+        if self.controller is not None:
+            self.controller.observe(drafted, result.accepted)
+        if self.costs is not None and stats.rounds > 0:  # the first round carries the prompt's prefill
+            self.costs.observe_verify(self.load.sessions * max(result.batch_width, drafted + 1), target_s)
+            self.costs.observe_draft(drafted, block.draft_s)
+        new, finish = cut_at_finish([*block.tokens[: result.accepted], result.next_token], self.config.eos_ids, budget)
+        self.committed.extend(new)
+        stats.rounds += 1
+        stats.drafted += drafted
+        stats.accepted += result.accepted
+        stats.committed += len(new)
+        stats.accepted_per_round.append(result.accepted)
+        stats.drafted_per_round.append(drafted)
+        stats.k_per_round.append(block.k)
+        stats.batch_sizes.append(self.load.sessions)
+        if finish is None and len(self.committed) >= self.config.max_context:
+            finish = Finish.CONTEXT
+        return new, finish
+
+
 async def speculative_decode(
     prompt: Sequence[int],
     config: LoopConfig,
@@ -79,47 +216,26 @@ async def speculative_decode(
 ) -> AsyncIterator[tuple[list[int], Finish | None]]:
     """Yield (newly committed tokens, finish reason or None) once per round.
 
-    With a ``controller``, each round's k is chosen in [0, config.k]; ``costs``
-    learns from every round but the first (which carries the prompt's prefill).
+    With a ``controller``, each round's k is chosen in [0, config.k] from the
+    measured acceptance, costs and target load; ``costs`` learns from every
+    round but the first (which carries the prompt's prefill).
     """
-    committed = list(prompt)
-    while True:
-        budget = config.max_new_tokens - stats.committed
-        room = config.max_context - len(committed)
-        if room <= 0:
-            yield [], Finish.CONTEXT
-            return
-        # accepted + 1 tokens are committed, so k + 1 must fit the budget and the context.
-        wanted = controller.choose() if controller is not None else config.k
-        k = max(0, min(wanted, config.k, budget - 1, room - 1))
-        block_tokens: list[int] = []
-        block_probs = None
-        draft_s = 0.0
-        block = await draft.propose(committed, k) if draft is not None and k > 0 else None
-        if block is not None:
-            block_tokens = list(block.tokens)
-            block_probs = block.probs if block.HasField("probs") else None
-            draft_s = block.compute_us / 1e6
-        result = await target.verify(committed, block_tokens, block_probs)
-        target_s = result.compute_us / 1e6
-        stats.draft_compute_s += draft_s
-        stats.target_compute_s += target_s
-        if controller is not None:
-            controller.observe(len(block_tokens), result.accepted)
-        if costs is not None and stats.rounds > 0:
-            costs.observe_verify(len(block_tokens), target_s)
-            costs.observe_draft(len(block_tokens), draft_s)
-        new, finish = cut_at_finish([*block_tokens[: result.accepted], result.next_token], config.eos_ids, budget)
-        committed.extend(new)
-        stats.rounds += 1
-        stats.drafted += len(block_tokens)
-        stats.accepted += result.accepted
-        stats.committed += len(new)
-        stats.accepted_per_round.append(result.accepted)
-        stats.k_per_round.append(k)
-        stats.drafted_per_round.append(len(block_tokens))
-        if finish is None and len(committed) >= config.max_context:
-            finish = Finish.CONTEXT
-        yield new, finish
-        if finish is not None:
-            return
+    loop = _Loop(prompt, config, target, draft, stats, controller, costs)
+    try:
+        while True:
+            if len(loop.committed) >= config.max_context:
+                yield [], Finish.CONTEXT
+                return
+            block = await loop.next_block()
+            verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs))
+            loop.start_ahead(block)
+            try:
+                result = await verifying
+            finally:
+                verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
+            new, finish = loop.commit(block, result)
+            yield new, finish
+            if finish is not None:
+                return
+    finally:
+        loop.cancel()

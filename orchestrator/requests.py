@@ -49,8 +49,9 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
             f"the prompt is {len(prompt_ids)} tokens but the model's context is {limit}; shorten the prompt"
         )
     adaptive = msg.adaptive_k if msg.HasField("adaptive_k") else config.default_adaptive_k
+    overlap = msg.overlap if msg.HasField("overlap") else config.default_overlap
     request = GenerationRequest(
-        msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain
+        msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap
     )
     return request, prompt_ids
 

@@ -43,6 +43,10 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fixed-k", action="store_true", help="draft exactly k each round instead of adapting k in [0, k]"
     )
+    parser.add_argument(
+        "--no-overlap", action="store_true",
+        help="draft and verify in turn instead of drafting block i+1 while the target verifies block i",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default max new tokens per request")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
@@ -62,6 +66,7 @@ def config_from_args(args) -> OrchestratorConfig:
         default_k=args.k,
         default_drafter=DrafterKind[args.drafter.upper()],
         default_adaptive_k=not args.fixed_k,
+        default_overlap=not args.no_overlap,
         default_max_new_tokens=args.max_new_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,

@@ -24,6 +24,10 @@ OUT_ROOT = ROOT / "lmkit" / "proto"
 # live under lmkit/proto, so rewrite that prefix to stay importable.
 IMPORT_FROM = "from specsplit.v1 import"
 IMPORT_TO = "from lmkit.proto.specsplit.v1 import"
+# Message classes take their __module__ from this argument; it must be the
+# importable path, or pickling a message (Ray Serve's gRPC proxy, Ray actors) fails.
+MODULE_FROM = "BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit."
+MODULE_TO = "BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lmkit.proto.specsplit."
 
 
 def proto_files() -> list[Path]:
@@ -44,7 +48,7 @@ def generate(out_root: Path) -> None:
         raise SystemExit("protoc failed; see the message above")
     for path in out_root.rglob("*.py*"):
         text = path.read_text()
-        path.write_text(text.replace(IMPORT_FROM, IMPORT_TO))
+        path.write_text(text.replace(IMPORT_FROM, IMPORT_TO).replace(MODULE_FROM, MODULE_TO))
     for folder in [out_root, *[p for p in out_root.rglob("*") if p.is_dir()]]:
         (folder / "__init__.py").touch()
 

@@ -17,6 +17,7 @@ from lmkit.kvcache import SessionCache
 from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection
+from target_service.batching import Step, forward_batch
 from target_service.rejection import VerificationMode
 
 
@@ -32,10 +33,29 @@ class TargetSession:
 
 
 @dataclass(frozen=True)
+class BatchShare:
+    """The forward pass a block was verified in, as the load signal for the orchestrator's choice of k."""
+
+    size: int = 1  # sessions in the forward
+    width: int = 1  # tokens per row (blocks are padded to the longest)
+    others_width: int = 0  # the longest other row: the width this session's block does not add to
+    others_committed: int = 0  # tokens the other sessions committed from the same forward
+
+
+@dataclass(frozen=True)
 class Verified:
     accepted: int
     next_token: int
     compute_s: float
+    batch: BatchShare = BatchShare()
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    session: "TargetSession"
+    position: int
+    draft_tokens: Sequence[int]  # [k]
+    draft_probs: torch.Tensor | None  # [k, vocab] in DRAFT_PROBS mode, else None
 
 
 def check_mode(mode: VerificationMode, sampling: SamplingParams) -> None:
@@ -70,6 +90,9 @@ class TargetEngine:
         self.sessions: SessionTable[TargetSession] = SessionTable(limits, "target")
         self._new_cache = new_cache or (lambda: SessionCache(model))
         self.tp_degree = tp_degree
+        # Sharded caches replay each step on the other ranks one session at a time.
+        self.can_batch = new_cache is None
+        self.forward_passes = 0  # verifying forwards run; rounds / forward_passes is the mean batch size
 
     # -- sessions -----------------------------------------------------------
     def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode):
@@ -97,12 +120,71 @@ class TargetEngine:
         self._check_block(session, position, draft_tokens, draft_probs)
         start = time.perf_counter()
         logits = session.cache.logits(session.tokens, draft_tokens)  # [k+1, vocab]
+        self.forward_passes += 1
+        result = self._commit(session, logits, draft_tokens, draft_probs)
+        return Verified(result.accepted, result.next_token, time.perf_counter() - start)
+
+    def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verified | errors.SpecsplitError]:
+        """Verify blocks of different sessions in shared forward passes; each result equals its solo ``verify``.
+
+        A block that fails its checks gets its error in its slot and the others
+        still run. Feeds longer than a verification block (a prefill) run alone.
+        """
+        results: list[Verified | errors.SpecsplitError | None] = [None] * len(items)
+        batch: list[int] = []
+        for i, item in enumerate(items):
+            try:
+                self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs)
+            except errors.SpecsplitError as exc:
+                results[i] = exc
+                continue
+            keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
+            if self.can_batch and len(feed) <= self.limits.max_block + 1:
+                batch.append(i)
+            else:
+                results[i] = self._verify_checked(item)
+        if len(batch) == 1:
+            results[batch[0]] = self._verify_checked(items[batch[0]])
+        elif batch:
+            for i, verified in zip(batch, self._verify_together([items[i] for i in batch])):
+                results[i] = verified
+        return results
+
+    def _verify_checked(self, item: VerifyItem) -> Verified | errors.SpecsplitError:
+        try:
+            return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs)
+        except errors.SpecsplitError as exc:
+            return exc
+
+    def _verify_together(self, items: Sequence[VerifyItem]) -> list[Verified]:
+        start = time.perf_counter()
+        steps = []
+        for item in items:
+            keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
+            steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1))
+        logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
+        self.forward_passes += 1
+        decided = [
+            self._commit(item.session, rows, item.draft_tokens, item.draft_probs) for item, rows in zip(items, logits)
+        ]
+        elapsed = time.perf_counter() - start
+        widths = [len(step.feed) for step in steps]
+        committed = sum(d.accepted + 1 for d in decided)
+        verified = []
+        for i, d in enumerate(decided):
+            others_width = max(w for j, w in enumerate(widths) if j != i)
+            share = BatchShare(len(items), max(widths), others_width, committed - (d.accepted + 1))
+            verified.append(Verified(d.accepted, d.next_token, elapsed, share))
+        return verified
+
+    def _commit(self, session, logits, draft_tokens, draft_probs) -> rejection.VerifyResult:
+        """Decide on the block from its logits and commit accepted + 1 tokens to the session."""
         result = self._decide(session, logits, draft_tokens, draft_probs)
         session.tokens.extend(draft_tokens[: result.accepted])
         session.tokens.append(result.next_token)
         session.rounds += 1
         self.sessions.count_round()
-        return Verified(result.accepted, result.next_token, time.perf_counter() - start)
+        return result
 
     def _check_block(self, session, position, draft_tokens, draft_probs) -> None:
         committed = len(session.tokens)

@@ -33,6 +33,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     parser.add_argument("--max-block", type=int, default=32, help="largest draft block accepted per verify")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
+    parser.add_argument("--max-batch", type=int, default=32,
+                        help="blocks of concurrent sessions verified in one forward at most (1 = no batching)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun; gloo on CPU, NCCL on GPU)")
     parser.add_argument("--tp-timeout-s", type=float, default=60.0, help="a collective stuck this long fails the group")
     add_common_flags(parser, DEFAULT_PORT)
@@ -62,7 +64,7 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
 async def serve(args) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (1 when a tensor-parallel rank was lost)."""
     compute = ComputeThread("target-compute")
-    servicer = TargetServicer(compute, tp_degree=args.tp, device=f"{args.device}/{args.dtype}")
+    servicer = TargetServicer(compute, tp_degree=args.tp, device=f"{args.device}/{args.dtype}", max_batch=args.max_batch)
     servicer.session_ttl_s = args.session_ttl_s
     leaders: list[tp.Leader] = []
 
@@ -85,9 +87,11 @@ async def serve(args) -> int:
     return 1 if broken else 0
 
 
-async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_degree: int = 1):
+async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_degree: int = 1, max_batch: int = 32):
     """An in-process server over a loaded engine (tests, embedding); returns (server, port)."""
-    servicer = TargetServicer(ComputeThread("target-compute"), tp_degree=tp_degree, device=str(engine.model.device))
+    servicer = TargetServicer(
+        ComputeThread("target-compute"), tp_degree=tp_degree, device=str(engine.model.device), max_batch=max_batch
+    )
     servicer.attach(engine)
     return await start_in_process(servicer, pb_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, address)
 
@@ -95,6 +99,8 @@ async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_de
 def run(args) -> int:
     """Validate flags, then serve until SIGTERM/SIGINT (as --tp supervised ranks when --tp > 1)."""
     SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s target %(levelname)s %(message)s")
     if args.tp > 1 and "RANK" not in os.environ:

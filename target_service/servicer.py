@@ -9,7 +9,8 @@ from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.wire import probs_from_proto, sampling_from_proto
-from target_service.engine import TargetEngine
+from target_service.batcher import VerifyBatcher
+from target_service.engine import TargetEngine, VerifyItem
 from target_service.rejection import VerificationMode
 
 
@@ -25,10 +26,16 @@ def mode_from_proto(value: int) -> VerificationMode:
 class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
     service_label = "target"
 
-    def __init__(self, compute: ComputeThread, tp_degree: int = 1, device: str = "cpu") -> None:
+    def __init__(self, compute: ComputeThread, tp_degree: int = 1, device: str = "cpu", max_batch: int = 32) -> None:
         super().__init__(compute)
         self.tp_degree = tp_degree
         self.device = device
+        self.max_batch = max_batch
+        self.batcher: VerifyBatcher | None = None
+
+    def attach(self, engine: TargetEngine) -> None:
+        self.batcher = VerifyBatcher(self.compute, engine, self.max_batch)
+        super().attach(engine)
 
     def session_state(self, session) -> pb.SessionState:
         return pb.SessionState(
@@ -79,10 +86,14 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
         probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
-        done = await self.compute.run(engine.verify, session, msg.position, list(msg.draft_tokens), probs)
+        done = await self.batcher.verify(VerifyItem(session, msg.position, list(msg.draft_tokens), probs))
         return pb.VerifyResult(
             position=msg.position,
             accepted=done.accepted,
             next_token=done.next_token,
             compute_us=int(done.compute_s * 1e6),
+            batch_size=done.batch.size,
+            batch_width=done.batch.width,
+            others_width=done.batch.others_width,
+            others_committed=done.batch.others_committed,
         )

@@ -96,14 +96,14 @@ def background_loop():
 class Services:
     """A target and a draft server on 127.0.0.1 with their engines (for session counts)."""
 
-    def __init__(self, loop: BackgroundLoop, target_engine, draft_engine) -> None:
+    def __init__(self, loop: BackgroundLoop, target_engine, draft_engine, max_batch: int = 32) -> None:
         from draft_service.server import start_server as start_draft
         from target_service.server import start_server as start_target
 
         self.loop = loop
         self.target_engine = target_engine
         self.draft_engine = draft_engine
-        self.target_server, target_port = loop.run(start_target(target_engine))
+        self.target_server, target_port = loop.run(start_target(target_engine, max_batch=max_batch))
         self.draft_server, draft_port = loop.run(start_draft(draft_engine))
         self.target_address = f"127.0.0.1:{target_port}"
         self.draft_address = f"127.0.0.1:{draft_port}"

@@ -1,22 +1,23 @@
-"""The K controller: cost fit, Leviathan's expectation, and the choice it drives."""
+"""The K controller: cost fit, Leviathan's expectation, load, overlap, and the choice they drive."""
 
 import pytest
 
-from orchestrator.adaptive_k import AdaptiveK, CostModel, expected_tokens
+from orchestrator.adaptive_k import AdaptiveK, CostModel, Load, expected_tokens
 
 
-def fitted(a=0.05, b=0.006, draft=0.0) -> CostModel:
+def fitted(a=0.05, b=0.006, draft=0.0, widths=(1, 2, 3, 5, 9, 1, 4, 9)) -> CostModel:
+    """Forwards of x tokens cost a + b (x - 1): a decode step costs a."""
     costs = CostModel()
-    for k in [0, 1, 2, 4, 8, 0, 3, 8]:
-        costs.observe_verify(k, a + b * k)
-        costs.observe_draft(k, draft * k)
+    for x in widths:
+        costs.observe_verify(x, a + b * (x - 1))
+        costs.observe_draft(x - 1, draft * (x - 1))
     return costs
 
 
 def test_cost_model_recovers_a_linear_verify_cost():
     costs = fitted(a=0.05, b=0.006)
-    assert costs.verify_s(0) == pytest.approx(0.05, rel=1e-6)
-    assert costs.verify_s(10) == pytest.approx(0.11, rel=1e-6)
+    assert costs.verify_s(1) == pytest.approx(0.05, rel=1e-6)
+    assert costs.verify_s(11) == pytest.approx(0.11, rel=1e-6)
 
 
 def test_expected_tokens_matches_leviathan():
@@ -59,3 +60,54 @@ def test_rounds_without_a_proposal_carry_no_evidence():
 def test_negative_bound_is_refused():
     with pytest.raises(ValueError, match="k_max"):
         AdaptiveK(k_max=-1, costs=CostModel())
+
+
+def confident(costs: CostModel, k_max: int = 8) -> AdaptiveK:
+    controller = AdaptiveK(k_max=k_max, costs=costs)
+    for _ in range(10):
+        controller.observe(drafted=4, accepted=3)
+    return controller
+
+
+def cpu_like() -> CostModel:
+    """A forward costs 40 ms + 5 ms per token, measured over batch sizes 1..64 (like the 2-core CPU)."""
+    return fitted(a=0.04, b=0.005, widths=(1, 2, 5, 9, 8, 16, 32, 64, 9, 1))
+
+
+def test_alone_the_choice_is_leviathans():
+    controller = confident(cpu_like())
+    assert controller.choose(Load()) == controller.choose() > 0
+
+
+def test_saturated_target_turns_speculation_off_and_load_falling_brings_it_back():
+    controller = confident(cpu_like())
+    alone = controller.choose(Load())
+    saturated = Load(sessions=16, others_width=1, others_committed=15)
+    assert controller.choose(saturated) == 0
+    # never probe under saturation: even perfect drafts would not pay there
+    assert [controller.choose(saturated) for _ in range(3 * controller.probe_every)] == [0] * (3 * controller.probe_every)
+    assert controller.choose(Load()) == alone
+
+
+def test_k_shrinks_as_load_grows():
+    controller = confident(cpu_like())
+    ks = [controller.best(controller.alpha, Load(b, 1 if b > 1 else 0, b - 1)) for b in (1, 2, 4, 8, 32)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
+
+
+def test_with_others_already_speculating_a_block_within_their_width_is_free():
+    controller = confident(cpu_like())
+    # the others' rows are 9 wide anyway: padding makes a block of up to 8 cost nothing extra
+    assert controller.best(controller.alpha, Load(sessions=4, others_width=9, others_committed=9)) == 8
+
+
+def test_overlap_hides_drafting():
+    dear = fitted(a=0.05, b=0.002, draft=0.008)
+    controller = confident(dear, 16)
+    alpha = controller.alpha
+    assert controller.rate(0, alpha, overlap=True) == controller.rate(0, alpha, overlap=False)
+    for k in range(1, 6):  # drafting k + 1 ahead (8 ms each) fits within one verification (>= 50 ms)
+        assert controller.rate(k, alpha, overlap=True) > controller.rate(k, alpha, overlap=False)
+    # a draft slower than the verification is waited for, and on a miss paid again: overlap can lose then
+    assert controller.rate(16, alpha, overlap=True) < controller.rate(16, alpha, overlap=False)
+    assert controller.choose(overlap=True) >= controller.choose(overlap=False) > 0

@@ -1,0 +1,134 @@
+"""Verification blocks of several sessions in one forward pass (continuous batching).
+
+Each session keeps its own KV cache and position. For a step, the sessions'
+cached keys/values are gathered into one right-padded batch:
+
+    row i:  [ past_i (p_i) | pad (P - p_i) | fed_i (n_i) | pad (Q - n_i) ]
+
+with an attention mask that hides the pads and position ids p_i + j, so row i
+attends exactly to its own past and, causally, to its own fed tokens: the same
+computation as the session's solo step. Afterwards each session's cache gets
+its own new keys/values appended and nothing else.
+
+Long feeds (a prompt's prefill) do not join a batch: padding every row to the
+prompt's length would cost more than it saves.
+
+No grpc here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from lmkit.kvcache import SessionCache
+
+
+@dataclass(frozen=True)
+class Step:
+    """One session's share of a forward: crop its cache to ``keep``, feed ``feed``, return ``n_logits`` rows."""
+
+    cache: SessionCache
+    keep: int
+    feed: list[int]
+    n_logits: int
+
+
+class _PaddedBatchLayer(DynamicLayer):
+    """One layer's keys/values for a batched step: the sessions' pasts, padded to a common length."""
+
+    def __init__(self, pasts: Sequence[tuple[torch.Tensor, torch.Tensor] | None], past_len: int) -> None:
+        super().__init__()
+        self._pasts = pasts  # per row: ([1, heads, p_i, dim] keys, values) or None when p_i = 0
+        self._past_len = past_len
+        self.is_initialized = True
+        self.new_keys: torch.Tensor | None = None  # [batch, heads, Q, dim] after the forward
+        self.new_values: torch.Tensor | None = None
+
+    def get_seq_length(self) -> int:
+        return self._past_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [batch, heads, Q, dim]; the result is [batch, heads, P + Q, dim]
+        self.new_keys, self.new_values = key_states, value_states
+        return self._gather(key_states), self._gather(value_states, values=True)
+
+    def _gather(self, new: torch.Tensor, values: bool = False) -> torch.Tensor:
+        batch, heads, width, dim = new.shape
+        out = new.new_zeros(batch, heads, self._past_len + width, dim)
+        for row, past in enumerate(self._pasts):
+            if past is not None:
+                tensor = past[1] if values else past[0]
+                out[row, :, : tensor.shape[-2]] = tensor[0]
+        out[:, :, self._past_len :] = new
+        return out
+
+
+def _layer_past(cache: SessionCache, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    layers = cache.cache.layers
+    if layer >= len(layers) or not layers[layer].is_initialized or layers[layer].keys is None:
+        return None
+    if layers[layer].keys.numel() == 0:
+        return None
+    return layers[layer].keys, layers[layer].values
+
+
+@torch.inference_mode()
+def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
+    """Run every step in one forward; returns per step its last ``n_logits`` rows [n_logits, vocab] (float32, CPU).
+
+    Afterwards each step's cache holds its kept prefix plus its fed tokens, as
+    after ``SessionCache.apply``.
+    """
+    if not steps:
+        return []
+    device = next(model.parameters()).device
+    for step in steps:
+        step.cache.crop(step.keep)
+    past_len = max(step.keep for step in steps)
+    width = max(len(step.feed) for step in steps)
+    n_layers = int(model.config.num_hidden_layers)
+
+    input_ids = torch.zeros(len(steps), width, dtype=torch.long)
+    positions = torch.zeros(len(steps), width, dtype=torch.long)
+    mask = torch.zeros(len(steps), past_len + width, dtype=torch.long)
+    for row, step in enumerate(steps):
+        n = len(step.feed)
+        input_ids[row, :n] = torch.tensor(step.feed, dtype=torch.long)
+        positions[row] = torch.arange(step.keep, step.keep + width)
+        mask[row, : step.keep] = 1
+        mask[row, past_len : past_len + n] = 1
+
+    batch_cache = DynamicCache(config=model.config)
+    batch_cache.layers = [
+        _PaddedBatchLayer([_layer_past(step.cache, layer) for step in steps], past_len) for layer in range(n_layers)
+    ]
+    out = model(
+        input_ids=input_ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions.to(device),
+        cache=batch_cache,
+        use_cache=True,
+    )
+    logits = out.logits.float().cpu()  # [batch, width, vocab]
+    results = []
+    for row, step in enumerate(steps):
+        n = len(step.feed)
+        _append(step, batch_cache, row)
+        results.append(logits[row, n - step.n_logits : n])
+    return results
+
+
+def _append(step: Step, batch_cache: DynamicCache, row: int) -> None:
+    """Give a session's cache its own new keys/values from the batched step."""
+    n = len(step.feed)
+    own = step.cache.cache
+    for layer, batched in enumerate(batch_cache.layers):
+        keys = batched.new_keys[row : row + 1, :, :n]
+        values = batched.new_values[row : row + 1, :, :n]
+        own.update(keys.contiguous(), values.contiguous(), layer)
+    step.cache.tokens = [*step.cache.tokens, *step.feed]
