@@ -4,8 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# Manifest and Dockerfile linters (checkov, kubernetes-validate, hadolint) get
+# their own venv: checkov's pins (networkx, packaging) clash with torch's.
+K8S_VENV := .venv-k8s
+K8S_REQS := k8s/requirements-tools.txt
+K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_REQS) | sha256sum | cut -c1-12)
 
-.PHONY: install demo test bench protos check-protos clean
+.PHONY: install k8s-tools demo test bench protos check-protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,10 +25,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(K8S_STAMP): $(K8S_REQS)
+	test -x $(K8S_VENV)/bin/python || $(PYTHON) -m venv $(K8S_VENV)
+	$(K8S_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(K8S_VENV)/bin/python -m pip install --quiet -r $(K8S_REQS)
+	rm -f $(K8S_VENV)/.installed-*
+	touch $@
+
+k8s-tools: $(K8S_STAMP)
+
 demo: install
 	$(VENV)/bin/specsplit demo
 
-test: install
+test: install k8s-tools
 	$(PY) -m pytest -q
 
 bench: install
@@ -36,4 +50,4 @@ check-protos: install
 	$(PY) protos/generate.py --check
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(K8S_VENV) build *.egg-info

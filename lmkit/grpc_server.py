@@ -297,6 +297,11 @@ def add_common_flags(parser, default_port: int) -> None:
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     parser.add_argument("--session-ttl-s", type=float, default=300.0, help="evict sessions idle this long")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
+    parser.add_argument(
+        "--health-port", type=int, default=0,
+        help="also serve grpc.health.v1 alone, plaintext, on this port (for Kubernetes gRPC probes, which cannot "
+             "speak TLS); 0 = off",
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_tls_flags(parser)
 
@@ -321,15 +326,38 @@ async def run_service(args, service_name: str, register, load, servicer=None) ->
     register(server)
     serve_metrics(args.metrics_port, args.host, service_name.rsplit(".", 1)[-1], servicer)
     await set_serving(health, [service_name], False)
+    probes = await start_health_server(args.host, args.health_port, health)
     await server.start()
     log.info("%s listening on %s:%d (loading)", service_name, args.host, port)
     try:
         attach = await asyncio.get_running_loop().run_in_executor(None, load)
     except BaseException:
         await server.stop(0)  # a failed load leaves no half-started server behind
+        if probes is not None:
+            await probes.stop(0)
         raise
     attach()
     await set_serving(health, [service_name], True)
     write_port_file(args.port_file, port)
     log.info("%s serving on %s:%d", service_name, args.host, port)
-    await serve_until_signal(server, health, args.grace_s)
+    try:
+        await serve_until_signal(server, health, args.grace_s)
+    finally:
+        if probes is not None:
+            await probes.stop(0)
+
+
+async def start_health_server(host: str, port: int, health: HealthServicer) -> grpc.aio.Server | None:
+    """The same health statuses, plaintext, on their own port (``--health-port``); None when port is 0.
+
+    Kubernetes' native gRPC probes cannot present TLS or client certificates,
+    so a service whose main port requires mTLS exposes health alone here.
+    """
+    if not port:
+        return None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"could not bind --health-port {port} on {host}; is the port in use?")
+    await server.start()
+    return server

@@ -147,3 +147,31 @@ def test_tls_flags_are_checked():
         ServerTls(ca="ca.pem")
     with pytest.raises(ValueError, match="needs --peer-tls-ca"):
         ClientTls(cert="c.pem", key="c.key")
+
+
+def test_health_port_answers_plaintext_probes_while_the_main_port_requires_mtls(pki, tmp_path):
+    """Kubernetes gRPC probes cannot present certificates: --health-port serves health alone, plaintext."""
+    from orchestrator.launcher import start_service
+    from tests.test_faults import free_port
+
+    health_port = free_port()
+    tls = ["--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"], "--tls-ca", pki["ca.pem"]]
+    draft = start_service("draft_service.server", "draft", [*tls, "--health-port", str(health_port)], tmp_path, 120)
+
+    async def probe():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as only_health:
+                await pb_grpc.DraftServiceStub(channel).Info(pb.InfoRequest(), timeout=10)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{draft.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as plaintext:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return health.status, only_health.value.code(), plaintext.value.code()
+
+    try:
+        status, other, plaintext = run_async(probe())
+    finally:
+        draft.stop()
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert other == grpc.StatusCode.UNIMPLEMENTED  # the probe port exposes nothing but health
+    assert plaintext == grpc.StatusCode.UNAVAILABLE  # the service port still refuses plaintext
