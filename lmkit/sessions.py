@@ -71,6 +71,10 @@ class SessionTable(Generic[S]):
             self._opened += 1
         return session
 
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
     def remove(self, session_id: str) -> S | None:
         with self._lock:
             return self._sessions.pop(session_id, None)

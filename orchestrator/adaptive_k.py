@@ -2,7 +2,9 @@
 
 Leviathan et al. 2023 (sec. 3.3-3.4): with per-token acceptance rate alpha, a
 block of k draft tokens yields on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
-committed tokens per target pass. A target forward over x tokens costs
+committed tokens per target pass. We measure acceptance per position instead
+(p_i: position i passes given all before it did), E(k) = 1 + sum_i prod_{j<=i} p_j,
+which is Leviathan's E(k) when every p_i = alpha. A target forward over x tokens costs
 t(x) = a + s x (fitted from reported compute times; on CPUs s matters:
 verifying 8 tokens costs ~2 decode steps there).
 
@@ -31,6 +33,7 @@ Pure: no I/O. The orchestrator feeds it the services' reported compute times.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -97,62 +100,86 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_by_position(accept: Sequence[float], k: int) -> float:
+    """E(k) when position i is accepted with probability accept[i-1] given all before it were:
+    1 + sum_{i<=k} prod_{j<=i} accept[j-1]. Equal to ``expected_tokens`` when every entry is alpha."""
+    total, run = 1.0, 1.0
+    for p in accept[:k]:
+        run *= p
+        total += run
+    return total
+
+
 @dataclass
 class AdaptiveK:
-    """Per-session K controller."""
+    """Per-session K controller.
+
+    Acceptance is measured per draft position, conditional on the positions
+    before it having passed: drafts come in runs (a copy span accepts token
+    after token; no match proposes nothing), so the i.i.d. alpha of Leviathan's
+    model underrates long blocks exactly where they pay.
+    """
 
     k_max: int
     costs: CostModel
     prior_alpha: float = 0.6
-    prior_weight: float = 2.0  # pseudo-observations behind the prior
+    prior_weight: float = 2.0  # pseudo-observations behind the prior, per position
     decay: float = 0.8  # recent rounds dominate: acceptance comes in runs (copy spans)
     probe_every: int = 8  # after this many k = 0 rounds, try k = 1 to re-measure acceptance
-    _accepted: float = field(default=0.0, init=False)
-    _trials: float = field(default=0.0, init=False)
+    _passed: list[float] = field(default_factory=list, init=False)
+    _reached: list[float] = field(default_factory=list, init=False)
     _rounds_at_zero: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {self.k_max}")
+        self._passed = [0.0] * self.k_max
+        self._reached = [0.0] * self.k_max
+
+    def acceptance(self) -> list[float]:
+        """P(position i passes | positions before it passed), i = 1..k_max, shrunk towards the prior."""
+        w = self.prior_weight
+        return [(p + self.prior_alpha * w) / (r + w) for p, r in zip(self._passed, self._reached)]
 
     @property
     def alpha(self) -> float:
-        a = self.prior_alpha * self.prior_weight
-        return (self._accepted + a) / (self._trials + self.prior_weight)
+        """Acceptance of the first draft position."""
+        return self.acceptance()[0] if self.k_max else self.prior_alpha
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One round: ``accepted`` of ``drafted`` passed (a rejection ends the block)."""
-        if drafted == 0:
-            return
-        trials = accepted + (1 if accepted < drafted else 0)
-        self._accepted = self._accepted * self.decay + accepted
-        self._trials = self._trials * self.decay + trials
+        for i in range(min(drafted, accepted + 1, self.k_max)):  # positions the verifier looked at
+            self._reached[i] = self._reached[i] * self.decay + 1
+            self._passed[i] = self._passed[i] * self.decay + (1 if i < accepted else 0)
 
-    def rate(self, k: int, alpha: float, load: Load = ALONE, overlap: bool = False) -> float:
+    def rate(self, k: int, accept: Sequence[float], load: Load = ALONE, overlap: bool = False) -> float:
         """Expected committed tokens per second, over all sessions in the forward, for a block of k."""
         verify = self.costs.verify_s(load.tokens(k))
         draft_token_s = self.costs.draft_s_per_token()
         if k == 0:
             drafting = 0.0
         elif overlap:  # the next block (k + 1 with the bonus guess) is drafted during this verification
-            miss = 1.0 - alpha ** (k + 1)
+            whole = 1.0
+            for p in accept[:k]:
+                whole *= p
+            miss = 1.0 - whole * accept[min(k, len(accept) - 1)]
             drafting = max(0.0, (k + 1) * draft_token_s - verify) + miss * k * draft_token_s
         else:
             drafting = k * draft_token_s
-        return (load.others_committed + expected_tokens(alpha, k)) / (verify + drafting)
+        return (load.others_committed + expected_tokens_by_position(accept, k)) / (verify + drafting)
 
-    def best(self, alpha: float, load: Load = ALONE, overlap: bool = False) -> int:
-        rates = [self.rate(k, alpha, load, overlap) for k in range(self.k_max + 1)]
+    def best(self, accept: Sequence[float], load: Load = ALONE, overlap: bool = False) -> int:
+        rates = [self.rate(k, accept, load, overlap) for k in range(self.k_max + 1)]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))  # ties: the smaller block
 
     def choose(self, load: Load = ALONE, overlap: bool = False) -> int:
-        best_k = self.best(self.alpha, load, overlap)
+        best_k = self.best(self.acceptance(), load, overlap)
         if best_k > 0:
             self._rounds_at_zero = 0
             return best_k
         # Re-measure acceptance now and then, but only where perfect drafts would pay: never under saturation.
         self._rounds_at_zero += 1
-        if self._rounds_at_zero >= self.probe_every and self.best(1.0, load, overlap) > 0:
+        if self._rounds_at_zero >= self.probe_every and self.best([1.0] * self.k_max, load, overlap) > 0:
             self._rounds_at_zero = 0
             return min(1, self.k_max)
         return 0

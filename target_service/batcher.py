@@ -1,15 +1,23 @@
 """Continuous batching of verification requests on the event loop side.
 
 Each session's stream submits its block and waits. Whenever the compute thread
-is free, every block waiting at that moment (up to ``max_batch``) goes into
-one ``TargetEngine.verify_batch`` call; blocks that arrive meanwhile form the
-next batch. One session alone sees no delay: its block runs as soon as the
-thread is free, as before.
+is free, the blocks waiting (up to ``max_batch``) go into one
+``TargetEngine.verify_batch`` call; blocks that arrive meanwhile form the next
+batch.
+
+Sessions of one batch get their results together and come back a round trip
+later (the orchestrator commits, drafts, sends the next block). Starting the
+next forward with whoever arrived first would split them for good: two
+sessions would alternate A, B, A, B, each alone. So the next batch waits for
+the sessions of the last one that are still open, up to a small fraction of a
+forward's time (``wait_fraction``, at most ``max_wait_s``). One session alone
+never waits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from lmkit.grpc_server import ComputeThread
@@ -23,31 +31,61 @@ class _Waiting:
 
 
 class VerifyBatcher:
-    def __init__(self, compute: ComputeThread, engine: TargetEngine, max_batch: int) -> None:
+    def __init__(
+        self, compute: ComputeThread, engine: TargetEngine, max_batch: int,
+        wait_fraction: float = 0.2, max_wait_s: float = 0.05,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
         self.compute = compute
         self.engine = engine
         self.max_batch = max_batch
+        self.wait_fraction = wait_fraction
+        self.max_wait_s = max_wait_s
         self._waiting: list[_Waiting] = []
         self._runner: asyncio.Task | None = None
+        self._arrived = asyncio.Event()
+        self._last_batch: set[str] = set()  # session ids verified together last time
+        self._last_forward_s = 0.0
 
     async def verify(self, item: VerifyItem) -> Verified:
         future = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(item, future))
+        self._arrived.set()
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run())
         return await future
 
+    async def _gather_last_batch(self) -> None:
+        """Wait briefly for the open sessions of the last batch that have not sent their next block yet."""
+        if self.max_batch == 1:
+            return
+        deadline = time.monotonic() + min(self.wait_fraction * self._last_forward_s, self.max_wait_s)
+        while True:
+            here = {w.item.session.session_id for w in self._waiting}
+            missing = [s for s in self._last_batch - here if s in self.engine.sessions]
+            remaining = deadline - time.monotonic()
+            if not missing or remaining <= 0 or len(here) >= self.max_batch:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
     async def _run(self) -> None:
         while self._waiting:
+            await self._gather_last_batch()
             batch = self._take()
             if not batch:
                 continue
+            self._last_batch = {w.item.session.session_id for w in batch}
+            start = time.monotonic()
             try:
                 results = await self.compute.run(self.engine.verify_batch, [w.item for w in batch])
             except Exception as exc:  # noqa: BLE001 - the forward itself failed: every block in it fails
                 results = [exc] * len(batch)
+            self._last_forward_s = time.monotonic() - start
             for waiting, result in zip(batch, results):
                 if waiting.future.done():  # the stream went away meanwhile
                     continue

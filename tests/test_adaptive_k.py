@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator.adaptive_k import AdaptiveK, CostModel, Load, expected_tokens
+from orchestrator.adaptive_k import AdaptiveK, CostModel, Load, expected_tokens, expected_tokens_by_position
 
 
 def fitted(a=0.05, b=0.006, draft=0.0, widths=(1, 2, 3, 5, 9, 1, 4, 9)) -> CostModel:
@@ -24,6 +24,23 @@ def test_expected_tokens_matches_leviathan():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 5) == 6.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    for alpha in (0.0, 0.3, 0.9):  # position-wise with a constant rate is Leviathan's E(k)
+        assert expected_tokens_by_position([alpha] * 6, 6) == pytest.approx(expected_tokens(alpha, 6))
+    assert expected_tokens_by_position([0.5, 1.0, 0.0], 3) == pytest.approx(1 + 0.5 + 0.5)
+
+
+def test_runs_of_acceptance_keep_blocks_long():
+    """Copy spans: a round either passes everything or fails at once. Overall acceptance is ~0.5, which
+    the i.i.d. model would answer with short blocks; given the first token passed, the rest always do."""
+    costs = fitted(a=0.07, b=0.01)
+    controller = AdaptiveK(k_max=8, costs=costs)
+    for _ in range(6):
+        controller.observe(drafted=8, accepted=8)
+        controller.observe(drafted=8, accepted=0)
+    accept = controller.acceptance()
+    assert accept[0] < 0.65 and min(accept[1:]) > 0.85
+    iid = AdaptiveK(k_max=8, costs=costs)
+    assert controller.choose() >= 4 > iid.best([controller.alpha] * 8)
 
 
 def test_high_acceptance_and_cheap_drafts_use_the_bound():
@@ -91,23 +108,23 @@ def test_saturated_target_turns_speculation_off_and_load_falling_brings_it_back(
 
 def test_k_shrinks_as_load_grows():
     controller = confident(cpu_like())
-    ks = [controller.best(controller.alpha, Load(b, 1 if b > 1 else 0, b - 1)) for b in (1, 2, 4, 8, 32)]
+    ks = [controller.best(controller.acceptance(), Load(b, 1 if b > 1 else 0, b - 1)) for b in (1, 2, 4, 8, 32)]
     assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
 
 
 def test_with_others_already_speculating_a_block_within_their_width_is_free():
     controller = confident(cpu_like())
     # the others' rows are 9 wide anyway: padding makes a block of up to 8 cost nothing extra
-    assert controller.best(controller.alpha, Load(sessions=4, others_width=9, others_committed=9)) == 8
+    assert controller.best(controller.acceptance(), Load(sessions=4, others_width=9, others_committed=9)) == 8
 
 
 def test_overlap_hides_drafting():
     dear = fitted(a=0.05, b=0.002, draft=0.008)
     controller = confident(dear, 16)
-    alpha = controller.alpha
-    assert controller.rate(0, alpha, overlap=True) == controller.rate(0, alpha, overlap=False)
+    accept = controller.acceptance()
+    assert controller.rate(0, accept, overlap=True) == controller.rate(0, accept, overlap=False)
     for k in range(1, 6):  # drafting k + 1 ahead (8 ms each) fits within one verification (>= 50 ms)
-        assert controller.rate(k, alpha, overlap=True) > controller.rate(k, alpha, overlap=False)
+        assert controller.rate(k, accept, overlap=True) > controller.rate(k, accept, overlap=False)
     # a draft slower than the verification is waited for, and on a miss paid again: overlap can lose then
-    assert controller.rate(16, alpha, overlap=True) < controller.rate(16, alpha, overlap=False)
-    assert controller.choose(overlap=True) >= controller.choose(overlap=False) > 0
+    assert controller.rate(16, accept, overlap=True) < controller.rate(16, accept, overlap=False)
+    assert controller.choose(overlap=True) > 0
