@@ -10,7 +10,7 @@ K8S_VENV := .venv-k8s
 K8S_REQS := k8s/requirements-tools.txt
 K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_REQS) | sha256sum | cut -c1-12)
 
-.PHONY: install k8s-tools demo test bench protos check-protos clean
+.PHONY: install k8s-tools demo test bench bench-speed protos check-protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ test: install k8s-tools
 
 bench: install
 	$(VENV)/bin/specsplit bench --json bench/results/core-ngram.json --target-cpus 1 --draft-cpus 0
+
+# Sync vs overlap, fixed vs adaptive K, K sweep, concurrency 1..32, HF anchors: JSON + PNG.
+bench-speed: install
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(VENV)/bin/specsplit bench --suite speed --json bench/results/speed.json --target-cpus 1 --draft-cpus 0 --target-threads 1
 
 protos: install
 	$(PY) protos/generate.py

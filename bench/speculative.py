@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bench import speed
 from draft_service.drafter import DrafterKind
 from orchestrator import demo
 from orchestrator.config import OrchestratorConfig
@@ -30,6 +31,11 @@ from orchestrator.prompts import PROMPT_SETS
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     demo.build_parser(parser)
     parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument(
+        "--suite", default="compare", choices=["compare", "speed"],
+        help="compare: speculative vs target-only on a prompt set; speed: modes, K sweep, concurrency, HF anchors, plot",
+    )
+    speed.add_flags(parser)
     parser.add_argument("--target-cpus", default="", help="pin the target to these CPUs, e.g. '0,1'")
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
     parser.add_argument(
@@ -66,11 +72,15 @@ async def _measure(args, target_address: str, draft_address: str) -> dict:
     try:
         drafter = DrafterKind[args.drafter.upper()]
         prompts = PROMPT_SETS[args.prompt_set]
-        results = await compare(orch, prompts, args.k, drafter, args.max_new_tokens, adaptive_k=not args.fixed_k)
+        results = await compare(
+            orch, prompts, args.k, drafter, args.max_new_tokens, adaptive_k=not args.fixed_k,
+            overlap=not args.no_overlap,
+        )
     finally:
         await orch.close()
     groups = summarise(results)
-    report = {"k": args.k, "adaptive_k": not args.fixed_k, **figures(groups["all"], args.k)}
+    report = {"k": args.k, "adaptive_k": not args.fixed_k, "overlap": not args.no_overlap,
+              **figures(groups["all"], args.k)}
     report["by_kind"] = {name: figures(g, args.k) for name, g in groups.items() if name != "all"}
     report["per_prompt"] = [
         {
@@ -90,6 +100,8 @@ async def _measure(args, target_address: str, draft_address: str) -> dict:
 
 
 def run(args) -> int:
+    if args.suite == "speed":
+        return speed.run(args)
     target_args, draft_args = demo.service_args(args)
     if args.target_cpus:
         target_args += ["--cpus", args.target_cpus]

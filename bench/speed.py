@@ -1,0 +1,342 @@
+"""``specsplit bench --suite speed``: sync vs overlap, fixed vs adaptive K, concurrency, HF anchors; JSON + PNG.
+
+One run, one target, the same prompts and token budget throughout, greedy:
+
+* single stream: target-only (k = 0 through the same service), speculative in
+  sync and overlap modes with fixed and adaptive K, and Hugging Face anchors in
+  this process on the target's cores: plain ``model.generate`` and assisted
+  generation (``prompt_lookup_num_tokens`` for the n-gram drafter,
+  ``assistant_model`` for a draft model);
+* a K sweep (fixed K, sync) for speedup vs K, and per-position acceptance;
+* concurrency 1..32: aggregate tokens/s with speculation (adaptive, overlap)
+  and without (k = 0), both through continuous batching.
+
+Draft and target run as separate processes pinned to different cores (they
+stand for separate devices); the orchestrator runs in this process on the
+draft's cores, the HF anchors on the target's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draft_service.drafter import DrafterKind
+from lmkit import models
+from lmkit.sampling import SamplingParams
+from orchestrator import demo
+from orchestrator.config import OrchestratorConfig
+from orchestrator.evaluation import RunResult, run_one, theoretical_speedup
+from orchestrator.generation import GenerationRequest, Orchestrator
+from orchestrator.launcher import local_services
+from orchestrator.prompts import PROMPT_SETS
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    k: int
+    adaptive: bool
+    overlap: bool
+
+
+def add_flags(parser) -> None:
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="--suite speed: concurrent sessions levels")
+    parser.add_argument("--k-sweep", default="1,2,4,8", help="--suite speed: fixed K values for speedup vs K")
+    parser.add_argument("--concurrency-max-new-tokens", type=int, default=48, help="--suite speed: tokens per request")
+    parser.add_argument("--plot", default="", help="--suite speed: write the PNG plot here (default: next to --json)")
+
+
+def _cpus(spec: str) -> set[int]:
+    return {int(c) for c in spec.split(",") if c.strip()} if spec else set(range(os.cpu_count() or 1))
+
+
+def _pin(spec: str) -> None:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, _cpus(spec))
+
+
+# -- single stream ---------------------------------------------------------------------------------------
+async def _pass(orch, prompts, mode: Mode, drafter, max_new) -> list[RunResult]:
+    await run_one(orch, prompts[0], mode.k, drafter, 16, GREEDY, adaptive_k=mode.adaptive, overlap=mode.overlap)
+    return [
+        await run_one(orch, p, mode.k, drafter, max_new, GREEDY, adaptive_k=mode.adaptive, overlap=mode.overlap)
+        for p in prompts
+    ]
+
+
+def _per_position(runs: list[RunResult], k_max: int) -> list[float]:
+    """P(draft token i is accepted | i tokens were drafted), i = 1..k_max."""
+    reached, accepted = [0] * k_max, [0] * k_max
+    for r in runs:
+        for a, d in zip(r.accepted_per_round, r.drafted_per_round):
+            for i in range(min(d, k_max)):
+                reached[i] += 1
+                accepted[i] += int(i < a)
+    return [round(accepted[i] / reached[i], 4) if reached[i] else 0.0 for i in range(k_max)]
+
+
+def _figures(runs: list[RunResult], baseline: list[RunResult], mode: Mode, hf: dict) -> dict:
+    tokens = sum(len(r.token_ids) for r in runs)
+    wall = sum(r.wall_s for r in runs)
+    base_tps = sum(len(r.token_ids) for r in baseline) / sum(r.wall_s for r in baseline)
+    drafted, accepted = sum(r.drafted for r in runs), sum(r.accepted for r in runs)
+    rounds = sum(r.rounds for r in runs)
+    target_step = sum(r.target_compute_s for r in baseline) / max(sum(r.rounds for r in baseline), 1)
+    c = (sum(r.draft_compute_s for r in runs) / drafted) / target_step if drafted and target_step else 0.0
+    alpha = accepted / drafted if drafted else 0.0
+    # Leviathan's bound for the measured alpha and c: at K for fixed K, at the best K <= K_max when adaptive.
+    ks = range(1, mode.k + 1) if mode.adaptive else [mode.k]
+    bound = max((theoretical_speedup(alpha, k, c) for k in ks), default=1.0) if mode.k else 1.0
+    tps = tokens / wall
+    speedup = tps / base_tps
+    return {
+        "mode": mode.name, "k": mode.k, "adaptive_k": mode.adaptive, "overlap": mode.overlap,
+        "tokens": tokens, "tokens_per_s": round(tps, 3),
+        "speedup_vs_target_only": round(speedup, 3),
+        "speedup_vs_hf_assisted": round(tps / hf["assisted_tokens_per_s"], 3),
+        "speedup_vs_hf_generate": round(tps / hf["generate_tokens_per_s"], 3),
+        "acceptance_rate": round(alpha, 4), "draft_cost_ratio": round(c, 4),
+        "mean_accepted_length": round(tokens / rounds, 3) if rounds else 0.0,
+        "mean_drafted_per_round": round(drafted / rounds, 3) if rounds else 0.0,
+        "overlap_hits": sum(r.overlap_hits for r in runs), "rounds": rounds,
+        "leviathan_bound": round(bound, 3),
+        "efficiency_vs_bound": round(speedup / bound, 3),
+        "identical_to_target_only": sum(r.token_ids == b.token_ids for r, b in zip(runs, baseline)),
+        "per_position_acceptance": _per_position(runs, max(mode.k, 1)),
+    }
+
+
+# -- Hugging Face anchors ----------------------------------------------------------------------------------
+def hf_anchors(args, prompts, tokenizer, max_new: int, k: int, drafter: DrafterKind, threads: int) -> dict:
+    """Plain and assisted ``generate`` on the target's cores, same prompts, budget and greedy decoding."""
+    _pin(args.target_cpus)
+    torch.set_num_threads(threads)
+    target = models.load_model(models.ModelSpec(args.model, args.device, args.dtype))
+    assistant = models.load_model(models.ModelSpec(args.draft_model)) if drafter is DrafterKind.MODEL else None
+    extra = {"assistant_model": assistant} if assistant is not None else {"prompt_lookup_num_tokens": k}
+    out = {"generate": [], "assisted": []}
+    for name, kwargs in (("generate", {}), ("assisted", extra)):
+        ids = _chat_ids(tokenizer, prompts[0].text)
+        _hf_generate(target, ids, 8, kwargs)  # warm-up
+        for p in prompts:
+            ids = _chat_ids(tokenizer, p.text)
+            start = time.perf_counter()
+            new = _hf_generate(target, ids, max_new, kwargs)
+            out[name].append((new, time.perf_counter() - start))
+    tps = {name: sum(len(n) for n, _ in runs) / sum(s for _, s in runs) for name, runs in out.items()}
+    return {
+        "generate_tokens_per_s": round(tps["generate"], 3),
+        "assisted_tokens_per_s": round(tps["assisted"], 3),
+        "assisted": "assistant_model" if assistant is not None else f"prompt_lookup_num_tokens={k}",
+        "threads": threads, "cpus": args.target_cpus or "unpinned",
+        "outputs": {name: [n for n, _ in runs] for name, runs in out.items()},
+    }
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@torch.inference_mode()
+def _hf_generate(model, ids: list[int], max_new: int, kwargs: dict) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, **kwargs)
+    return out[0, len(ids) :].tolist()
+
+
+# -- concurrency -------------------------------------------------------------------------------------------
+async def _timed(orch, prompt, mode: Mode, drafter, max_new) -> tuple[list[tuple[float, int]], list[int], object]:
+    """One generation's (time, tokens) per streamed event, its token ids and final stats."""
+    request = GenerationRequest(prompt.text, True, max_new, GREEDY, (), mode.k, drafter, False, mode.adaptive,
+                                overlap=mode.overlap)
+    events, ids, stats = [], [], None
+    async for event in orch.generate(request, orch.encode(prompt.text, chat=True)):
+        events.append((time.perf_counter(), len(event.token_ids)))
+        ids.extend(event.token_ids)
+        stats = event.stats or stats
+    return events, ids, stats
+
+
+async def _concurrent(orch, prompts, level: int, mode: Mode, drafter, max_new) -> dict:
+    """``level`` generations at once. Decode throughput counts tokens in the window where every session
+    is past its prompt's prefill and none has finished: the batched steady state. End to end (prefills
+    included, each a full forward over its prompt) is reported beside it."""
+    chosen = [prompts[i % len(prompts)] for i in range(level)]
+    start = time.perf_counter()
+    runs = await asyncio.gather(*(_timed(orch, p, mode, drafter, max_new) for p in chosen))
+    wall = time.perf_counter() - start
+    tokens = sum(len(ids) for _, ids, _ in runs)
+    begin = max(events[0][0] for events, _, _ in runs)  # the last session's first token
+    end = min(events[-1][0] for events, _, _ in runs)  # the first session to finish
+    in_window = sum(n for events, _, _ in runs for t, n in events if begin < t <= end)
+    rounds = sum(stats.rounds for _, _, stats in runs)
+    return {
+        "decode_tokens_per_s": round(in_window / (end - begin), 3) if end > begin else 0.0,
+        "decode_window_s": round(end - begin, 3), "decode_window_tokens": in_window,
+        "tokens": tokens, "wall_s": round(wall, 3), "end_to_end_tokens_per_s": round(tokens / wall, 3),
+        "mean_drafted_per_round": round(sum(s.drafted_tokens for _, _, s in runs) / max(rounds, 1), 3),
+        "mean_batch_size": round(sum(s.mean_batch_size * s.rounds for _, _, s in runs) / max(rounds, 1), 3),
+        "outputs": [ids for _, ids, _ in runs],
+    }
+
+
+async def _measure(args, target_address: str, draft_address: str):
+    drafter = DrafterKind[args.drafter.upper()]
+    prompts = PROMPT_SETS[args.prompt_set]
+    k, max_new = args.k, args.max_new_tokens
+    config = OrchestratorConfig(target_address, draft_address, tokenizer=args.model, max_concurrent=256)
+    orch = await Orchestrator.connect(config)
+    try:
+        _pin(args.draft_cpus)
+        baseline = await _pass(orch, prompts, Mode("target-only", 0, False, False), drafter, max_new)
+        modes = [Mode("sync-adaptive", k, True, False), Mode("overlap-adaptive", k, True, True),
+                 Mode("sync-fixed", k, False, False), Mode("overlap-fixed", k, False, True)]
+        single = {m.name: (m, await _pass(orch, prompts, m, drafter, max_new)) for m in modes}
+        sweep = {}
+        for kk in [int(x) for x in args.k_sweep.split(",") if x.strip()]:
+            m = Mode(f"sync-fixed-k{kk}", kk, False, False)
+            sweep[kk] = (m, await _pass(orch, prompts, m, drafter, max_new))
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+        on, off = Mode("speculative", k, True, True), Mode("no-speculation", 0, False, False)
+        conc_max = args.concurrency_max_new_tokens
+        await _concurrent(orch, prompts, 2, on, drafter, 8)  # warm-up
+        concurrency = []
+        for level in levels:
+            with_spec = await _concurrent(orch, prompts, level, on, drafter, conc_max)
+            without = await _concurrent(orch, prompts, level, off, drafter, conc_max)
+            concurrency.append({"sessions": level, "speculative": with_spec, "no_speculation": without})
+    finally:
+        await orch.close()
+    return baseline, single, sweep, concurrency
+
+
+def _report(args, baseline, single, sweep, concurrency, hf) -> dict:
+    base_tokens = sum(len(r.token_ids) for r in baseline)
+    base_tps = base_tokens / sum(r.wall_s for r in baseline)
+    modes = {name: _figures(runs, baseline, m, hf) for name, (m, runs) in single.items()}
+    k_sweep = [_figures(runs, baseline, m, hf) for m, runs in sweep.values()]
+    key = "decode_tokens_per_s"
+    solo = concurrency[0]["no_speculation"][key] if concurrency else 0.0
+    solo_spec = concurrency[0]["speculative"][key] if concurrency else 0.0
+    table = []
+    for row in concurrency:
+        s, n = row["speculative"], row["no_speculation"]
+        identical = sum(a == b for a, b in zip(s["outputs"], n["outputs"]))
+        table.append({
+            "sessions": row["sessions"],
+            "tokens_per_s_speculative": s[key], "tokens_per_s_no_speculation": n[key],
+            "speculative_vs_no_speculation": round(s[key] / n[key], 3) if n[key] else 0.0,
+            "no_speculation_vs_one_session": round(n[key] / solo, 3) if solo else 0.0,
+            "speculative_vs_one_session": round(s[key] / solo_spec, 3) if solo_spec else 0.0,
+            "end_to_end_tokens_per_s_speculative": s["end_to_end_tokens_per_s"],
+            "end_to_end_tokens_per_s_no_speculation": n["end_to_end_tokens_per_s"],
+            "mean_drafted_per_round_speculative": s["mean_drafted_per_round"],
+            "mean_batch_size_speculative": s["mean_batch_size"],
+            "mean_batch_size_no_speculation": n["mean_batch_size"],
+            "identical_outputs": f"{identical}/{row['sessions']}",
+        })
+    hf_identical = sum(a == r.token_ids for a, r in zip(hf["outputs"]["assisted"], single["overlap-adaptive"][1]))
+    hf_summary = {key: v for key, v in hf.items() if key != "outputs"}
+    hf_summary["assisted_identical_to_specsplit"] = f"{hf_identical}/{len(baseline)}"
+    by_name = {m["mode"]: m for m in modes.values()}
+    at = {row["sessions"]: row for row in table}
+    goals = {
+        "overlap_beats_sync": by_name["overlap-adaptive"]["tokens_per_s"] > by_name["sync-adaptive"]["tokens_per_s"],
+        "speculative_vs_hf_assisted_ge_1_3": by_name["overlap-adaptive"]["speedup_vs_hf_assisted"] >= 1.3,
+        "speculation_ge_0_95_no_speculation_at_every_level": all(
+            r["speculative_vs_no_speculation"] >= 0.95 for r in table),
+        "throughput_8_sessions_ge_3x_one": at.get(8, {}).get("no_speculation_vs_one_session", 0.0) >= 3.0,
+    }
+    return {
+        "benchmark": "speed", "target": args.model, "drafter": args.drafter, "draft_model": args.draft_model or None,
+        "prompt_set": args.prompt_set, "decoding": "greedy", "max_new_tokens": args.max_new_tokens, "k_max": args.k,
+        "placement": (f"target pinned to cpus {args.target_cpus or 'all'} ({args.target_threads} threads), draft to "
+                      f"cpus {args.draft_cpus or 'all'}; orchestrator on the draft's cpus; HF anchors on the "
+                      "target's cpus with the target's threads"),
+        "target_only_tokens_per_s": round(base_tps, 3),
+        "hf": hf_summary,
+        "modes": modes,
+        "k_sweep": k_sweep,
+        "concurrency_max_new_tokens": args.concurrency_max_new_tokens,
+        "concurrency": table,
+        "goals": goals,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+    }
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    sweep = report["k_sweep"]
+    ax = axes[0]
+    ax.plot([m["k"] for m in sweep], [m["speedup_vs_target_only"] for m in sweep], "o-", label="sync, fixed K")
+    ax.plot([m["k"] for m in sweep], [m["leviathan_bound"] for m in sweep], "--", color="grey", label="Leviathan bound")
+    for name, marker in (("sync-adaptive", "s"), ("overlap-adaptive", "D")):
+        m = report["modes"][name]
+        ax.plot([report["k_max"]], [m["speedup_vs_target_only"]], marker, label=f"{name} (K ≤ {report['k_max']})")
+    ax.axhline(1.0, color="black", lw=0.5)
+    ax.set(xlabel="K (draft tokens per round)", ylabel="speedup vs target-only", title="Speedup vs K")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    per_pos = report["modes"]["sync-fixed"]["per_position_acceptance"]
+    ax.bar(range(1, len(per_pos) + 1), per_pos)
+    ax.set(xlabel="draft position", ylabel="P(accepted | reached)", title=f"Per-position acceptance (K = {report['k_max']})",
+           ylim=(0, 1))
+    ax = axes[2]
+    rows = report["concurrency"]
+    xs = [r["sessions"] for r in rows]
+    ax.plot(xs, [r["tokens_per_s_speculative"] for r in rows], "o-", label="speculation (adaptive, overlap)")
+    ax.plot(xs, [r["tokens_per_s_no_speculation"] for r in rows], "s-", label="no speculation")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="concurrent sessions", ylabel="aggregate decode tokens/s",
+           title="Throughput vs concurrency (batched verification)")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"specsplit on {report['target']}, drafter {report['drafter']}, {report['machine']['cpus']} CPUs, "
+                 "draft and target pinned to different cores", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    target_args, draft_args = demo.service_args(args)
+    target_args += ["--max-sessions", "128"] + (["--cpus", args.target_cpus] if args.target_cpus else [])
+    draft_args += ["--max-sessions", "128"] + (["--cpus", args.draft_cpus] if args.draft_cpus else [])
+    tokenizer = models.load_tokenizer(args.model)
+    started = time.time()
+    with local_services(target_args, draft_args) as (target, draft):
+        baseline, single, sweep, concurrency = asyncio.run(_measure(args, target.address, draft.address))
+    # After the services stopped: the anchors get the target's cores to themselves.
+    drafter = DrafterKind[args.drafter.upper()]
+    hf = hf_anchors(args, PROMPT_SETS[args.prompt_set], tokenizer, args.max_new_tokens, args.k, drafter,
+                    args.target_threads)
+    report = _report(args, baseline, single, sweep, concurrency, hf)
+    report["duration_s"] = round(time.time() - started, 1)
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    png = Path(args.plot) if args.plot else path.with_suffix(".png")
+    plot(report, png)
+    for name, m in report["modes"].items():
+        print(f"{name:17s} {m['tokens_per_s']:6.1f} tok/s  x{m['speedup_vs_target_only']:.2f} target-only  "
+              f"x{m['speedup_vs_hf_assisted']:.2f} HF assisted  efficiency {m['efficiency_vs_bound']:.2f}")
+    for row in report["concurrency"]:
+        print(f"{row['sessions']:3d} sessions  {row['tokens_per_s_speculative']:7.1f} tok/s speculative  "
+              f"{row['tokens_per_s_no_speculation']:7.1f} without  (x{row['speculative_vs_no_speculation']:.2f})")
+    print(f"goals: {report['goals']} -> {path}, {png}")
+    return 0
