@@ -51,11 +51,25 @@ def _bench(args) -> int:
     return speculative.run(args)
 
 
+def _up(args) -> int:
+    from orchestrator import placement
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s specsplit-up %(levelname)s %(message)s")
+    return placement.run(args)
+
+
+def _batch(args) -> int:
+    from orchestrator import batch
+
+    logging.basicConfig(level=logging.WARNING)
+    return batch.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bench import speculative
     from draft_service import distill
     from draft_service import server as draft_server
-    from orchestrator import client, demo
+    from orchestrator import batch, client, demo, placement
     from orchestrator import server as orch_server
     from target_service import server as target_server
 
@@ -64,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = [
         ("serve-draft", "run the draft service", draft_server.build_parser, _serve_draft),
         ("serve-target", "run the target service", target_server.build_parser, _serve_target),
-        ("serve", "run the orchestrator (public Generate API)", orch_server.build_parser, _serve),
+        ("serve", "run the orchestrator (public Generate API); --ray: on Ray Serve", orch_server.build_parser, _serve),
+        ("up", "on Ray: place draft and target by resources, serve the orchestrator", placement.build_parser, _up),
+        ("batch", "generate for a JSONL file of prompts on Ray workers (resumable)", batch.build_parser, _batch),
         ("generate", "stream a completion from a running orchestrator", client.build_parser, _generate),
         ("demo", "start services on loopback and compare with target-only decoding", demo.build_parser, _demo),
         ("bench", "benchmark speculative vs target-only decoding, write JSON", speculative.build_parser, _bench),

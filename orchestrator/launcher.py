@@ -45,16 +45,30 @@ class ServiceProcess:
         return ""
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (so a killed Ray actor leaves no service behind)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_service(
-    module: str, name: str, args: list[str], workdir: Path, timeout_s: float = 600.0, port: int = 0
+    module: str, name: str, args: list[str], workdir: Path, timeout_s: float = 600.0, port: int = 0,
+    die_with_parent: bool = False,
 ) -> ServiceProcess:
-    """Run ``python -m module --port PORT ...`` (0: a free one) and wait until it serves."""
+    """Run ``python -m module --port PORT ...`` (0: a free one) and wait until it serves.
+
+    ``args`` come last, so a ``--host`` among them overrides the loopback default.
+    """
     port_file = workdir / f"{name}.port"
     log_path = workdir / f"{name}.log"
     port_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file), *args]
     with log_path.open("a") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+            preexec_fn=_die_with_parent if die_with_parent else None,
+        )
     service = ServiceProcess(name, process, 0, log_path)
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():

@@ -24,6 +24,7 @@ from lmkit.security import BearerTokenInterceptor, ClientTls, load_token
 from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
 from orchestrator.generation import Orchestrator
 from orchestrator.links import LinkPolicy
+from orchestrator.ray_options import add_ray_flags
 from orchestrator.servicer import GeneratorServicer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
@@ -93,6 +94,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--auth-token-file", default="",
                         help="require `authorization: Bearer <token>` on Generate (file content; or SPECSPLIT_AUTH_TOKEN)")
     add_orchestrator_flags(parser)
+    add_ray_flags(parser)
     return parser
 
 
@@ -106,6 +108,10 @@ async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0",
 
 
 async def serve(args) -> None:
+    if args.ray:
+        from orchestrator import ray_front
+
+        return await ray_front.serve(args)
     config = config_from_args(args)
     serve_metrics(args.metrics_port, args.host, "orchestrator")
     token = load_token(args.auth_token_file)

@@ -18,6 +18,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
+pytest_plugins = ("tests.ray_fixtures",)  # the shared Ray cluster (one per session)
+
 VOCAB = 49152  # SmolLM2's vocabulary: tiny models share it, so any of them drafts for the real target
 
 

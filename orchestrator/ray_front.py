@@ -1,0 +1,185 @@
+"""``specsplit serve --ray``: our gRPC front over the orchestrator's Ray Serve application.
+
+The front is the same public server as plain ``specsplit serve`` (grpc.health.v1,
+TLS, bearer token, tolerant parsing, SIGTERM drain) but each Generate streams
+from a Serve replica through a DeploymentHandle. Serve picks the replica,
+bounds the queue in front of the replicas, health-checks each one and restarts
+it when it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+
+import grpc
+
+from lmkit.grpc_server import (
+    add_servicer,
+    create_server,
+    serve_until_signal,
+    server_tls,
+    set_serving,
+    write_port_file,
+)
+from lmkit.metrics import serve_metrics
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from lmkit.security import BearerTokenInterceptor, load_token
+from orchestrator import metrics, ray_app, ray_cluster, ray_options, server
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+APP_POLL_S = 5.0  # how often health follows the Serve application's status
+DELETE_TIMEOUT_S = 60.0  # replicas drain their generations while the application is deleted
+
+
+class RayFrontServicer(pb_grpc.GeneratorServicer):
+    """Generate, streamed from a Serve replica; Serve's refusals become gRPC status codes."""
+
+    def __init__(self, handle, max_queued: int) -> None:
+        self.handle = handle.options(stream=True)
+        self.max_queued = max_queued
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+        code = grpc.StatusCode.OK
+        stream = self.handle.Generate.remote(request)
+        finished = False
+
+        def on_done(_context) -> None:
+            # The client left (cancel, deadline, disconnect): end the replica's generation and its sessions.
+            # A done callback fires every time; a CancelledError reaches this generator only if it is awaiting.
+            if not finished:
+                stream.cancel()
+
+        context.add_done_callback(on_done)
+        try:
+            async for item in stream:
+                if isinstance(item, ray_app.GenerateFailed):
+                    code = grpc.StatusCode[item.code]
+                    finished = True
+                    await context.abort(code, item.details)
+                yield item
+            finished = True
+        except BackPressureError:
+            finished = True
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            await context.abort(
+                code,
+                f"every orchestrator replica is busy and {self.max_queued} requests already wait "
+                "(--ray-max-queued-requests); retry with backoff",
+            )
+        except (DeploymentUnavailableError, RayActorError) as exc:
+            code = grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"orchestrator replica unavailable ({type(exc).__name__}); retry")
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            metrics.REQUESTS.labels(code.name).inc()
+
+
+def deploy(args):
+    """Start Serve (no HTTP/gRPC proxies of its own: the front is the ingress) and run the application."""
+    from ray import serve
+
+    serve.start(proxy_location="Disabled")
+    app = ray_app.build_app(ray_options.app_args(args, server.build_parser()))
+    try:
+        serve.run(app, name=args.ray_app_name, route_prefix=None)
+    except RuntimeError as exc:  # the replicas failed to start: say why, as the replica said it
+        why = _replica_error(serve.status().applications.get(args.ray_app_name)) or str(exc)
+        with contextlib.suppress(Exception):
+            serve.delete(args.ray_app_name)
+        raise ValueError(f"the orchestrator replicas did not start: {why}") from None
+    return serve.get_app_handle(args.ray_app_name)
+
+
+def _replica_error(app) -> str:
+    """The last line of the error a failed replica reported (its exception), '' if none."""
+    messages = [d.message for d in app.deployments.values() if d.message] if app is not None else []
+    lines = [line.strip() for message in messages for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+async def _off_loop(fn, *args, timeout_s: float):
+    """``fn(*args)`` on a daemon thread: a call into a cluster that went away can neither block the
+    event loop nor keep the process from exiting (the default executor's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(error: Exception | None, result) -> None:
+        if not future.done():  # wait_for may have given up on it already
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def call() -> None:
+        try:
+            outcome = (None, fn(*args))
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (exc, None)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=call, daemon=True).start()
+    return await asyncio.wait_for(future, timeout_s)
+
+
+async def _follow_app_status(health, app_name: str) -> None:
+    """Health is SERVING while the application runs (every replica started and healthy)."""
+    from ray import serve
+
+    while True:
+        await asyncio.sleep(APP_POLL_S)
+        try:
+            app = (await _off_loop(serve.status, timeout_s=APP_POLL_S)).applications.get(app_name)
+        except Exception:  # noqa: BLE001 - a controller that does not answer means not serving
+            app = None
+        await set_serving(health, [SERVICE_NAME], app is not None and app.status == "RUNNING")
+
+
+async def serve(args) -> None:
+    """``specsplit serve --ray``: join or start a cluster, deploy the application, serve until a signal."""
+    loop = asyncio.get_running_loop()
+    started = await loop.run_in_executor(None, ray_cluster.connect, args.ray_address, args.ray_local_cpus)
+    try:
+        await run_front(args)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+async def run_front(args) -> None:
+    """Deploy the application on the connected cluster and serve the front until SIGTERM/SIGINT."""
+    from ray import serve as ray_serve
+
+    loop = asyncio.get_running_loop()
+    token = load_token(args.auth_token_file)
+    interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
+    front, port, health = create_server(
+        f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection, server_tls(args), interceptors
+    )
+    serve_metrics(args.metrics_port, args.host, "orchestrator")
+    await set_serving(health, [SERVICE_NAME], False)
+    handle = await loop.run_in_executor(None, deploy, args)
+    try:
+        servicer = RayFrontServicer(handle, args.ray_max_queued_requests)
+        add_servicer(pb_grpc.add_GeneratorServicer_to_server, servicer, front)
+        await front.start()
+        await set_serving(health, [SERVICE_NAME], True)
+        write_port_file(args.port_file, port)
+        log.info("orchestrator on Ray (%d replicas) serving on %s:%d", args.ray_num_replicas, args.host, port)
+        watcher = asyncio.create_task(_follow_app_status(health, args.ray_app_name))
+        try:
+            await serve_until_signal(front, health, args.grace_s)
+        finally:
+            watcher.cancel()
+    finally:
+        with contextlib.suppress(Exception):  # the cluster may already be gone
+            await _off_loop(ray_serve.delete, args.ray_app_name, timeout_s=DELETE_TIMEOUT_S)

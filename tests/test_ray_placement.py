@@ -1,0 +1,97 @@
+"""`specsplit up`: draft and target placed as Ray actors by resources, the orchestrator wired to them.
+
+Stopping it (SIGTERM, in the fixture's teardown) must take the actors and their service processes along.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from orchestrator.placement import Placement, model_in, parse_resources, target_argv
+from tests.conftest import run_async
+from tests.ray_fixtures import start_cli
+from tests.test_ray_serve import generate
+
+APP = "up-test"
+
+
+@pytest.fixture(scope="module")
+def up(ray_cluster, tiny_target_dir, tiny_draft_dir, tmp_path_factory):
+    """`specsplit up`: target on the node with `target_node`, draft on the node with `draft_node`."""
+    started = start_cli(
+        ["up", "--ray-address", ray_cluster.address, "--ray-app-name", APP, "--ray-num-cpus", "0",
+         "--target-args", f"--model {tiny_target_dir}", "--target-resources", '{"target_node": 1}',
+         "--draft-args", f"--model {tiny_draft_dir}", "--draft-resources", '{"draft_node": 1}',
+         "--target-num-cpus", "0", "--draft-num-cpus", "0", "--grace-s", "2"],
+        tmp_path_factory.mktemp("ray-up"),
+    )
+    yield started
+    # SIGTERM: up exits 0 and takes its actors and their service processes with it.
+    import ray
+
+    pids = [service_info(role)["pid"] for role in ("target", "draft")]
+    assert started.stop() == 0, started.log_tail()
+    for role, pid in zip(("target", "draft"), pids):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"{APP}-{role}", namespace="specsplit")
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def service_info(role: str) -> dict:
+    import ray
+
+    return ray.get(ray.get_actor(f"{APP}-{role}", namespace="specsplit").info.remote())
+
+
+def test_services_land_on_the_nodes_that_have_their_resources(up, ray_cluster):
+    target, draft = service_info("target"), service_info("draft")
+    assert target["node_id"] == ray_cluster.target_node
+    assert draft["node_id"] == ray_cluster.draft_node
+    assert target["address"].startswith("127.0.0.1:") and draft["address"].startswith("127.0.0.1:")
+
+
+def test_up_serves_the_targets_greedy_output(up, tiny_target_dir):
+    from lmkit import models
+
+    tokenizer = models.load_tokenizer(str(tiny_target_dir))
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    prompt = "Once upon a time, in a land far away,"
+    ids = list(tokenizer.encode(prompt))
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, pad_token_id=2)
+    msg = pb.GenerateRequest(prompt=prompt, chat=False, max_new_tokens=20, return_token_ids=True, k=4,
+                             drafter=pb.DRAFTER_KIND_MODEL)
+    text, got, code = run_async(generate(up.address, msg))
+    assert code == "OK", text
+    assert got == expected[0, len(ids):].tolist()
+
+
+def test_unplaceable_service_is_a_cli_error(ray_cluster):
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "up", "--ray-address", ray_cluster.address,
+         "--target-resources", '{"nowhere": 1}', "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "no node of the Ray cluster offers" in result.stderr and "nowhere" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_placement_flags():
+    assert target_argv("--model /m --device cuda", 4) == ["--model", "/m", "--device", "cuda", "--tp", "4"]
+    assert target_argv("--model /m --tp 2", 4)[-2:] == ["--tp", "2"]  # an explicit --tp wins
+    assert model_in(["--device", "cuda", "--model", "/m"]) == "/m" and model_in(["--model=/x"]) == "/x"
+    assert Placement(num_gpus=2).fits({"CPU": 4, "GPU": 2}) and not Placement(num_gpus=2).fits({"CPU": 4})
+    assert Placement(resources={"draft": 1}).fits({"CPU": 1, "draft": 1})
+    assert parse_resources('{"draft": 1}', "--draft-resources") == {"draft": 1.0}
+    with pytest.raises(ValueError, match="--draft-resources must be a JSON object"):
+        parse_resources("draft=1", "--draft-resources")
+    with pytest.raises(ValueError, match="must map resource names to numbers"):
+        parse_resources('{"draft": "yes"}', "--draft-resources")

@@ -1,0 +1,170 @@
+"""`specsplit serve --ray`: the orchestrator as a Ray Serve application on a real local cluster.
+
+Greedy output equals the plain orchestrator's; a full queue is RESOURCE_EXHAUSTED;
+each replica's health check follows its target; build_app refuses bad args.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from orchestrator import ray_options
+from tests.conftest import run_async
+from tests.ray_fixtures import start_cli
+
+APP = "serve-test"
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4, 5, 6,", "a b a b a b a b"]
+
+
+@pytest.fixture(scope="module")
+def ray_front(ray_cluster, tiny_services, tiny_target_dir, tmp_path_factory):
+    """`specsplit serve --ray` with 2 replicas, each running 1 generation with 1 more queued."""
+    front = start_cli(
+        ["serve", "--ray", "--ray-address", ray_cluster.address, "--ray-app-name", APP,
+         "--ray-num-replicas", "2", "--ray-max-ongoing-requests", "1", "--ray-max-queued-requests", "1",
+         "--ray-num-cpus", "0", "--target", tiny_services.target_address, "--draft", tiny_services.draft_address,
+         "--tokenizer", str(tiny_target_dir), "--grace-s", "2"],
+        tmp_path_factory.mktemp("ray-front"),
+    )
+    yield front
+    assert front.stop() == 0, front.log_tail()
+
+
+async def generate(address: str, request: pb.GenerateRequest) -> tuple[str, list[int], str]:
+    """(text, token ids, status code name) of one Generate call."""
+    text, ids = [], []
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            async for response in pb_grpc.GeneratorStub(channel).Generate(request, timeout=120):
+                text.append(response.text)
+                ids.extend(response.token_ids)
+        except grpc.aio.AioRpcError as exc:
+            return exc.details(), ids, exc.code().name
+    return "".join(text), ids, "OK"
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def request(prompt: str, max_new_tokens: int, **fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=prompt, chat=False, max_new_tokens=max_new_tokens, return_token_ids=True, **fields)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_ray_served_greedy_output_equals_the_plain_orchestrator(ray_front, public_api, drafter):
+    from draft_service.drafter import DrafterKind
+
+    kind = DrafterKind[drafter.upper()].value
+    for prompt in PROMPTS:
+        msg = request(prompt, 20, k=4, drafter=kind)
+        on_ray = run_async(generate(ray_front.address, msg))
+        plain = run_async(generate(public_api, msg))
+        assert on_ray[2] == "OK", on_ray
+        assert on_ray == plain, f"{drafter} diverged on {prompt!r}"
+
+
+def test_replicas_are_running_and_the_front_reports_serving(ray_front):
+    from ray import serve
+
+    app = serve.status().applications[APP]
+    assert app.status == "RUNNING"
+    assert app.deployments["Orchestrator"].replica_states == {"RUNNING": 2}
+
+    async def health():
+        async with grpc.aio.insecure_channel(ray_front.address) as channel:
+            return await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+
+    assert run_async(health()).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_requests_beyond_replicas_and_queue_are_resource_exhausted(ray_front, tiny_services):
+    """2 replicas x 1 running + 1 queued: of 8 simultaneous requests some are refused, the rest complete."""
+
+    async def burst():
+        return await asyncio.gather(*[generate(ray_front.address, request(f"Story {i}:", 96, k=0)) for i in range(8)])
+
+    results = run_async(burst())
+    codes = [code for _, _, code in results]
+    assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, codes
+    assert codes.count("OK") >= 2
+    refusal = next(text for text, _, code in results if code == "RESOURCE_EXHAUSTED")
+    assert "--ray-max-queued-requests" in refusal and "retry" in refusal
+    assert all(0 < len(ids) <= 96 for _, ids, code in results if code == "OK")
+    assert run_async(generate(ray_front.address, request("after the burst", 4)))[2] == "OK"
+    assert wait_for(lambda: tiny_services.target_engine.sessions.stats()[0] == 0)  # no session left behind
+
+
+def test_cancelled_call_stops_the_replicas_generation(ray_front, tiny_services):
+    """A client that hangs up after 3 tokens of 400 ends the generation on the replica and frees its sessions."""
+    engine = tiny_services.target_engine
+    rounds_before = engine.sessions.stats()[2]
+
+    async def hang_up_early():
+        async with grpc.aio.insecure_channel(ray_front.address) as channel:
+            call = pb_grpc.GeneratorStub(channel).Generate(request("Once upon a time", 400, k=0))
+            received = 0
+            async for _ in call:
+                received += 1
+                if received == 3:
+                    call.cancel()
+                    return
+
+    run_async(hang_up_early())
+    assert wait_for(lambda: engine.sessions.stats()[0] == 0)
+    assert engine.sessions.stats()[2] - rounds_before < 200  # k = 0: one round per token; 400 if never cancelled
+
+
+def test_invalid_request_keeps_its_status_and_message(ray_front):
+    text, _, code = run_async(generate(ray_front.address, request("", 8)))
+    assert code == "INVALID_ARGUMENT" and "prompt is empty" in text
+    text, _, code = run_async(generate(ray_front.address, request("hi", 8, sampling=pb.SamplingParams(temperature=-1))))
+    assert code == "INVALID_ARGUMENT" and "temperature" in text
+
+
+def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir, background_loop):
+    """check_health passes while the target answers and raises once it is gone (Serve then replaces the replica)."""
+    from orchestrator.ray_app import OrchestratorReplica
+    from target_service.server import start_server
+
+    target_server, port = background_loop.run(start_server(tiny_services.target_engine))
+    replica = OrchestratorReplica.func_or_class.__new__(OrchestratorReplica.func_or_class)
+    argv = ["--target", f"127.0.0.1:{port}", "--draft", "", "--tokenizer", str(tiny_target_dir)]
+
+    async def check():
+        await replica.__init__(argv)
+        await replica.check_health()
+        await target_server.stop(0)
+        with pytest.raises(RuntimeError, match="unreachable"):
+            await replica.check_health()
+        await replica.orch.close()
+
+    background_loop.run(check())
+
+
+def test_build_app_turns_args_into_the_same_flags():
+    from orchestrator.ray_app import build_app
+
+    args = {"target": "dns:///target:50052", "draft": "", "k": 4, "fixed_k": True, "num_replicas": 3}
+    assert ray_options.flags_to_argv({k: v for k, v in args.items() if k != "num_replicas"}) == [
+        "--target", "dns:///target:50052", "--draft", "", "--k", "4", "--fixed-k"
+    ]
+    app = build_app(args)
+    deployment = app._bound_deployment
+    assert deployment.num_replicas == 3 and deployment.max_queued_requests == 16
+    with pytest.raises(ValueError, match="--bogus"):
+        build_app({"target": "127.0.0.1:1", "bogus": 1})
+    with pytest.raises(ValueError, match="--k must be >= 0"):
+        build_app({"target": "127.0.0.1:1", "k": -1})
