@@ -12,6 +12,10 @@ truth, so a lost session is rebuilt by opening a new one with them.
   target that stays down past its deadline fails the generation (UNAVAILABLE).
 
 A failed round commits nothing, so no token is lost, duplicated or retracted.
+
+Deadlines use ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11
+``wait_for`` can swallow a cancellation that lands as its call completes, and
+a cancelled generation would run on.
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ class TargetLink:
     async def open(self, committed: Sequence[int]) -> None:
         stream = TargetStream(self._client.stub.Session())
         try:
-            await asyncio.wait_for(stream.open(self._open_msg(_new_id(), committed)), self._policy.target_timeout_s)
+            async with asyncio.timeout(self._policy.target_timeout_s):
+                await stream.open(self._open_msg(_new_id(), committed))
         except BaseException:
             stream.abort()
             raise
@@ -92,7 +97,8 @@ class TargetLink:
                 if self._stream is None:
                     await self.open(committed)
                 call = self._stream.verify(len(committed), tokens, probs)
-                return await asyncio.wait_for(call, self._policy.target_timeout_s)
+                async with asyncio.timeout(self._policy.target_timeout_s):
+                    return await call
             except (PeerError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
                     raise
@@ -137,7 +143,8 @@ class DraftLink:
     async def open(self, committed: Sequence[int]) -> bool:
         stream = DraftStream(self._client.stub.Session())
         try:
-            await asyncio.wait_for(stream.open(self._open_msg(_new_id(), committed)), self._policy.draft_timeout_s)
+            async with asyncio.timeout(self._policy.draft_timeout_s):
+                await stream.open(self._open_msg(_new_id(), committed))
         except (PeerError, asyncio.TimeoutError) as exc:
             stream.abort()
             self._mark_down(exc)
@@ -169,7 +176,8 @@ class DraftLink:
         synced = len(committed)  # read now: a proposal drafted ahead runs while ``committed`` grows
         try:
             call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k)
-            block = await asyncio.wait_for(call, self._policy.draft_timeout_s)
+            async with asyncio.timeout(self._policy.draft_timeout_s):
+                block = await call
         except (PeerError, asyncio.TimeoutError) as exc:
             stream, self._stream = self._stream, None
             stream.abort()
