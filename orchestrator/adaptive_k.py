@@ -8,19 +8,20 @@ which is Leviathan's E(k) when every p_i = alpha. A target forward over x tokens
 t(x) = a + s x (fitted from reported compute times; on CPUs s matters:
 verifying 8 tokens costs ~2 decode steps there).
 
-Load (continuous batching): the target reports the forward that verified the
-last block: B sessions, the other rows' width w_o (rows are padded to the
-longest) and the tokens G_o the others committed from it. A block of k makes
-the forward cost t(B * max(w_o, k + 1)), so we pick the k in [0, k_max] that
-maximises the tokens *everyone* gets per unit time,
+Load (continuous batching): the target reports how many sessions B shared the
+forward that verified the last block. Each session chooses as if every session
+in the batch chose the same (rows are padded to the longest, so one long block
+makes every row long): B blocks of k cost t(B (k + 1)) and bring B E(k)
+tokens, so we pick the k in [0, k_max] that maximises
 
-    (G_o + E(k)) / (t(B * max(w_o, k + 1)) + draft time(k)),
+    E(k) / (t(B (k + 1)) + draft time(k)).
 
-not this session's alone. Alone (B = 1) this is Leviathan's E(k) / T(k). When
-the target is saturated (t grows with every token) extra rows cost more than
-the accepted tokens they bring and the choice falls to k = 0: speculation
-never slows anyone down, and returns when load falls. k = 0 is plain
-decoding, so speculation that does not pay for itself switches off.
+Alone (B = 1) this is Leviathan's E(k) / T(k). When the target is saturated
+(t grows with every token: a + s x with s x >> a) the rate tends to
+E(k) / (s B (k + 1)), largest at k = 0 unless drafts are accepted nearly
+always: speculation stops making everyone slower, and returns when the load
+falls. (Choosing against the others' current widths instead, a block within
+their width looks free, and a batch stays stuck where everyone speculates.)
 
 Overlap: when drafting runs during verification, drafting the next block is
 hidden unless it takes longer than the verification, and paid in full only
@@ -38,15 +39,13 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class Load:
-    """The target's forward that verified a session's last block (``VerifyResult.batch_*``)."""
+    """The target's forward that verified a session's last block (``VerifyResult.batch_size``)."""
 
     sessions: int = 1
-    others_width: int = 0  # longest other row; 0 when alone
-    others_committed: float = 0.0  # tokens the other sessions committed from that forward
 
     def tokens(self, k: int) -> int:
-        """Tokens in the forward if this session sends a block of k (rows padded to the longest)."""
-        return max(self.sessions, 1) * max(self.others_width, k + 1)
+        """Tokens in the forward if every session in it sends a block of k."""
+        return max(self.sessions, 1) * (k + 1)
 
 
 ALONE = Load()
@@ -125,7 +124,8 @@ class AdaptiveK:
     prior_alpha: float = 0.6
     prior_weight: float = 2.0  # pseudo-observations behind the prior, per position
     decay: float = 0.8  # recent rounds dominate: acceptance comes in runs (copy spans)
-    probe_every: int = 8  # after this many k = 0 rounds, try k = 1 to re-measure acceptance
+    probe_every: int = 8  # after this many k = 0 rounds (times the batch size), try k = 1 to re-measure acceptance
+    probe_alpha: float = 0.9  # probe only where drafts this good would pay
     _passed: list[float] = field(default_factory=list, init=False)
     _reached: list[float] = field(default_factory=list, init=False)
     _rounds_at_zero: int = field(default=0, init=False)
@@ -137,9 +137,17 @@ class AdaptiveK:
         self._reached = [0.0] * self.k_max
 
     def acceptance(self) -> list[float]:
-        """P(position i passes | positions before it passed), i = 1..k_max, shrunk towards the prior."""
-        w = self.prior_weight
-        return [(p + self.prior_alpha * w) / (r + w) for p, r in zip(self._passed, self._reached)]
+        """P(position i passes | positions before it passed), i = 1..k_max.
+
+        Each position is shrunk towards the one before it (the first towards
+        ``prior_alpha``): deep positions are reached rarely, and a run that
+        has passed so far tends to go on.
+        """
+        w, prior, out = self.prior_weight, self.prior_alpha, []
+        for passed, reached in zip(self._passed, self._reached):
+            prior = (passed + prior * w) / (reached + w)
+            out.append(prior)
+        return out
 
     @property
     def alpha(self) -> float:
@@ -166,7 +174,7 @@ class AdaptiveK:
             drafting = max(0.0, (k + 1) * draft_token_s - verify) + miss * k * draft_token_s
         else:
             drafting = k * draft_token_s
-        return (load.others_committed + expected_tokens_by_position(accept, k)) / (verify + drafting)
+        return expected_tokens_by_position(accept, k) / (verify + drafting)
 
     def best(self, accept: Sequence[float], load: Load = ALONE, overlap: bool = False) -> int:
         rates = [self.rate(k, accept, load, overlap) for k in range(self.k_max + 1)]
@@ -177,9 +185,11 @@ class AdaptiveK:
         if best_k > 0:
             self._rounds_at_zero = 0
             return best_k
-        # Re-measure acceptance now and then, but only where perfect drafts would pay: never under saturation.
+        # Re-measure acceptance now and then. A probe widens every row of a batched forward (rows are
+        # padded), so under load probe less often, and not at all where even good drafts would not pay.
         self._rounds_at_zero += 1
-        if self._rounds_at_zero >= self.probe_every and self.best([1.0] * self.k_max, load, overlap) > 0:
+        due = self._rounds_at_zero >= self.probe_every * max(load.sessions, 1)
+        if due and self.best([self.probe_alpha] * self.k_max, load, overlap) > 0:
             self._rounds_at_zero = 0
             return min(1, self.k_max)
         return 0

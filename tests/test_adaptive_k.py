@@ -38,7 +38,7 @@ def test_runs_of_acceptance_keep_blocks_long():
         controller.observe(drafted=8, accepted=8)
         controller.observe(drafted=8, accepted=0)
     accept = controller.acceptance()
-    assert accept[0] < 0.65 and min(accept[1:]) > 0.85
+    assert accept[0] < 0.65 and min(accept[1:]) > 0.8
     iid = AdaptiveK(k_max=8, costs=costs)
     assert controller.choose() >= 4 > iid.best([controller.alpha] * 8)
 
@@ -63,7 +63,8 @@ def test_expensive_draft_shortens_blocks():
     dear = AdaptiveK(k_max=16, costs=fitted(draft=0.03))
     for c in (cheap, dear):
         for _ in range(10):
-            c.observe(drafted=4, accepted=3)
+            c.observe(drafted=16, accepted=12)
+            c.observe(drafted=16, accepted=3)
     assert 0 < dear.choose() < cheap.choose()
 
 
@@ -87,35 +88,56 @@ def confident(costs: CostModel, k_max: int = 8) -> AdaptiveK:
 
 
 def cpu_like() -> CostModel:
-    """A forward costs 40 ms + 5 ms per token, measured over batch sizes 1..64 (like the 2-core CPU)."""
-    return fitted(a=0.04, b=0.005, widths=(1, 2, 5, 9, 8, 16, 32, 64, 9, 1))
+    """A forward costs 62 ms + 20 ms per token, measured over batch sizes 1..64 (SmolLM2, one core here)."""
+    return fitted(a=0.062, b=0.02, widths=(1, 2, 5, 9, 8, 16, 32, 64, 9, 1))
+
+
+def n_gram_like(costs: CostModel) -> AdaptiveK:
+    """Acceptance like the n-gram drafter's on the demo prompts: runs that pass, or fail early."""
+    controller = AdaptiveK(k_max=8, costs=costs)
+    for _ in range(5):
+        for accepted in (1, 3, 0, 2, 8):
+            controller.observe(drafted=8, accepted=accepted)
+    return controller
 
 
 def test_alone_the_choice_is_leviathans():
-    controller = confident(cpu_like())
+    controller = n_gram_like(cpu_like())
     assert controller.choose(Load()) == controller.choose() > 0
 
 
 def test_saturated_target_turns_speculation_off_and_load_falling_brings_it_back():
-    controller = confident(cpu_like())
+    controller = n_gram_like(cpu_like())
     alone = controller.choose(Load())
-    saturated = Load(sessions=16, others_width=1, others_committed=15)
+    saturated = Load(sessions=32)
     assert controller.choose(saturated) == 0
-    # never probe under saturation: even perfect drafts would not pay there
-    assert [controller.choose(saturated) for _ in range(3 * controller.probe_every)] == [0] * (3 * controller.probe_every)
+    # never probe under saturation: even good drafts would not pay there
+    rounds = 3 * controller.probe_every * saturated.sessions
+    assert [controller.choose(saturated) for _ in range(rounds)] == [0] * rounds
     assert controller.choose(Load()) == alone
 
 
 def test_k_shrinks_as_load_grows():
-    controller = confident(cpu_like())
-    ks = [controller.best(controller.acceptance(), Load(b, 1 if b > 1 else 0, b - 1)) for b in (1, 2, 4, 8, 32)]
+    controller = n_gram_like(cpu_like())
+    ks = [controller.best(controller.acceptance(), Load(b)) for b in (1, 2, 4, 8, 32)]
     assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
 
 
-def test_with_others_already_speculating_a_block_within_their_width_is_free():
-    controller = confident(cpu_like())
-    # the others' rows are 9 wide anyway: padding makes a block of up to 8 cost nothing extra
-    assert controller.best(controller.acceptance(), Load(sessions=4, others_width=9, others_committed=9)) == 8
+def test_drafts_that_always_pass_keep_speculating_under_load():
+    """Under saturation a token costs the same in a draft block as in plain decoding, so only blocks that
+    are accepted (nearly) always still pay."""
+    controller = AdaptiveK(k_max=8, costs=cpu_like())
+    for _ in range(20):
+        controller.observe(drafted=8, accepted=8)
+    assert controller.choose(Load(sessions=16)) > 0
+
+
+def test_unreached_positions_follow_the_last_measured_one():
+    controller = AdaptiveK(k_max=8, costs=cpu_like())
+    for _ in range(10):
+        controller.observe(drafted=3, accepted=3)  # positions 4..8 never verified
+    accept = controller.acceptance()
+    assert accept[3:] == [accept[2]] * 5 and accept[2] > 0.9
 
 
 def test_overlap_hides_drafting():
