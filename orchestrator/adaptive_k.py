@@ -8,20 +8,21 @@ which is Leviathan's E(k) when every p_i = alpha. A target forward over x tokens
 t(x) = a + s x (fitted from reported compute times; on CPUs s matters:
 verifying 8 tokens costs ~2 decode steps there).
 
-Load (continuous batching): the target reports how many sessions B shared the
-forward that verified the last block. Each session chooses as if every session
-in the batch chose the same (rows are padded to the longest, so one long block
-makes every row long): B blocks of k cost t(B (k + 1)) and bring B E(k)
-tokens, so we pick the k in [0, k_max] that maximises
+Load (continuous batching): the target reports the forward that verified the
+last block: B sessions, and the tokens G_o the other sessions committed from
+it. Rows are padded to the longest, so a block of k makes every row k + 1
+wide: the forward costs t(B (k + 1)). We pick the k in [0, k_max] that
+maximises the tokens everyone gets per unit time,
 
-    E(k) / (t(B (k + 1)) + draft time(k)).
+    (G_o + E(k)) / (t(B (k + 1)) + draft time(k)).
 
-Alone (B = 1) this is Leviathan's E(k) / T(k). When the target is saturated
-(t grows with every token: a + s x with s x >> a) the rate tends to
-E(k) / (s B (k + 1)), largest at k = 0 unless drafts are accepted nearly
-always: speculation stops making everyone slower, and returns when the load
-falls. (Choosing against the others' current widths instead, a block within
-their width looks free, and a batch stays stuck where everyone speculates.)
+Alone (B = 1, G_o = 0) this is Leviathan's E(k) / T(k). Under load, a block
+must pay for the padding it puts on every other row: when the target is
+saturated (t = a + s x with s x >> a) speculation stops unless drafts pass
+nearly always, so it never makes everyone slower, and it returns when the
+load falls. (Costing a block against the others' current width instead makes
+a block within it look free, and a batch stays stuck with everyone
+speculating: measured 0.68x of no speculation at 32 sessions.)
 
 Overlap: when drafting runs during verification, drafting the next block is
 hidden unless it takes longer than the verification, and paid in full only
@@ -42,9 +43,10 @@ class Load:
     """The target's forward that verified a session's last block (``VerifyResult.batch_size``)."""
 
     sessions: int = 1
+    others_committed: float = 0.0  # tokens the other sessions committed from that forward
 
     def tokens(self, k: int) -> int:
-        """Tokens in the forward if every session in it sends a block of k."""
+        """Tokens in the forward when this session's block of k sets the (padded) row width."""
         return max(self.sessions, 1) * (k + 1)
 
 
@@ -174,7 +176,7 @@ class AdaptiveK:
             drafting = max(0.0, (k + 1) * draft_token_s - verify) + miss * k * draft_token_s
         else:
             drafting = k * draft_token_s
-        return expected_tokens_by_position(accept, k) / (verify + drafting)
+        return (load.others_committed + expected_tokens_by_position(accept, k)) / (verify + drafting)
 
     def best(self, accept: Sequence[float], load: Load = ALONE, overlap: bool = False) -> int:
         rates = [self.rate(k, accept, load, overlap) for k in range(self.k_max + 1)]

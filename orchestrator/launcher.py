@@ -23,13 +23,15 @@ class ServiceProcess:
     process: subprocess.Popen
     port: int
     log_path: Path
+    stop_grace_s: float = 5.0  # a service drains fast; a whole `specsplit up` tears down a Ray app
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def stop(self, grace_s: float = 5.0) -> int:
-        """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code."""
+    def stop(self, grace_s: float | None = None) -> int:
+        """SIGTERM, then SIGKILL after ``grace_s`` (default ``stop_grace_s``); returns the exit code."""
+        grace_s = self.stop_grace_s if grace_s is None else grace_s
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

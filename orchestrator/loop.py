@@ -91,7 +91,7 @@ def cut_at_finish(new: Sequence[int], eos_ids: frozenset[int], budget: int) -> t
 
 def load_of(result: pb.VerifyResult) -> Load:
     """The load signal of a verification (an old target without the fields reads as alone)."""
-    return Load(max(result.batch_size, 1))
+    return Load(max(result.batch_size, 1), float(result.others_committed))
 
 
 @dataclass

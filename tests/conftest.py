@@ -72,6 +72,36 @@ def tiny_draft_dir(tmp_path_factory, gguf_tokenizer) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), gguf_tokenizer, seed=2, layers=1)
 
 
+TINY_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5, 6,",
+    "Paris is the capital of",
+    "import numpy as np\nimport torch\n",
+    "a b a b a b a b",
+    "Q: What is two plus two?\nA:",
+]
+
+
+def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_target_dir, gguf_tokenizer):
+    """The tiny target's own greedy continuations (24 tokens) of TINY_PROMPTS: what every equality test expects."""
+    from lmkit import models
+
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    prompts_ids = [gguf_tokenizer.encode(p) for p in TINY_PROMPTS]
+    return prompts_ids, [reference_greedy(model, ids, 24) for ids in prompts_ids]
+
+
 class BackgroundLoop:
     """An asyncio loop on its own thread, hosting servers for the length of a fixture."""
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.launcher import ServiceProcess
+
 OBJECT_STORE = 80 * 1024 * 1024
 
 
@@ -47,31 +49,7 @@ def ray_cluster():
     cluster.shutdown()
 
 
-@dataclass
-class CliProcess:
-    """A long-running ``specsplit`` command started with ``--port 0 --port-file``."""
-
-    process: subprocess.Popen
-    port: int
-    log: Path
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        self.process.terminate()
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def start_cli(args: list[str], workdir: Path, timeout_s: float = 180.0) -> CliProcess:
+def start_cli(args: list[str], workdir: Path, timeout_s: float = 180.0) -> ServiceProcess:
     """``python -m orchestrator.cli ARGS --port 0 --port-file F``, returned once it serves."""
     port_file, log = workdir / "cli.port", workdir / "cli.log"
     port_file.unlink(missing_ok=True)
@@ -80,7 +58,7 @@ def start_cli(args: list[str], workdir: Path, timeout_s: float = 180.0) -> CliPr
             [sys.executable, "-m", "orchestrator.cli", *args, "--port", "0", "--port-file", str(port_file)],
             stdout=out, stderr=subprocess.STDOUT,
         )
-    started = CliProcess(process, 0, log)
+    started = ServiceProcess(f"specsplit {args[0]}", process, 0, log, stop_grace_s=60.0)
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():
         if process.poll() is not None or time.monotonic() > deadline:

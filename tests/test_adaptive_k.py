@@ -109,7 +109,7 @@ def test_alone_the_choice_is_leviathans():
 def test_saturated_target_turns_speculation_off_and_load_falling_brings_it_back():
     controller = n_gram_like(cpu_like())
     alone = controller.choose(Load())
-    saturated = Load(sessions=32)
+    saturated = Load(sessions=32, others_committed=31)
     assert controller.choose(saturated) == 0
     # never probe under saturation: even good drafts would not pay there
     rounds = 3 * controller.probe_every * saturated.sessions
@@ -117,19 +117,17 @@ def test_saturated_target_turns_speculation_off_and_load_falling_brings_it_back(
     assert controller.choose(Load()) == alone
 
 
+def test_one_sessions_copy_span_does_not_pad_a_busy_batch():
+    """Others decode one token each: a block must bring more than the padding costs all of them."""
+    controller = n_gram_like(cpu_like())
+    assert controller.best(controller.acceptance(), Load()) > 0  # alone it pays
+    assert controller.best(controller.acceptance(), Load(sessions=8, others_committed=7)) == 0
+
+
 def test_k_shrinks_as_load_grows():
     controller = n_gram_like(cpu_like())
-    ks = [controller.best(controller.acceptance(), Load(b)) for b in (1, 2, 4, 8, 32)]
+    ks = [controller.best(controller.acceptance(), Load(b, b - 1)) for b in (1, 2, 4, 8, 32)]
     assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
-
-
-def test_drafts_that_always_pass_keep_speculating_under_load():
-    """Under saturation a token costs the same in a draft block as in plain decoding, so only blocks that
-    are accepted (nearly) always still pay."""
-    controller = AdaptiveK(k_max=8, costs=cpu_like())
-    for _ in range(20):
-        controller.observe(drafted=8, accepted=8)
-    assert controller.choose(Load(sessions=16)) > 0
 
 
 def test_unreached_positions_follow_the_last_measured_one():

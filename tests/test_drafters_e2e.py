@@ -24,9 +24,8 @@ from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
-from tests.conftest import Services, make_engines, run_async
+from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_bad_input import GREEDY, draft_exchange, expect_status
-from tests.test_greedy_e2e import TINY_PROMPTS, reference_greedy
 from tests.test_sampling_e2e import PROMPT, assert_distributed_as, exact_first_two
 
 ADAPTER_STD = 0.03  # measured: the layer-skip draft then agrees on ~8 % of tokens (63 of 843 at k = 8)
@@ -54,13 +53,6 @@ def self_draft_services(background_loop, tiny_target_dir):
     services = Services(background_loop, target, draft)
     yield services
     services.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_target_dir, gguf_tokenizer):
-    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
-    prompts_ids = [gguf_tokenizer.encode(p) for p in TINY_PROMPTS]
-    return prompts_ids, [reference_greedy(model, ids, 24) for ids in prompts_ids]
 
 
 async def run_greedy(services, tokenizer, prompts_ids, k, drafter, chain, adaptive=False):
@@ -92,8 +84,8 @@ GREEDY_CASES = [
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("drafter,chain", GREEDY_CASES)
-def test_greedy_equals_generate(self_draft_services, tiny_target_dir, reference, drafter, chain, k):
-    prompts_ids, expected = reference
+def test_greedy_equals_generate(self_draft_services, tiny_target_dir, tiny_reference, drafter, chain, k):
+    prompts_ids, expected = tiny_reference
     got, drafted, accepted = run_async(
         run_greedy(self_draft_services, str(tiny_target_dir), prompts_ids, k, drafter, chain)
     )
@@ -104,9 +96,9 @@ def test_greedy_equals_generate(self_draft_services, tiny_target_dir, reference,
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_k8_is_exact_and_hits_both_paths(self_draft_services, tiny_target_dir, reference, adaptive):
+def test_greedy_k8_is_exact_and_hits_both_paths(self_draft_services, tiny_target_dir, tiny_reference, adaptive):
     """Layer-skip over 1 of 2 random layers: some blocks are cut short, and output is still exact."""
-    prompts_ids, expected = reference
+    prompts_ids, expected = tiny_reference
     got, drafted, accepted = run_async(
         run_greedy(self_draft_services, str(tiny_target_dir), prompts_ids, 8, LS, (), adaptive=adaptive)
     )

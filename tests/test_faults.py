@@ -21,8 +21,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
 from orchestrator.launcher import start_service
 from orchestrator.links import LinkPolicy
-from tests.conftest import run_async
-from tests.test_greedy_e2e import reference_greedy
+from tests.conftest import reference_greedy, run_async
 
 PROMPT = "Once upon a time"
 NEW_TOKENS = 300

@@ -8,33 +8,13 @@ tiny random target (fast) and on the real SmolLM2 target with the default
 from __future__ import annotations
 
 import pytest
-import torch
 
 from draft_service.drafter import DrafterKind
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
 from orchestrator.prompts import DEMO_PROMPTS
-from tests.conftest import Services, make_engines, run_async
-
-TINY_PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "1, 2, 3, 4, 5, 6,",
-    "Paris is the capital of",
-    "import numpy as np\nimport torch\n",
-    "a b a b a b a b",
-    "Q: What is two plus two?\nA:",
-]
-
-
-def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
-        )
-    return out[0, len(prompt_ids) :].tolist()
+from tests.conftest import TINY_PROMPTS, Services, make_engines, reference_greedy, run_async
 
 
 async def generate_ids(orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, adaptive=False) -> list[int]:
@@ -54,15 +34,6 @@ async def generate_all(
         return [await generate_ids(orch, ids, k, drafter, max_new_tokens, adaptive) for ids in prompts_ids]
     finally:
         await orch.close()
-
-
-@pytest.fixture(scope="module")
-def tiny_reference(tiny_target_dir, gguf_tokenizer):
-    from lmkit import models
-
-    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
-    prompts_ids = [gguf_tokenizer.encode(p) for p in TINY_PROMPTS]
-    return prompts_ids, [reference_greedy(model, ids, 24) for ids in prompts_ids]
 
 
 @pytest.mark.parametrize("drafter", [DrafterKind.MODEL, DrafterKind.NGRAM])

@@ -19,8 +19,7 @@ from draft_service.drafter import DrafterKind
 from lmkit.sampling import SamplingParams, logits_to_probs
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
-from tests.conftest import Services, make_engines, run_async
-from tests.test_greedy_e2e import TINY_PROMPTS, reference_greedy
+from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_sampling_e2e import assert_distributed_as
 
 MAX_NEW = 24
@@ -34,15 +33,6 @@ def self_draft_services(background_loop, tiny_target_dir):
     services = Services(background_loop, target, draft)
     yield services
     services.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_target_dir, gguf_tokenizer):
-    from lmkit import models
-
-    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
-    prompts_ids = [gguf_tokenizer.encode(p) for p in TINY_PROMPTS]
-    return prompts_ids, [reference_greedy(model, ids, MAX_NEW) for ids in prompts_ids]
 
 
 def request(k, drafter, *, adaptive=False, overlap=True, sampling=None, max_new=MAX_NEW, draft_probs=False):
@@ -75,8 +65,8 @@ async def run_with(services, tokenizer_ref, jobs, concurrent: bool):
     [(DrafterKind.MODEL, 4, False), (DrafterKind.MODEL, 8, True), (DrafterKind.NGRAM, 8, False),
      (DrafterKind.NGRAM, 8, True)],
 )
-def test_overlapped_drafting_keeps_greedy_output(tiny_services, tiny_target_dir, reference, drafter, k, adaptive):
-    prompts_ids, expected = reference
+def test_overlapped_drafting_keeps_greedy_output(tiny_services, tiny_target_dir, tiny_reference, drafter, k, adaptive):
+    prompts_ids, expected = tiny_reference
     jobs = [(request(k, drafter, adaptive=adaptive), ids) for ids in prompts_ids]
     results = run_async(run_with(tiny_services, str(tiny_target_dir), jobs, concurrent=False))
     for prompt, want, (have, stats) in zip(TINY_PROMPTS, expected, results):
@@ -86,8 +76,8 @@ def test_overlapped_drafting_keeps_greedy_output(tiny_services, tiny_target_dir,
     assert tiny_services.draft_engine.sessions.stats()[0] == 0
 
 
-def test_overlap_hits_are_used_and_misses_rolled_back(self_draft_services, tiny_target_dir, reference):
-    prompts_ids, expected = reference
+def test_overlap_hits_are_used_and_misses_rolled_back(self_draft_services, tiny_target_dir, tiny_reference):
+    prompts_ids, expected = tiny_reference
     jobs = [(request(4, DrafterKind.MODEL), ids) for ids in prompts_ids]
     results = run_async(run_with(self_draft_services, str(tiny_target_dir), jobs, concurrent=False))
     assert [ids for ids, _ in results] == expected
@@ -102,9 +92,9 @@ def test_overlap_hits_are_used_and_misses_rolled_back(self_draft_services, tiny_
 
 @pytest.mark.parametrize("overlap,adaptive", [(False, False), (True, True)])
 def test_eight_concurrent_sessions_batched_equal_their_solo_output(
-    tiny_services, tiny_target_dir, reference, overlap, adaptive
+    tiny_services, tiny_target_dir, tiny_reference, overlap, adaptive
 ):
-    prompts_ids, expected = reference
+    prompts_ids, expected = tiny_reference
     jobs = [(request(4, drafter, adaptive=adaptive, overlap=overlap), ids)
             for ids, drafter in zip(prompts_ids, itertools.cycle([DrafterKind.MODEL, DrafterKind.NGRAM]))]
     engine = tiny_services.target_engine
@@ -118,12 +108,12 @@ def test_eight_concurrent_sessions_batched_equal_their_solo_output(
     assert max(stats.mean_batch_size for _, stats in results) > 1.0
 
 
-def test_batched_verification_without_batching_gives_the_same_output(background_loop, tiny_target_dir, reference):
+def test_batched_verification_without_batching_gives_the_same_output(background_loop, tiny_target_dir, tiny_reference):
     """--max-batch 1: one block per forward; same outputs, every forward alone."""
     target, draft = make_engines(str(tiny_target_dir), None)
     services = Services(background_loop, target, draft, max_batch=1)
     try:
-        prompts_ids, expected = reference
+        prompts_ids, expected = tiny_reference
         jobs = [(request(0, DrafterKind.NGRAM), ids) for ids in prompts_ids]
         results = run_async(run_with(services, str(tiny_target_dir), jobs, concurrent=True))
         assert [ids for ids, _ in results] == expected

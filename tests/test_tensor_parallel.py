@@ -25,8 +25,7 @@ from orchestrator.generation import GenerationRequest, Orchestrator
 from orchestrator.launcher import start_service
 from orchestrator.links import LinkPolicy
 from target_service.tp import check_divisible
-from tests.conftest import run_async
-from tests.test_greedy_e2e import reference_greedy
+from tests.conftest import reference_greedy, run_async
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 
