@@ -37,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from lmkit.costs import LinearCost
+
 
 @dataclass(frozen=True)
 class Load:
@@ -55,25 +57,19 @@ ALONE = Load()
 
 @dataclass
 class CostModel:
-    """Least-squares fit of t(x) = a + s x over target forwards of x tokens, and the draft time per token."""
+    """The target's forward cost t(x) = a + s x over x tokens, and the draft's time per token."""
 
     decay: float = 0.98  # forget old samples slowly: load and context length drift
-    _n: float = 0.0
-    _sk: float = 0.0
-    _skk: float = 0.0
-    _st: float = 0.0
-    _skt: float = 0.0
+    verify: LinearCost = field(default_factory=LinearCost)
     _draft_s: float = 0.0
     _draft_tokens: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.verify.decay = self.decay
+
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """A target forward over ``tokens`` tokens (all rows of a batch, padding included) took ``seconds``."""
-        d, x = self.decay, tokens
-        self._n = self._n * d + 1
-        self._sk = self._sk * d + x
-        self._skk = self._skk * d + x * x
-        self._st = self._st * d + seconds
-        self._skt = self._skt * d + x * seconds
+        self.verify.observe(tokens, seconds)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
@@ -82,13 +78,7 @@ class CostModel:
 
     def verify_s(self, tokens: int) -> float:
         """Predicted time of a target forward over ``tokens`` tokens; a + s x with s >= 0."""
-        if self._n == 0:
-            return 1.0 + 0.1 * tokens  # no data yet: relative units, ~10 % per token
-        mean_x, mean_t = self._sk / self._n, self._st / self._n
-        var_x = self._skk / self._n - mean_x**2
-        slope = (self._skt / self._n - mean_x * mean_t) / var_x if var_x > 1e-9 else 0.1 * mean_t / max(mean_x, 1.0)
-        slope = max(slope, 0.0)
-        return max(mean_t + slope * (tokens - mean_x), 1e-6)
+        return self.verify.predict(tokens)
 
     def draft_s_per_token(self) -> float:
         return self._draft_s / self._draft_tokens if self._draft_tokens else 0.0

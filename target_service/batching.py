@@ -132,3 +132,21 @@ def _append(step: Step, batch_cache: DynamicCache, row: int) -> None:
         values = batched.new_values[row : row + 1, :, :n]
         own.update(keys.contiguous(), values.contiguous(), layer)
     step.cache.tokens = [*step.cache.tokens, *step.feed]
+
+
+def split_by_width(widths: Sequence[int], overhead_tokens: float) -> list[list[int]]:
+    """Rows (indices into ``widths``) grouped into forwards: all together, or narrow rows apart from wide ones.
+
+    Rows are padded to the widest of their forward, so one long block in a
+    batch of single-token rows multiplies its tokens. Two forwards cost one
+    more forward's fixed part, ``overhead_tokens`` (a / s of t(x) = a + s x, in
+    tokens); split where that is cheaper than the padding it saves.
+    """
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    best_cost, best_cut = len(order) * widths[order[-1]], 0
+    for cut in range(1, len(order)):
+        narrow, wide = order[:cut], order[cut:]
+        cost = len(narrow) * widths[narrow[-1]] + len(wide) * widths[wide[-1]] + overhead_tokens
+        if cost < best_cost:
+            best_cost, best_cut = cost, cut
+    return [order] if best_cut == 0 else [order[:best_cut], order[best_cut:]]

@@ -13,11 +13,12 @@ from typing import Callable, Sequence
 import torch
 
 from lmkit import errors
+from lmkit.costs import LinearCost
 from lmkit.kvcache import SessionCache
 from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection
-from target_service.batching import Step, forward_batch
+from target_service.batching import Step, forward_batch, split_by_width
 from target_service.rejection import VerificationMode
 
 
@@ -93,6 +94,7 @@ class TargetEngine:
         # Sharded caches replay each step on the other ranks one session at a time.
         self.can_batch = new_cache is None
         self.forward_passes = 0  # verifying forwards run; rounds / forward_passes is the mean batch size
+        self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
 
     # -- sessions -----------------------------------------------------------
     def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode):
@@ -128,10 +130,13 @@ class TargetEngine:
         """Verify blocks of different sessions in shared forward passes; each result equals its solo ``verify``.
 
         A block that fails its checks gets its error in its slot and the others
-        still run. Feeds longer than a verification block (a prefill) run alone.
+        still run. Feeds longer than a verification block (a prefill) run alone,
+        and wide blocks run apart from narrow ones when the padding they would
+        put on the narrow rows costs more than one more forward.
         """
         results: list[Verified | errors.SpecsplitError | None] = [None] * len(items)
         batch: list[int] = []
+        widths: list[int] = []  # tokens each batched row feeds
         for i, item in enumerate(items):
             try:
                 self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs)
@@ -141,14 +146,42 @@ class TargetEngine:
             keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
             if self.can_batch and len(feed) <= self.limits.max_block + 1:
                 batch.append(i)
+                widths.append(len(feed))
             else:
                 results[i] = self._verify_checked(item)
-        if len(batch) == 1:
-            results[batch[0]] = self._verify_checked(items[batch[0]])
-        elif batch:
-            for i, verified in zip(batch, self._verify_together([items[i] for i in batch])):
-                results[i] = verified
+        groups = split_by_width(widths, self._split_overhead_tokens()) if len(batch) > 1 else [list(range(len(batch)))]
+        step_start = time.perf_counter()
+        for group in groups:
+            rows = [batch[g] for g in group]
+            if len(rows) == 1:
+                results[rows[0]] = self._verify_checked(items[rows[0]])
+                if isinstance(results[rows[0]], Verified):
+                    self.forward_cost.observe(widths[group[0]], results[rows[0]].compute_s)
+            elif rows:
+                for i, verified in zip(rows, self._verify_together([items[i] for i in rows])):
+                    results[i] = verified
+        if len(groups) > 1:  # the load signal is the whole step, whichever forward a block ran in
+            tokens = sum(len(g) * max(widths[j] for j in g) for g in groups)
+            self._share_step(results, batch, tokens, time.perf_counter() - step_start)
         return results
+
+    @staticmethod
+    def _share_step(results, batch: list[int], tokens: int, step_s: float) -> None:
+        """Every block of a split step reports the step: all its sessions, its tokens, its time."""
+        done = [i for i in batch if isinstance(results[i], Verified)]
+        committed = sum(results[i].accepted + 1 for i in done)
+        width = -(-tokens // max(len(done), 1))  # mean row width, rounded up
+        for i in done:
+            own = results[i]
+            share = BatchShare(len(done), width, width, committed - (own.accepted + 1))
+            results[i] = Verified(own.accepted, own.next_token, step_s, share)
+
+    def _split_overhead_tokens(self) -> float:
+        """One more forward's fixed cost in tokens (a / s); infinite (never split) until measured."""
+        slope = self.forward_cost.slope()
+        if self.forward_cost.samples < 8 or slope <= 0:
+            return float("inf")
+        return max(self.forward_cost.intercept(), 0.0) / slope
 
     def _verify_checked(self, item: VerifyItem) -> Verified | errors.SpecsplitError:
         try:
@@ -164,6 +197,7 @@ class TargetEngine:
             steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1))
         logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
         self.forward_passes += 1
+        self.forward_cost.observe(len(steps) * max(len(step.feed) for step in steps), time.perf_counter() - start)
         decided = [
             self._commit(item.session, rows, item.draft_tokens, item.draft_probs) for item, rows in zip(items, logits)
         ]
