@@ -64,12 +64,26 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
-class TargetLink:
-    def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
+class _SessionLink:
+    """One generation's session on a service: its stream (None while there is none) and how to open one."""
+
+    def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], object],
                  policy: LinkPolicy) -> None:
         self._client = client
-        self._open_msg = open_msg
+        self._open_msg = open_msg  # (session id, committed tokens) -> the service's open message
         self._policy = policy
+        self._stream = None
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.close()
+
+
+class TargetLink(_SessionLink):
+    def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
+                 policy: LinkPolicy) -> None:
+        super().__init__(client, open_msg, policy)
         self._stream: TargetStream | None = None
         self._opened = 0
 
@@ -118,18 +132,11 @@ class TargetLink:
             stream, self._stream = self._stream, None
             stream.abort()
 
-    async def close(self) -> None:
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.close()
 
-
-class DraftLink:
+class DraftLink(_SessionLink):
     def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
                  policy: LinkPolicy) -> None:
-        self._client = client
-        self._open_msg = open_msg
-        self._policy = policy
+        super().__init__(client, open_msg, policy)
         self._stream: DraftStream | None = None
         self._synced = 0  # the draft holds committed[:_synced]
         self._down_since: float | None = None
@@ -199,8 +206,3 @@ class DraftLink:
         if self._down_since is None:
             log.warning("draft unavailable (%s); continuing with target-only decoding", exc)
         self._down_since = time.monotonic()
-
-    async def close(self) -> None:
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.close()

@@ -115,10 +115,9 @@ def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | No
 class _Loop:
     """One generation's rounds; ``speculative_decode`` drives it."""
 
-    def __init__(self, prompt, config, target, draft, stats, controller, costs) -> None:
+    def __init__(self, prompt, config, draft, stats, controller, costs) -> None:
         self.committed = list(prompt)
         self.config = config
-        self.target = target
         self.draft = draft
         self.stats = stats
         self.controller = controller
@@ -220,7 +219,7 @@ async def speculative_decode(
     measured acceptance, costs and target load; ``costs`` learns from every
     round but the first (which carries the prompt's prefill).
     """
-    loop = _Loop(prompt, config, target, draft, stats, controller, costs)
+    loop = _Loop(prompt, config, draft, stats, controller, costs)
     try:
         while True:
             if len(loop.committed) >= config.max_context:

@@ -98,11 +98,11 @@ class VerifyBatcher:
         """Up to max_batch live blocks, at most one per session (a session's next block waits for this one)."""
         batch: list[_Waiting] = []
         rest: list[_Waiting] = []
-        sessions: set[int] = set()
+        sessions: set[str] = set()
         for waiting in self._waiting:
             if waiting.future.done():
                 continue
-            key = id(waiting.item.session)
+            key = waiting.item.session.session_id
             if len(batch) < self.max_batch and key not in sessions:
                 batch.append(waiting)
                 sessions.add(key)

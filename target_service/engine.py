@@ -39,7 +39,6 @@ class BatchShare:
 
     size: int = 1  # sessions in the forward
     width: int = 1  # tokens per row (blocks are padded to the longest)
-    others_width: int = 0  # the longest other row: the width this session's block does not add to
     others_committed: int = 0  # tokens the other sessions committed from the same forward
 
 
@@ -136,7 +135,7 @@ class TargetEngine:
         """
         results: list[Verified | errors.SpecsplitError | None] = [None] * len(items)
         batch: list[int] = []
-        widths: list[int] = []  # tokens each batched row feeds
+        steps: list[Step] = []  # one per batched row
         for i, item in enumerate(items):
             try:
                 self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs)
@@ -146,9 +145,10 @@ class TargetEngine:
             keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
             if self.can_batch and len(feed) <= self.limits.max_block + 1:
                 batch.append(i)
-                widths.append(len(feed))
+                steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1))
             else:
                 results[i] = self._verify_checked(item)
+        widths = [len(step.feed) for step in steps]
         groups = split_by_width(widths, self._split_overhead_tokens()) if len(batch) > 1 else [list(range(len(batch)))]
         step_start = time.perf_counter()
         for group in groups:
@@ -158,7 +158,8 @@ class TargetEngine:
                 if isinstance(results[rows[0]], Verified):
                     self.forward_cost.observe(widths[group[0]], results[rows[0]].compute_s)
             elif rows:
-                for i, verified in zip(rows, self._verify_together([items[i] for i in rows])):
+                together = self._verify_together([items[i] for i in rows], [steps[g] for g in group])
+                for i, verified in zip(rows, together):
                     results[i] = verified
         if len(groups) > 1:  # the load signal is the whole step, whichever forward a block ran in
             tokens = sum(len(g) * max(widths[j] for j in g) for g in groups)
@@ -173,7 +174,7 @@ class TargetEngine:
         width = -(-tokens // max(len(done), 1))  # mean row width, rounded up
         for i in done:
             own = results[i]
-            share = BatchShare(len(done), width, width, committed - (own.accepted + 1))
+            share = BatchShare(len(done), width, committed - (own.accepted + 1))
             results[i] = Verified(own.accepted, own.next_token, step_s, share)
 
     def _split_overhead_tokens(self) -> float:
@@ -189,27 +190,22 @@ class TargetEngine:
         except errors.SpecsplitError as exc:
             return exc
 
-    def _verify_together(self, items: Sequence[VerifyItem]) -> list[Verified]:
+    def _verify_together(self, items: Sequence[VerifyItem], steps: Sequence[Step]) -> list[Verified]:
+        """One forward over the planned steps of checked items (``steps[i]`` belongs to ``items[i]``)."""
         start = time.perf_counter()
-        steps = []
-        for item in items:
-            keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
-            steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1))
+        width = max(len(step.feed) for step in steps)
         logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
         self.forward_passes += 1
-        self.forward_cost.observe(len(steps) * max(len(step.feed) for step in steps), time.perf_counter() - start)
+        self.forward_cost.observe(len(steps) * width, time.perf_counter() - start)
         decided = [
             self._commit(item.session, rows, item.draft_tokens, item.draft_probs) for item, rows in zip(items, logits)
         ]
         elapsed = time.perf_counter() - start
-        widths = [len(step.feed) for step in steps]
         committed = sum(d.accepted + 1 for d in decided)
-        verified = []
-        for i, d in enumerate(decided):
-            others_width = max(w for j, w in enumerate(widths) if j != i)
-            share = BatchShare(len(items), max(widths), others_width, committed - (d.accepted + 1))
-            verified.append(Verified(d.accepted, d.next_token, elapsed, share))
-        return verified
+        return [
+            Verified(d.accepted, d.next_token, elapsed, BatchShare(len(items), width, committed - (d.accepted + 1)))
+            for d in decided
+        ]
 
     def _commit(self, session, logits, draft_tokens, draft_probs) -> rejection.VerifyResult:
         """Decide on the block from its logits and commit accepted + 1 tokens to the session."""

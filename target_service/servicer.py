@@ -94,6 +94,5 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             compute_us=int(done.compute_s * 1e6),
             batch_size=done.batch.size,
             batch_width=done.batch.width,
-            others_width=done.batch.others_width,
             others_committed=done.batch.others_committed,
         )
