@@ -9,8 +9,10 @@ Registered for every test module by ``pytest_plugins`` in ``tests/conftest.py``.
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,16 +32,21 @@ class RayCluster:
     target_node: str
 
 
+HEAD_ARGS = {"num_cpus": 2, "include_dashboard": False, "object_store_memory": OBJECT_STORE}
+# Ray waits 30 s for the GCS to write its port file; a loaded 2-core CI machine
+# can take longer. Allow more, and try a fresh session once before failing.
+GCS_WAIT_S = "120"
+START_ATTEMPTS = 2
+TMP_RAY = Path(tempfile.gettempdir(), "ray")  # where Ray puts its sessions
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback, not the host's external address
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False, "object_store_memory": OBJECT_STORE},
-    )
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_WAIT_S)
+    cluster = _start_head()
     draft = cluster.add_node(num_cpus=1, resources={"draft_node": 1}, object_store_memory=OBJECT_STORE)
     target = cluster.add_node(num_cpus=1, num_gpus=2, resources={"target_node": 1}, object_store_memory=OBJECT_STORE)
     cluster.wait_for_nodes()
@@ -47,6 +54,73 @@ def ray_cluster():
     yield RayCluster(cluster.address, cluster.head_node.node_id, draft.node_id, target.node_id)
     ray.shutdown()
     cluster.shutdown()
+
+
+def _start_head():
+    """A cluster with its head node; on failure, the GCS's own logs in the error."""
+    from ray.cluster_utils import Cluster
+
+    failures = []
+    for _ in range(START_ATTEMPTS):
+        cluster = Cluster(initialize_head=False)
+        before = set(TMP_RAY.glob("session_2*"))
+        try:
+            cluster.add_node(**HEAD_ARGS)
+            return cluster
+        except Exception as error:  # noqa: BLE001 - reported below with the logs
+            sessions = sorted(set(TMP_RAY.glob("session_2*")) - before)
+            for session in sessions:
+                _kill_session(session)
+            failures.append(f"{type(error).__name__}: {error}\n" + "".join(_diagnose(s) for s in sessions))
+    raise RuntimeError("a local Ray head node did not start:\n" + "\n".join(failures) + _machine_state())
+
+
+
+def _kill_session(session: Path) -> None:
+    """Stop what a half-started head left running (its processes name the session dir)."""
+    import psutil
+
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if any(session.name in part for part in process.info["cmdline"] or ()):
+                process.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def _diagnose(session: Path) -> str:
+    parts = []
+    for name in ("gcs_server.err", "gcs_server.out", "raylet.err"):
+        log = session / "logs" / name
+        if log.exists():
+            text = log.read_text(errors="replace")[-3000:]
+            parts.append(f"--- {log} (last 3000 chars) ---\n{text}\n")
+    logs = sorted(p.name for p in (session / "logs").glob("*"))
+    return "".join(parts) or f"(no GCS logs under {session}/logs; it holds {logs})\n"
+
+
+def _machine_state() -> str:
+    import psutil
+
+    processes = list(psutil.process_iter(["num_threads", "cmdline"]))
+    threads = sum(p.info["num_threads"] or 0 for p in processes)
+    for process in processes:
+        try:
+            process.cpu_percent()
+        except psutil.Error:
+            pass
+    time.sleep(1.0)
+    busy = []
+    for process in processes:
+        try:
+            busy.append((process.cpu_percent(), " ".join(process.info["cmdline"] or ())[:160]))
+        except psutil.Error:
+            pass
+    top = "".join(f"\n  {cpu:5.0f}% {command}" for cpu, command in sorted(busy, reverse=True)[:6])
+    memory = psutil.virtual_memory()
+    return (f"\nload {os.getloadavg()}, {len(psutil.pids())} processes, {threads} threads "
+            f"(RLIMIT_NPROC {resource.getrlimit(resource.RLIMIT_NPROC)}), "
+            f"{memory.available >> 20} MiB of {memory.total >> 20} MiB free; busiest:{top}")
 
 
 def start_cli(args: list[str], workdir: Path, timeout_s: float = 180.0) -> ServiceProcess:
