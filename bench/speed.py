@@ -9,7 +9,9 @@ One run, one target, the same prompts and token budget throughout, greedy:
   ``assistant_model`` for a draft model);
 * a K sweep (fixed K, sync) for speedup vs K, and per-position acceptance;
 * concurrency 1..32: aggregate tokens/s with speculation (adaptive, overlap)
-  and without (k = 0), both through continuous batching.
+  and without (k = 0), both through continuous batching; each level runs
+  ``--concurrency-repeats`` times per mode, the modes interleaved (ABBA...), and
+  the report gives medians (the per-repeat figures beside them).
 
 Draft and target run as separate processes pinned to different cores (they
 stand for separate devices); the orchestrator runs in this process on the
@@ -22,6 +24,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +56,8 @@ def add_flags(parser) -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="--suite speed: concurrent sessions levels")
     parser.add_argument("--k-sweep", default="1,2,4,8", help="--suite speed: fixed K values for speedup vs K")
     parser.add_argument("--concurrency-max-new-tokens", type=int, default=48, help="--suite speed: tokens per request")
+    parser.add_argument("--concurrency-repeats", type=int, default=3,
+                        help="--suite speed: runs per level and mode, interleaved; the report gives medians")
     parser.add_argument("--plot", default="", help="--suite speed: write the PNG plot here (default: next to --json)")
 
 
@@ -212,12 +217,60 @@ async def _measure(args, target_address: str, draft_address: str):
         await _concurrent(orch, prompts, 2, on, drafter, 8)  # warm-up
         concurrency = []
         for level in levels:
-            with_spec = await _concurrent(orch, prompts, level, on, drafter, conc_max)
-            without = await _concurrent(orch, prompts, level, off, drafter, conc_max)
-            concurrency.append({"sessions": level, "speculative": with_spec, "no_speculation": without})
+            samples = {"speculative": [], "no_speculation": []}
+            for repeat in range(max(args.concurrency_repeats, 1)):
+                # ABBA order: neither mode always runs first (warmer caches, drifting machine load)
+                order = [("speculative", on), ("no_speculation", off)]
+                if repeat % 2:
+                    order.reverse()
+                for name, mode in order:
+                    samples[name].append(await _concurrent(orch, prompts, level, mode, drafter, conc_max))
+            concurrency.append({"sessions": level, **samples})
     finally:
         await orch.close()
     return baseline, single, sweep, concurrency
+
+
+def _median(samples: list[dict], key: str) -> float:
+    return round(statistics.median(s[key] for s in samples), 3)
+
+
+def _concurrency_table(concurrency: list[dict]) -> list[dict]:
+    """One row per level: medians over the repeats, and the repeats themselves.
+
+    The ratio with/without speculation is the median of per-repeat ratios (each
+    pair ran back to back). Outputs count as identical when every repeat of both
+    modes produced the first no-speculation repeat's tokens, session by session.
+    """
+    key = "decode_tokens_per_s"
+    table = []
+    for row in concurrency:
+        spec, none = row["speculative"], row["no_speculation"]
+        reference = none[0]["outputs"]
+        identical = sum(all(run["outputs"][i] == ids for run in spec + none) for i, ids in enumerate(reference))
+        ratios = [s[key] / n[key] for s, n in zip(spec, none) if n[key]]
+        table.append({
+            "sessions": row["sessions"],
+            "repeats": len(spec),
+            "tokens_per_s_speculative": _median(spec, key),
+            "tokens_per_s_no_speculation": _median(none, key),
+            "speculative_vs_no_speculation": round(statistics.median(ratios), 3) if ratios else 0.0,
+            "speculative_vs_no_speculation_per_repeat": [round(r, 3) for r in ratios],
+            "tokens_per_s_speculative_per_repeat": [s[key] for s in spec],
+            "tokens_per_s_no_speculation_per_repeat": [n[key] for n in none],
+            "end_to_end_tokens_per_s_speculative": _median(spec, "end_to_end_tokens_per_s"),
+            "end_to_end_tokens_per_s_no_speculation": _median(none, "end_to_end_tokens_per_s"),
+            "mean_drafted_per_round_speculative": _median(spec, "mean_drafted_per_round"),
+            "mean_batch_size_speculative": _median(spec, "mean_batch_size"),
+            "mean_batch_size_no_speculation": _median(none, "mean_batch_size"),
+            "identical_outputs": f"{identical}/{row['sessions']}",
+        })
+    solo = table[0]["tokens_per_s_no_speculation"] if table else 0.0
+    solo_spec = table[0]["tokens_per_s_speculative"] if table else 0.0
+    for row in table:
+        row["no_speculation_vs_one_session"] = round(row["tokens_per_s_no_speculation"] / solo, 3) if solo else 0.0
+        row["speculative_vs_one_session"] = round(row["tokens_per_s_speculative"] / solo_spec, 3) if solo_spec else 0.0
+    return table
 
 
 def _report(args, baseline, single, sweep, concurrency, hf) -> dict:
@@ -225,26 +278,7 @@ def _report(args, baseline, single, sweep, concurrency, hf) -> dict:
     base_tps = base_tokens / sum(r.wall_s for r in baseline)
     modes = {name: _figures(runs, baseline, m, hf) for name, (m, runs) in single.items()}
     k_sweep = [_figures(runs, baseline, m, hf) for m, runs in sweep.values()]
-    key = "decode_tokens_per_s"
-    solo = concurrency[0]["no_speculation"][key] if concurrency else 0.0
-    solo_spec = concurrency[0]["speculative"][key] if concurrency else 0.0
-    table = []
-    for row in concurrency:
-        s, n = row["speculative"], row["no_speculation"]
-        identical = sum(a == b for a, b in zip(s["outputs"], n["outputs"]))
-        table.append({
-            "sessions": row["sessions"],
-            "tokens_per_s_speculative": s[key], "tokens_per_s_no_speculation": n[key],
-            "speculative_vs_no_speculation": round(s[key] / n[key], 3) if n[key] else 0.0,
-            "no_speculation_vs_one_session": round(n[key] / solo, 3) if solo else 0.0,
-            "speculative_vs_one_session": round(s[key] / solo_spec, 3) if solo_spec else 0.0,
-            "end_to_end_tokens_per_s_speculative": s["end_to_end_tokens_per_s"],
-            "end_to_end_tokens_per_s_no_speculation": n["end_to_end_tokens_per_s"],
-            "mean_drafted_per_round_speculative": s["mean_drafted_per_round"],
-            "mean_batch_size_speculative": s["mean_batch_size"],
-            "mean_batch_size_no_speculation": n["mean_batch_size"],
-            "identical_outputs": f"{identical}/{row['sessions']}",
-        })
+    table = _concurrency_table(concurrency)
     hf_identical = sum(a == r.token_ids for a, r in zip(hf["outputs"]["assisted"], single["overlap-adaptive"][1]))
     hf_summary = {key: v for key, v in hf.items() if key != "outputs"}
     hf_summary["assisted_identical_to_specsplit"] = f"{hf_identical}/{len(baseline)}"
@@ -268,6 +302,7 @@ def _report(args, baseline, single, sweep, concurrency, hf) -> dict:
         "modes": modes,
         "k_sweep": k_sweep,
         "concurrency_max_new_tokens": args.concurrency_max_new_tokens,
+        "concurrency_repeats": args.concurrency_repeats,
         "concurrency": table,
         "goals": goals,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
@@ -337,6 +372,7 @@ def run(args) -> int:
               f"x{m['speedup_vs_hf_assisted']:.2f} HF assisted  efficiency {m['efficiency_vs_bound']:.2f}")
     for row in report["concurrency"]:
         print(f"{row['sessions']:3d} sessions  {row['tokens_per_s_speculative']:7.1f} tok/s speculative  "
-              f"{row['tokens_per_s_no_speculation']:7.1f} without  (x{row['speculative_vs_no_speculation']:.2f})")
+              f"{row['tokens_per_s_no_speculation']:7.1f} without  (x{row['speculative_vs_no_speculation']:.2f}, "
+              f"median of {row['speculative_vs_no_speculation_per_repeat']})")
     print(f"goals: {report['goals']} -> {path}, {png}")
     return 0

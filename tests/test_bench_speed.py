@@ -62,11 +62,12 @@ def test_report_and_plot(tmp_path):
         return {"decode_tokens_per_s": decode, "end_to_end_tokens_per_s": decode / 2, "mean_drafted_per_round": 0.0,
                 "mean_batch_size": float(n), "outputs": [[1, 2]] * n}
 
-    concurrency = [{"sessions": n, "speculative": level(n, 10.0 * n ** 0.6), "no_speculation": level(n, 9.0 * n ** 0.6)}
+    concurrency = [{"sessions": n, "speculative": [level(n, 10.0 * n ** 0.6)], "no_speculation": [level(n, 9.0 * n ** 0.6)]}
                    for n in (1, 2, 8)]
     hf = {"generate_tokens_per_s": 10.0, "assisted_tokens_per_s": 12.0, "outputs": {"assisted": [list(range(20))]}}
     args = argparse.Namespace(model="m", drafter="ngram", draft_model="", prompt_set="demo", max_new_tokens=20, k=4,
-                              target_cpus="1", draft_cpus="0", target_threads=1, concurrency_max_new_tokens=16)
+                              target_cpus="1", draft_cpus="0", target_threads=1, concurrency_max_new_tokens=16,
+                              concurrency_repeats=1)
     report = speed._report(args, baseline, mode_runs, sweep, concurrency, hf)
     json.dumps(report)  # serialisable as is
     for name in ("sync-adaptive", "overlap-adaptive"):
@@ -80,3 +81,27 @@ def test_report_and_plot(tmp_path):
     png = tmp_path / "speed.png"
     speed.plot(report, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_concurrency_rows_are_medians_of_paired_repeats():
+    def sample(decode, outputs):
+        return {"decode_tokens_per_s": decode, "end_to_end_tokens_per_s": decode / 2, "mean_drafted_per_round": 1.0,
+                "mean_batch_size": 2.0, "outputs": outputs}
+
+    same = [[1, 2], [3, 4]]
+    # Repeat 2 is slow for both modes (a busy machine): the paired ratio stays near 1 where
+    # unpaired medians would not; an outlier repeat does not move the median.
+    spec = [sample(20.0, same), sample(10.0, same), sample(21.0, same)]
+    none = [sample(20.0, same), sample(11.0, same), sample(19.0, same)]
+    one = [{"sessions": 1, "speculative": [sample(10.0, [[1, 2]])] * 3, "no_speculation": [sample(10.0, [[1, 2]])] * 3}]
+    row = speed._concurrency_table(one + [{"sessions": 2, "speculative": spec, "no_speculation": none}])[1]
+    assert row["repeats"] == 3
+    assert row["tokens_per_s_speculative"] == 20.0 and row["tokens_per_s_no_speculation"] == 19.0
+    assert row["speculative_vs_no_speculation_per_repeat"] == [1.0, 0.909, 1.105]
+    assert row["speculative_vs_no_speculation"] == 1.0
+    assert row["no_speculation_vs_one_session"] == 1.9
+    assert row["identical_outputs"] == "2/2"
+    # one session differs in one repeat of one mode: that session is not identical
+    spec[2] = sample(21.0, [[1, 2], [3, 5]])
+    row = speed._concurrency_table(one + [{"sessions": 2, "speculative": spec, "no_speculation": none}])[1]
+    assert row["identical_outputs"] == "1/2"
