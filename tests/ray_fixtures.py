@@ -8,6 +8,7 @@ Registered for every test module by ``pytest_plugins`` in ``tests/conftest.py``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import subprocess
@@ -46,38 +47,40 @@ def ray_cluster():
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback, not the host's external address
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_WAIT_S)
-    cluster = _start_head()
-    draft = cluster.add_node(num_cpus=1, resources={"draft_node": 1}, object_store_memory=OBJECT_STORE)
-    target = cluster.add_node(num_cpus=1, num_gpus=2, resources={"target_node": 1}, object_store_memory=OBJECT_STORE)
-    cluster.wait_for_nodes()
+    cluster, started = _start_cluster()
     ray.init(address=cluster.address, namespace="specsplit", log_to_driver=False)
-    yield RayCluster(cluster.address, cluster.head_node.node_id, draft.node_id, target.node_id)
+    yield started
     ray.shutdown()
     cluster.shutdown()
 
 
-def _start_head():
-    """A cluster with its head node; on failure, the GCS's own logs in the error."""
+def _start_cluster():
+    """Head plus the draft and target nodes; a second try on a fresh session, then an error with Ray's logs."""
     from ray.cluster_utils import Cluster
 
     failures = []
     for _ in range(START_ATTEMPTS):
-        cluster = Cluster(initialize_head=False)
         before = set(TMP_RAY.glob("session_2*"))
+        cluster = Cluster(initialize_head=False)
         try:
             cluster.add_node(**HEAD_ARGS)
-            return cluster
+            draft = cluster.add_node(num_cpus=1, resources={"draft_node": 1}, object_store_memory=OBJECT_STORE)
+            target = cluster.add_node(num_cpus=1, num_gpus=2, resources={"target_node": 1},
+                                      object_store_memory=OBJECT_STORE)
+            cluster.wait_for_nodes()
+            return cluster, RayCluster(cluster.address, cluster.head_node.node_id, draft.node_id, target.node_id)
         except Exception as error:  # noqa: BLE001 - reported below with the logs
+            with contextlib.suppress(Exception):
+                cluster.shutdown()
             sessions = sorted(set(TMP_RAY.glob("session_2*")) - before)
             for session in sessions:
                 _kill_session(session)
             failures.append(f"{type(error).__name__}: {error}\n" + "".join(_diagnose(s) for s in sessions))
-    raise RuntimeError("a local Ray head node did not start:\n" + "\n".join(failures) + _machine_state())
-
+    raise RuntimeError("a local Ray cluster did not start:\n" + "\n".join(failures) + _machine_state())
 
 
 def _kill_session(session: Path) -> None:
-    """Stop what a half-started head left running (its processes name the session dir)."""
+    """Stop what a half-started cluster left running (its processes name the session dir)."""
     import psutil
 
     for process in psutil.process_iter(["cmdline"]):
@@ -89,14 +92,15 @@ def _kill_session(session: Path) -> None:
 
 
 def _diagnose(session: Path) -> str:
+    """The tails of the GCS's and raylets' own logs, which Ray does not put in its exception."""
     parts = []
-    for name in ("gcs_server.err", "gcs_server.out", "raylet.err"):
-        log = session / "logs" / name
-        if log.exists():
-            text = log.read_text(errors="replace")[-3000:]
-            parts.append(f"--- {log} (last 3000 chars) ---\n{text}\n")
+    for pattern in ("gcs_server.*", "raylet*.err", "raylet*.out"):
+        for log in sorted((session / "logs").glob(pattern)):
+            text = log.read_text(errors="replace")[-2000:]
+            if text.strip():
+                parts.append(f"--- {log} (last 2000 chars) ---\n{text}\n")
     logs = sorted(p.name for p in (session / "logs").glob("*"))
-    return "".join(parts) or f"(no GCS logs under {session}/logs; it holds {logs})\n"
+    return "".join(parts) or f"(no GCS or raylet logs under {session}/logs; it holds {logs})\n"
 
 
 def _machine_state() -> str:
