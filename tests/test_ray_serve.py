@@ -37,14 +37,17 @@ def ray_front(ray_cluster, tiny_services, tiny_target_dir, tmp_path_factory):
     assert front.stop() == 0, front.log_tail()
 
 
-async def generate(address: str, request: pb.GenerateRequest) -> tuple[str, list[int], str]:
-    """(text, token ids, status code name) of one Generate call."""
+async def generate(address: str, request: pb.GenerateRequest,
+                   streaming: asyncio.Event | None = None) -> tuple[str, list[int], str]:
+    """(text, token ids, status code name) of one Generate call; ``streaming`` is set at its first response."""
     text, ids = [], []
     async with grpc.aio.insecure_channel(address) as channel:
         try:
             async for response in pb_grpc.GeneratorStub(channel).Generate(request, timeout=120):
                 text.append(response.text)
                 ids.extend(response.token_ids)
+                if streaming is not None:
+                    streaming.set()
         except grpc.aio.AioRpcError as exc:
             return exc.details(), ids, exc.code().name
     return "".join(text), ids, "OK"
@@ -91,18 +94,33 @@ def test_replicas_are_running_and_the_front_reports_serving(ray_front):
 
 
 def test_requests_beyond_replicas_and_queue_are_resource_exhausted(ray_front, tiny_services):
-    """2 replicas x 1 running + 1 queued: of 8 simultaneous requests some are refused, the rest complete."""
+    """2 replicas x 1 running + 1 queued: with both replicas streaming and one request waiting, more are refused.
 
-    async def burst():
-        return await asyncio.gather(*[generate(ray_front.address, request(f"Story {i}:", 96, k=0)) for i in range(8)])
+    Staged, not one burst: Serve counts a request as queued until its replica is picked, so in a
+    simultaneous burst on a loaded machine even the first requests can fill the queue of 1.
+    """
+    long = 480  # tokens: the admitted requests are still running while the extra ones arrive
 
-    results = run_async(burst())
-    codes = [code for _, _, code in results]
-    assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, codes
-    assert codes.count("OK") >= 2
-    refusal = next(text for text, _, code in results if code == "RESOURCE_EXHAUSTED")
+    async def staged():
+        admitted = []
+        for i in range(2):  # one per replica, each streaming before the next is sent
+            streaming = asyncio.Event()
+            admitted.append(asyncio.create_task(
+                generate(ray_front.address, request(f"Once upon a time {i}", long, k=0), streaming)))
+            await asyncio.wait_for(streaming.wait(), 60)
+        admitted.append(asyncio.create_task(generate(ray_front.address, request("Once upon a time 2", long, k=0))))
+        await asyncio.sleep(0.5)  # the third waits in the queue: no replica is free
+        extra = await asyncio.gather(*[generate(ray_front.address, request(f"Extra {i}", 8, k=0)) for i in range(4)])
+        return await asyncio.gather(*admitted), extra
+
+    started = time.monotonic()
+    admitted, extra = run_async(staged())
+    elapsed = time.monotonic() - started
+    assert [code for _, _, code in admitted] == ["OK"] * 3, admitted
+    assert [code for _, _, code in extra] == ["RESOURCE_EXHAUSTED"] * 4, (extra, f"{elapsed:.1f} s")
+    refusal = extra[0][0]
     assert "--ray-max-queued-requests" in refusal and "retry" in refusal
-    assert all(0 < len(ids) <= 96 for _, ids, code in results if code == "OK")
+    assert all(0 < len(ids) <= long for _, ids, _ in admitted)
     assert run_async(generate(ray_front.address, request("after the burst", 4)))[2] == "OK"
     assert wait_for(lambda: tiny_services.target_engine.sessions.stats()[0] == 0)  # no session left behind
 
