@@ -10,7 +10,8 @@ verifying 8 tokens costs ~2 decode steps there).
 
 Load (continuous batching): the target reports the forward that verified the
 last block: B sessions, and the tokens G_o the other sessions committed from
-it. Rows are padded to the longest, so a block of k makes every row k + 1
+it. A session starts from the load the orchestrator last saw on the target
+(its own prefill runs alone and says nothing about the batch). Rows are padded to the longest, so a block of k makes every row k + 1
 wide: the forward costs t(B (k + 1)). We pick the k in [0, k_max] that
 maximises the tokens everyone gets per unit time,
 
@@ -57,10 +58,12 @@ ALONE = Load()
 
 @dataclass
 class CostModel:
-    """The target's forward cost t(x) = a + s x over x tokens, and the draft's time per token."""
+    """The target's forward cost t(x) = a + s x over x tokens, the draft's time per token, and the
+    target's latest load. One per target, shared by the sessions on it."""
 
     decay: float = 0.98  # forget old samples slowly: load and context length drift
     verify: LinearCost = field(default_factory=LinearCost)
+    load: Load = ALONE  # the target's last decode forward as any session saw it; where new sessions start
     _draft_s: float = 0.0
     _draft_tokens: float = 0.0
 

@@ -122,7 +122,10 @@ class _Loop:
         self.stats = stats
         self.controller = controller
         self.costs = costs
-        self.load = ALONE
+        # Until this session's first decode round reports its own forward, the target's load as the
+        # orchestrator last saw it: a session joining a busy target must not pad the batch with a
+        # block sized for a target of its own.
+        self.load = costs.load if costs is not None else ALONE
         self.ahead: asyncio.Task | None = None  # the next block, drafted during this verification
         self.ahead_base = 0  # committed length when it started
         self.ahead_block: list[int] = []  # the block it assumes accepted whole
@@ -182,12 +185,16 @@ class _Loop:
         stats, target_s = self.stats, result.compute_us / 1e6
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
-        self.load = load_of(result)
+        load = load_of(result)
+        if stats.rounds > 0:  # the first round's forward is the prompt's prefill, alone by design
+            self.load = load
+            if self.costs is not None:
+                self.costs.load = load
         stats.target_compute_s += target_s
         if self.controller is not None:
             self.controller.observe(drafted, result.accepted)
         if self.costs is not None and stats.rounds > 0:  # the first round carries the prompt's prefill
-            self.costs.observe_verify(self.load.sessions * max(result.batch_width, drafted + 1), target_s)
+            self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
             self.costs.observe_draft(drafted, block.draft_s)
         new, finish = cut_at_finish([*block.tokens[: result.accepted], result.next_token], self.config.eos_ids, budget)
         self.committed.extend(new)
@@ -198,7 +205,7 @@ class _Loop:
         stats.accepted_per_round.append(result.accepted)
         stats.drafted_per_round.append(drafted)
         stats.k_per_round.append(block.k)
-        stats.batch_sizes.append(self.load.sessions)
+        stats.batch_sizes.append(load.sessions)
         if finish is None and len(self.committed) >= self.config.max_context:
             finish = Finish.CONTEXT
         return new, finish

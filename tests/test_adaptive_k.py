@@ -2,7 +2,9 @@
 
 import pytest
 
-from orchestrator.adaptive_k import AdaptiveK, CostModel, Load, expected_tokens, expected_tokens_by_position
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from orchestrator.adaptive_k import ALONE, AdaptiveK, CostModel, Load, expected_tokens, expected_tokens_by_position
+from orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
 
 
 def fitted(a=0.05, b=0.006, draft=0.0, widths=(1, 2, 3, 5, 9, 1, 4, 9)) -> CostModel:
@@ -148,3 +150,28 @@ def test_overlap_hides_drafting():
     # a draft slower than the verification is waited for, and on a miss paid again: overlap can lose then
     assert controller.rate(16, accept, overlap=True) < controller.rate(16, accept, overlap=False)
     assert controller.choose(overlap=True) > 0
+
+
+def test_a_session_joining_a_busy_target_starts_from_its_load():
+    """The load comes from decode rounds, shared through the target's cost model: a new session does not
+    size its first blocks for a target of its own, and its prefill (a forward alone) does not reset it."""
+    costs = cpu_like()
+    config = LoopConfig(k=8, max_new_tokens=100, eos_ids=frozenset(), max_context=1000)
+
+    def round_in(loop: _Loop, sessions: int) -> None:
+        loop.commit(_Block([], k=0), pb.VerifyResult(accepted=0, next_token=7, batch_size=sessions,
+                                                     others_committed=sessions - 1))
+
+    busy = Load(sessions=8, others_committed=7)
+    running = _Loop([1, 2, 3], config, None, LoopStats(), n_gram_like(costs), costs)
+    round_in(running, 1)  # its prefill
+    round_in(running, 8)  # a decode round among 8 sessions
+    assert running.load == costs.load == busy
+
+    joining = _Loop([4, 5, 6], config, None, LoopStats(), n_gram_like(costs), costs)
+    assert joining.choose(joining.limit()) == 0  # alone this controller drafts (test above); here it would pad 7 rows
+    round_in(joining, 1)  # its prefill ran alone
+    assert joining.load == busy and joining.choose(joining.limit()) == 0
+    assert joining.stats.batch_sizes == [1]  # the stats still record the forward it ran in
+    round_in(joining, 1)  # the others finished: its decode round ran alone
+    assert joining.load == costs.load == ALONE and joining.choose(joining.limit()) > 0
