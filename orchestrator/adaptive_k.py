@@ -11,8 +11,9 @@ verifying 8 tokens costs ~2 decode steps there).
 Load (continuous batching): the target reports the forward that verified the
 last block: B sessions, and the tokens G_o the other sessions committed from
 it. A session starts from the load the orchestrator last saw on the target
-(its own prefill runs alone and says nothing about the batch). Rows are padded to the longest, so a block of k makes every row k + 1
-wide: the forward costs t(B (k + 1)). We pick the k in [0, k_max] that
+(its own prefill runs alone and says nothing about the batch). Rows are
+padded to the longest, so a block of k makes every row k + 1 wide: the
+forward costs t(B (k + 1)). We pick the k in [0, k_max] that
 maximises the tokens everyone gets per unit time,
 
     (G_o + E(k)) / (t(B (k + 1)) + draft time(k)).
