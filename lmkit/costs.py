@@ -37,7 +37,7 @@ class LinearCost:
         """Predicted seconds for ``tokens``; before any sample, relative units with ~10 % per token."""
         if self._n == 0:
             return 1.0 + 0.1 * tokens
-        return max(self.intercept() + self.slope() * tokens, 1e-6)
+        return max(self._st / self._n + self.slope() * (tokens - self._sx / self._n), 1e-6)  # through the means
 
     def slope(self) -> float:
         """s: seconds per extra token."""

@@ -186,16 +186,17 @@ class _Loop:
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
         load = load_of(result)
-        if stats.rounds > 0:  # the first round's forward is the prompt's prefill, alone by design
-            self.load = load
-            if self.costs is not None:
-                self.costs.load = load
         stats.target_compute_s += target_s
         if self.controller is not None:
             self.controller.observe(drafted, result.accepted)
-        if self.costs is not None and stats.rounds > 0:  # the first round carries the prompt's prefill
-            self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
-            self.costs.observe_draft(drafted, block.draft_s)
+        # The first round's forward is the prompt's prefill, alone by design: it says nothing about the
+        # batch's load or a decode forward's cost.
+        if stats.rounds > 0:
+            self.load = load
+            if self.costs is not None:
+                self.costs.load = load
+                self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
+                self.costs.observe_draft(drafted, block.draft_s)
         new, finish = cut_at_finish([*block.tokens[: result.accepted], result.next_token], self.config.eos_ids, budget)
         self.committed.extend(new)
         stats.rounds += 1
