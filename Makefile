@@ -10,7 +10,7 @@ K8S_VENV := .venv-k8s
 K8S_REQS := k8s/requirements-tools.txt
 K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_REQS) | sha256sum | cut -c1-12)
 
-.PHONY: install k8s-tools demo test bench bench-speed protos check-protos clean
+.PHONY: install k8s-tools demo test test-unit bench bench-speed protos check-protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ demo: install
 
 test: install k8s-tools
 	$(PY) -m pytest -q
+
+# The fast tier: pure algorithms and small pieces; no service process, no Ray, no k8s linters.
+test-unit: install
+	$(PY) -m pytest -q -m unit
 
 bench: install
 	$(VENV)/bin/specsplit bench --json bench/results/core-ngram.json --target-cpus 1 --draft-cpus 0

@@ -3,7 +3,7 @@
     python -m bench.derive_draft --layers 4 --out /tmp/smollm2-l4
 
 Writes an ordinary checkpoint folder that ``specsplit serve-draft --model``
-loads. Untrained, such a draft agrees with the target rarely (see README,
+loads. Untrained, such a draft agrees with the target rarely (see docs/drafters.md,
 "Choosing the default drafter"); it exists to measure the model-drafter path
 on real weights.
 """

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from draft_service.drafter import DrafterKind
+from lmkit.kinds import DrafterKind
+from lmkit.processes import local_services
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.launcher import local_services
 
 
 def tiny_model(path: Path) -> Path:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import grpc
 
+from lmkit.processes import start_service
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from orchestrator.launcher import start_service
 
 PROMPTS = ["Tell me about rivers.", "def add(a, b):", "a b a b a b", "List three colours."]
 

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import torch
 
-from bench import speed
-from draft_service.drafter import DrafterKind
-from orchestrator import demo
+from bench import demo, speed
+from bench.evaluation import Summary, compare, summarise, theoretical_speedup
+from bench.prompts import PROMPT_SETS
+from lmkit.kinds import DrafterKind
+from lmkit.processes import local_services
 from orchestrator.config import OrchestratorConfig
-from orchestrator.evaluation import Summary, compare, summarise, theoretical_speedup
 from orchestrator.generation import Orchestrator
-from orchestrator.launcher import local_services
-from orchestrator.prompts import PROMPT_SETS
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from draft_service.drafter import DrafterKind
+from bench import demo
+from bench.evaluation import RunResult, run_one, theoretical_speedup
+from bench.prompts import PROMPT_SETS
 from lmkit import models
+from lmkit.kinds import DrafterKind
+from lmkit.processes import local_services
 from lmkit.sampling import SamplingParams
-from orchestrator import demo
 from orchestrator.config import OrchestratorConfig
-from orchestrator.evaluation import RunResult, run_one, theoretical_speedup
 from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.launcher import local_services
-from orchestrator.prompts import PROMPT_SETS
 
 GREEDY = SamplingParams()
 

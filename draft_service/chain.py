@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from draft_service.drafter import DraftBlock, Drafter, DrafterKind
+from draft_service.drafter import DraftBlock, Drafter
+from lmkit.kinds import DrafterKind
 
 
 class ChainDrafter(Drafter):
@@ -62,17 +63,3 @@ class ChainDrafter(Drafter):
     def close(self) -> None:
         for _, drafter in self.members:
             drafter.close()
-
-
-# Model-backed drafters in order of preference as the fallback behind n-gram lookup.
-_FALLBACK_ORDER = (DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED, DrafterKind.MODEL)
-
-
-def default_chain(available: Sequence[DrafterKind]) -> tuple[DrafterKind, ...]:
-    """The chain used when CHAIN is asked for without members: n-gram, then the first model drafter served.
-
-    Prompt lookup costs ~0 and is right where the output copies its input; the
-    model drafter covers the rounds where nothing matches.
-    """
-    fallback = next((kind for kind in _FALLBACK_ORDER if kind in available), None)
-    return (DrafterKind.NGRAM,) if fallback is None else (DrafterKind.NGRAM, fallback)

@@ -9,32 +9,17 @@ one drafter per session and drives it with two calls per round:
   speculative tokens) is rolled back first.
 * ``propose(k)`` — up to ``k`` draft tokens continuing the committed context.
 
-Adding a drafter means one module implementing this class and one line in
-``draft_service.registry``.
+Adding a drafter means one module implementing this class and one entry in
+``draft_service.registry`` (its ``DrafterKind``, traits and how to build it).
 """
 
 from __future__ import annotations
 
 import abc
-import enum
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
-
-class DrafterKind(enum.Enum):
-    """Which proposer drafts a session; mirrors ``specsplit.v1.DrafterKind``."""
-
-    MODEL = 1  # a causal LM sharing the target's vocabulary
-    NGRAM = 2  # prompt lookup: model-free, continues the latest n-gram match
-    LAYERSKIP = 3  # the target's own first L layers + final norm + LM head (self-drafting)
-    QUANTIZED = 4  # the target's own checkpoint, transformer layers in int8 (self-drafting)
-    CHAIN = 5  # an ordered list of the kinds above, tried in turn each round
-
-
-# Drafters that sample from a distribution they can send (probability mode).
-DRAFTERS_WITH_PROBS = frozenset({DrafterKind.MODEL, DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED})
 
 
 @dataclass(frozen=True)

@@ -6,20 +6,13 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from draft_service.drafter import DraftBlock, Drafter, DrafterKind
+from draft_service.drafter import DraftBlock, Drafter
 from draft_service.ngram import NgramConfig
 from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
+from lmkit.kinds import DrafterKind, DrafterTraits
 from lmkit.sampling import SamplingParams, make_generator
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
-
-_ENABLE_HINT = {
-    DrafterKind.MODEL: "start serve-draft with --model to enable the model drafter",
-    DrafterKind.NGRAM: "",
-    DrafterKind.LAYERSKIP: "start serve-draft with --model TARGET --layerskip-layers L to enable it",
-    DrafterKind.QUANTIZED: "start serve-draft with --model TARGET --quantize int8 to enable it",
-    DrafterKind.CHAIN: "",
-}
 
 
 @dataclass
@@ -67,8 +60,15 @@ class DraftEngine:
     def drafters(self) -> list[DrafterKind]:
         return [kind for kind in DRAFTERS if self._available(kind)]
 
+    @property
+    def traits(self) -> list[DrafterTraits]:
+        """What each served drafter can do, for ``ModelInfo.drafter_info``."""
+        return [DRAFTERS[kind].traits for kind in self.drafters]
+
     def _available(self, kind: DrafterKind) -> bool:
-        entry = DRAFTERS[kind]
+        entry = DRAFTERS.get(kind)
+        if entry is None:
+            return False
         if entry.derived:
             return kind in self.derived
         return self.model is not None or not entry.needs_model
@@ -76,8 +76,8 @@ class DraftEngine:
     def _check_available(self, kind: DrafterKind) -> None:
         if not self._available(kind):
             raise errors.FailedPrecondition(
-                f"drafter {kind.name} is not available here (this service runs {[d.name for d in self.drafters]}); "
-                f"{_ENABLE_HINT[kind]}"
+                f"drafter {kind.name} is not available here (this service runs {[d.name for d in self.drafters]})"
+                + (f"; {DRAFTERS[kind].enable_hint}" if kind in DRAFTERS and DRAFTERS[kind].enable_hint else "")
             )
 
     def _check_chain(self, kind: DrafterKind, chain: Sequence[DrafterKind]) -> None:

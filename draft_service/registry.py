@@ -8,9 +8,10 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from draft_service.chain import ChainDrafter
-from draft_service.drafter import Drafter, DrafterKind
+from draft_service.drafter import Drafter
 from draft_service.model_drafter import ModelDrafter
 from draft_service.ngram import NgramConfig, NgramDrafter
+from lmkit.kinds import DrafterKind, DrafterTraits
 from lmkit.sampling import SamplingParams
 
 
@@ -31,10 +32,16 @@ class DraftRequestContext:
 
 @dataclass(frozen=True)
 class DrafterEntry:
+    kind: DrafterKind
     build: Callable[[DraftRequestContext], Drafter]
-    needs_model: bool  # must share the target's vocabulary
-    has_probs: bool  # can return the distributions its tokens were sampled from
+    needs_model: bool = False  # must share the target's vocabulary (runs --model or a view of it)
+    has_probs: bool = False  # can return the distributions its tokens were sampled from
     derived: bool = False  # runs a model derived from --model at start-up (needs its flag)
+    enable_hint: str = ""  # how to start serve-draft so that it serves this drafter
+
+    @property
+    def traits(self) -> DrafterTraits:
+        return DrafterTraits(self.kind, self.has_probs, self.needs_model)
 
 
 def _model_drafter(model, c: DraftRequestContext) -> ModelDrafter:
@@ -45,10 +52,22 @@ def _chain(c: DraftRequestContext) -> ChainDrafter:
     return ChainDrafter([(kind, DRAFTERS[kind].build(c)) for kind in c.chain])
 
 
-DRAFTERS: dict[DrafterKind, DrafterEntry] = {
-    DrafterKind.MODEL: DrafterEntry(lambda c: _model_drafter(c.model, c), True, True),
-    DrafterKind.NGRAM: DrafterEntry(lambda c: NgramDrafter(c.ngram, c.prompt), False, False),
-    DrafterKind.LAYERSKIP: DrafterEntry(lambda c: _model_drafter(c.derived[DrafterKind.LAYERSKIP], c), True, True, True),
-    DrafterKind.QUANTIZED: DrafterEntry(lambda c: _model_drafter(c.derived[DrafterKind.QUANTIZED], c), True, True, True),
-    DrafterKind.CHAIN: DrafterEntry(_chain, False, False),
-}
+def register(entry: DrafterEntry) -> DrafterEntry:
+    """Serve a drafter: one entry per kind (a drafter module outside this file registers itself the same way)."""
+    if entry.kind in DRAFTERS:
+        raise ValueError(f"drafter {entry.kind.name} is already registered")
+    DRAFTERS[entry.kind] = entry
+    return entry
+
+
+DRAFTERS: dict[DrafterKind, DrafterEntry] = {}
+register(DrafterEntry(DrafterKind.MODEL, lambda c: _model_drafter(c.model, c), needs_model=True, has_probs=True,
+                      enable_hint="start serve-draft with --model to enable the model drafter"))
+register(DrafterEntry(DrafterKind.NGRAM, lambda c: NgramDrafter(c.ngram, c.prompt)))
+register(DrafterEntry(DrafterKind.LAYERSKIP, lambda c: _model_drafter(c.derived[DrafterKind.LAYERSKIP], c),
+                      needs_model=True, has_probs=True, derived=True,
+                      enable_hint="start serve-draft with --model TARGET --layerskip-layers L to enable it"))
+register(DrafterEntry(DrafterKind.QUANTIZED, lambda c: _model_drafter(c.derived[DrafterKind.QUANTIZED], c),
+                      needs_model=True, has_probs=True, derived=True,
+                      enable_hint="start serve-draft with --model TARGET --quantize int8 to enable it"))
+register(DrafterEntry(DrafterKind.CHAIN, _chain))

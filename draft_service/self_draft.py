@@ -39,7 +39,7 @@ class QuantizeMode(enum.Enum):
     INT8 = "int8"  # W8A8: int8 weights per output channel, activations quantized per token, int8 GEMM
     INT8_WEIGHT = "int8-weight"  # int8 weights per output channel, float activations (closer, slower on CPU)
     # torch.ao dynamic int8 (fbgemm), per-channel weights: fastest on CPU, but activations get one scale per
-    # forward call, so logits depend on how the context was chunked into calls (see README, drafters).
+    # forward call, so logits depend on how the context was chunked into calls (see docs/drafters.md).
     INT8_DYNAMIC = "int8-dynamic"
 
 

@@ -8,13 +8,13 @@ import logging
 import sys
 
 from draft_service import self_draft
-from draft_service.drafter import DrafterKind
 from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
 from draft_service.self_draft import QuantizeMode
 from draft_service.servicer import DraftServicer
 from lmkit import models
 from lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.sessions import SessionLimits
@@ -132,7 +132,7 @@ def run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from orchestrator.cli import main as cli_main
+    from specsplit.cli import main as cli_main
 
     cli_main(["serve-draft", *(sys.argv[1:] if argv is None else argv)])
 

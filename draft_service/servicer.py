@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import grpc
 
-from draft_service.drafter import DrafterKind
 from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
 from lmkit import errors
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.wire import probs_to_proto, sampling_from_proto
 
 
-def drafter_from_proto(value: int) -> DrafterKind:
+def drafter_from_proto(value: int, served: list[DrafterKind]) -> DrafterKind:
     try:
         return DrafterKind(value)
     except ValueError:
-        names = ", ".join(f"{k.name} ({k.value})" for k in DrafterKind)
-        raise errors.InvalidArgument(f"drafter {value} is not a drafter kind; send one of {names}") from None
+        names = ", ".join(f"{k.name} ({k.value})" for k in served)
+        raise errors.InvalidArgument(f"drafter {value} is not a drafter kind; this service runs {names}") from None
 
 
 def ngram_from_proto(msg: pb.DraftOpen, default: NgramConfig) -> NgramConfig:
@@ -50,6 +50,10 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             max_context=e.max_context,
             max_block=e.limits.max_block,
             drafters=[k.value for k in e.drafters],
+            drafter_info=[
+                pb.DrafterInfo(kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model)
+                for t in e.traits
+            ],
             tp_degree=1,
             device=self.device,
         )
@@ -81,9 +85,9 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
 
     async def _open(self, engine: DraftEngine, msg: pb.DraftOpen):
         sampling = sampling_from_proto(msg.sampling)
-        kind = drafter_from_proto(msg.drafter)
+        kind = drafter_from_proto(msg.drafter, engine.drafters)
         ngram = ngram_from_proto(msg, self.ngram_default)
-        chain = [drafter_from_proto(value) for value in msg.chain]
+        chain = [drafter_from_proto(value, engine.drafters) for value in msg.chain]
         return await self.compute.run(
             engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain
         )

@@ -24,7 +24,7 @@ saturated (t = a + s x with s x >> a) speculation stops unless drafts pass
 nearly always, so it never makes everyone slower, and it returns when the
 load falls. (Costing a block against the others' current width instead makes
 a block within it look free, and a batch stays stuck with everyone
-speculating: measured 0.68x of no speculation at 32 sessions.)
+speculating; docs/performance.md has the figures.)
 
 Overlap: when drafting runs during verification, drafting the next block is
 hidden unless it takes longer than the verification, and paid in full only

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draft_service.drafter import DrafterKind
+from lmkit.kinds import DrafterKind
 from lmkit.models import DEFAULT_MODEL
 from lmkit.security import ClientTls
 from orchestrator.links import LinkPolicy
 
-# Chosen by measurement on the bundled SmolLM2 target (README, "Choosing the
+# Chosen by measurement on the bundled SmolLM2 target (docs/drafters.md, "Choosing the
 # default drafter"): prompt lookup costs ~0 per token and drafts long runs on
 # input-grounded tasks, while proposing nothing (plain decoding) on open prose.
 DEFAULT_DRAFTER = DrafterKind.NGRAM

@@ -13,20 +13,18 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
-from draft_service.chain import default_chain
-from draft_service.drafter import DrafterKind
 from lmkit import models
+from lmkit.kinds import DrafterKind, DrafterTraits, VerificationMode, default_chain
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.wire import sampling_to_proto
 from orchestrator import metrics
 from orchestrator.adaptive_k import AdaptiveK, CostModel
-from orchestrator.clients import ServiceClient, draft_client, target_client
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detok import IncrementalDetokenizer, StopMatcher
 from orchestrator.links import DraftLink, TargetLink
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
-from target_service.rejection import VerificationMode
+from orchestrator.peers import ServiceClient, draft_client, target_client
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +68,10 @@ class Orchestrator:
         self.target = target
         self.draft = draft
         self.eos_ids = frozenset(eos_ids(config.tokenizer, tokenizer))
+        # The drafters the draft serves and what each can do, as it reports them.
+        self.drafter_traits: dict[DrafterKind, DrafterTraits] = {
+            t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())
+        }
         self.costs = CostModel()  # one target: its measured costs serve every session
 
     @classmethod
@@ -115,7 +117,7 @@ class Orchestrator:
 
     @property
     def drafters(self) -> list[DrafterKind]:
-        return [DrafterKind(d) for d in self.draft.info.drafters] if self.draft is not None else []
+        return list(self.drafter_traits)
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         if chat:
@@ -223,6 +225,11 @@ class Orchestrator:
             overlap_hits=stats.overlap_hits,
             mean_batch_size=stats.mean_batch_size,
         )
+
+
+def drafter_traits(info: pb.ModelInfo) -> list[DrafterTraits]:
+    """A draft service's drafters, registering the kinds it defines beyond the built-in ones."""
+    return [DrafterTraits(DrafterKind(d.kind, d.name), d.has_probs, d.needs_model) for d in info.drafter_info]
 
 
 def check_pair(a_name: str, a_model: str, a_fingerprint: str, b_name: str, b_info: pb.ModelInfo) -> None:

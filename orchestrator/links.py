@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import grpc
 
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from orchestrator.clients import DraftStream, PeerError, ServiceClient, TargetStream
+from orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import secrets
 
-from draft_service.drafter import DRAFTERS_WITH_PROBS, DrafterKind
 from lmkit import errors
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import sampling_from_proto
 from orchestrator.generation import GenerationRequest, Orchestrator
@@ -38,8 +38,9 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     if k > 0 and orch.draft is not None and drafter not in orch.drafters:
         available = ", ".join(d.name for d in orch.drafters)
         raise errors.InvalidArgument(f"drafter {drafter.name} is not served by the draft service (it runs {available})")
-    if msg.draft_probs and drafter not in DRAFTERS_WITH_PROBS:
-        names = "/".join(sorted(d.name for d in DRAFTERS_WITH_PROBS))
+    traits = orch.drafter_traits.get(drafter)
+    if msg.draft_probs and not (traits is not None and traits.has_probs):
+        names = "/".join(sorted(t.kind.name for t in orch.drafter_traits.values() if t.has_probs)) or "model"
         raise errors.InvalidArgument(f"draft_probs needs a {names} drafter; {drafter.name} sends token ids only")
     chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
     prompt_ids = orch.encode(msg.prompt, msg.chat)

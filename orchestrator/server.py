@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
-from draft_service.drafter import DrafterKind
 from lmkit import models
 from lmkit.grpc_server import (
     add_servicer,
@@ -17,6 +17,7 @@ from lmkit.grpc_server import (
     start_in_process,
     write_port_file,
 )
+from lmkit.kinds import DrafterKind
 from lmkit.metrics import serve_metrics
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
@@ -24,8 +25,8 @@ from lmkit.security import BearerTokenInterceptor, ClientTls, load_token
 from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
 from orchestrator.generation import Orchestrator
 from orchestrator.links import LinkPolicy
-from orchestrator.ray_options import add_ray_flags
 from orchestrator.servicer import GeneratorServicer
+from ray_deploy.options import add_ray_flags
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 DEFAULT_PORT = 50050
@@ -109,9 +110,9 @@ async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0",
 
 async def serve(args) -> None:
     if args.ray:
-        from orchestrator import ray_front
+        from ray_deploy import front
 
-        return await ray_front.serve(args)
+        return await front.serve(args)
     config = config_from_args(args)
     serve_metrics(args.metrics_port, args.host, "orchestrator")
     token = load_token(args.auth_token_file)
@@ -132,10 +133,15 @@ async def serve(args) -> None:
         await orchestrator.close()
 
 
+def run(args) -> int:
+    asyncio.run(serve(args))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     import sys
 
-    from orchestrator.cli import main as cli_main
+    from specsplit.cli import main as cli_main
 
     cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 

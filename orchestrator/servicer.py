@@ -12,8 +12,8 @@ from lmkit.grpc_server import status_for
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from orchestrator import metrics
-from orchestrator.clients import PeerError
 from orchestrator.generation import Orchestrator
+from orchestrator.peers import PeerError
 from orchestrator.requests import parse_request
 
 log = logging.getLogger(__name__)

@@ -14,12 +14,12 @@ import torch
 
 from lmkit import errors
 from lmkit.costs import LinearCost
+from lmkit.kinds import VerificationMode
 from lmkit.kvcache import SessionCache
 from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection
-from target_service.batching import Step, forward_batch, split_by_width
-from target_service.rejection import VerificationMode
+from target_service.batched_forward import Step, forward_batch, split_by_width
 
 
 @dataclass
@@ -43,7 +43,7 @@ class BatchShare:
 
 
 @dataclass(frozen=True)
-class Verified:
+class Verification:
     accepted: int
     next_token: int
     compute_s: float
@@ -116,16 +116,16 @@ class TargetEngine:
         position: int,
         draft_tokens: Sequence[int],  # [k]
         draft_probs: torch.Tensor | None,  # [k, vocab] in DRAFT_PROBS mode, else None
-    ) -> Verified:
+    ) -> Verification:
         """Run the block through the target in one forward pass and commit accepted + 1 tokens."""
         self._check_block(session, position, draft_tokens, draft_probs)
         start = time.perf_counter()
         logits = session.cache.logits(session.tokens, draft_tokens)  # [k+1, vocab]
         self.forward_passes += 1
         result = self._commit(session, logits, draft_tokens, draft_probs)
-        return Verified(result.accepted, result.next_token, time.perf_counter() - start)
+        return Verification(result.accepted, result.next_token, time.perf_counter() - start)
 
-    def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verified | errors.SpecsplitError]:
+    def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verification | errors.SpecsplitError]:
         """Verify blocks of different sessions in shared forward passes; each result equals its solo ``verify``.
 
         A block that fails its checks gets its error in its slot and the others
@@ -133,7 +133,7 @@ class TargetEngine:
         and wide blocks run apart from narrow ones when the padding they would
         put on the narrow rows costs more than one more forward.
         """
-        results: list[Verified | errors.SpecsplitError | None] = [None] * len(items)
+        results: list[Verification | errors.SpecsplitError | None] = [None] * len(items)
         batch: list[int] = []
         steps: list[Step] = []  # one per batched row
         for i, item in enumerate(items):
@@ -155,7 +155,7 @@ class TargetEngine:
             rows = [batch[g] for g in group]
             if len(rows) == 1:
                 results[rows[0]] = self._verify_checked(items[rows[0]])
-                if isinstance(results[rows[0]], Verified):
+                if isinstance(results[rows[0]], Verification):
                     self.forward_cost.observe(widths[group[0]], results[rows[0]].compute_s)
             elif rows:
                 together = self._verify_together([items[i] for i in rows], [steps[g] for g in group])
@@ -169,13 +169,13 @@ class TargetEngine:
     @staticmethod
     def _share_step(results, batch: list[int], tokens: int, step_s: float) -> None:
         """Every block of a split step reports the step: all its sessions, its tokens, its time."""
-        done = [i for i in batch if isinstance(results[i], Verified)]
+        done = [i for i in batch if isinstance(results[i], Verification)]
         committed = sum(results[i].accepted + 1 for i in done)
         width = -(-tokens // max(len(done), 1))  # mean row width, rounded up
         for i in done:
             own = results[i]
             share = BatchShare(len(done), width, committed - (own.accepted + 1))
-            results[i] = Verified(own.accepted, own.next_token, step_s, share)
+            results[i] = Verification(own.accepted, own.next_token, step_s, share)
 
     def _split_overhead_tokens(self) -> float:
         """One more forward's fixed cost in tokens (a / s); infinite (never split) until measured."""
@@ -184,13 +184,13 @@ class TargetEngine:
             return float("inf")
         return max(self.forward_cost.intercept(), 0.0) / slope
 
-    def _verify_checked(self, item: VerifyItem) -> Verified | errors.SpecsplitError:
+    def _verify_checked(self, item: VerifyItem) -> Verification | errors.SpecsplitError:
         try:
             return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs)
         except errors.SpecsplitError as exc:
             return exc
 
-    def _verify_together(self, items: Sequence[VerifyItem], steps: Sequence[Step]) -> list[Verified]:
+    def _verify_together(self, items: Sequence[VerifyItem], steps: Sequence[Step]) -> list[Verification]:
         """One forward over the planned steps of checked items (``steps[i]`` belongs to ``items[i]``)."""
         start = time.perf_counter()
         width = max(len(step.feed) for step in steps)
@@ -203,11 +203,11 @@ class TargetEngine:
         elapsed = time.perf_counter() - start
         committed = sum(d.accepted + 1 for d in decided)
         return [
-            Verified(d.accepted, d.next_token, elapsed, BatchShare(len(items), width, committed - (d.accepted + 1)))
+            Verification(d.accepted, d.next_token, elapsed, BatchShare(len(items), width, committed - (d.accepted + 1)))
             for d in decided
         ]
 
-    def _commit(self, session, logits, draft_tokens, draft_probs) -> rejection.VerifyResult:
+    def _commit(self, session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
         """Decide on the block from its logits and commit accepted + 1 tokens to the session."""
         result = self._decide(session, logits, draft_tokens, draft_probs)
         session.tokens.extend(draft_tokens[: result.accepted])
@@ -246,7 +246,7 @@ class TargetEngine:
             )
 
     @staticmethod
-    def _decide(session, logits, draft_tokens, draft_probs) -> rejection.VerifyResult:
+    def _decide(session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
         tokens = torch.tensor(list(draft_tokens), dtype=torch.long)
         if session.mode is VerificationMode.GREEDY:
             return rejection.verify_greedy(logits, tokens)

@@ -27,7 +27,6 @@ row sums once, so a verification never scans the [k+1, vocab] block twice.
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 
@@ -38,16 +37,8 @@ import torch
 ROW_SUM_TOLERANCE = 1e-2
 
 
-class VerificationMode(enum.Enum):
-    """How the target checks draft tokens; carried in the session config and on the wire."""
-
-    GREEDY = 1  # accept while draft token == target argmax; correction = argmax
-    TOKEN_ONLY = 2  # x is a point proposal: accept w.p. p(x); on rejection sample from p without x, renormalised
-    DRAFT_PROBS = 3  # accept w.p. min(1, p(x)/q(x)); on rejection sample from norm(max(0, p - q))
-
-
 @dataclass(frozen=True)
-class VerifyResult:
+class Verdict:
     """Outcome of verifying one block: emit ``draft_tokens[:accepted]`` then ``next_token``."""
 
     accepted: int  # number of draft tokens accepted, 0..k
@@ -57,7 +48,7 @@ class VerifyResult:
 def verify_greedy(
     target_logits: torch.Tensor,  # [k+1, vocab] logits (or probabilities: only the argmax matters)
     draft_tokens: torch.Tensor,  # [k] int64
-) -> VerifyResult:
+) -> Verdict:
     """Accepts the longest prefix of draft tokens equal to the target argmax; next token = argmax after it.
 
     Argmax ties go to the lowest token id (``torch.max`` returns the first maximum).
@@ -72,14 +63,14 @@ def verify_greedy(
         if drafted != target_choice:
             break
         accepted += 1
-    return VerifyResult(accepted=accepted, next_token=argmax[accepted])
+    return Verdict(accepted=accepted, next_token=argmax[accepted])
 
 
 def verify_token_only(
     target_probs: torch.Tensor,  # [k+1, vocab] rows sum to 1
     draft_tokens: torch.Tensor,  # [k] int64
     generator: torch.Generator,  # CPU; consumes k + 1 uniforms
-) -> VerifyResult:
+) -> Verdict:
     """Treats each draft token x as a point proposal: accept w.p. p(x), else sample from p with x removed.
 
     Lossless for any drafter, deterministic ones (n-gram) included: if x came
@@ -94,12 +85,12 @@ def verify_token_only(
     accepted = _count_accepted(uniforms, p_drafted, [1.0] * k)
     row = _row("target_probs", target_probs, accepted)  # [vocab] float64
     if accepted == k:
-        return VerifyResult(accepted=k, next_token=_sample(row, uniforms[k]))
+        return Verdict(accepted=k, next_token=_sample(row, uniforms[k]))
     residual = row.clone()
     residual[tokens[accepted]] = 0.0
     # An all-zero residual means p(x) == 1 up to rounding: rejection then has probability ~0
     # and the exact answer is x itself, which sampling from p returns.
-    return VerifyResult(accepted=accepted, next_token=_sample(residual, uniforms[k], fallback=row))
+    return Verdict(accepted=accepted, next_token=_sample(residual, uniforms[k], fallback=row))
 
 
 def verify_draft_probs(
@@ -107,7 +98,7 @@ def verify_draft_probs(
     draft_probs: torch.Tensor,  # [k, vocab] rows sum to 1; row i is the q that x_i was sampled from
     draft_tokens: torch.Tensor,  # [k] int64
     generator: torch.Generator,  # CPU; consumes k + 1 uniforms
-) -> VerifyResult:
+) -> Verdict:
     """Standard speculative sampling: accept w.p. min(1, p(x)/q(x)), else sample from norm(max(0, p - q)).
 
     A draft token with q(x) == 0 could not have been sampled from q: the drafter
@@ -127,12 +118,12 @@ def verify_draft_probs(
     accepted = _count_accepted(uniforms, p_drafted, q_drafted)
     row = _row("target_probs", target_probs, accepted)  # [vocab] float64
     if accepted == k:
-        return VerifyResult(accepted=k, next_token=_sample(row, uniforms[k]))
+        return Verdict(accepted=k, next_token=_sample(row, uniforms[k]))
     residual = (row - _row("draft_probs", draft_probs, accepted)).clamp_(min=0.0)
     # max(0, p - q) is all zero only if p <= q everywhere, i.e. p == q (both sum to 1). Then
     # min(1, p/q) = 1 at every x with q(x) > 0, so this rejection is reached with probability 0
     # (float rounding, or a broken drafter with q(x) = 0); sampling from p keeps the output exact.
-    return VerifyResult(accepted=accepted, next_token=_sample(residual, uniforms[k], fallback=row))
+    return Verdict(accepted=accepted, next_token=_sample(residual, uniforms[k], fallback=row))
 
 
 def _check_block(name: str, target: torch.Tensor, draft_tokens: torch.Tensor) -> list[int]:

@@ -137,7 +137,7 @@ def _service_argv() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from orchestrator.cli import main as cli_main
+    from specsplit.cli import main as cli_main
 
     cli_main(["serve-target", *(sys.argv[1:] if argv is None else argv)])
 

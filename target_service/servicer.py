@@ -6,12 +6,12 @@ import grpc
 
 from lmkit import errors
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
+from lmkit.kinds import VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.wire import probs_from_proto, sampling_from_proto
-from target_service.batcher import VerifyBatcher
 from target_service.engine import TargetEngine, VerifyItem
-from target_service.rejection import VerificationMode
+from target_service.scheduler import VerifyScheduler
 
 
 def mode_from_proto(value: int) -> VerificationMode:
@@ -31,10 +31,10 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         self.tp_degree = tp_degree
         self.device = device
         self.max_batch = max_batch
-        self.batcher: VerifyBatcher | None = None
+        self.scheduler: VerifyScheduler | None = None
 
     def attach(self, engine: TargetEngine) -> None:
-        self.batcher = VerifyBatcher(self.compute, engine, self.max_batch)
+        self.scheduler = VerifyScheduler(self.compute, engine, self.max_batch)
         super().attach(engine)
 
     def session_state(self, session) -> pb.SessionState:
@@ -86,7 +86,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
         probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
-        done = await self.batcher.verify(VerifyItem(session, msg.position, list(msg.draft_tokens), probs))
+        done = await self.scheduler.verify(VerifyItem(session, msg.position, list(msg.draft_tokens), probs))
         return pb.VerifyResult(
             position=msg.position,
             accepted=done.accepted,

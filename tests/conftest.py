@@ -20,6 +20,19 @@ torch.set_num_threads(1)
 
 pytest_plugins = ("tests.ray_fixtures",)  # the shared Ray cluster (one per session)
 
+TIERS = ("unit", "stats", "services", "ray", "k8s")  # pyproject.toml describes each
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test belongs to exactly one tier, so `make test-unit` and friends select what they say."""
+    wrong = sorted({
+        item.nodeid.split("::")[0] for item in items
+        if len({mark.name for mark in item.iter_markers()} & set(TIERS)) != 1
+    })
+    if wrong:
+        raise pytest.UsageError(f"give each test exactly one tier marker of {TIERS} (pytestmark): {wrong}")
+
+
 VOCAB = 49152  # SmolLM2's vocabulary: tiny models share it, so any of them drafts for the real target
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launcher import ServiceProcess
+from lmkit.processes import ServiceProcess
 
 OBJECT_STORE = 80 * 1024 * 1024
 
@@ -128,12 +128,12 @@ def _machine_state() -> str:
 
 
 def start_cli(args: list[str], workdir: Path, timeout_s: float = 180.0) -> ServiceProcess:
-    """``python -m orchestrator.cli ARGS --port 0 --port-file F``, returned once it serves."""
+    """``python -m specsplit.cli ARGS --port 0 --port-file F``, returned once it serves."""
     port_file, log = workdir / "cli.port", workdir / "cli.log"
     port_file.unlink(missing_ok=True)
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", *args, "--port", "0", "--port-file", str(port_file)],
+            [sys.executable, "-m", "specsplit.cli", *args, "--port", "0", "--port-file", str(port_file)],
             stdout=out, stderr=subprocess.STDOUT,
         )
     started = ServiceProcess(f"specsplit {args[0]}", process, 0, log, stop_grace_s=60.0)

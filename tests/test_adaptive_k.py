@@ -6,6 +6,8 @@ from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from orchestrator.adaptive_k import ALONE, AdaptiveK, CostModel, Load, expected_tokens, expected_tokens_by_position
 from orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
 
+pytestmark = pytest.mark.unit
+
 
 def fitted(a=0.05, b=0.006, draft=0.0, widths=(1, 2, 3, 5, 9, 1, 4, 9)) -> CostModel:
     """Forwards of x tokens cost a + b (x - 1): a decode step costs a."""

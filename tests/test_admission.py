@@ -14,6 +14,8 @@ from orchestrator.generation import Orchestrator
 from orchestrator.server import start_server
 from tests.conftest import run_async
 
+pytestmark = pytest.mark.services
+
 
 @pytest.fixture(scope="module")
 def small_api(tiny_services, tiny_target_dir, background_loop):

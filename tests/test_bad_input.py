@@ -14,6 +14,8 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Orchestrator
 from tests.conftest import VOCAB, run_async
 
+pytestmark = pytest.mark.services
+
 GREEDY = pb.SamplingParams(temperature=0.0)
 
 
@@ -209,7 +211,7 @@ def test_draft_target_mismatch_is_refused_naming_both(tiny_services, tiny_target
 
 def test_cli_rejects_negative_k_without_traceback():
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "generate", "hi", "--k", "-1"],
+        [sys.executable, "-m", "specsplit.cli", "generate", "hi", "--k", "-1"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode != 0

@@ -8,8 +8,10 @@ import json
 import pytest
 
 from bench import speed
-from orchestrator.evaluation import RunResult, theoretical_speedup
-from orchestrator.prompts import DemoPrompt
+from bench.evaluation import RunResult, theoretical_speedup
+from bench.prompts import DemoPrompt
+
+pytestmark = pytest.mark.unit
 
 PROMPT = DemoPrompt("p", "grounded", "text")
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from lmkit import models
-from orchestrator.launcher import start_service
+from lmkit.processes import start_service
+
+pytestmark = pytest.mark.services
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def stack(tmp_path_factory, tiny_target_dir, tiny_draft_dir):
 
 
 def specsplit(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "specsplit.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
@@ -69,3 +71,21 @@ def test_missing_model_is_a_cli_error(tmp_path):
     result = specsplit("serve-draft", "--model", str(tmp_path / "nothing.gguf"), "--port", "0")
     assert result.returncode == 2
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_and_the_light_client_import_neither_torch_nor_ray(stack):
+    """`specsplit generate` (its real entry point, against a real orchestrator) and specsplit.client stay light."""
+    program = (
+        "import sys\n"
+        "from specsplit.cli import main\n"
+        "try:\n"
+        f"    main(['generate', 'Hello', '--server', '{stack}', '--max-new-tokens', '4'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "import specsplit.client\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'ray', 'transformers', 'numpy') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "tok/s" in result.stderr  # it really generated
+    assert "HEAVY []" in result.stdout

@@ -9,6 +9,8 @@ import pytest
 
 from orchestrator.detok import IncrementalDetokenizer, StopMatcher
 
+pytestmark = pytest.mark.unit
+
 TEXTS = [
     "Hello, world! This is plain ASCII.",
     "Emoji: 😀🎉👩‍👩‍👧 and 🇯🇵 flags",

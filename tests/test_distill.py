@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from draft_service import distill, self_draft
-from draft_service.drafter import DrafterKind
 from draft_service.server import build_parser as draft_parser
 from draft_service.server import check_self_draft_flags, derive_drafts
 from lmkit import models
+from lmkit.kinds import DrafterKind
+
+pytestmark = pytest.mark.services
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +121,7 @@ def test_adapter_for_another_target_is_refused(tiny_target_dir, tiny_draft_dir, 
 )
 def test_distill_cli_bad_input_is_a_clear_error(tmp_path, argv, fragment):
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "distill", "--out", str(tmp_path / "o"), "--target",
+        [sys.executable, "-m", "specsplit.cli", "distill", "--out", str(tmp_path / "o"), "--target",
          str(tmp_path / "missing-model"), *argv],
         capture_output=True, text=True, timeout=120,
     )

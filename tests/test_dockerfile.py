@@ -16,6 +16,8 @@ import yaml
 
 from tests.k8s_checks import tool
 
+pytestmark = pytest.mark.k8s
+
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("cpu", "gpu")
 
@@ -152,5 +154,5 @@ def test_dockerignore_keeps_the_context_small():
     lines = [line for line in (REPO / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     assert lines[0] == "*", "ignore everything, then allow what the images copy"
     allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
-    assert {"pyproject.toml", "README.md", "lmkit", "orchestrator", "draft_service", "target_service", "bench",
-            "docker", "models"} == allowed
+    assert {"pyproject.toml", "README.md", "specsplit", "lmkit", "orchestrator", "ray_deploy", "draft_service",
+            "target_service", "bench", "docker", "models"} == allowed

@@ -12,14 +12,16 @@ import pytest
 import torch
 
 from draft_service import self_draft
-from draft_service.chain import ChainDrafter, default_chain
-from draft_service.drafter import DrafterKind
+from draft_service.chain import ChainDrafter
 from draft_service.model_drafter import ModelDrafter
 from draft_service.ngram import NgramConfig, NgramDrafter
 from draft_service.registry import DRAFTERS, DraftRequestContext
 from draft_service.self_draft import ExitAdapter, QuantizeMode
 from lmkit import models
+from lmkit.kinds import DrafterKind, default_chain
 from lmkit.sampling import SamplingParams, make_generator
+
+pytestmark = pytest.mark.unit
 
 K = 5
 PROMPT = [11, 300, 4000, 27, 9]

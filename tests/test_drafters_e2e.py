@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from draft_service import self_draft
-from draft_service.drafter import DrafterKind
 from draft_service.engine import DraftEngine
+from draft_service.registry import DRAFTERS
 from lmkit import models
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits
@@ -27,6 +28,8 @@ from orchestrator.generation import GenerationRequest, Orchestrator
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_bad_input import GREEDY, draft_exchange, expect_status
 from tests.test_sampling_e2e import PROMPT, assert_distributed_as, exact_first_two
+
+pytestmark = pytest.mark.services
 
 ADAPTER_STD = 0.03  # measured: the layer-skip draft then agrees on ~8 % of tokens (63 of 843 at k = 8)
 CONCURRENT = 8  # sessions in flight at once, as under load; each has its own seeded generators
@@ -109,7 +112,7 @@ def test_greedy_k8_is_exact_and_hits_both_paths(self_draft_services, tiny_target
 
 def test_info_lists_every_drafter(self_draft_services):
     info = run_async(_info(self_draft_services.draft_address))
-    assert sorted(info.drafters) == sorted(k.value for k in DrafterKind)
+    assert sorted(info.drafters) == sorted(k.value for k in DRAFTERS)  # built in: served with --model and both flags
 
 
 async def _info(address):
@@ -247,7 +250,7 @@ def test_public_request_chain_is_validated(self_draft_services, tiny_target_dir)
 )
 def test_serve_draft_refuses_bad_self_draft_flags(flags, fragment):
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "serve-draft", "--port", "0", *flags],
+        [sys.executable, "-m", "specsplit.cli", "serve-draft", "--port", "0", *flags],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2

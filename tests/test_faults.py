@@ -14,14 +14,16 @@ import time
 import grpc
 import pytest
 
-from draft_service.drafter import DrafterKind
 from lmkit import models
+from lmkit.kinds import DrafterKind
+from lmkit.processes import start_service
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.launcher import start_service
 from orchestrator.links import LinkPolicy
 from tests.conftest import reference_greedy, run_async
+
+pytestmark = pytest.mark.services
 
 PROMPT = "Once upon a time"
 NEW_TOKENS = 300

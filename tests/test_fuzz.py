@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import run_async
 
+pytestmark = pytest.mark.services
+
 EXAMPLES = 1000
 MESSAGES_PER_EXAMPLE = 10  # 10,000 messages per service
 

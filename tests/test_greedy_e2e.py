@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from draft_service.drafter import DrafterKind
+from bench.prompts import DEMO_PROMPTS
+from lmkit.kinds import DrafterKind
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.prompts import DEMO_PROMPTS
 from tests.conftest import TINY_PROMPTS, Services, make_engines, reference_greedy, run_async
+
+pytestmark = pytest.mark.services
 
 
 async def generate_ids(orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, adaptive=False) -> list[int]:

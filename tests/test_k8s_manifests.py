@@ -24,6 +24,8 @@ import yaml
 from tests import k8s_checks as checks
 from tests.k8s_checks import tool
 
+pytestmark = pytest.mark.k8s
+
 REPO = Path(__file__).resolve().parent.parent
 OVERLAYS = ("cpu-dev", "gpu-prod")
 # The oldest minor we target (native gRPC probes GA since 1.27, preStop sleep
@@ -159,17 +161,17 @@ def test_orchestrator_dials_headless_services(rendered, overlay):
 
 def test_client_channels_balance_per_call(monkeypatch):
     """What the headless Services rely on: open_channel asks gRPC for round_robin."""
-    from orchestrator import clients
+    from orchestrator import peers
 
     seen = {}
-    monkeypatch.setattr(clients.grpc.aio, "insecure_channel", lambda target, options: seen.update(options))
-    clients.open_channel("dns:///specsplit-target:50052")
+    monkeypatch.setattr(peers.grpc.aio, "insecure_channel", lambda target, options: seen.update(options))
+    peers.open_channel("dns:///specsplit-target:50052")
     assert seen.get("grpc.lb_policy_name") == "round_robin"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_container_args_parse_with_the_real_cli(rendered, overlay):
-    from orchestrator.cli import build_parser
+    from specsplit.cli import build_parser
 
     parser = build_parser()
     for pod, _, args in checks.specsplit_containers(rendered[overlay]):
@@ -182,13 +184,13 @@ def test_container_args_parse_with_the_real_cli(rendered, overlay):
 def test_ray_service_app_args_build_an_orchestrator_config(rendered):
     """serveConfigV2's args go through the same parsing build_app does (without importing Ray)."""
     from orchestrator import server
-    from orchestrator.ray_options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
+    from ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
 
     docs = rendered["gpu-prod"]
     spec = checks.find(docs, "RayService", "specsplit-orchestrator")["spec"]
     serve = yaml.safe_load(spec["serveConfigV2"])
     (app,) = serve["applications"]
-    assert app["import_path"] == "orchestrator.ray_app:build_app"
+    assert app["import_path"] == "ray_deploy.serve_app:build_app"
     flags = {k: v for k, v in app["args"].items() if k not in RAY_DEFAULTS}
     config = server.config_from_args(parse_serve_argv(flags_to_argv(flags)))
     assert config.peer_tls.enabled, "gpu-prod's orchestrator reaches draft and target over mTLS"

@@ -6,13 +6,16 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 from prometheus_client import REGISTRY
 
+from lmkit.processes import start_service
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from orchestrator.launcher import start_service
 from target_service.ranks import free_port
 from tests.conftest import run_async
+
+pytestmark = pytest.mark.services
 
 
 def value(name: str, **labels) -> float:

@@ -9,6 +9,8 @@ from draft_service.model_drafter import ModelDrafter
 from lmkit import models
 from lmkit.sampling import SamplingParams, make_generator
 
+pytestmark = pytest.mark.unit
+
 K = 5
 
 

@@ -10,6 +10,8 @@ import torch
 from draft_service.drafter import Drafter
 from draft_service.ngram import MAX_NGRAM, NgramConfig, NgramDrafter
 
+pytestmark = pytest.mark.unit
+
 
 def reference_proposal(context: list[int], config: NgramConfig, k: int) -> list[int]:
     """The n-gram proposal by brute-force scan: the specification, written the slow way."""

@@ -11,6 +11,8 @@ import torch
 
 from lmkit.probs_codec import MAX_DECODED_CELLS, EncodedProbs, decode_probs, encode_probs, quantize_probs
 
+pytestmark = pytest.mark.unit
+
 
 def bits(x: torch.Tensor) -> torch.Tensor:
     """float32 bit patterns, so comparisons are bit for bit (torch.equal treats -0.0 == 0.0)."""

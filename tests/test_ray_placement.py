@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from orchestrator.placement import Placement, model_in, parse_resources, target_argv
+from ray_deploy.placement import Placement, model_in, parse_resources, target_argv
 from tests.conftest import run_async
 from tests.ray_fixtures import start_cli
 from tests.test_ray_serve import generate
+
+pytestmark = pytest.mark.ray
 
 APP = "up-test"
 
@@ -75,7 +77,7 @@ def test_up_serves_the_targets_greedy_output(up, tiny_target_dir):
 
 def test_unplaceable_service_is_a_cli_error(ray_cluster):
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "up", "--ray-address", ray_cluster.address,
+        [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", ray_cluster.address,
          "--target-resources", '{"nowhere": 1}', "--port", "0"],
         capture_output=True, text=True, timeout=120,
     )

@@ -15,9 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from orchestrator import ray_options
+from ray_deploy import options
 from tests.conftest import run_async
 from tests.ray_fixtures import start_cli
+
+pytestmark = pytest.mark.ray
 
 APP = "serve-test"
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4, 5, 6,", "a b a b a b a b"]
@@ -68,7 +70,7 @@ def request(prompt: str, max_new_tokens: int, **fields) -> pb.GenerateRequest:
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_ray_served_greedy_output_equals_the_plain_orchestrator(ray_front, public_api, drafter):
-    from draft_service.drafter import DrafterKind
+    from lmkit.kinds import DrafterKind
 
     kind = DrafterKind[drafter.upper()].value
     for prompt in PROMPTS:
@@ -154,7 +156,7 @@ def test_invalid_request_keeps_its_status_and_message(ray_front):
 
 def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir, background_loop):
     """check_health passes while the target answers and raises once it is gone (Serve then replaces the replica)."""
-    from orchestrator.ray_app import OrchestratorReplica
+    from ray_deploy.serve_app import OrchestratorReplica
     from target_service.server import start_server
 
     target_server, port = background_loop.run(start_server(tiny_services.target_engine))
@@ -173,10 +175,10 @@ def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir,
 
 
 def test_build_app_turns_args_into_the_same_flags():
-    from orchestrator.ray_app import build_app
+    from ray_deploy.serve_app import build_app
 
     args = {"target": "dns:///target:50052", "draft": "", "k": 4, "fixed_k": True, "num_replicas": 3}
-    assert ray_options.flags_to_argv({k: v for k, v in args.items() if k != "num_replicas"}) == [
+    assert options.flags_to_argv({k: v for k, v in args.items() if k != "num_replicas"}) == [
         "--target", "dns:///target:50052", "--draft", "", "--k", "4", "--fixed-k"
     ]
     app = build_app(args)

@@ -10,6 +10,8 @@ import torch
 
 from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
 
+pytestmark = pytest.mark.unit
+
 
 def kept(probs: torch.Tensor) -> list[list[int]]:  # probs: [n, vocab]
     return [row.nonzero().flatten().tolist() for row in probs]

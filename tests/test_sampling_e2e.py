@@ -13,11 +13,13 @@ import pytest
 import torch
 from scipy import stats
 
-from draft_service.drafter import DrafterKind
+from lmkit.kinds import DrafterKind
 from lmkit.sampling import SamplingParams, logits_to_probs
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
 from tests.conftest import run_async
+
+pytestmark = pytest.mark.services
 
 PROMPT = [504, 2365, 6354]  # a few SmolLM2 token ids
 

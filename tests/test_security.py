@@ -25,6 +25,8 @@ from target_service.server import SERVICE_NAME as TARGET_SERVICE
 from target_service.servicer import TargetServicer
 from tests.conftest import run_async
 
+pytestmark = pytest.mark.services
+
 
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
@@ -70,7 +72,7 @@ def tls_target(loop, engine, tls: ServerTls):
 async def generate_once(config: OrchestratorConfig) -> str:
     orch = await Orchestrator.connect(config)
     try:
-        from draft_service.drafter import DrafterKind
+        from lmkit.kinds import DrafterKind
         from tests.test_greedy_e2e import generate_ids
 
         return await generate_ids(orch, [1, 2, 3], 0, DrafterKind.NGRAM, 4)
@@ -151,7 +153,7 @@ def test_tls_flags_are_checked():
 
 def test_health_port_answers_plaintext_probes_while_the_main_port_requires_mtls(pki, tmp_path):
     """Kubernetes gRPC probes cannot present certificates: --health-port serves health alone, plaintext."""
-    from orchestrator.launcher import start_service
+    from lmkit.processes import start_service
     from tests.test_faults import free_port
 
     health_port = free_port()

@@ -12,6 +12,8 @@ from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 
+pytestmark = pytest.mark.services
+
 
 def active(services) -> tuple[int, int]:
     return services.target_engine.sessions.stats()[0], services.draft_engine.sessions.stats()[0]

@@ -5,6 +5,8 @@ import pytest
 from lmkit import errors
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
+pytestmark = pytest.mark.unit
+
 
 def test_table_bounds_and_counts():
     table = SessionTable(SessionLimits(max_sessions=2), "target")

@@ -1,6 +1,10 @@
 """The short CI variant of bench/soak.py: load above the admission limit, nothing but RESOURCE_EXHAUSTED, no leaks."""
 
+import pytest
+
 from bench.soak import run
+
+pytestmark = pytest.mark.services
 
 
 def test_short_soak_above_the_admission_limit(tmp_path, tiny_target_dir, tiny_draft_dir):

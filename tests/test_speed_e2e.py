@@ -15,12 +15,14 @@ import itertools
 import pytest
 import torch
 
-from draft_service.drafter import DrafterKind
+from lmkit.kinds import DrafterKind
 from lmkit.sampling import SamplingParams, logits_to_probs
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_sampling_e2e import assert_distributed_as
+
+pytestmark = pytest.mark.services
 
 MAX_NEW = 24
 

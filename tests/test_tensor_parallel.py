@@ -15,17 +15,19 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from draft_service.drafter import DrafterKind
 from lmkit import models
+from lmkit.kinds import DrafterKind
+from lmkit.processes import start_service
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.launcher import start_service
 from orchestrator.links import LinkPolicy
 from target_service.tp import check_divisible
 from tests.conftest import reference_greedy, run_async
+
+pytestmark = pytest.mark.services
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 

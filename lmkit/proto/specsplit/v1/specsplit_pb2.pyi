@@ -75,7 +75,7 @@ class DraftProbs(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sparse: _Optional[bool] = ..., values: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "max_context", "max_block", "drafters", "tp_degree", "device")
+    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "max_context", "max_block", "drafters", "tp_degree", "device", "drafter_info")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class ModelInfo(_message.Message):
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_INFO_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     vocab_fingerprint: str
@@ -92,7 +93,20 @@ class ModelInfo(_message.Message):
     drafters: _containers.RepeatedScalarFieldContainer[DrafterKind]
     tp_degree: int
     device: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    drafter_info: _containers.RepeatedCompositeFieldContainer[DrafterInfo]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ...) -> None: ...
+
+class DrafterInfo(_message.Message):
+    __slots__ = ("kind", "name", "has_probs", "needs_model")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROBS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_MODEL_FIELD_NUMBER: _ClassVar[int]
+    kind: DrafterKind
+    name: str
+    has_probs: bool
+    needs_model: bool
+    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

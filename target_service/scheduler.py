@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from lmkit.grpc_server import ComputeThread
-from target_service.engine import TargetEngine, Verified, VerifyItem
+from target_service.engine import TargetEngine, Verification, VerifyItem
 
 
 @dataclass
@@ -30,7 +30,7 @@ class _Waiting:
     future: asyncio.Future
 
 
-class VerifyBatcher:
+class VerifyScheduler:
     def __init__(
         self, compute: ComputeThread, engine: TargetEngine, max_batch: int,
         wait_fraction: float = 0.2, max_wait_s: float = 0.05,
@@ -48,7 +48,7 @@ class VerifyBatcher:
         self._last_batch: set[str] = set()  # session ids verified together last time
         self._last_forward_s = 0.0
 
-    async def verify(self, item: VerifyItem) -> Verified:
+    async def verify(self, item: VerifyItem) -> Verification:
         future = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(item, future))
         self._arrived.set()

@@ -11,9 +11,12 @@ import time
 
 import pytest
 
-from orchestrator import batch_io, cli
+from ray_deploy import batch_files
+from specsplit import cli
 from tests.conftest import run_async
 from tests.test_ray_serve import generate
+
+pytestmark = pytest.mark.ray
 
 N_PROMPTS = 24
 
@@ -32,7 +35,7 @@ def prompt_lines() -> list[dict]:
 
 
 def run_batch(args: list[str], **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "batch", *args], text=True,
+    return subprocess.Popen([sys.executable, "-m", "specsplit.cli", "batch", *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 
@@ -72,7 +75,7 @@ def test_batch_killed_halfway_then_resumed_has_every_prompt_once(
 
     records = [json.loads(line) for line in output.read_text().splitlines()]
     ids = [record["id"] for record in records]
-    specs = batch_io.parse_prompts(prompts.read_text())
+    specs = batch_files.parse_prompts(prompts.read_text())
     assert sorted(ids) == sorted(spec.id for spec in specs) and len(ids) == len(set(ids)) == N_PROMPTS
     by_id = {record["id"]: record for record in records}
     for spec in specs:
@@ -81,7 +84,7 @@ def test_batch_killed_halfway_then_resumed_has_every_prompt_once(
         if spec.fields.get("temperature"):  # sampled: its own seed, at most max_new_tokens
             assert record["seed"] == spec.fields["seed"] and record["new_tokens"] <= spec.fields["max_new_tokens"]
             continue
-        want, _, code = run_async(generate(public_api, batch_io.to_request(spec.fields)))
+        want, _, code = run_async(generate(public_api, batch_files.to_request(spec.fields)))
         assert code == "OK" and record["text"] == want, f"{spec.id} differs from the plain orchestrator"
 
     again = run_batch(args)  # everything is done: nothing runs, nothing is appended
@@ -111,7 +114,7 @@ def test_bad_input_is_a_cli_error_naming_the_line(tmp_path, capsys):
 
 
 def test_prompt_lines_are_validated():
-    assert batch_io.parse_prompts('{"prompt": "a"}\n\n{"id": "x", "prompt": "b"}\n')[0].id == "line-1"
+    assert batch_files.parse_prompts('{"prompt": "a"}\n\n{"id": "x", "prompt": "b"}\n')[0].id == "line-1"
     for text, message in [
         ('{"prompt": "a", "max_new_tokens": "5"}', "line 1: max_new_tokens must be an integer"),
         ('{"prompt": "a", "max_new_tokens": true}', "max_new_tokens must be an integer"),
@@ -122,15 +125,15 @@ def test_prompt_lines_are_validated():
         ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}', "line 2: id 'a' already used on line 1"),
     ]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-            batch_io.parse_prompts(text)
-    request = batch_io.to_request({"prompt": "p", "temperature": 0.7, "seed": 3, "stop": "\n", "drafter": "ngram"})
+            batch_files.parse_prompts(text)
+    request = batch_files.to_request({"prompt": "p", "temperature": 0.7, "seed": 3, "stop": "\n", "drafter": "ngram"})
     assert request.sampling.seed == 3 and list(request.stop) == ["\n"] and request.chat
 
 
 def test_output_scan_drops_only_a_torn_last_line():
     good = b'{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n'
-    assert batch_io.scan_output(good) == ({"a", "b"}, len(good))
-    assert batch_io.scan_output(good + b'{"id": "c", "te') == ({"a", "b"}, len(good))
-    assert batch_io.scan_output(good + b'{"id": "c", "te\n') == ({"a", "b"}, len(good))
+    assert batch_files.scan_output(good) == ({"a", "b"}, len(good))
+    assert batch_files.scan_output(good + b'{"id": "c", "te') == ({"a", "b"}, len(good))
+    assert batch_files.scan_output(good + b'{"id": "c", "te\n') == ({"a", "b"}, len(good))
     with pytest.raises(ValueError, match="output line 1 is not a result line"):
-        batch_io.scan_output(b"garbage\n" + good)
+        batch_files.scan_output(b"garbage\n" + good)

@@ -17,6 +17,7 @@ from lmkit.grpc_server import CHANNEL_OPTIONS
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.security import ClientTls
+from specsplit import client
 
 
 class PeerError(Exception):
@@ -30,11 +31,8 @@ class PeerError(Exception):
 
 
 def open_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
-    """A channel (TLS when ``tls`` is enabled); ``dns:///name:port`` with round_robin spreads calls over replicas."""
-    options = [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
-    if tls is not None and tls.enabled:
-        return grpc.aio.secure_channel(address, tls.credentials(), options=options)
-    return grpc.aio.insecure_channel(address, options=options)
+    """A channel to a draft or target service, sized for the largest message (draft probabilities)."""
+    return client.open_channel(address, tls, CHANNEL_OPTIONS)
 
 
 class _Stream:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from draft_service.drafter import DrafterKind
+from bench.evaluation import compare, summarise
+from bench.prompts import DEMO_PROMPTS
 from lmkit import models
+from lmkit.kinds import DrafterKind
+from lmkit.processes import local_services
 from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
-from orchestrator.evaluation import compare, summarise
 from orchestrator.generation import Orchestrator
-from orchestrator.launcher import local_services
-from orchestrator.prompts import DEMO_PROMPTS
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """The JSONL formats of ``specsplit batch``: prompts in, one result per finished prompt out.
 
-Pure functions of text and bytes; the file handling is in ``orchestrator.batch``.
+Pure functions of text and bytes; the file handling is in ``ray_deploy.batch_job``.
 
 Input, one JSON object a line (blank lines are skipped)::
 
@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from draft_service.drafter import DrafterKind
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 
 # key -> accepted JSON types (bool is not a number here)

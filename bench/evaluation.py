@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draft_service.drafter import DrafterKind
+from bench.prompts import DemoPrompt
+from lmkit.kinds import DrafterKind
 from lmkit.sampling import SamplingParams
 from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.prompts import DemoPrompt
 
 
 @dataclass

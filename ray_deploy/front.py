@@ -28,7 +28,8 @@ from lmkit.metrics import serve_metrics
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.security import BearerTokenInterceptor, load_token
-from orchestrator import metrics, ray_app, ray_cluster, ray_options, server
+from orchestrator import metrics, server
+from ray_deploy import cluster, options, serve_app
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
@@ -60,7 +61,7 @@ class RayFrontServicer(pb_grpc.GeneratorServicer):
         context.add_done_callback(on_done)
         try:
             async for item in stream:
-                if isinstance(item, ray_app.GenerateFailed):
+                if isinstance(item, serve_app.GenerateFailed):
                     code = grpc.StatusCode[item.code]
                     finished = True
                     await context.abort(code, item.details)
@@ -89,7 +90,7 @@ def deploy(args):
     from ray import serve
 
     serve.start(proxy_location="Disabled")
-    app = ray_app.build_app(ray_options.app_args(args, server.build_parser()))
+    app = serve_app.build_app(options.app_args(args, server.build_parser()))
     try:
         serve.run(app, name=args.ray_app_name, route_prefix=None)
     except RuntimeError as exc:  # the replicas failed to start: say why, as the replica said it
@@ -145,7 +146,7 @@ async def _follow_app_status(health, app_name: str) -> None:
 async def serve(args) -> None:
     """``specsplit serve --ray``: join or start a cluster, deploy the application, serve until a signal."""
     loop = asyncio.get_running_loop()
-    started = await loop.run_in_executor(None, ray_cluster.connect, args.ray_address, args.ray_local_cpus)
+    started = await loop.run_in_executor(None, cluster.connect, args.ray_address, args.ray_local_cpus)
     try:
         await run_front(args)
     finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from orchestrator import ray_cluster
+from ray_deploy import cluster
 
 # Ray-side keys of ``build_app``'s args (``--ray-<key>`` on the command line);
 # every other key is a ``specsplit serve`` flag.
@@ -38,7 +38,7 @@ FRONT_ONLY = frozenset({
 def add_ray_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray", action="store_true",
                         help="run the orchestrator as a Ray Serve application behind this server")
-    ray_cluster.add_cluster_flags(parser)
+    cluster.add_cluster_flags(parser)
     parser.add_argument("--ray-app-name", default="specsplit", help="Serve application name")
     for key, default in RAY_DEFAULTS.items():
         parser.add_argument(f"--ray-{key.replace('_', '-')}", type=type(default), default=default, help=_HELP[key])

@@ -7,7 +7,9 @@ import torch
 
 from lmkit import models
 from lmkit.kvcache import SessionCache
-from target_service.batching import Step, forward_batch, split_by_width
+from target_service.batched_forward import Step, forward_batch, split_by_width
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import ray_cluster, server
-from orchestrator.launcher import start_service
+from lmkit.processes import start_service
+from orchestrator import server
+from ray_deploy import cluster
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class ServiceHost:
     def __init__(self, module: str, name: str, argv: list[str], timeout_s: float) -> None:
         import ray
 
-        ip = ray_cluster.node_ip()
+        ip = cluster.node_ip()
         workdir = Path(tempfile.mkdtemp(prefix=f"specsplit-{name}-"))
         self.service = start_service(module, name, [*argv, "--host", ip], workdir, timeout_s, die_with_parent=True)
         self.address = f"{ip}:{self.service.port}"
@@ -149,13 +150,13 @@ def placements(args) -> dict[str, tuple[str, list[str], Placement]]:
 
 
 def run(args) -> int:
-    from orchestrator import ray_front
+    from ray_deploy import front
 
     wanted = placements(args)
     target_model = model_in(wanted["target"][1])
     if target_model and args.tokenizer == server.build_parser().get_default("tokenizer"):
         args.tokenizer = target_model  # the orchestrator tokenizes with the target's own tokenizer
-    started = ray_cluster.connect(args.ray_address, args.ray_local_cpus)
+    started = cluster.connect(args.ray_address, args.ray_local_cpus)
     actors = []
     try:
         names = {role: f"{args.ray_app_name}-{role}" for role in wanted}
@@ -167,7 +168,7 @@ def run(args) -> int:
             setattr(args, role, info["address"])
         if args.no_draft:
             args.draft = ""
-        asyncio.run(ray_front.run_front(args))
+        asyncio.run(front.run_front(args))
     finally:
         _stop(actors)
         if started:

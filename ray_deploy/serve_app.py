@@ -1,16 +1,16 @@
 """The orchestrator as a Ray Serve application: replicas that scale, each health-checked, behind a bounded queue.
 
 ``build_app(args)`` is a Serve application builder (``import_path:
-orchestrator.ray_app:build_app``). ``args`` holds ``specsplit serve`` flags with
+ray_deploy.serve_app:build_app``). ``args`` holds ``specsplit serve`` flags with
 underscores (``{"target": "...", "k": 8}``) plus the Ray keys in
-``orchestrator.ray_options.RAY_DEFAULTS``. Every replica owns one
+``ray_deploy.options.RAY_DEFAULTS``. Every replica owns one
 ``Orchestrator`` and serves ``Generator.Generate`` through the same
 ``GeneratorServicer`` as the plain server, so validation, status codes and
 output are identical. Serve bounds each replica's work
 (``max_ongoing_requests``) and the queue in front of them
 (``max_queued_requests``); a request beyond both is answered RESOURCE_EXHAUSTED.
 
-Two ways in, one deployment: ``specsplit serve --ray`` (``orchestrator.ray_front``)
+Two ways in, one deployment: ``specsplit serve --ray`` (``ray_deploy.front``)
 calls it through a DeploymentHandle; on KubeRay, Serve's own gRPC proxy (port
 9000 by default) calls it with ``SERVICER_FUNCTION`` registered in
 ``grpc_options``, and the replica then checks the bearer token itself.
@@ -29,7 +29,7 @@ from ray import serve
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.security import load_token
 from orchestrator import server
-from orchestrator.ray_options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
+from ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
 
 SERVICER_FUNCTION = "lmkit.proto.specsplit.v1.specsplit_pb2_grpc.add_GeneratorServicer_to_server"
 HEALTH_PROBE_S = 5.0  # a target that does not answer Info this fast fails the replica's health check

@@ -5,7 +5,7 @@ sets), else starts a local one. Each worker is a Ray actor holding one
 ``Orchestrator`` connected to the draft and target services; the driver hands
 out prompts and appends each result to the output the moment it arrives
 (flushed and fsynced), so a crash loses no finished result and a re-run skips
-every id already there. Formats: ``orchestrator.batch_io``.
+every id already there. Formats: ``ray_deploy.batch_files``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import batch_io, ray_cluster, ray_options, server
+from orchestrator import server
+from ray_deploy import batch_files, cluster, options
 
 # Flags of `specsplit batch` that are not orchestrator flags (the rest configure every worker's orchestrator).
-BATCH_ONLY = ray_options.FRONT_ONLY | {"input", "output", "workers", "concurrency", "worker_cpus"}
+BATCH_ONLY = options.FRONT_ONLY | {"input", "output", "workers", "concurrency", "worker_cpus"}
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -29,7 +30,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=2, help="orchestrator workers (Ray actors)")
     parser.add_argument("--concurrency", type=int, default=4, help="generations each worker runs at once")
     parser.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs per worker")
-    ray_cluster.add_cluster_flags(parser)
+    cluster.add_cluster_flags(parser)
     parser.add_argument("--peer-tls-ca", default="", help="CA that signed the draft/target certificates")
     parser.add_argument("--peer-tls-cert", default="", help="client certificate for mTLS to draft/target")
     parser.add_argument("--peer-tls-key", default="", help="private key of --peer-tls-cert")
@@ -51,7 +52,7 @@ class BatchWorker:
         from orchestrator.generation import Orchestrator
 
         if self._connecting is None:
-            config = server.config_from_args(ray_options.parse_serve_argv(self.argv))
+            config = server.config_from_args(options.parse_serve_argv(self.argv))
             self._connecting = asyncio.ensure_future(Orchestrator.connect(config))
         return await self._connecting
 
@@ -63,15 +64,15 @@ class BatchWorker:
 
         orch = await self._connected()
         try:
-            request, prompt_ids = parse_request(batch_io.to_request(fields), orch)
+            request, prompt_ids = parse_request(batch_files.to_request(fields), orch)
             text, finish, stats = [], None, None
             async for event in orch.generate(request, prompt_ids):
                 text.append(event.text)
                 if event.finish is not None:
                     finish, stats = event.finish.value, event.stats
         except (errors.InvalidArgument, errors.FailedPrecondition) as exc:
-            return batch_io.error_record(fields["id"], status_for(exc).name, str(exc))
-        return batch_io.result_record(fields["id"], "".join(text), finish, stats)
+            return batch_files.error_record(fields["id"], status_for(exc).name, str(exc))
+        return batch_files.result_record(fields["id"], "".join(text), finish, stats)
 
 
 @dataclass
@@ -108,7 +109,7 @@ def resume(output: Path) -> set[str]:
     """Ids already finished; a torn last line from a crash is cut off first."""
     if not output.exists():
         return set()
-    done, keep = batch_io.scan_output(output.read_bytes())
+    done, keep = batch_files.scan_output(output.read_bytes())
     if keep < output.stat().st_size:
         os.truncate(output, keep)
         print(f"specsplit batch: dropped a torn last line of {output}", file=sys.stderr)
@@ -117,7 +118,7 @@ def resume(output: Path) -> set[str]:
 
 def append_record(fd: int, record: dict) -> None:
     """One whole line per write on an O_APPEND descriptor, then fsync: finished means on disk."""
-    data = batch_io.encode_record(record)
+    data = batch_files.encode_record(record)
     while data:
         data = data[os.write(fd, data):]
     os.fsync(fd)
@@ -129,17 +130,17 @@ def run(args) -> int:
 
     if args.workers < 1 or args.concurrency < 1:
         raise ValueError("--workers and --concurrency must be >= 1")
-    specs = batch_io.parse_prompts(_read_input(Path(args.input)))
+    specs = batch_files.parse_prompts(_read_input(Path(args.input)))
     output = Path(args.output)
     done = resume(output)
     todo = [spec for spec in specs if spec.id not in done]
     totals = Totals(done_before=len(specs) - len(todo))
-    argv = ray_options.flags_to_argv(ray_options.changed_flags(args, build_parser(argparse.ArgumentParser()),
+    argv = options.flags_to_argv(options.changed_flags(args, build_parser(argparse.ArgumentParser()),
                                                                BATCH_ONLY))
-    server.config_from_args(ray_options.parse_serve_argv(argv))  # bad flags fail here, not in every worker
+    server.config_from_args(options.parse_serve_argv(argv))  # bad flags fail here, not in every worker
     start = time.perf_counter()
     if todo:
-        started = ray_cluster.connect(args.ray_address, args.ray_local_cpus)
+        started = cluster.connect(args.ray_address, args.ray_local_cpus)
         start = time.perf_counter()  # tokens/s counts from here: workers starting up and generating
         try:
             worker_cls = ray.remote(BatchWorker).options(num_cpus=args.worker_cpus, max_concurrency=args.concurrency)

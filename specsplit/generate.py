@@ -1,18 +1,18 @@
-"""``specsplit generate``: a client of the public Generate API that streams text to stdout."""
+"""``specsplit generate``: streams a completion from a running orchestrator to stdout (no torch, no ray)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 
 import grpc
 
-from draft_service.drafter import DrafterKind
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.security import ClientTls
-from orchestrator.clients import open_channel
+from specsplit.client import AsyncClient, build_request, drafter_value
 
 
 def non_negative(text: str) -> int:
@@ -20,6 +20,13 @@ def non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def drafter_arg(text: str) -> int:
+    try:
+        return drafter_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -33,7 +40,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=non_negative, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--k", type=non_negative, default=None, help="draft block size; 0 = target-only")
-    parser.add_argument("--drafter", choices=[k.name.lower() for k in DrafterKind], default=None)
+    parser.add_argument("--drafter", type=drafter_arg, default=None,
+                        help=f"{', '.join(k.name.lower() for k in DrafterKind)}, or a drafter's number")
     parser.add_argument("--draft-probs", action="store_true", help="probability-mode verification (model drafter)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--token", default="", help="bearer token (or SPECSPLIT_AUTH_TOKEN)")
@@ -44,29 +52,19 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def to_request(args) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
-    if args.top_p is not None:
-        sampling.top_p = args.top_p
-    if args.seed is not None:
-        sampling.seed = args.seed
-    request = pb.GenerateRequest(prompt=args.prompt, chat=not args.raw, sampling=sampling, stop=args.stop)
-    request.draft_probs = args.draft_probs
-    if args.max_new_tokens is not None:
-        request.max_new_tokens = args.max_new_tokens
-    if args.k is not None:
-        request.k = args.k
-    if args.drafter is not None:
-        request.drafter = DrafterKind[args.drafter.upper()].value
-    return request
+    return build_request(
+        args.prompt, chat=not args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, k=args.k, drafter=args.drafter,
+        draft_probs=args.draft_probs,
+    )
 
 
 async def generate(args) -> int:
     token = args.token or os.environ.get("SPECSPLIT_AUTH_TOKEN", "")
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    async with open_channel(args.server, ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)) as channel:
-        stub = pb_grpc.GeneratorStub(channel)
+    tls = ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+    async with AsyncClient(args.server, token=token, tls=tls, timeout_s=args.timeout_s) as client:
         try:
-            async for response in stub.Generate(to_request(args), timeout=args.timeout_s, metadata=metadata):
+            async for response in client.stream(to_request(args)):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.HasField("stats"):
@@ -81,3 +79,7 @@ async def generate(args) -> int:
             print(f"\nspecsplit generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     return 0
+
+
+def run(args) -> int:
+    return asyncio.run(generate(args))

@@ -1,0 +1,178 @@
+"""A light client of the public ``Generator`` API: grpcio and the generated stubs, no torch, no ray.
+
+    async with AsyncClient("127.0.0.1:50050") as client:
+        async for chunk in client.generate("Summarise: ...", max_new_tokens=64):
+            print(chunk.text, end="")
+
+    with Client("127.0.0.1:50050") as client:
+        print(client.complete("Hello").text)
+
+Requests are plain ``GenerateRequest`` messages built by ``build_request``;
+errors are ``grpc.RpcError`` with the server's status code and message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from lmkit.kinds import DrafterKind
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from lmkit.security import ClientTls
+
+# round_robin: a ``dns:///name:port`` address spreads calls over every replica the name resolves to.
+_BALANCED = (("grpc.lb_policy_name", "round_robin"),)
+
+
+def open_channel(address: str, tls: ClientTls | None = None, options: Sequence[tuple[str, object]] = ()):
+    """An asyncio channel to any specsplit gRPC endpoint (TLS when ``tls`` is enabled)."""
+    options = [*options, *_BALANCED]
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+def _open_sync_channel(address: str, tls: ClientTls | None) -> grpc.Channel:
+    if tls is not None and tls.enabled:
+        return grpc.secure_channel(address, tls.credentials(), options=list(_BALANCED))
+    return grpc.insecure_channel(address, options=list(_BALANCED))
+
+
+def build_request(
+    prompt: str,
+    *,
+    chat: bool = True,
+    max_new_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    k: int | None = None,
+    drafter: DrafterKind | str | int | None = None,
+    draft_probs: bool = False,
+    return_token_ids: bool = False,
+    adaptive_k: bool | None = None,
+    overlap: bool | None = None,
+) -> pb.GenerateRequest:
+    """A ``GenerateRequest``; unset options take the server's defaults. The server validates every field."""
+    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    request = pb.GenerateRequest(
+        prompt=prompt, chat=chat, sampling=sampling, stop=list(stop), draft_probs=draft_probs,
+        return_token_ids=return_token_ids,
+    )
+    for name, value in (("max_new_tokens", max_new_tokens), ("k", k), ("adaptive_k", adaptive_k), ("overlap", overlap)):
+        if value is not None:
+            setattr(request, name, value)
+    if drafter is not None:
+        request.drafter = drafter_value(drafter)
+    return request
+
+
+def drafter_value(drafter: DrafterKind | str | int) -> int:
+    """The wire value of a drafter given as a kind, a built-in name (any case) or a number."""
+    if isinstance(drafter, DrafterKind):
+        return drafter.value
+    if isinstance(drafter, int):
+        return drafter
+    if drafter.isdigit():
+        return int(drafter)
+    try:
+        return DrafterKind[drafter].value
+    except KeyError:
+        names = ", ".join(kind.name.lower() for kind in DrafterKind)
+        raise ValueError(f"unknown drafter {drafter!r}; use one of {names} or a drafter's number") from None
+
+
+@dataclass
+class Completion:
+    """A whole generation: its text, token ids (when asked for), finish reason and stats."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # e.g. "FINISH_REASON_LENGTH"
+    stats: pb.GenerationStats | None = None
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        self.text += response.text
+        self.token_ids.extend(response.token_ids)
+        if response.HasField("stats"):
+            self.finish_reason = pb.FinishReason.Name(response.finish_reason)
+            self.stats = response.stats
+
+
+def _metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class AsyncClient:
+    """The Generate API over one asyncio channel; use as ``async with``."""
+
+    def __init__(self, address: str, *, token: str = "", tls: ClientTls | None = None, timeout_s: float = 600.0):
+        self._channel = open_channel(address, tls)
+        self._stub = pb_grpc.GeneratorStub(self._channel)
+        self._metadata = _metadata(token)
+        self.timeout_s = timeout_s
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The server's responses as they come; the last one carries the finish reason and stats."""
+        async for response in self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata):
+            yield response
+
+    async def generate(self, prompt: str, **options) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream a completion of ``prompt`` (``options``: see ``build_request``)."""
+        async for response in self.stream(build_request(prompt, **options)):
+            yield response
+
+    async def complete(self, prompt: str, **options) -> Completion:
+        done = Completion()
+        async for response in self.generate(prompt, **options):
+            done.add(response)
+        return done
+
+
+class Client:
+    """The Generate API over one blocking channel; use as ``with``."""
+
+    def __init__(self, address: str, *, token: str = "", tls: ClientTls | None = None, timeout_s: float = 600.0):
+        self._channel = _open_sync_channel(address, tls)
+        self._stub = pb_grpc.GeneratorStub(self._channel)
+        self._metadata = _metadata(token)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def stream(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
+        yield from self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
+
+    def generate(self, prompt: str, **options) -> Iterator[pb.GenerateResponse]:
+        yield from self.stream(build_request(prompt, **options))
+
+    def complete(self, prompt: str, **options) -> Completion:
+        done = Completion()
+        for response in self.generate(prompt, **options):
+            done.add(response)
+        return done
