@@ -333,7 +333,8 @@ def print_summary(report: dict, out: Path) -> None:
     e2e = report.get("end_to_end")
     if e2e:
         print(f"target-only {e2e['target_only']['tokens_per_s']} tok/s (again at the end: "
-              f"{e2e['target_only_again_tokens_per_s']}); overhead {e2e['target_only']['overhead_ms_per_round']} ms/round")
+              f"{e2e['target_only_again_tokens_per_s']}, drift x{e2e['target_only_drift']}); "
+              f"overhead {e2e['target_only']['overhead_ms_per_round']} ms/round")
         for r in e2e["runs"]:
             if "speedup" not in r:
                 print(f"  alpha {r['alpha']} k {r['k']}: {r['skipped']}")

@@ -247,8 +247,12 @@ async def end_to_end(target: str, draft: str, tokenizer: str, prompts: list[list
         again = _run_figures([await _generate(orch, p, 0, ORACLE, sizes.new_tokens) for p in prompts[:1]])
     finally:
         await orch.close()
+    drift = again["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
     return {"prompts": len(prompts), "prompt_tokens": len(prompts[0]), "new_tokens": sizes.new_tokens,
-            "target_only": base, "target_only_again_tokens_per_s": again["tokens_per_s"], "runs": runs}
+            "target_only": base, "target_only_again_tokens_per_s": again["tokens_per_s"],
+            # the machine's drift over the stage (target-only again, first prompt, at the end): far from 1
+            # means the speedups, all against the first target-only run, are not to be trusted
+            "target_only_drift": round(drift, 3), "runs": runs}
 
 
 def _alpha_figures(alpha, k, spec, truth, base, step_ms, verify_over_step) -> dict:

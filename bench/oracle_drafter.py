@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from draft_service.drafter import DraftBlock, Drafter
+from draft_service.drafter import DraftBlock
+from draft_service.model_drafter import ModelDrafter
 from draft_service.registry import DrafterEntry, DraftRequestContext, register
 from lmkit import errors
 from lmkit.kinds import DrafterKind
-from lmkit.kvcache import SessionCache
+from lmkit.sampling import SamplingParams
 
 ORACLE = DrafterKind(95, "ORACLE")
 ORACLE_FILE_ENV = "SPECSPLIT_ORACLE_FILE"
@@ -66,25 +67,16 @@ class Oracle:
         return cls(float(payload["alpha"]), {tuple(p): list(c) for p, c in pairs}, int(payload["seed"]))
 
 
-class OracleDrafter(Drafter):
+class OracleDrafter(ModelDrafter):
+    """The model drafter (its cache, context and rollback) with each token chosen by the oracle."""
+
     def __init__(self, model, prompt: Sequence[int], oracle: Oracle, vocab_size: int) -> None:
-        self._cache = SessionCache(model)
-        self._tokens = list(prompt)
+        super().__init__(model, prompt, SamplingParams(), None, return_probs=False)
         self._prompt_len = len(prompt)
         self._truth = oracle.continuations.get(tuple(prompt), [])
         self._alpha = oracle.alpha
         self._vocab = vocab_size
         self._rng = random.Random(oracle.seed * 1_000_003 + zlib.crc32(repr(list(prompt)).encode()))
-
-    @property
-    def position(self) -> int:
-        return len(self._tokens)
-
-    def rollback(self, position: int) -> None:
-        del self._tokens[position:]
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        self._tokens.extend(tokens)
 
     def propose(self, k: int) -> DraftBlock:
         output = self._tokens[self._prompt_len :]
