@@ -30,7 +30,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--target-threads", type=int, default=2)
     parser.add_argument("--draft-threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default=models.AUTO_DTYPE, help="auto: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--layerskip-layers", type=int, default=4, help="--drafter layerskip: layers kept")
     parser.add_argument("--layerskip-adapter", default="", help="--drafter layerskip: exit adapter from distill")
     parser.add_argument("--quantize", default="int8", help="--drafter quantized: int8 or int8-weight")

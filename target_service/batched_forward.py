@@ -25,7 +25,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lmkit.kvcache import SessionCache
+from lmkit.kvcache import SessionCache, cache_kwargs
+from lmkit.transfer import to_device, to_host
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,13 @@ def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
         _PaddedBatchLayer([_layer_past(step.cache, layer) for step in steps], past_len) for layer in range(n_layers)
     ]
     out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions.to(device),
-        cache=batch_cache,
+        input_ids=to_device(input_ids, device),
+        attention_mask=to_device(mask, device),
+        position_ids=to_device(positions, device),
+        **cache_kwargs(model, batch_cache),
         use_cache=True,
     )
-    logits = out.logits.float().cpu()  # [batch, width, vocab]
+    logits = to_host(out.logits)  # [batch, width, vocab]
     results = []
     for row, step in enumerate(steps):
         n = len(step.feed)

@@ -29,7 +29,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specsplit serve-target", description=__doc__)
     parser.add_argument("--model", default=models.DEFAULT_MODEL, help="folder, .gguf file, cached hub id or 'smollm2-135m'")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default=models.AUTO_DTYPE,
+                        help="auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     parser.add_argument("--max-block", type=int, default=32, help="largest draft block accepted per verify")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
@@ -64,7 +65,7 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
 async def serve(args) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (1 when a tensor-parallel rank was lost)."""
     compute = ComputeThread("target-compute")
-    servicer = TargetServicer(compute, tp_degree=args.tp, device=f"{args.device}/{args.dtype}", max_batch=args.max_batch)
+    servicer = TargetServicer(compute, tp_degree=args.tp, device=f"{args.device}/{models.resolve_dtype(args.device, args.dtype)}", max_batch=args.max_batch)
     servicer.session_ttl_s = args.session_ttl_s
     leaders: list[tp.Leader] = []
 
