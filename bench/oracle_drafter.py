@@ -71,7 +71,7 @@ class OracleDrafter(ModelDrafter):
     """The model drafter (its cache, context and rollback) with each token chosen by the oracle."""
 
     def __init__(self, model, prompt: Sequence[int], oracle: Oracle, vocab_size: int) -> None:
-        super().__init__(model, prompt, SamplingParams(), None, return_probs=False)
+        super().__init__(model, prompt, SamplingParams(), return_probs=False)
         self._prompt_len = len(prompt)
         self._truth = oracle.continuations.get(tuple(prompt), [])
         self._alpha = oracle.alpha
