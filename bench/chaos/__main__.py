@@ -53,18 +53,16 @@ async def _drive(stack: Stack, args, faults: list[schedule.Fault], link: LinkCon
 
 
 def run(args, workdir: Path) -> dict:
-    kinds = tuple(k for k in schedule.KINDS if k not in schedule.LINK_KINDS or LinkControl.available)
-    faults = schedule.draw(args.seed, args.duration_s, args.fault_every_s, kinds)
+    faults = schedule.draw(args.seed, args.duration_s, args.fault_every_s)
     print(f"chaos: seed {args.seed}, {len(faults)} faults over {args.duration_s:.0f} s, {args.clients} clients")
     for fault in faults:
         print(f"  {fault}")
     draft_args = ["--model", args.draft_model] if args.draft_model else []
     stack = Stack(workdir, args.model, draft_args, args.grace_s,
                   ["--max-concurrent", str(args.max_concurrent), "--draft-timeout-s", str(args.draft_timeout_s)])
-    link = LinkControl()
     try:
         stack.start()
-        run_data = asyncio.run(_drive(stack, args, faults, link))
+        run_data = asyncio.run(_drive(stack, args, faults, LinkControl(stack.draft_link)))
     finally:
         stack.stop()
     records = run_data["records"]
@@ -80,7 +78,6 @@ def run(args, workdir: Path) -> dict:
         "model": args.model,
         "draft_model": args.draft_model or "(n-gram)",
         "catalogue_entries": run_data["entries"],
-        "link_faults": "injected" if LinkControl.available else "not injected: no emulated link in this tree",
         "schedule": [str(f) for f in faults],
         "faults_by_kind": dict(collections.Counter(f.kind for f in faults)),
         "requests_by_outcome": verdict.requests_by_outcome,

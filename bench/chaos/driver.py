@@ -14,6 +14,7 @@ import grpc
 from bench.chaos import schedule
 from bench.chaos.checker import Record, Window
 from bench.chaos.stack import Stack
+from bench.netem import LinkProcess, Shape
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
@@ -170,15 +171,26 @@ class Load:
 
 
 class LinkControl:
-    """What the schedule's link faults need from an emulated draft link (see bench/netem when present)."""
+    """The draft link's faults, applied to the emulated link (bench/netem) the orchestrator reaches the draft through."""
 
-    available = False
+    def __init__(self, link: LinkProcess) -> None:
+        self._link = link
 
     async def stall(self, seconds: float) -> None:
-        raise NotImplementedError("no emulated link")
+        """The link forwards nothing for ``seconds`` (connections stay open, bytes are held), then resumes."""
+        self._link.stall()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self._link.resume()
 
     async def delay(self, delay_ms: float, seconds: float) -> None:
-        raise NotImplementedError("no emulated link")
+        """Every byte read in the next ``seconds`` is held ``delay_ms`` each way; then the link is plain again."""
+        await asyncio.to_thread(self._link.set_shape, Shape.from_ms(delay_ms))
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await asyncio.to_thread(self._link.set_shape, Shape())
 
 
 async def run_faults(stack: Stack, faults: list[schedule.Fault], load: Load, link: LinkControl,

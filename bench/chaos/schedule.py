@@ -9,15 +9,14 @@ from dataclasses import dataclass
 KINDS = (
     "draft_kill",  # SIGKILL the draft service, start it again on its port
     "target_kill",  # SIGKILL the target service, start it again on its port
-    "draft_stall",  # the draft link forwards nothing for a while (needs the emulated link)
-    "draft_delay",  # the draft link adds a delay spike (needs the emulated link)
+    "draft_stall",  # the emulated draft link forwards nothing for a while
+    "draft_delay",  # the emulated draft link adds a one-way delay spike
     "client_cancel",  # a client cancels its stream mid-generation
     "malformed",  # a request whose bytes do not parse
     "bad_request",  # a well-formed request with an invalid field
     "oversize",  # a prompt longer than the model's context
     "orchestrator_drain",  # SIGTERM the orchestrator (it drains), start it again
 )
-LINK_KINDS = frozenset({"draft_stall", "draft_delay"})
 
 
 @dataclass(frozen=True)

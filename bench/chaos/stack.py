@@ -1,4 +1,5 @@
-"""The processes a chaos run drives: target, draft and orchestrator on fixed loopback ports, restartable."""
+"""The processes a chaos run drives: target, draft and orchestrator on fixed loopback ports, restartable,
+and the emulated link (bench/netem) between the orchestrator and the draft."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.netem import LinkProcess, Shape, start_link
 from lmkit.processes import ServiceProcess, start_service
 from target_service.ranks import free_port
 
@@ -53,7 +55,7 @@ class Restartable:
 
 
 class Stack:
-    """Target, draft and orchestrator processes; the orchestrator reaches the draft through ``draft_via``."""
+    """Target, draft and orchestrator processes; the orchestrator reaches the draft through an emulated link."""
 
     def __init__(self, workdir: Path, target_model: str, draft_args: list[str], grace_s: float,
                  orchestrator_args: list[str]) -> None:
@@ -66,12 +68,17 @@ class Stack:
             *orchestrator_args,
         ]
         self.orchestrator: Restartable | None = None
+        self.draft_link: LinkProcess | None = None
 
-    def start(self, draft_via: str = "") -> None:
-        """Start the services, then the orchestrator (its draft address: ``draft_via`` or the draft's own)."""
+    def start(self) -> None:
+        """Start the services, a plain link (no delay) in front of the draft, then the orchestrator behind it.
+
+        The link outlives draft restarts: the draft comes back on its port and the relay reaches it there.
+        """
         self.target.start()
         self.draft.start()
-        args = [*self._orchestrator_args, "--draft", draft_via or self.draft.address]
+        self.draft_link = start_link(self.draft.address, Shape(), self.workdir, "draft-link")
+        args = [*self._orchestrator_args, "--draft", self.draft_link.address]
         self.orchestrator = Restartable("orchestrator.server", "orchestrator", args, self.workdir)
         self.orchestrator.start()
 
@@ -83,6 +90,9 @@ class Stack:
         return {**self.target.pids(), **self.draft.pids(), **(self.orchestrator.pids() if self.orchestrator else {})}
 
     def stop(self) -> None:
-        for service in (self.orchestrator, self.draft, self.target):
-            if service is not None:
-                service.stop()
+        if self.orchestrator is not None:
+            self.orchestrator.stop()
+        if self.draft_link is not None:
+            self.draft_link.stop()
+        for service in (self.draft, self.target):
+            service.stop()
