@@ -159,7 +159,7 @@ def _refuse_unsupported(req: _Common) -> None:
             "(with different seeds to sample different answers)", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
-            raise RequestError(f"{name} is not supported (penalties would break lossless verification); send 0", name)
+            raise RequestError(f"{name} is not supported; send 0 (or leave it out)", name)
     if req.logit_bias:
         raise RequestError("logit_bias is not supported", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
