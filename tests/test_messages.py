@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 import grpc
+import openai
 import pytest
 import torch
 
 from lmkit import models
 from lmkit.processes import start_service
 from specsplit.client import Client
+from target_service.ranks import free_port
 
 pytestmark = pytest.mark.services
 
@@ -50,20 +52,28 @@ def test_bad_conversations_and_options_are_invalid_argument(public_api, request_
 
 
 def test_json_log_lines_of_a_generation_carry_its_request_id(tiny_services, tiny_target_dir, tmp_path):
+    """Also `serve --http-port` as a process: the OpenAI API beside gRPC, its X-Request-ID in the log lines,
+    and SIGTERM stopping both servers cleanly."""
+    http_port = free_port()
     orchestrator = start_service(
         "orchestrator.server", "orchestrator",
         ["--target", tiny_services.target_address, "--draft", tiny_services.draft_address, "--tokenizer",
-         str(tiny_target_dir), "--log-format", "json", "--log-level", "DEBUG"], tmp_path, 300,
+         str(tiny_target_dir), "--log-format", "json", "--log-level", "DEBUG", "--http-port", str(http_port),
+         "--served-model-name", "tiny"], tmp_path, 300,
     )
     try:
         with Client(orchestrator.address) as client:
             for request_id in ("trace-1", "trace-2"):
                 client.complete("a b a b a b", chat=False, max_new_tokens=8, k=4, request_id=request_id)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="-", max_retries=0) as http:
+            done = http.completions.create(model="tiny", prompt="a b a b a b", max_tokens=8, temperature=0,
+                                           extra_headers={"X-Request-ID": "trace-3"})
+        assert done.usage.completion_tokens == 8 and done.choices[0].finish_reason == "length"
     finally:
         assert orchestrator.stop(60) == 0, orchestrator.log_tail()
     lines = [json.loads(line) for line in orchestrator.log_path.read_text().splitlines() if line.startswith("{")]
     assert lines and all({"time", "level", "component", "logger", "message"} <= set(line) for line in lines)
-    for request_id in ("trace-1", "trace-2"):
+    for request_id in ("trace-1", "trace-2", "trace-3"):
         own = [line for line in lines if line.get("request_id") == request_id and line["logger"].startswith("orch")]
         assert [line["message"].split(":")[0] for line in own] == ["started", "finished (length)"], own
     # grpc's own lines during a generation are tagged too; lines outside any generation are not
