@@ -8,9 +8,13 @@ A model reference is one of:
   (keyed by the GGUF's hash); later loads take ~2 s.
 * a path to a ``.gguf`` file;
 * a local folder with ``config.json`` (what ``save_pretrained`` writes);
-* a hub id already present in the local Hugging Face cache (nothing is
-  downloaded: ``HF_HUB_OFFLINE`` is honoured and loading uses
-  ``local_files_only``).
+* a Hugging Face hub id, ``org/name`` or ``org/name@revision`` (a branch, tag
+  or commit, to pin it): taken from the local Hugging Face cache when there,
+  else downloaded into it with a progress bar (``HF_TOKEN`` for gated models,
+  ``HF_ENDPOINT`` for a mirror). With ``HF_HUB_OFFLINE=1``, or when the hub
+  cannot be reached, the error says how to get the files onto the machine.
+
+``--dtype auto`` is bfloat16 on CUDA and float32 on CPU.
 
 A folder holding ``config.json`` and ``specsplit_random_weights.json`` (and no
 weights) loads as a randomly initialised model of that shape, built directly
@@ -39,6 +43,9 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_DTYPE = "auto"  # bfloat16 on CUDA, float32 on the CPU
 RANDOM_WEIGHTS = "specsplit_random_weights.json"
+DTYPE_CHOICES = (AUTO_DTYPE, *_DTYPES)
+# What a model needs from a hub repository (weights as safetensors; no other framework's copies).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
 _convert_lock = threading.Lock()
 
 
@@ -60,9 +67,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if not self.ref:
-            raise ValueError("model reference is empty; pass a folder, a .gguf file, a cached hub id or 'smollm2-135m'")
-        if self.dtype not in (AUTO_DTYPE, *_DTYPES):
-            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {[AUTO_DTYPE, *sorted(_DTYPES)]}")
+            raise ValueError("model reference is empty; pass a folder, a .gguf file, a hub id or 'smollm2-135m'")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device {self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")
 
@@ -103,30 +110,33 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF checkpoint once into a plain safetensors folder; return it.
+def convert_gguf(gguf: Path, dtype: str = "float32") -> Path:
+    """Dequantise a GGUF checkpoint once into a plain safetensors folder in ``dtype``; return it.
 
     ``save_pretrained`` refuses a model that still carries its GGUF
     quantization config, so the weights move into a fresh model built from a
-    config without it.
+    config without it. Each dtype has its own folder (float32 keeps the
+    unsuffixed name of earlier versions).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    out = cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
+    torch_dtype = _DTYPES[dtype]
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    out = cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}{suffix}"
     if (out / "config.json").is_file():
         return out
     with _convert_lock:
         if (out / "config.json").is_file():
             return out
-        log.info("converting %s to %s (first use only)", gguf.name, out)
+        log.info("converting %s to %s in %s (first use only)", gguf.name, out, dtype)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
         config_dict = loaded.config.to_dict()
         config_dict.pop("quantization_config", None)
         config_dict.pop("_name_or_path", None)
         model_type = config_dict.pop("model_type")
         config = AutoConfig.for_model(model_type, **config_dict)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         model.load_state_dict(loaded.state_dict(), strict=False)
         model.tie_weights()
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -137,20 +147,74 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
-def resolve(ref: str) -> Path | str:
-    """Turn a model reference into something ``from_pretrained`` loads locally."""
+def resolve(ref: str, dtype: str = "float32") -> Path:
+    """Turn a model reference into a local folder ``from_pretrained`` loads (a GGUF converted to ``dtype``)."""
     if ref == DEFAULT_MODEL:
-        return convert_gguf(bundled_gguf())
+        return convert_gguf(bundled_gguf(), dtype)
     path = Path(ref).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return convert_gguf(path)
+        return convert_gguf(path, dtype)
     if path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json; pass a folder written by save_pretrained")
         return path
-    return ref  # a hub id: must already be in the local cache
+    if ref.count("/") != 1 or ref.startswith(("/", ".", "~")):
+        raise FileNotFoundError(
+            f"model {ref!r} is neither a folder, a .gguf file, a hub id (org/name[@revision]) nor "
+            f"{DEFAULT_MODEL!r}"
+        )
+    return hub_snapshot(ref)
+
+
+def hub_snapshot(ref: str) -> Path:
+    """The local folder of hub model ``org/name[@revision]``: from the cache, else downloaded (progress bar)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo_id, _, revision = ref.partition("@")
+    revision = revision or None
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if constants.is_offline_mode():
+        raise FileNotFoundError(_fetch_elsewhere(repo_id, revision, "HF_HUB_OFFLINE is set")) from None
+    log.info("downloading %s%s from %s", repo_id, f" at {revision}" if revision else "", constants.ENDPOINT)
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except GatedRepoError:
+        raise FileNotFoundError(
+            f"{repo_id} is gated: accept its terms on the hub, then set HF_TOKEN to a token of that account"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"{repo_id} is not on the hub (or is private: set HF_TOKEN to a token that can read it)"
+        ) from None
+    except RevisionNotFoundError:
+        raise FileNotFoundError(f"{repo_id} has no revision {revision!r}") from None
+    except (LocalEntryNotFoundError, OSError) as exc:  # no route to the hub, a proxy refusing, a timeout
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FileNotFoundError(_fetch_elsewhere(repo_id, revision, f"the hub did not answer: {reason}")) from None
+
+
+def _fetch_elsewhere(repo_id: str, revision: str | None, why: str) -> str:
+    """What to do when a hub model is not in the cache and cannot be downloaded here."""
+    from huggingface_hub import constants
+
+    pin = f" --revision {revision}" if revision else ""
+    return (
+        f"model {repo_id} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and cannot be "
+        f"downloaded ({why}). On a machine with hub access run `hf download {repo_id}{pin} --local-dir DIR` "
+        f"(HF_TOKEN for gated models), copy DIR here and pass it as the model; or copy that machine's "
+        f"Hugging Face cache here and point HF_HOME at it"
+    )
 
 
 def load_tokenizer(ref: str):
@@ -168,7 +232,7 @@ def load_model(spec: ModelSpec, tensor_parallel: bool = False):
     """
     from transformers import AutoModelForCausalLM
 
-    path = resolve(spec.ref)
+    path = resolve(spec.ref, spec.dtype_name)
     if isinstance(path, Path) and (path / RANDOM_WEIGHTS).is_file():
         if tensor_parallel:
             raise ValueError(f"{spec.ref} holds random weights, built on one device; serve it with --tp 1")

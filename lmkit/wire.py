@@ -13,6 +13,8 @@ from lmkit.probs_codec import EncodedProbs, decode_probs, encode_probs
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 
+MAX_TOP_LOGPROBS = 20  # most likely alternatives a session may ask for per token (OpenAI's limit)
+
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     top_p = msg.top_p if msg.HasField("top_p") else 1.0

@@ -26,7 +26,7 @@ class OrchestratorConfig:
     default_adaptive_k: bool = True
     default_overlap: bool = True  # draft the next block while the target verifies this one
     default_max_new_tokens: int = 128
-    max_new_tokens_limit: int = 4096
+    max_new_tokens_limit: int = 4096  # the most a request may ask for (--max-new-tokens-limit)
     max_stop_strings: int = 16
     max_concurrent: int = 64  # generations in flight; beyond it RESOURCE_EXHAUSTED
     ngram_min: int = 2
@@ -34,12 +34,15 @@ class OrchestratorConfig:
     connect_timeout_s: float = 120.0
     link_policy: LinkPolicy = LinkPolicy()
     peer_tls: ClientTls = ClientTls()  # TLS/mTLS towards the draft and target services
+    served_model_names: tuple[str, ...] = ()  # names the HTTP API answers to; empty: the target's model name
 
     def __post_init__(self) -> None:
         if not self.target_address:
             raise ValueError("--target is required: the target service's address, e.g. 127.0.0.1:50052")
         if self.default_k < 0:
             raise ValueError(f"--k must be >= 0, got {self.default_k}")
+        if self.max_new_tokens_limit < 1:
+            raise ValueError(f"--max-new-tokens-limit must be >= 1, got {self.max_new_tokens_limit}")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError(
                 f"--max-new-tokens must be in [1, {self.max_new_tokens_limit}], got {self.default_max_new_tokens}"

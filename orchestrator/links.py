@@ -103,6 +103,16 @@ class TargetLink(_SessionLink):
         self._stream = stream
         self._opened += 1
 
+    async def try_open(self, committed: Sequence[int]) -> bool:
+        """Open the session now; False when the target is briefly unavailable (the first verify retries)."""
+        try:
+            await self.open(committed)
+        except (PeerError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
+                raise
+            return False
+        return True
+
     async def verify(self, committed: Sequence[int], tokens: Sequence[int], probs) -> pb.VerifyResult:
         """Verify a block at len(committed), re-opening the session until the deadline if the target fails."""
         deadline = time.monotonic() + self._policy.target_deadline_s

@@ -220,8 +220,11 @@ async def speculative_decode(
     stats: LoopStats,
     controller: AdaptiveK | None = None,
     costs: CostModel | None = None,
-) -> AsyncIterator[tuple[list[int], Finish | None]]:
-    """Yield (newly committed tokens, finish reason or None) once per round.
+) -> AsyncIterator[tuple[list[int], Finish | None, list[pb.TokenLogprob]]]:
+    """Yield (newly committed tokens, finish reason or None, their logprobs) once per round.
+
+    The logprobs are the target's, one per token, when its session was opened
+    with ``return_logprobs``; empty otherwise.
 
     With a ``controller``, each round's k is chosen in [0, config.k] from the
     measured acceptance, costs and target load; ``costs`` learns from every
@@ -231,7 +234,7 @@ async def speculative_decode(
     try:
         while True:
             if len(loop.committed) >= config.max_context:
-                yield [], Finish.CONTEXT
+                yield [], Finish.CONTEXT, []
                 return
             block = await loop.next_block()
             verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs))
@@ -241,7 +244,7 @@ async def speculative_decode(
             finally:
                 verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
             new, finish = loop.commit(block, result)
-            yield new, finish
+            yield new, finish, list(result.logprobs[: len(new)])
             if finish is not None:
                 return
     finally:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 
 import grpc
 
@@ -82,23 +83,55 @@ class RayFrontServicer(pb_grpc.GeneratorServicer):
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            metrics.REQUESTS.labels(code.name).inc()
+            metrics.REQUESTS.inc(code=code.name)
 
 
 def deploy(args):
-    """Start Serve (no HTTP/gRPC proxies of its own: the front is the ingress) and run the application."""
+    """Start Serve and run the application. The front is the gRPC ingress; with --http-port, Serve's HTTP
+    proxy (on the head node) is the HTTP one, reaching the replicas' OpenAI-compatible API."""
     from ray import serve
 
-    serve.start(proxy_location="Disabled")
-    app = serve_app.build_app(options.app_args(args, server.build_parser()))
+    http = args.http_port is not None
+    if http:
+        if args.http_port == 0:
+            raise ValueError("--http-port 0 is not supported with --ray: Serve's HTTP proxy needs a fixed port")
+        serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.http_port})
+    else:
+        serve.start(proxy_location="Disabled")
+    app_args = options.app_args(args, server.build_parser())
+    if http and args.auth_token_file:
+        app_args["auth_token_file"] = args.auth_token_file  # the replicas check the HTTP requests' token
+    app = serve_app.build_app(app_args)
     try:
-        serve.run(app, name=args.ray_app_name, route_prefix=None)
+        serve.run(app, name=args.ray_app_name, route_prefix="/" if http else None)
     except RuntimeError as exc:  # the replicas failed to start: say why, as the replica said it
         why = _replica_error(serve.status().applications.get(args.ray_app_name)) or str(exc)
         with contextlib.suppress(Exception):
             serve.delete(args.ray_app_name)
         raise ValueError(f"the orchestrator replicas did not start: {why}") from None
+    if http:
+        _wait_for_http(args.host, args.http_port)
     return serve.get_app_handle(args.ray_app_name)
+
+
+def _wait_for_http(host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Serve's HTTP proxy answers on the port, or a ValueError says why it cannot (Serve already running)."""
+    import urllib.error
+    import urllib.request
+
+    address = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://{address}:{port}/-/healthz", timeout=5).close()
+            return
+        except (urllib.error.URLError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"Serve's HTTP proxy does not answer on {address}:{port} ({exc}); if Serve already runs on "
+                    "this cluster with other HTTP options, it keeps them: `serve shutdown` first, or use its port"
+                ) from None
+            time.sleep(0.5)
 
 
 def _replica_error(app) -> str:
@@ -176,6 +209,8 @@ async def run_front(args) -> None:
         await set_serving(health, [SERVICE_NAME], True)
         write_port_file(args.port_file, port)
         log.info("orchestrator on Ray (%d replicas) serving on %s:%d", args.ray_num_replicas, args.host, port)
+        if args.http_port is not None:
+            log.info("OpenAI-compatible HTTP API (Serve's HTTP proxy) on %s:%d", args.host, args.http_port)
         watcher = asyncio.create_task(_follow_app_status(health, args.ray_app_name))
         try:
             await serve_until_signal(front, health, args.grace_s)

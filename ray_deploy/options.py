@@ -30,7 +30,7 @@ _HELP = {
 }
 # ``specsplit serve`` flags that configure the public front, not the orchestrator replicas.
 FRONT_ONLY = frozenset({
-    "host", "port", "port_file", "reflection", "metrics_port", "grace_s", "log_level",
+    "host", "port", "port_file", "reflection", "metrics_port", "grace_s", "log_level", "http_port",
     "tls_cert", "tls_key", "tls_ca", "auth_token_file", "handler", "command", "help",
 })
 

@@ -7,7 +7,7 @@ No grpc here: the servicer converts protos to these calls and maps
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -20,6 +20,7 @@ from lmkit.sampling import SamplingParams, logits_to_probs
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection
 from target_service.batched_forward import Step, forward_batch, split_by_width
+from target_service.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, committed_logprobs
 
 
 @dataclass
@@ -30,6 +31,7 @@ class TargetSession:
     mode: VerificationMode
     cache: SessionCache
     rounds: int = 0
+    top_logprobs: int | None = None  # None: no logprobs; else also this many most likely tokens per position
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Verification:
     next_token: int
     compute_s: float
     batch: BatchShare = BatchShare()
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token when the session asked for them
 
 
 @dataclass(frozen=True)
@@ -95,11 +98,15 @@ class TargetEngine:
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
 
     # -- sessions -----------------------------------------------------------
-    def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode):
+    def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode,
+             top_logprobs: int | None = None):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
         check_mode(mode, sampling)
-        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache())
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise errors.InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
+                                top_logprobs=top_logprobs)
         return self.sessions.add(session_id, session)
 
     def close(self, session_id: str) -> None:
@@ -121,7 +128,8 @@ class TargetEngine:
         logits = session.cache.logits(session.tokens, draft_tokens)  # [k+1, vocab]
         self.forward_passes += 1
         result = self._commit(session, logits, draft_tokens, draft_probs)
-        return Verification(result.accepted, result.next_token, time.perf_counter() - start)
+        logprobs = self._logprobs(session, logits, result)
+        return Verification(result.accepted, result.next_token, time.perf_counter() - start, logprobs=logprobs)
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verification | errors.SpecsplitError]:
         """Verify blocks of different sessions in shared forward passes; each result equals its solo ``verify``.
@@ -173,7 +181,7 @@ class TargetEngine:
         for i in done:
             own = results[i]
             share = BatchShare(len(done), width, committed - (own.accepted + 1))
-            results[i] = Verification(own.accepted, own.next_token, step_s, share)
+            results[i] = replace(own, compute_s=step_s, batch=share)
 
     def _split_overhead_tokens(self) -> float:
         """One more forward's fixed cost in tokens (a / s); infinite (never split) until measured."""
@@ -198,12 +206,22 @@ class TargetEngine:
         decided = [
             self._commit(item.session, rows, item.draft_tokens, item.draft_probs) for item, rows in zip(items, logits)
         ]
+        logprobs = [self._logprobs(item.session, rows, d) for item, rows, d in zip(items, logits, decided)]
         elapsed = time.perf_counter() - start
         committed = sum(d.accepted + 1 for d in decided)
         return [
-            Verification(d.accepted, d.next_token, elapsed, BatchShare(len(items), width, committed - (d.accepted + 1)))
-            for d in decided
+            Verification(d.accepted, d.next_token, elapsed, BatchShare(len(items), width, committed - (d.accepted + 1)),
+                         lp)
+            for d, lp in zip(decided, logprobs)
         ]
+
+    @staticmethod
+    def _logprobs(session: TargetSession, logits, verdict: rejection.Verdict) -> tuple[TokenLogprob, ...]:
+        """The committed tokens' log-probabilities from this pass's logits, when the session asked for them."""
+        if session.top_logprobs is None:
+            return ()
+        committed = session.tokens[len(session.tokens) - verdict.accepted - 1 :]  # _commit appended them
+        return tuple(committed_logprobs(logits, committed, session.top_logprobs))
 
     def _commit(self, session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
         """Decide on the block from its logits and commit accepted + 1 tokens to the session."""

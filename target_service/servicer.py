@@ -82,7 +82,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
     async def _open(self, engine: TargetEngine, msg: pb.TargetOpen):
         sampling = sampling_from_proto(msg.sampling)
         mode = mode_from_proto(msg.mode)
-        return await self.compute.run(engine.open, msg.session_id, list(msg.tokens), sampling, mode)
+        top_logprobs = msg.top_logprobs if msg.return_logprobs else None
+        return await self.compute.run(engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs)
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
         probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
@@ -95,4 +96,9 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             batch_size=done.batch.size,
             batch_width=done.batch.width,
             others_committed=done.batch.others_committed,
+            logprobs=[
+                pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                for lp in done.logprobs
+            ],
         )

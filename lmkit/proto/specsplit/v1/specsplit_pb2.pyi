@@ -108,6 +108,36 @@ class DrafterInfo(_message.Message):
     needs_model: bool
     def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "token", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    token: str
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "token")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    token: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -201,16 +231,20 @@ class DraftResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "mode")
+    __slots__ = ("session_id", "tokens", "sampling", "mode", "return_logprobs", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     mode: VerificationMode
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
+    return_logprobs: bool
+    top_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("position", "draft_tokens", "draft_probs")
@@ -231,7 +265,7 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed")
+    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "logprobs")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +273,7 @@ class VerifyResult(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
     OTHERS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     position: int
     accepted: int
     next_token: int
@@ -246,7 +281,8 @@ class VerifyResult(_message.Message):
     batch_size: int
     batch_width: int
     others_committed: int
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
@@ -257,7 +293,7 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain", "overlap")
+    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain", "overlap", "messages", "return_logprobs", "top_logprobs", "request_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +306,10 @@ class GenerateRequest(_message.Message):
     ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: bool
     max_new_tokens: int
@@ -282,10 +322,14 @@ class GenerateRequest(_message.Message):
     adaptive_k: bool
     chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
     overlap: bool
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    return_logprobs: bool
+    top_logprobs: int
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size")
+    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size", "request_id")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +353,7 @@ class GenerationStats(_message.Message):
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
     MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     new_tokens: int
     rounds: int
@@ -332,16 +377,19 @@ class GenerationStats(_message.Message):
     overlap: bool
     overlap_hits: int
     mean_batch_size: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ...) -> None: ...
+    request_id: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     stats: GenerationStats
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
