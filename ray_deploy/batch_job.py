@@ -150,7 +150,9 @@ def run(args) -> int:
             with tqdm(total=len(specs), initial=totals.done_before, desc="batch", unit="prompt", file=sys.stderr,
                       mininterval=0.5) as bar:
                 _drive(workers, todo, args.concurrency, output, totals, bar)
-        except cluster.Stopped:
+        except KeyboardInterrupt:
+            if not cluster.stop_requested():
+                raise
             stopped = True  # every finished result is on disk already
         finally:
             cluster.disconnect(started)

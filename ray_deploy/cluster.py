@@ -7,7 +7,7 @@ the main thread happens to be, and a native one that prints "*** SIGTERM
 received ***" lines; a SIGTERM during start-up then left actors, services and
 the local cluster behind. ``connect`` replaces both with one that raises
 ``Stopped`` (a KeyboardInterrupt, so no ``except Exception`` swallows it), and
-the commands stop in order from wherever they are.
+the commands stop in order from wherever they are, then exit 0.
 """
 
 from __future__ import annotations
@@ -27,9 +27,15 @@ SCHEDULE_TIMEOUT_S = 60.0
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM: stop in order. A normal stop, so the command exits 0."""
+    """SIGTERM: stop in order (Ray may re-raise it as a plain KeyboardInterrupt: see ``stop_requested``)."""
 
-    exit_code = 0
+
+_sigterm = threading.Event()
+
+
+def stop_requested() -> bool:
+    """True once SIGTERM arrived: a KeyboardInterrupt then is that normal stop, not Ctrl-C."""
+    return _sigterm.is_set()
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +106,7 @@ def _raise_on_sigterm() -> None:
 
 
 def _stopped(signum, frame) -> None:
+    _sigterm.set()
     log.info("SIGTERM received: stopping")
     raise Stopped()
 

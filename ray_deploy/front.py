@@ -101,11 +101,14 @@ def deploy(args, local: bool, cancelled: threading.Event):
     serve.start(proxy_location="Disabled")
     app = serve_app.build_app(options.app_args(args, server.build_parser()))
     ask = resources.replica_ask(args.ray_num_cpus, args.ray_num_replicas)
-    probe = resources.reserve([ask], args.ray_schedule_timeout_s, resources.capacity(), local)
+    probe = resources.reserve([ask], args.ray_schedule_timeout_s, resources.capacity(), local, cancelled)
     if probe is not None:
         remove_placement_group(probe)
+    if cancelled.is_set():
+        return None
+    # serve.run waits for RUNNING without a bound; serve._run (marked PublicAPI in Ray 2.60) can return at once.
     serve._run(app, _blocking=False, name=args.ray_app_name, route_prefix=None)
-    began = time.monotonic()
+    began, said = time.monotonic(), set()
     while not cancelled.is_set():
         app_status = serve.status().applications.get(args.ray_app_name)
         if app_status is not None and app_status.status == "RUNNING":
@@ -113,6 +116,9 @@ def deploy(args, local: bool, cancelled: threading.Event):
         if app_status is None or app_status.status == "DEPLOY_FAILED":  # say why, as the replica said it
             why = _replica_error(app_status) or (app_status.message if app_status else "the application is gone")
             raise ValueError(f"the orchestrator replicas did not start: {why}")
+        for message in {d.message for d in app_status.deployments.values() if d.message} - said:
+            log.warning("Serve: %s", message)  # e.g. replicas slow to be scheduled or to start: never silent
+            said.add(message)
         if time.monotonic() - began > args.ray_schedule_timeout_s and _waiting_for_resources(app_status):
             raise ValueError(resources.refusal(
                 f"Serve could not schedule the orchestrator replicas within {args.ray_schedule_timeout_s:.0f} s "
@@ -181,6 +187,9 @@ async def serve(args) -> None:
         resources.require([resources.replica_ask(args.ray_num_cpus, args.ray_num_replicas)], cap, started,
                           "serve --ray")
         await run_front(args, local=started)
+    except KeyboardInterrupt:
+        if not cluster.stop_requested():
+            raise
     finally:
         cluster.disconnect(started)
 
@@ -200,9 +209,16 @@ async def run_front(args, local: bool = False) -> None:
     )
     serve_metrics(args.metrics_port, args.host, "orchestrator")
     await set_serving(health, [SERVICE_NAME], False)
-    cancelled = threading.Event()
+    cancelled, deployed = threading.Event(), threading.Event()
+
+    def deploying():
+        try:
+            return deploy(args, local, cancelled)
+        finally:
+            deployed.set()
+
     try:
-        handle = await _unless(stop, _off_loop(deploy, args, local, cancelled, timeout_s=None))
+        handle = await _unless(stop, _off_loop(deploying, timeout_s=None))
         if handle is None:  # stopped while deploying
             return
         servicer = RayFrontServicer(handle, args.ray_max_queued_requests)
@@ -221,6 +237,8 @@ async def run_front(args, local: bool = False) -> None:
         cancelled.set()
         began = time.monotonic()
         with contextlib.suppress(Exception):  # the cluster may already be gone
+            # A deploy cut short by a signal finishes its step first, so that nothing deploys after the delete.
+            await _off_loop(deployed.wait, DELETE_TIMEOUT_S, timeout_s=DELETE_TIMEOUT_S)
             await _off_loop(ray_serve.delete, args.ray_app_name, timeout_s=DELETE_TIMEOUT_S)
         log.info("application %s deleted in %.1f s", args.ray_app_name, time.monotonic() - began)
 

@@ -175,7 +175,7 @@ def run(args) -> int:
         args.tokenizer = target_model  # the orchestrator tokenizes with the target's own tokenizer
     _check_flags(args)  # before a cluster is joined
     started = cluster.connect(args.ray_address, args.ray_local_cpus)
-    actors, group = [], None
+    actors, serving, group = [], [], None
     try:
         cap = resources.capacity()
         asks = size_to_cluster(args, cap, started)
@@ -187,14 +187,18 @@ def run(args) -> int:
             actors.append(place(names[role], module, argv, placement, args.place_timeout_s, bundle))
         for role, actor in zip(wanted, actors):
             info = wait_serving(names[role], actor, args.place_timeout_s)
+            serving.append(actor)
             log.info("%s serving at %s on node %s", role, info["address"], info["node_id"])
             setattr(args, role, info["address"])
         if args.no_draft:
             args.draft = ""
         asyncio.run(front.run_front(args, local=started))
+    except KeyboardInterrupt:
+        if not cluster.stop_requested():
+            raise
     finally:
         cluster.stopping()
-        _stop(actors, group)
+        _stop(actors, serving, group)
         cluster.disconnect(started)
     return 0
 
@@ -208,13 +212,14 @@ def _check_flags(args) -> None:
             raise ValueError(f"{flag} must be >= 0, got {value:g}")
 
 
-def _stop(actors, group) -> None:
-    """Stop every service (each drains, then exits), then their actors and the resources they held."""
+def _stop(actors, serving, group) -> None:
+    """Stop every service that serves (each drains, then exits), then kill every actor (a service still
+    loading dies with its actor) and free the resources they held."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
     started = time.monotonic()
-    stops = [actor.stop.remote() for actor in actors]
+    stops = [actor.stop.remote() for actor in serving]
     with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
         ray.get(stops, timeout=STOP_TIMEOUT_S)
     for actor in actors:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 # Resources every node advertises that nobody here asks for; left out of messages.
 _HIDDEN_PREFIXES = ("node:", "memory", "object_store_memory", "accelerator_type:", "bundle_group")
 _EPS = 1e-9
+RESERVE_POLL_S = 1.0  # how often a wait for resources looks whether it was cancelled
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,8 @@ def refusal(headline: str, asks: list[Ask], cap: Capacity, local: bool) -> str:
     shown = sorted({name for ask in asks for name in ask.bundle()} | {"CPU"})
     width = max(len(_label(ask)) for ask in asks) if asks else 0
     lines = [headline]
-    lines += [f"  {_label(ask):<{width}}  {_fmt(ask.bundle()) or 'nothing'}  ({ask.flags})" for ask in asks]
-    lines.append(f"  {'in all':<{width}}  {_fmt(_sum([ask.total() for ask in asks])) or 'nothing'}")
+    lines += [f"  {_label(ask):<{width}}  {_fmt(_with_cpu(ask.bundle()))}  ({ask.flags})" for ask in asks]
+    lines.append(f"  {'in all':<{width}}  {_fmt(_with_cpu(_sum([ask.total() for ask in asks])))}")
     lines.append(f"the Ray cluster has {_fmt(_pick(cap.total(), shown))} in all over {len(cap.nodes)} node(s) "
                  f"(largest: {_fmt(_pick(_largest(cap.nodes), shown))}), {_fmt(_pick(cap.free, shown))} free now")
     fix = "lower the flags above (fractions of a CPU or GPU are fine)"
@@ -124,8 +126,9 @@ def refusal(headline: str, asks: list[Ask], cap: Capacity, local: bool) -> str:
     return "\n".join(lines)
 
 
-def reserve(asks: list[Ask], timeout_s: float, cap: Capacity, local: bool):
-    """A placement group with one bundle per actor of ``asks``, once Ray has placed it; None if none asks anything.
+def reserve(asks: list[Ask], timeout_s: float, cap: Capacity, local: bool, cancelled=None):
+    """A placement group with one bundle per actor of ``asks``, once Ray has placed it; None if none asks
+    anything, or when ``cancelled`` (a threading.Event) is set while it waits.
 
     Bundles are packed where they fit (strategy PACK, soft). Ray reserves them all or none; after
     ``timeout_s`` the group is removed and a ValueError says what could not be found free.
@@ -137,9 +140,15 @@ def reserve(asks: list[Ask], timeout_s: float, cap: Capacity, local: bool):
     if not bundles:
         return None
     group = placement_group(bundles, strategy="PACK")
-    if group.wait(timeout_s):
+    ready, deadline = group.ready(), time.monotonic() + timeout_s
+    while not ray.wait([ready], timeout=min(RESERVE_POLL_S, max(0.0, deadline - time.monotonic())))[0]:
+        if (cancelled is not None and cancelled.is_set()) or time.monotonic() >= deadline:
+            break
+    else:
         return group
     remove_placement_group(group)
+    if cancelled is not None and cancelled.is_set():
+        return None
     raise ValueError(refusal(
         f"Ray could not schedule these within {timeout_s:.0f} s (--ray-schedule-timeout-s): "
         "what they ask for is not free",
@@ -179,6 +188,10 @@ def _largest(nodes) -> dict[str, float]:
 
 def _pick(resources: dict[str, float], names) -> dict[str, float]:
     return {name: resources.get(name, 0.0) for name in names}
+
+
+def _with_cpu(resources: dict[str, float]) -> dict[str, float]:
+    return {"CPU": 0.0, **resources}
 
 
 def _label(ask: Ask) -> str:

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, errors.SpecsplitError) as exc:
         print(f"specsplit {command.name}: error: {exc}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt as exc:
-        code = getattr(exc, "exit_code", 130)  # ray_deploy.cluster.Stopped (SIGTERM) is a normal stop: 0
+    except KeyboardInterrupt:
+        code = 130
     # Leave promptly: with torch, transformers or Ray loaded, the interpreter's last garbage collection
     # of their object graph takes seconds. Frozen objects are skipped; logs are flushed by logging's
     # atexit hook and the std streams by the interpreter, so nothing waits on that collection.
