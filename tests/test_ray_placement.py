@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -82,16 +83,38 @@ def test_unplaceable_service_is_a_cli_error(ray_cluster):
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2, result.stderr
-    assert "no node of the Ray cluster offers" in result.stderr and "nowhere" in result.stderr
+    assert "the target asks for CPU 1, nowhere 1, more than any node of the cluster has" in result.stderr
+    assert "--target-resources" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_service_whose_resources_are_taken_fails_within_the_schedule_timeout(up, ray_cluster):
+    """The cluster has one `target_node`, and the running `up` holds it: a second target waits 2 s, then fails."""
+    import ray
+
+    began = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", ray_cluster.address, "--ray-app-name", "other",
+         "--target-resources", '{"target_node": 1}', "--target-num-cpus", "0", "--no-draft", "--ray-num-cpus", "0",
+         "--ray-schedule-timeout-s", "2", "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "could not schedule these within 2 s (--ray-schedule-timeout-s)" in result.stderr
+    assert "target_node 1 in all" in result.stderr and "target_node 0 free now" in result.stderr
     assert "Traceback" not in result.stderr
+    assert time.monotonic() - began < 60
+    with pytest.raises(ValueError):
+        ray.get_actor("other-target", namespace="specsplit")
+    states = [group["state"] for group in ray.util.placement_group_table().values()]
+    assert "PENDING" not in states, states
 
 
 def test_placement_flags():
     assert target_argv("--model /m --device cuda", 4) == ["--model", "/m", "--device", "cuda", "--tp", "4"]
     assert target_argv("--model /m --tp 2", 4)[-2:] == ["--tp", "2"]  # an explicit --tp wins
     assert model_in(["--device", "cuda", "--model", "/m"]) == "/m" and model_in(["--model=/x"]) == "/x"
-    assert Placement(num_gpus=2).fits({"CPU": 4, "GPU": 2}) and not Placement(num_gpus=2).fits({"CPU": 4})
-    assert Placement(resources={"draft": 1}).fits({"CPU": 1, "draft": 1})
+    assert Placement(1.0, 2, {"draft": 1.0}).ask("draft").bundle() == {"CPU": 1.0, "GPU": 2, "draft": 1.0}
+    assert Placement(0.0).ask("target").bundle() == {}  # asks for nothing: runs anywhere, at once
     assert parse_resources('{"draft": 1}', "--draft-resources") == {"draft": 1.0}
     with pytest.raises(ValueError, match="--draft-resources must be a JSON object"):
         parse_resources("draft=1", "--draft-resources")
