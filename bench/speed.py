@@ -33,7 +33,7 @@ import torch
 
 from bench import demo
 from bench.evaluation import RunResult, run_one, theoretical_speedup
-from bench.prompts import PROMPT_SETS
+from bench.prompts import PROMPT_SETS, chat_ids
 from lmkit import models
 from lmkit.kinds import DrafterKind
 from lmkit.processes import local_services
@@ -131,10 +131,10 @@ def hf_anchors(args, prompts, tokenizer, max_new: int, k: int, drafter: DrafterK
     extra = {"assistant_model": assistant} if assistant is not None else {"prompt_lookup_num_tokens": k}
     out = {"generate": [], "assisted": []}
     for name, kwargs in (("generate", {}), ("assisted", extra)):
-        ids = _chat_ids(tokenizer, prompts[0].text)
+        ids = chat_ids(tokenizer, prompts[0])
         _hf_generate(target, ids, 8, kwargs)  # warm-up
         for p in prompts:
-            ids = _chat_ids(tokenizer, p.text)
+            ids = chat_ids(tokenizer, p)
             start = time.perf_counter()
             new = _hf_generate(target, ids, max_new, kwargs)
             out[name].append((new, time.perf_counter() - start))
@@ -146,11 +146,6 @@ def hf_anchors(args, prompts, tokenizer, max_new: int, k: int, drafter: DrafterK
         "threads": threads, "cpus": args.target_cpus or "unpinned",
         "outputs": {name: [n for n, _ in runs] for name, runs in out.items()},
     }
-
-
-def _chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 @torch.inference_mode()
@@ -165,7 +160,7 @@ async def _timed(orch, prompt, mode: Mode, drafter, max_new) -> tuple[list[tuple
     request = GenerationRequest(prompt.text, True, max_new, GREEDY, (), mode.k, drafter, False, mode.adaptive,
                                 overlap=mode.overlap)
     events, ids, stats = [], [], None
-    async for event in orch.generate(request, orch.encode(prompt.text, chat=True)):
+    async for event in orch.generate(request, chat_ids(orch.tokenizer, prompt)):
         events.append((time.perf_counter(), len(event.token_ids)))
         ids.extend(event.token_ids)
         stats = event.stats or stats
