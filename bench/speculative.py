@@ -12,18 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
-import torch
-
-from bench import demo, speed, traffic
+from bench import demo, runs, speed, traffic
 from bench.prompts import PROMPT_SETS
-from lmkit import models
-from lmkit.kinds import DrafterKind
 from lmkit.processes import local_services
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Orchestrator
@@ -52,26 +44,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def settings_of(args) -> traffic.Settings:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    return traffic.Settings(
-        drafter=DrafterKind[args.drafter.upper()], k=args.k, adaptive=not args.fixed_k, overlap=not args.no_overlap,
-        max_new_tokens=args.max_new_tokens, lookups=tuple(int(n) for n in args.hf_lookup.split(",") if n.strip()),
-        hf=not args.no_hf, repeats=args.repeats,
-    )
-
-
-def load_anchor_model(args):
-    """The target's weights in this process for the HF anchors, with the target's thread count."""
-    torch.set_num_threads(args.target_threads)
-    return models.load_model(models.ModelSpec(args.model, args.device, args.dtype))
-
-
 async def measure_traffic(args, target_address: str, draft_address: str, decodings, model) -> dict:
-    config = OrchestratorConfig(target_address=target_address, draft_address=draft_address, tokenizer=args.model)
+    config = OrchestratorConfig(target_address=target_address, draft_address=draft_address, tokenizer=args.model,
+                                ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     orch = await Orchestrator.connect(config)
-    settings = settings_of(args)
+    settings = runs.settings_of(args)
     try:
         measured = await traffic.measure(orch, model, PROMPT_SETS[args.prompt_set], settings, decodings)
     finally:
@@ -79,54 +56,16 @@ async def measure_traffic(args, target_address: str, draft_address: str, decodin
     return traffic.report(measured, settings)
 
 
-def header(args) -> dict:
-    return {
-        "target": args.model,
-        "drafter": args.drafter,
-        "draft_model": args.draft_model or None,
-        "self_draft_flags": demo.self_draft_flags(args) if not args.draft_model else [],
-        "chain": [k.name.lower() for k in demo.chain_members(args)],
-        "prompt_set": args.prompt_set,
-        "max_new_tokens": args.max_new_tokens,
-        "k": args.k,
-        "adaptive_k": not args.fixed_k,
-        "overlap": not args.no_overlap,
-        "tp": args.tp,
-        "target_threads": args.target_threads,
-        "draft_threads": args.draft_threads,
-        "target_cpus": args.target_cpus or "unpinned",
-        "draft_cpus": args.draft_cpus or "unpinned",
-        "hf_anchors": "in the bench process, the target's threads, interleaved with the services' runs",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-    }
-
-
-def service_args(args) -> tuple[list[str], list[str]]:
-    target_args, draft_args = demo.service_args(args)
-    if args.target_cpus:
-        target_args += ["--cpus", args.target_cpus]
-    if args.draft_cpus:
-        draft_args += ["--cpus", args.draft_cpus]
-    return target_args, draft_args
-
-
-def write(report: dict, path: str) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    return out
-
-
 def run(args) -> int:
     if args.suite == "speed":
         return speed.run(args)
     started = time.time()
-    model = None if args.no_hf else load_anchor_model(args)
-    with local_services(*service_args(args)) as (target, draft):
+    model = None if args.no_hf else runs.load_anchor_model(args)
+    with local_services(*runs.service_args(args)) as (target, draft):
         result = asyncio.run(
             measure_traffic(args, target.address, draft.address, traffic.DECODINGS[args.decoding], model))
-    report = {"benchmark": "traffic", **header(args), **result, "duration_s": round(time.time() - started, 1)}
-    path = write(report, args.json)
+    report = {"benchmark": "traffic", **runs.header(args), **result, "duration_s": round(time.time() - started, 1)}
+    path = runs.write(report, args.json)
     traffic.print_rows(result)
     print(f"-> {path}")
     return 0

@@ -247,20 +247,25 @@ def goals(rows: dict[str, dict], decoding: str) -> dict:
         return {
             "mixed_ge_1_3x_target_only": _ge(overall.get("specsplit_vs_target_only"), 1.3),
             "mixed_ge_1_2x_best_hf": _ge(overall.get("specsplit_vs_best_hf"), 1.2),
-            "grounded_kinds_ge_hf_lookup": all(_ge(kinds[k].get("specsplit_vs_best_hf_lookup"), 1.0) for k in grounded)
-            if grounded else None,
-            "open_kinds_ge_0_98x_target_only": all(
+            "grounded_kinds_ge_hf_lookup": _all(_ge(kinds[k].get("specsplit_vs_best_hf_lookup"), 1.0) for k in grounded),
+            "open_kinds_ge_0_98x_target_only": _all(
                 _ge(r.get("specsplit_vs_target_only"), 0.98) for k, r in kinds.items() if k not in grounded),
             "specsplit_outputs_identical": _all_equal(overall.get("identical_to_target_only", {}).get(SPECSPLIT)),
         }
     return {
-        "every_kind_ge_0_98x_target_only": all(_ge(r.get("specsplit_vs_target_only"), 0.98) for r in kinds.values()),
+        "every_kind_ge_0_98x_target_only": _all(_ge(r.get("specsplit_vs_target_only"), 0.98) for r in kinds.values()),
         "mixed_ge_1_15x_target_only": _ge(overall.get("specsplit_vs_target_only"), 1.15),
     }
 
 
 def _kinds_of_group(rows: dict[str, dict], group: str) -> list[str]:
     return [k for k, r in rows.items() if k.startswith("kind:") and r.get("group") == group]
+
+
+def _all(checks) -> bool | None:
+    """All true; None when there is nothing to check or a figure is missing."""
+    checks = list(checks)
+    return None if not checks or None in checks else all(checks)
 
 
 def _all_equal(fraction: str | None) -> bool | None:
