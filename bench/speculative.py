@@ -36,8 +36,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="mixed: 55 prompts of 11 kinds (mixed-dev / mixed-heldout: its two splits); demo: the 8 demo prompts; "
              "drafters: 4 code-edit + 4 free-text prompts",
     )
-    parser.add_argument("--decoding", default="greedy", choices=sorted(traffic.DECODINGS),
-                        help="greedy, sampling (T 0.7, top-p 0.95, a seed per prompt) or both")
+    parser.add_argument("--decoding", default="both", choices=sorted(traffic.DECODINGS),
+                        help="both (a sampling row beside greedy), greedy, or sampling (T 0.7, top-p 0.95, a seed "
+                             "per prompt)")
     parser.add_argument("--hf-lookup", default="3,8", help="HF prompt_lookup_num_tokens values to run ('' = none)")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face anchors")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the prompt set")
