@@ -26,6 +26,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--fixed-k", action="store_true", help="draft exactly k per round (no adaptive k)")
     parser.add_argument("--no-overlap", action="store_true", help="draft and verify in turn (no pipelined drafting)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--ngram-min", type=int, default=OrchestratorConfig.ngram_min, help="n-gram drafter: shortest match")
+    parser.add_argument("--ngram-max", type=int, default=OrchestratorConfig.ngram_max, help="n-gram drafter: longest match")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target (gloo on CPU)")
     parser.add_argument("--target-threads", type=int, default=2)
     parser.add_argument("--draft-threads", type=int, default=1)

@@ -114,8 +114,9 @@ class DraftEngine:
         context = DraftRequestContext(list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain))
         return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context)))
 
-    def propose(self, session: DraftSession, position: int, tokens: Sequence[int], k: int) -> Proposed:
-        """Take the committed tokens from ``position`` on, then draft up to ``k``."""
+    def propose(self, session: DraftSession, position: int, tokens: Sequence[int], k: int, free_k: int = 0) -> Proposed:
+        """Take the committed tokens from ``position`` on, then draft up to ``k`` (a free drafter up to
+        ``free_k`` when larger)."""
         held = session.drafter.position
         if position > held:
             raise errors.FailedPrecondition(
@@ -124,12 +125,15 @@ class DraftEngine:
             )
         if k > self.limits.max_block:
             raise errors.InvalidArgument(f"k = {k} is larger than this draft's max block {self.limits.max_block}")
+        if free_k > self.limits.max_block:
+            raise errors.InvalidArgument(
+                f"free_k = {free_k} is larger than this draft's max block {self.limits.max_block}")
         if position + len(tokens) == 0:
             raise errors.InvalidArgument("propose would leave the context empty; send the committed tokens")
         check_tokens(tokens, self.vocab_size, "tokens")
         start = time.perf_counter()
         session.drafter.commit(position, tokens)
-        block = session.drafter.propose(k)
+        block = session.drafter.propose_within(k, free_k)
         session.rounds += 1
         self.sessions.count_round()
         return Proposed(block, time.perf_counter() - start)

@@ -35,10 +35,11 @@ class DrafterEntry:
     has_probs: bool = False  # can return the distributions its tokens were sampled from
     derived: bool = False  # runs a model derived from --model at start-up (needs its flag)
     enable_hint: str = ""  # how to start serve-draft so that it serves this drafter
+    free: bool = False  # its proposals cost ~nothing (its Drafter class says ``free = True`` too)
 
     @property
     def traits(self) -> DrafterTraits:
-        return DrafterTraits(self.kind, self.has_probs, self.needs_model)
+        return DrafterTraits(self.kind, self.has_probs, self.needs_model, self.free)
 
 
 def _model_drafter(model, c: DraftRequestContext) -> ModelDrafter:
@@ -60,7 +61,7 @@ def register(entry: DrafterEntry) -> DrafterEntry:
 DRAFTERS: dict[DrafterKind, DrafterEntry] = {}
 register(DrafterEntry(DrafterKind.MODEL, lambda c: _model_drafter(c.model, c), needs_model=True, has_probs=True,
                       enable_hint="start serve-draft with --model to enable the model drafter"))
-register(DrafterEntry(DrafterKind.NGRAM, lambda c: NgramDrafter(c.ngram, c.prompt)))
+register(DrafterEntry(DrafterKind.NGRAM, lambda c: NgramDrafter(c.ngram, c.prompt), free=NgramDrafter.free))
 register(DrafterEntry(DrafterKind.LAYERSKIP, lambda c: _model_drafter(c.derived[DrafterKind.LAYERSKIP], c),
                       needs_model=True, has_probs=True, derived=True,
                       enable_hint="start serve-draft with --model TARGET --layerskip-layers L to enable it"))

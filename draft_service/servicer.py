@@ -51,7 +51,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             max_block=e.limits.max_block,
             drafters=[k.value for k in e.drafters],
             drafter_info=[
-                pb.DrafterInfo(kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model)
+                pb.DrafterInfo(kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model,
+                               free=t.free)
                 for t in e.traits
             ],
             tp_degree=1,
@@ -93,12 +94,16 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         )
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
-        done = await self.compute.run(engine.propose, session, msg.position, list(msg.tokens), msg.k)
+        done = await self.compute.run(engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k)
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.block.tokens,
             compute_us=int(done.compute_s * 1e6),
+            drafter=done.block.drafter.value if done.block.drafter is not None else 0,
         )
+        if done.block.quality is not None:
+            block.quality.CopyFrom(pb.MatchQuality(
+                length=done.block.quality.length, occurrences=done.block.quality.occurrences))
         if done.block.probs is not None:
             block.probs.CopyFrom(probs_to_proto(done.block.probs))
         return block

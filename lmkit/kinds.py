@@ -106,6 +106,7 @@ class DrafterTraits:
     kind: DrafterKind
     has_probs: bool = False  # can send the distributions its tokens were sampled from (DRAFT_PROBS mode)
     needs_model: bool = False  # runs a model that must share the target's vocabulary
+    free: bool = False  # proposals cost ~nothing to make: asked for up to the free bound, cut by quality
 
 
 # Model-backed drafters in order of preference as the fallback behind n-gram lookup.

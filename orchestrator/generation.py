@@ -20,12 +20,14 @@ from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.wire import sampling_to_proto
 from orchestrator import metrics
-from orchestrator.adaptive_k import AdaptiveK, CostModel
+from orchestrator.acceptance import AcceptanceStats, Verification
+from orchestrator.adaptive_k import AdaptiveK
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detok import IncrementalDetokenizer, StopMatcher
 from orchestrator.links import DraftLink, TargetLink
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from orchestrator.peers import ServiceClient, draft_client, target_client
+from orchestrator.rate import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class Orchestrator:
         }
         self.costs = CostModel()  # one target: its measured costs serve every session
         self.active = 0  # generations in flight, over every API; bounded by config.max_concurrent
+        self.acceptance = AcceptanceStats()  # per drafter, verification and match quality, from every session
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -219,6 +222,8 @@ class Orchestrator:
     async def _stream(self, request, prompt_ids, target, draft, stats) -> AsyncIterator[GenerationEvent]:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         stops = StopMatcher(request.stop)
+        members = self._chain(request) or (request.drafter,)
+        free = frozenset(m for m in members if m in self.drafter_traits and self.drafter_traits[m].free)
         config = LoopConfig(
             k=request.k if draft is not None else 0,
             max_new_tokens=request.max_new_tokens,
@@ -226,8 +231,14 @@ class Orchestrator:
             max_context=self.target.info.max_context or 1 << 30,
             overlap=request.overlap and draft is not None,
             ahead_max=min(request.k, self.draft.info.max_block - 1) if draft is not None else 0,
+            drafter=request.drafter,
+            free_drafters=free,
         )
-        controller = AdaptiveK(config.k, self.costs) if request.adaptive_k and config.k > 0 else None
+        controller = None
+        if request.adaptive_k and config.k > 0:
+            paid = next((m for m in members if m not in free), None)
+            verification = Verification.of(verification_mode(request), request.sampling.temperature)
+            controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid)
         rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs)
         async for new, finish, logprobs in rounds:
             text, stopped = stops.feed(detok.add(new))
@@ -303,7 +314,7 @@ class Orchestrator:
 
 def drafter_traits(info: pb.ModelInfo) -> list[DrafterTraits]:
     """A draft service's drafters, registering the kinds it defines beyond the built-in ones."""
-    return [DrafterTraits(DrafterKind(d.kind, d.name), d.has_probs, d.needs_model) for d in info.drafter_info]
+    return [DrafterTraits(DrafterKind(d.kind, d.name), d.has_probs, d.needs_model, d.free) for d in info.drafter_info]
 
 
 def check_pair(a_name: str, a_model: str, a_fingerprint: str, b_name: str, b_info: pb.ModelInfo) -> None:

@@ -169,30 +169,34 @@ class DraftLink(_SessionLink):
         self._stream, self._synced, self._down_since = stream, len(committed), None
         return True
 
-    async def propose(self, committed: Sequence[int], k: int) -> pb.DraftBlock | None:
-        """A block of up to k tokens, or None when the draft is down (this round decodes without it)."""
-        block = await self._propose(committed, (), k)
+    async def propose(self, committed: Sequence[int], k: int, free_k: int = 0) -> pb.DraftBlock | None:
+        """A block of up to k tokens (a free drafter: up to free_k), or None when the draft is down (this
+        round decodes without it)."""
+        block = await self._propose(committed, (), k, free_k)
         if block is None:
             self.fallback_rounds += 1
         return block
 
-    async def propose_ahead(self, committed: Sequence[int], block: Sequence[int], k: int) -> pb.DraftBlock | None:
-        """Draft past ``block`` as if the target will accept it whole: up to k + 1 tokens, the first being
-        the guess for the target's bonus token. Runs while the target verifies ``block``.
+    async def propose_ahead(self, committed: Sequence[int], block: Sequence[int], k: int,
+                            free_k: int = 0) -> pb.DraftBlock | None:
+        """Draft past ``block`` as if the target will accept it whole: up to k + 1 tokens (a free drafter:
+        free_k + 1), the first being the guess for the target's bonus token. Runs while the target verifies
+        ``block``.
 
         The draft treats ``block`` as committed for now; the next propose starts
         at the last truly committed position, so it rolls all of this back.
         """
         if self._stream is None:  # re-attaching is the next plain propose's job
             return None
-        return await self._propose(committed, block, k + 1)
+        return await self._propose(committed, block, k + 1, free_k + 1 if free_k else 0)
 
-    async def _propose(self, committed: Sequence[int], assumed: Sequence[int], k: int) -> pb.DraftBlock | None:
+    async def _propose(self, committed: Sequence[int], assumed: Sequence[int], k: int,
+                       free_k: int) -> pb.DraftBlock | None:
         if self._stream is None and not await self._try_reattach(committed):
             return None
         synced = len(committed)  # read now: a proposal drafted ahead runs while ``committed`` grows
         try:
-            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k)
+            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k, free_k)
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 block = await call
         except (PeerError, asyncio.TimeoutError) as exc:

@@ -22,6 +22,8 @@ from target_service import rejection
 from target_service.batched_forward import Step, forward_batch, split_by_width
 from target_service.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, committed_logprobs
 
+_MIN_FIT_SAMPLES = 8  # forwards before the cost fit is used
+
 
 @dataclass
 class TargetSession:
@@ -183,10 +185,17 @@ class TargetEngine:
             share = BatchShare(len(done), width, committed - (own.accepted + 1))
             results[i] = replace(own, compute_s=step_s, batch=share)
 
+    def cost_fit(self) -> tuple[float, float] | None:
+        """(a, s) of t(x) = a + s x over this target's verifying forwards, once measured (the load-aware
+        K choice of every orchestrator reads it); None before ``_MIN_FIT_SAMPLES`` forwards."""
+        if self.forward_cost.samples < _MIN_FIT_SAMPLES:
+            return None
+        return max(self.forward_cost.intercept(), 0.0), self.forward_cost.slope()
+
     def _split_overhead_tokens(self) -> float:
         """One more forward's fixed cost in tokens (a / s); infinite (never split) until measured."""
         slope = self.forward_cost.slope()
-        if self.forward_cost.samples < 8 or slope <= 0:
+        if self.forward_cost.samples < _MIN_FIT_SAMPLES or slope <= 0:
             return float("inf")
         return max(self.forward_cost.intercept(), 0.0) / slope
 

@@ -88,6 +88,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
         probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
         done = await self.scheduler.verify(VerifyItem(session, msg.position, list(msg.draft_tokens), probs))
+        base_s, per_token_s = engine.cost_fit() or (0.0, 0.0)
         return pb.VerifyResult(
             position=msg.position,
             accepted=done.accepted,
@@ -101,4 +102,6 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
                                 top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
                 for lp in done.logprobs
             ],
+            cost_base_us=base_s * 1e6,
+            cost_per_token_us=per_token_s * 1e6,
         )

@@ -97,16 +97,18 @@ class ModelInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("kind", "name", "has_probs", "needs_model")
+    __slots__ = ("kind", "name", "has_probs", "needs_model", "free")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HAS_PROBS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_MODEL_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
     kind: DrafterKind
     name: str
     has_probs: bool
     needs_model: bool
-    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ...) -> None: ...
+    free: bool
+    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ..., free: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -193,14 +195,16 @@ class DraftOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("position", "tokens", "k")
+    __slots__ = ("position", "tokens", "k", "free_k")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    FREE_K_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ...) -> None: ...
+    free_k: int
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., free_k: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "propose")
@@ -211,16 +215,28 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("position", "tokens", "probs", "compute_us")
+    __slots__ = ("position", "tokens", "probs", "compute_us", "drafter", "quality")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
     compute_us: int
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    drafter: DrafterKind
+    quality: MatchQuality
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ...) -> None: ...
+
+class MatchQuality(_message.Message):
+    __slots__ = ("length", "occurrences")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    OCCURRENCES_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    occurrences: int
+    def __init__(self, length: _Optional[int] = ..., occurrences: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("opened", "block")
@@ -265,7 +281,7 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "logprobs")
+    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "logprobs", "cost_base_us", "cost_per_token_us")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +290,8 @@ class VerifyResult(_message.Message):
     BATCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
     OTHERS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    COST_BASE_US_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_TOKEN_US_FIELD_NUMBER: _ClassVar[int]
     position: int
     accepted: int
     next_token: int
@@ -282,7 +300,9 @@ class VerifyResult(_message.Message):
     batch_width: int
     others_committed: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    cost_base_us: float
+    cost_per_token_us: float
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
