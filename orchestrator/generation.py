@@ -8,6 +8,7 @@ generation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -20,8 +21,8 @@ from lmkit.sampling import SamplingParams
 from lmkit.wire import sampling_to_proto
 from orchestrator import metrics
 from orchestrator.adaptive_k import AdaptiveK, CostModel
-from orchestrator.config import OrchestratorConfig
-from orchestrator.detok import IncrementalDetokenizer, StopMatcher
+from orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
+from orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
 from orchestrator.links import DraftLink, TargetLink
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from orchestrator.peers import ServiceClient, draft_client, target_client
@@ -44,6 +45,9 @@ class GenerationRequest:
     adaptive_k: bool = False  # k is then the per-round upper bound
     chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
     overlap: bool = False  # draft block i+1 while the target verifies block i
+    # How sampled blocks are verified (TOKEN_ONLY, DRAFT_PROBS, COUPLED); None: DRAFT_PROBS when
+    # draft_probs is set, else the server's default sampling mode. Greedy requests verify GREEDY.
+    sampling_mode: VerificationMode | None = None
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,13 @@ class GenerationEvent:
     loop: LoopStats | None = None  # per-round figures, on the last event (benchmarks read them)
 
 
-def verification_mode(request: GenerationRequest) -> VerificationMode:
+def verification_mode(request: GenerationRequest, default: VerificationMode = DEFAULT_SAMPLING_MODE) -> VerificationMode:
+    """The one place a request's mode is decided: greedy for temperature 0, else the sampling mode asked for."""
     if request.sampling.greedy:
         return VerificationMode.GREEDY
-    return VerificationMode.DRAFT_PROBS if request.draft_probs else VerificationMode.TOKEN_ONLY
+    if request.sampling_mode is not None:
+        return request.sampling_mode
+    return VerificationMode.DRAFT_PROBS if request.draft_probs else default
 
 
 class Orchestrator:
@@ -130,7 +137,7 @@ class Orchestrator:
         """Stream committed text; the last event carries the finish reason and stats."""
         start = time.perf_counter()
         stats = LoopStats()
-        mode = verification_mode(request)
+        mode = verification_mode(request, self.config.default_sampling_mode)
         sampling = sampling_to_proto(request.sampling)
         policy = self.config.link_policy
         target = TargetLink(
@@ -140,7 +147,7 @@ class Orchestrator:
         )
         draft = None
         if request.k > 0 and self.draft is not None:
-            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request), policy)
+            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy)
         try:
             if draft is not None:
                 await draft.open(prompt_ids)  # a draft that is down only means no speculation for now
@@ -159,6 +166,8 @@ class Orchestrator:
     async def _stream(self, request, prompt_ids, target, draft, stats) -> AsyncIterator[GenerationEvent]:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         stops = StopMatcher(request.stop)
+        aligned = TokenTextAlignment()  # ids are sent with their text: none past a stop string
+        emitted = 0  # characters of text sent so far
         config = LoopConfig(
             k=request.k if draft is not None else 0,
             max_new_tokens=request.max_new_tokens,
@@ -168,28 +177,48 @@ class Orchestrator:
             ahead_max=min(request.k, self.draft.info.max_block - 1) if draft is not None else 0,
         )
         controller = AdaptiveK(config.k, self.costs) if request.adaptive_k and config.k > 0 else None
-        async for new, finish in speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs):
-            text, stopped = stops.feed(detok.add(new))
-            if stopped:
-                finish = Finish.STOP_STRING
-            elif finish is not None:
-                tail, stopped = stops.feed(detok.flush())
-                text += tail if stopped else tail + stops.flush()
-                finish = Finish.STOP_STRING if stopped else finish
-            yield GenerationEvent(text, new, finish)
-            if finish is not None:
-                return
+        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs)
+        last = None
+        # A stop string ends the generation here: the loop (and the proposal it drafts ahead) is closed
+        # before the last event goes out, not whenever the abandoned generator is collected.
+        async with contextlib.aclosing(rounds):
+            async for new, finish in rounds:
+                pieces = []
+                for token in new:
+                    pieces.append(detok.add([token]))
+                    aligned.add(token, pieces[-1])
+                text, stopped = stops.feed("".join(pieces))
+                if stopped:
+                    finish = Finish.STOP_STRING
+                elif finish is not None:
+                    tail = detok.flush()
+                    aligned.add_text(tail)
+                    tail, stopped = stops.feed(tail)
+                    text += tail if stopped else tail + stops.flush()
+                    finish = Finish.STOP_STRING if stopped else finish
+                emitted += len(text)
+                ids = aligned.release(emitted) if stopped or finish is None else aligned.release_all()
+                if finish is not None:
+                    stats.delivered = aligned.released
+                    last = GenerationEvent(text, ids, finish)
+                    break
+                yield GenerationEvent(text, ids, finish)
+        if last is not None:
+            yield last
 
-    def _draft_open(self, session_id: str, prompt_ids: list[int], request: GenerationRequest) -> pb.DraftOpen:
+    def _draft_open(
+        self, session_id: str, prompt_ids: list[int], request: GenerationRequest, mode: VerificationMode
+    ) -> pb.DraftOpen:
         return pb.DraftOpen(
             session_id=session_id,
             tokens=prompt_ids,
             sampling=sampling_to_proto(request.sampling),
             drafter=request.drafter.value,
-            return_probs=request.draft_probs and not request.sampling.greedy,
+            return_probs=mode is VerificationMode.DRAFT_PROBS,
             ngram_min=self.config.ngram_min,
             ngram_max=self.config.ngram_max,
             chain=[kind.value for kind in self._chain(request)],
+            mode=mode.value,
         )
 
     def _chain(self, request: GenerationRequest) -> tuple[DrafterKind, ...]:
@@ -202,7 +231,7 @@ class Orchestrator:
         wall = time.perf_counter() - start
         return pb.GenerationStats(
             prompt_tokens=len(prompt_ids),
-            new_tokens=stats.committed,
+            new_tokens=stats.delivered,
             rounds=stats.rounds,
             drafted_tokens=stats.drafted,
             accepted_tokens=stats.accepted,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import secrets
 
 from lmkit import errors
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.wire import sampling_from_proto
+from lmkit.sampling import SamplingParams
+from lmkit.wire import mode_from_proto, sampling_from_proto
 from orchestrator.generation import GenerationRequest, Orchestrator
 
 
@@ -38,8 +39,10 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     if k > 0 and orch.draft is not None and drafter not in orch.drafters:
         available = ", ".join(d.name for d in orch.drafters)
         raise errors.InvalidArgument(f"drafter {drafter.name} is not served by the draft service (it runs {available})")
+    sampling_mode = _sampling_mode(msg, sampling)
+    wants_probs = msg.draft_probs or sampling_mode is VerificationMode.DRAFT_PROBS
     traits = orch.drafter_traits.get(drafter)
-    if msg.draft_probs and not (traits is not None and traits.has_probs):
+    if wants_probs and not (traits is not None and traits.has_probs):
         names = "/".join(sorted(t.kind.name for t in orch.drafter_traits.values() if t.has_probs)) or "model"
         raise errors.InvalidArgument(f"draft_probs needs a {names} drafter; {drafter.name} sends token ids only")
     chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
@@ -52,9 +55,25 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     adaptive = msg.adaptive_k if msg.HasField("adaptive_k") else config.default_adaptive_k
     overlap = msg.overlap if msg.HasField("overlap") else config.default_overlap
     request = GenerationRequest(
-        msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap
+        msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap,
+        sampling_mode,
     )
     return request, prompt_ids
+
+
+def _sampling_mode(msg: pb.GenerateRequest, sampling: SamplingParams) -> VerificationMode | None:
+    """GenerateRequest.mode, checked against the temperature and draft_probs (None: the server's default)."""
+    if msg.mode == pb.VERIFICATION_MODE_UNSPECIFIED:
+        return None
+    mode = mode_from_proto(msg.mode)
+    if mode is VerificationMode.GREEDY or sampling.greedy:
+        raise errors.InvalidArgument(
+            f"mode {mode.name} with temperature {sampling.temperature}: temperature 0 is greedy and needs no mode; "
+            "for sampling send temperature > 0 with TOKEN_ONLY, DRAFT_PROBS or COUPLED"
+        )
+    if msg.draft_probs and mode is not VerificationMode.DRAFT_PROBS:
+        raise errors.InvalidArgument(f"draft_probs asks for DRAFT_PROBS verification but mode is {mode.name}; send one")
+    return mode
 
 
 def _chain(values, drafter: DrafterKind, served: list[DrafterKind] | None) -> tuple[DrafterKind, ...]:

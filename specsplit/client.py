@@ -57,6 +57,7 @@ def build_request(
     return_token_ids: bool = False,
     adaptive_k: bool | None = None,
     overlap: bool | None = None,
+    mode: str | None = None,  # sampling verification: "token-only", "draft-probs" or "coupled"; None = server default
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest``; unset options take the server's defaults. The server validates every field."""
     sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
@@ -73,7 +74,23 @@ def build_request(
             setattr(request, name, value)
     if drafter is not None:
         request.drafter = drafter_value(drafter)
+    if mode is not None:
+        request.mode = mode_value(mode)
     return request
+
+
+SAMPLING_MODES = {
+    "token-only": pb.VERIFICATION_MODE_TOKEN_ONLY,
+    "draft-probs": pb.VERIFICATION_MODE_DRAFT_PROBS,
+    "coupled": pb.VERIFICATION_MODE_COUPLED,
+}
+
+
+def mode_value(mode: str) -> int:
+    """The wire value of a sampling verification mode named as in SAMPLING_MODES."""
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(SAMPLING_MODES)}")
+    return SAMPLING_MODES[mode]
 
 
 def drafter_value(drafter: DrafterKind | str | int) -> int:
