@@ -11,6 +11,7 @@ from draft_service.ngram import NgramConfig
 from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
 from lmkit.kinds import DrafterKind, DrafterTraits
+from lmkit.kvcache import check_cache_layout
 from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
@@ -47,6 +48,8 @@ class DraftEngine:
         unknown = [kind.name for kind in derived if not DRAFTERS[kind].derived]
         if unknown:
             raise ValueError(f"{unknown} are not derived drafters")
+        if model is not None:
+            check_cache_layout(model)
         self.model = model
         self.derived = derived  # LAYERSKIP / QUANTIZED views of ``model``
         self.model_id = model_id or "(model-free)"
@@ -103,6 +106,7 @@ class DraftEngine:
         return_probs: bool,
         ngram: NgramConfig,
         chain: Sequence[DrafterKind] = (),
+        coupled: bool = False,  # COUPLED verification: model drafters take the target's Gumbel-max noise
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -111,7 +115,13 @@ class DraftEngine:
         entry = DRAFTERS[kind]
         if return_probs and not entry.has_probs:
             raise errors.InvalidArgument(f"drafter {kind.name} has no draft probabilities; use token-only verification")
-        context = DraftRequestContext(list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain))
+        if coupled and (return_probs or sampling.greedy):
+            raise errors.InvalidArgument(
+                "COUPLED verification samples (temperature > 0) and sends token ids only; unset return_probs"
+            )
+        context = DraftRequestContext(
+            list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled
+        )
         return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context)))
 
     def propose(self, session: DraftSession, position: int, tokens: Sequence[int], k: int, free_k: int = 0) -> Proposed:

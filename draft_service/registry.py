@@ -25,6 +25,7 @@ class DraftRequestContext:
     # Models derived from it at start-up, by the kind that runs them (LAYERSKIP, QUANTIZED).
     derived: Mapping[DrafterKind, object] = field(default_factory=dict)
     chain: tuple[DrafterKind, ...] = ()  # the members, in order, when the kind is CHAIN
+    coupled: bool = False  # COUPLED verification: sample by Gumbel-max with the target's noise
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class DrafterEntry:
 
 
 def _model_drafter(model, c: DraftRequestContext) -> ModelDrafter:
-    return ModelDrafter(model, c.prompt, c.sampling, c.return_probs)
+    return ModelDrafter(model, c.prompt, c.sampling, c.return_probs, c.coupled)
 
 
 def _chain(c: DraftRequestContext) -> ChainDrafter:

@@ -8,10 +8,10 @@ from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
 from lmkit import errors
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.wire import probs_to_proto, sampling_from_proto
+from lmkit.wire import mode_from_proto, probs_to_proto, sampling_from_proto
 
 
 def drafter_from_proto(value: int, served: list[DrafterKind]) -> DrafterKind:
@@ -89,8 +89,9 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         kind = drafter_from_proto(msg.drafter, engine.drafters)
         ngram = ngram_from_proto(msg, self.ngram_default)
         chain = [drafter_from_proto(value, engine.drafters) for value in msg.chain]
+        coupled = msg.mode != pb.VERIFICATION_MODE_UNSPECIFIED and mode_from_proto(msg.mode) is VerificationMode.COUPLED
         return await self.compute.run(
-            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain
+            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain, coupled
         )
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:

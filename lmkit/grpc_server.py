@@ -34,6 +34,7 @@ _CODES = {
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Internal: grpc.StatusCode.INTERNAL,
 }
 
 # Messages carry token blocks and fp16 distributions; 64 MiB leaves room for

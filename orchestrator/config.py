@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.models import DEFAULT_MODEL
 from lmkit.security import ClientTls
 from orchestrator.links import LinkPolicy
@@ -14,6 +14,9 @@ from orchestrator.links import LinkPolicy
 # input-grounded tasks, while proposing nothing (plain decoding) on open prose.
 DEFAULT_DRAFTER = DrafterKind.NGRAM
 DEFAULT_K = 8
+# How sampled requests are verified unless they ask (docs/protocol.md, "Seeds"): chosen from the
+# acceptance figures of bench/coupling.py (bench/results/coupling.json).
+DEFAULT_SAMPLING_MODE = VerificationMode.COUPLED
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class OrchestratorConfig:
     default_drafter: DrafterKind = DEFAULT_DRAFTER
     default_adaptive_k: bool = True
     default_overlap: bool = True  # draft the next block while the target verifies this one
+    default_sampling_mode: VerificationMode = DEFAULT_SAMPLING_MODE  # for sampled requests that name none
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096  # the most a request may ask for (--max-new-tokens-limit)
     max_stop_strings: int = 16
@@ -51,5 +55,9 @@ class OrchestratorConfig:
             raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
         if self.max_concurrent < 1:
             raise ValueError(f"--max-concurrent must be >= 1, got {self.max_concurrent}")
+        if self.default_sampling_mode not in (VerificationMode.TOKEN_ONLY, VerificationMode.COUPLED):
+            raise ValueError(
+                f"--sampling-mode must be token-only or coupled (draft-probs is per request), got {self.default_sampling_mode}"
+            )
         if self.connect_timeout_s <= 0:
             raise ValueError("--connect-timeout-s must be > 0")

@@ -22,8 +22,8 @@ from lmkit.wire import sampling_to_proto
 from orchestrator import metrics
 from orchestrator.acceptance import AcceptanceStats, Verification
 from orchestrator.adaptive_k import AdaptiveK
-from orchestrator.config import OrchestratorConfig
-from orchestrator.detok import IncrementalDetokenizer, StopMatcher
+from orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
+from orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
 from orchestrator.links import DraftLink, TargetLink
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from orchestrator.peers import ServiceClient, draft_client, target_client
@@ -50,6 +50,9 @@ class GenerationRequest:
     messages: tuple[tuple[str, str], ...] = ()  # (role, content) turns for the chat template; prompt is then ""
     top_logprobs: int | None = None  # None: no logprobs; else each token's and this many alternatives
     request_id: str = ""  # in every log line of the generation
+    # How sampled blocks are verified (TOKEN_ONLY, DRAFT_PROBS, COUPLED); None: DRAFT_PROBS when
+    # draft_probs is set, else the server's default sampling mode. Greedy requests verify GREEDY.
+    sampling_mode: VerificationMode | None = None
 
 
 @dataclass(frozen=True)
@@ -62,10 +65,13 @@ class GenerationEvent:
     logprobs: tuple[pb.TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
-def verification_mode(request: GenerationRequest) -> VerificationMode:
+def verification_mode(request: GenerationRequest, default: VerificationMode = DEFAULT_SAMPLING_MODE) -> VerificationMode:
+    """The one place a request's mode is decided: greedy for temperature 0, else the sampling mode asked for."""
     if request.sampling.greedy:
         return VerificationMode.GREEDY
-    return VerificationMode.DRAFT_PROBS if request.draft_probs else VerificationMode.TOKEN_ONLY
+    if request.sampling_mode is not None:
+        return request.sampling_mode
+    return VerificationMode.DRAFT_PROBS if request.draft_probs else default
 
 
 class Orchestrator:
@@ -173,7 +179,7 @@ class Orchestrator:
         timer = metrics.RequestTimer(arrived)
         start = time.perf_counter()
         stats = LoopStats()
-        mode = verification_mode(request)
+        mode = verification_mode(request, self.config.default_sampling_mode)
         sampling = sampling_to_proto(request.sampling)
         policy = self.config.link_policy
         logprobs = request.top_logprobs is not None
@@ -187,7 +193,7 @@ class Orchestrator:
         )
         draft = None
         if request.k > 0 and self.draft is not None:
-            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request), policy)
+            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy)
         with logs.request_context(request.request_id):
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
             try:
@@ -224,6 +230,8 @@ class Orchestrator:
         stops = StopMatcher(request.stop)
         members = self._chain(request) or (request.drafter,)
         free = frozenset(m for m in members if m in self.drafter_traits and self.drafter_traits[m].free)
+        aligned = TokenTextAlignment()  # ids are sent with their text: none past a stop string
+        emitted = 0  # characters of text sent so far
         config = LoopConfig(
             k=request.k if draft is not None else 0,
             max_new_tokens=request.max_new_tokens,
@@ -237,20 +245,41 @@ class Orchestrator:
         controller = None
         if request.adaptive_k and config.k > 0:
             paid = next((m for m in members if m not in free), None)
-            verification = Verification.of(verification_mode(request), request.sampling.temperature)
+            mode = verification_mode(request, self.config.default_sampling_mode)
+            verification = Verification.of(mode, request.sampling.temperature)
             controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid)
         rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs)
-        async for new, finish, logprobs in rounds:
-            text, stopped = stops.feed(detok.add(new))
-            if stopped:
-                finish = Finish.STOP_STRING
-            elif finish is not None:
-                tail, stopped = stops.feed(detok.flush())
-                text += tail if stopped else tail + stops.flush()
-                finish = Finish.STOP_STRING if stopped else finish
-            yield GenerationEvent(text, new, finish, logprobs=tuple(self._with_text(lp) for lp in logprobs))
-            if finish is not None:
-                return
+        pending: list[pb.TokenLogprob] = []  # the logprobs of committed ids not sent yet (ids wait for their text)
+        last = None
+        # A stop string ends the generation here: the loop (and the proposal it drafts ahead) is closed
+        # before the last event goes out, not whenever the abandoned generator is collected.
+        async with contextlib.aclosing(rounds):
+            async for new, finish, logprobs in rounds:
+                pending.extend(logprobs)
+                pieces = []
+                for token in new:
+                    pieces.append(detok.add([token]))
+                    aligned.add(token, pieces[-1])
+                text, stopped = stops.feed("".join(pieces))
+                if stopped:
+                    finish = Finish.STOP_STRING
+                elif finish is not None:
+                    tail = detok.flush()
+                    aligned.add_text(tail)
+                    tail, stopped = stops.feed(tail)
+                    text += tail if stopped else tail + stops.flush()
+                    finish = Finish.STOP_STRING if stopped else finish
+                emitted += len(text)
+                ids = aligned.release(emitted) if stopped or finish is None else aligned.release_all()
+                sent = tuple(self._with_text(lp) for lp in pending[: len(ids)])
+                del pending[: len(ids)]
+                if finish is not None:
+                    stats.delivered = aligned.released
+                    last = GenerationEvent(text, ids, finish, logprobs=sent)
+                    break
+                yield GenerationEvent(text, ids, finish, logprobs=sent)
+        if last is not None:
+            yield last
 
     def _with_text(self, logprob: pb.TokenLogprob) -> pb.TokenLogprob:
         """The target's TokenLogprob with each token's text filled in."""
@@ -264,16 +293,19 @@ class Orchestrator:
         """One token's text as the tokenizer decodes it alone (a partial UTF-8 byte shows as U+FFFD)."""
         return self.tokenizer.decode([token_id])
 
-    def _draft_open(self, session_id: str, prompt_ids: list[int], request: GenerationRequest) -> pb.DraftOpen:
+    def _draft_open(
+        self, session_id: str, prompt_ids: list[int], request: GenerationRequest, mode: VerificationMode
+    ) -> pb.DraftOpen:
         return pb.DraftOpen(
             session_id=session_id,
             tokens=prompt_ids,
             sampling=sampling_to_proto(request.sampling),
             drafter=request.drafter.value,
-            return_probs=request.draft_probs and not request.sampling.greedy,
+            return_probs=mode is VerificationMode.DRAFT_PROBS,
             ngram_min=self.config.ngram_min,
             ngram_max=self.config.ngram_max,
             chain=[kind.value for kind in self._chain(request)],
+            mode=mode.value,
         )
 
     def _chain(self, request: GenerationRequest) -> tuple[DrafterKind, ...]:
@@ -286,7 +318,7 @@ class Orchestrator:
         wall = time.perf_counter() - start
         return pb.GenerationStats(
             prompt_tokens=len(prompt_ids),
-            new_tokens=stats.committed,
+            new_tokens=stats.delivered,
             rounds=stats.rounds,
             drafted_tokens=stats.drafted,
             accepted_tokens=stats.accepted,

@@ -86,6 +86,8 @@ class TargetLink(_SessionLink):
         super().__init__(client, open_msg, policy)
         self._stream: TargetStream | None = None
         self._opened = 0
+        self._verified = 0  # verifications on the current session
+        self.last_prefilled = False  # the last verify ran on a fresh session: its time includes a prefill
 
     @property
     def reopens(self) -> int:
@@ -102,6 +104,7 @@ class TargetLink(_SessionLink):
             raise
         self._stream = stream
         self._opened += 1
+        self._verified = 0
 
     async def try_open(self, committed: Sequence[int]) -> bool:
         """Open the session now; False when the target is briefly unavailable (the first verify retries)."""
@@ -122,7 +125,10 @@ class TargetLink(_SessionLink):
                     await self.open(committed)
                 call = self._stream.verify(len(committed), tokens, probs)
                 async with asyncio.timeout(self._policy.target_timeout_s):
-                    return await call
+                    result = await call
+                self._verified += 1
+                self.last_prefilled = self._verified == 1  # a session's first block carries its prefill
+                return result
             except (PeerError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
                     raise
@@ -150,6 +156,8 @@ class DraftLink(_SessionLink):
         self._stream: DraftStream | None = None
         self._synced = 0  # the draft holds committed[:_synced]
         self._down_since: float | None = None
+        self._proposed = 0  # proposals on the current session
+        self.last_prefilled = False  # the last plain propose ran on a fresh session: its time includes a prefill
         self.fallback_rounds = 0  # rounds decoded without a draft because it was down
         self.reattached = 0
 
@@ -167,6 +175,7 @@ class DraftLink(_SessionLink):
             self._mark_down(exc)
             return False
         self._stream, self._synced, self._down_since = stream, len(committed), None
+        self._proposed = 0
         return True
 
     async def propose(self, committed: Sequence[int], k: int, free_k: int = 0) -> pb.DraftBlock | None:
@@ -175,6 +184,8 @@ class DraftLink(_SessionLink):
         block = await self._propose(committed, (), k, free_k)
         if block is None:
             self.fallback_rounds += 1
+        else:
+            self.last_prefilled = self._proposed == 1  # a model drafter reads the whole context on its first
         return block
 
     async def propose_ahead(self, committed: Sequence[int], block: Sequence[int], k: int,
@@ -205,6 +216,7 @@ class DraftLink(_SessionLink):
             self._mark_down(exc)
             return None
         self._synced = synced  # ``assumed`` is not committed: it is re-sent or rolled back next time
+        self._proposed += 1
         return block
 
     async def _try_reattach(self, committed: Sequence[int]) -> bool:

@@ -64,6 +64,7 @@ class LoopStats:
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
+    delivered: int = 0  # tokens sent to the client: committed ones, less any past a stop string
     draft_compute_s: float = 0.0
     target_compute_s: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
@@ -113,6 +114,7 @@ class _Block:
     k: int = 0  # tokens asked for (a free block: the tokens kept)
     key: StatsKey | None = None  # what its acceptance is recorded under (None: nothing to record)
     proposed: int = 0  # tokens the drafter computed (a free block's before the cut)
+    prefilled: bool = False  # the draft re-read the context for it (a new or re-attached session)
 
 
 def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | None:
@@ -194,6 +196,7 @@ class _Loop:
         if self.draft is None or (k <= 0 and free_k <= 0):
             return _Block([], k=k)
         block = self.finish_block(await self.draft.propose(self.committed, k, free_k), k)
+        block.prefilled = self.draft.last_prefilled
         self.stats.draft_compute_s += block.draft_s
         return block
 
@@ -220,12 +223,17 @@ class _Loop:
             self.ahead = asyncio.create_task(
                 self.draft.propose_ahead(list(self.committed), block.tokens, k, free_k))
 
-    def cancel(self) -> None:
-        if self.ahead is not None:
-            self.ahead.cancel()
-            self.ahead = None
+    async def close(self) -> None:
+        """Stop the proposal drafted ahead, if any, and wait until it has stopped."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
 
-    def commit(self, block: _Block, result: pb.VerifyResult) -> tuple[list[int], Finish | None]:
+    def commit(
+        self, block: _Block, result: pb.VerifyResult, prefilled: bool = False
+    ) -> tuple[list[int], Finish | None]:
+        """Commit a verified block; ``prefilled``: the target re-read the context in this forward (a new session)."""
         stats, target_s = self.stats, result.compute_us / 1e6
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
@@ -235,14 +243,16 @@ class _Loop:
             self.controller.observe(block.key, drafted, result.accepted)
         if self.costs is not None:
             self.costs.observe_target_fit(result.cost_base_us / 1e6, result.cost_per_token_us / 1e6)
-        # The first round's forward is the prompt's prefill, alone by design: it says nothing about the
-        # batch's load or a decode forward's cost.
-        if stats.rounds > 0:
+        # A forward that re-read the context (the first round's prompt, or a session re-opened after a
+        # target restart) runs alone by design: it says nothing about the batch's load or a decode
+        # forward's cost. The same for a proposal that re-read the context on a re-attached draft.
+        if stats.rounds > 0 and not prefilled:
             self.load = load
             if self.costs is not None:
                 self.costs.load = load
                 self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
-                self.costs.observe_draft(block.proposed, block.draft_s, block.key.drafter if block.key else None)
+        if stats.rounds > 0 and self.costs is not None and not block.prefilled:
+            self.costs.observe_draft(block.proposed, block.draft_s, block.key.drafter if block.key else None)
         new, finish = cut_at_finish([*block.tokens[: result.accepted], result.next_token], self.config.eos_ids, budget)
         self.committed.extend(new)
         stats.rounds += 1
@@ -290,9 +300,11 @@ async def speculative_decode(
                 result = await verifying
             finally:
                 verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
-            new, finish = loop.commit(block, result)
+            new, finish = loop.commit(block, result, target.last_prefilled)
+            if finish is not None:
+                await loop.close()  # nothing is drafted past the end: the look-ahead stops before the last yield
             yield new, finish, list(result.logprobs[: len(new)])
             if finish is not None:
                 return
     finally:
-        loop.cancel()
+        await loop.close()

@@ -10,9 +10,10 @@ import secrets
 import string
 
 from lmkit import errors
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.wire import MAX_TOP_LOGPROBS, sampling_from_proto
+from lmkit.sampling import SamplingParams
+from lmkit.wire import MAX_TOP_LOGPROBS, mode_from_proto, sampling_from_proto
 from orchestrator.generation import GenerationRequest, Orchestrator
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -42,8 +43,10 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     if k > 0 and orch.draft is not None and drafter not in orch.drafters:
         available = ", ".join(d.name for d in orch.drafters)
         raise errors.InvalidArgument(f"drafter {drafter.name} is not served by the draft service (it runs {available})")
+    sampling_mode = _sampling_mode(msg, sampling)
+    wants_probs = msg.draft_probs or sampling_mode is VerificationMode.DRAFT_PROBS
     traits = orch.drafter_traits.get(drafter)
-    if msg.draft_probs and not (traits is not None and traits.has_probs):
+    if wants_probs and not (traits is not None and traits.has_probs):
         names = "/".join(sorted(t.kind.name for t in orch.drafter_traits.values() if t.has_probs)) or "model"
         raise errors.InvalidArgument(f"draft_probs needs a {names} drafter; {drafter.name} sends token ids only")
     chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
@@ -59,7 +62,7 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     overlap = msg.overlap if msg.HasField("overlap") else config.default_overlap
     request = GenerationRequest(
         msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap,
-        messages=messages, top_logprobs=top_logprobs, request_id=request_id,
+        messages=messages, top_logprobs=top_logprobs, request_id=request_id, sampling_mode=sampling_mode,
     )
     return request, prompt_ids
 
@@ -95,6 +98,19 @@ def _request_id(value: str) -> str:
             f"request_id must be 1..{MAX_REQUEST_ID} printable ASCII characters without spaces, got {value[:40]!r}"
         )
     return value
+def _sampling_mode(msg: pb.GenerateRequest, sampling: SamplingParams) -> VerificationMode | None:
+    """GenerateRequest.mode, checked against the temperature and draft_probs (None: the server's default)."""
+    if msg.mode == pb.VERIFICATION_MODE_UNSPECIFIED:
+        return None
+    mode = mode_from_proto(msg.mode)
+    if mode is VerificationMode.GREEDY or sampling.greedy:
+        raise errors.InvalidArgument(
+            f"mode {mode.name} with temperature {sampling.temperature}: temperature 0 is greedy and needs no mode; "
+            "for sampling send temperature > 0 with TOKEN_ONLY, DRAFT_PROBS or COUPLED"
+        )
+    if msg.draft_probs and mode is not VerificationMode.DRAFT_PROBS:
+        raise errors.InvalidArgument(f"draft_probs asks for DRAFT_PROBS verification but mode is {mode.name}; send one")
+    return mode
 
 
 def _chain(values, drafter: DrafterKind, served: list[DrafterKind] | None) -> tuple[DrafterKind, ...]:

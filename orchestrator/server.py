@@ -17,12 +17,12 @@ from lmkit.grpc_server import (
     start_in_process,
     write_port_file,
 )
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.metrics import serve_metrics
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.security import BearerTokenInterceptor, ClientTls, load_token
-from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
+from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, DEFAULT_SAMPLING_MODE, OrchestratorConfig
 from orchestrator.generation import Orchestrator
 from orchestrator.links import LinkPolicy
 from orchestrator.servicer import GeneratorServicer
@@ -49,6 +49,10 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
         "--no-overlap", action="store_true",
         help="draft and verify in turn instead of drafting block i+1 while the target verifies block i",
     )
+    parser.add_argument(
+        "--sampling-mode", default=DEFAULT_SAMPLING_MODE.name.lower().replace("_", "-"), choices=["coupled", "token-only"],
+        help="how sampled requests that name no mode are verified (docs/protocol.md, Seeds)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default max new tokens per request")
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096,
                         help="the most new tokens a request may ask for (larger requests get INVALID_ARGUMENT / 400)")
@@ -73,6 +77,7 @@ def config_from_args(args) -> OrchestratorConfig:
         default_drafter=DrafterKind[args.drafter.upper()],
         default_adaptive_k=not args.fixed_k,
         default_overlap=not args.no_overlap,
+        default_sampling_mode=VerificationMode[args.sampling_mode.upper().replace("-", "_")],
         default_max_new_tokens=args.max_new_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,
         served_model_names=tuple(args.served_model_name),

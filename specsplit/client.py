@@ -67,6 +67,7 @@ def build_request(
     logprobs: bool = False,
     top_logprobs: int = 0,
     request_id: str = "",
+    mode: str | None = None,  # sampling verification: "token-only", "draft-probs" or "coupled"; None = server default
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for a prompt or a conversation (``messages``: system, user, assistant turns, rendered
     with the model's chat template); unset options take the server's defaults. The server validates every field.
@@ -89,6 +90,8 @@ def build_request(
             setattr(request, name, value)
     if drafter is not None:
         request.drafter = drafter_value(drafter)
+    if mode is not None:
+        request.mode = mode_value(mode)
     return request
 
 
@@ -98,6 +101,18 @@ def chat_message(message: Message) -> pb.ChatMessage:
         return message
     role, content = (message["role"], message["content"]) if isinstance(message, dict) else message
     return pb.ChatMessage(role=role, content=content)
+SAMPLING_MODES = {
+    "token-only": pb.VERIFICATION_MODE_TOKEN_ONLY,
+    "draft-probs": pb.VERIFICATION_MODE_DRAFT_PROBS,
+    "coupled": pb.VERIFICATION_MODE_COUPLED,
+}
+
+
+def mode_value(mode: str) -> int:
+    """The wire value of a sampling verification mode named as in SAMPLING_MODES."""
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(SAMPLING_MODES)}")
+    return SAMPLING_MODES[mode]
 
 
 def drafter_value(drafter: DrafterKind | str | int) -> int:

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import grpc
 
-from lmkit import errors
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
-from lmkit.kinds import VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.wire import probs_from_proto, sampling_from_proto
+from lmkit.wire import mode_from_proto, probs_from_proto, sampling_from_proto
 from target_service.engine import TargetEngine, VerifyItem
 from target_service.scheduler import VerifyScheduler
-
-
-def mode_from_proto(value: int) -> VerificationMode:
-    try:
-        return VerificationMode(value)
-    except ValueError:
-        raise errors.InvalidArgument(
-            f"mode {value} is not a verification mode; send GREEDY (1), TOKEN_ONLY (2) or DRAFT_PROBS (3)"
-        ) from None
 
 
 class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):

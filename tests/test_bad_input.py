@@ -158,6 +158,13 @@ PUBLIC_CASES = {
     "empty stop string": (pb.GenerateRequest(prompt="hi", stop=[""]), ["stop"]),
     "probs without a model drafter": (
         pb.GenerateRequest(prompt="hi", draft_probs=True, drafter=pb.DRAFTER_KIND_NGRAM), ["draft_probs needs"]),
+    "a sampling mode with temperature 0": (
+        pb.GenerateRequest(prompt="hi", mode=pb.VERIFICATION_MODE_COUPLED), ["temperature 0 is greedy"]),
+    "draft_probs with another mode": (
+        pb.GenerateRequest(prompt="hi", draft_probs=True, mode=pb.VERIFICATION_MODE_COUPLED,
+                           sampling=pb.SamplingParams(temperature=1)), ["draft_probs asks for DRAFT_PROBS"]),
+    "an unknown mode": (
+        pb.GenerateRequest(prompt="hi", mode=99, sampling=pb.SamplingParams(temperature=1)), ["not a verification mode"]),
 }
 
 

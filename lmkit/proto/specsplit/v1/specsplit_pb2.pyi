@@ -13,6 +13,7 @@ class VerificationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VERIFICATION_MODE_GREEDY: _ClassVar[VerificationMode]
     VERIFICATION_MODE_TOKEN_ONLY: _ClassVar[VerificationMode]
     VERIFICATION_MODE_DRAFT_PROBS: _ClassVar[VerificationMode]
+    VERIFICATION_MODE_COUPLED: _ClassVar[VerificationMode]
 
 class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ VERIFICATION_MODE_UNSPECIFIED: VerificationMode
 VERIFICATION_MODE_GREEDY: VerificationMode
 VERIFICATION_MODE_TOKEN_ONLY: VerificationMode
 VERIFICATION_MODE_DRAFT_PROBS: VerificationMode
+VERIFICATION_MODE_COUPLED: VerificationMode
 DRAFTER_KIND_UNSPECIFIED: DrafterKind
 DRAFTER_KIND_MODEL: DrafterKind
 DRAFTER_KIND_NGRAM: DrafterKind
@@ -175,7 +177,7 @@ class SessionState(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "drafter", "return_probs", "ngram_min", "ngram_max", "chain")
+    __slots__ = ("session_id", "tokens", "sampling", "drafter", "return_probs", "ngram_min", "ngram_max", "chain", "mode")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class DraftOpen(_message.Message):
     NGRAM_MIN_FIELD_NUMBER: _ClassVar[int]
     NGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -192,7 +195,8 @@ class DraftOpen(_message.Message):
     ngram_min: int
     ngram_max: int
     chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ...) -> None: ...
+    mode: VerificationMode
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("position", "tokens", "k", "free_k")
@@ -313,7 +317,7 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain", "overlap", "messages", "return_logprobs", "top_logprobs", "request_id")
+    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain", "overlap", "messages", "return_logprobs", "top_logprobs", "request_id", "mode")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +334,7 @@ class GenerateRequest(_message.Message):
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: bool
     max_new_tokens: int
@@ -346,7 +351,8 @@ class GenerateRequest(_message.Message):
     return_logprobs: bool
     top_logprobs: int
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    mode: VerificationMode
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size", "request_id")
