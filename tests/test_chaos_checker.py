@@ -12,9 +12,9 @@ pytestmark = pytest.mark.unit
 REFS = {0: [5, 6, 7, 8]}
 
 
-def rec(code="OK", tokens=(5, 6, 7, 8), kind="generate", ended=1.0, deadline=60.0, checked=True) -> Record:
+def rec(code="OK", tokens=(5, 6, 7, 8), kind="generate", ended=1.0, deadline=60.0) -> Record:
     return Record(1, 0, kind, 0 if kind in ("generate", "cancel") else -1, 0.0, ended, deadline, code,
-                  list(tokens), checked)
+                  list(tokens))
 
 
 def test_a_clean_history_passes():
@@ -36,11 +36,6 @@ def test_a_clean_history_passes():
 def test_each_broken_promise_is_caught(record, field):
     verdict = checker.check([record], REFS)
     assert not verdict.ok and getattr(verdict, field), verdict
-
-
-def test_an_unchecked_record_is_not_compared_but_still_needs_a_documented_status():
-    assert checker.check([rec(tokens=(1, 2), checked=False)], REFS).ok
-    assert not checker.check([rec("INTERNAL", checked=False)], REFS).ok
 
 
 def test_the_schedule_is_a_function_of_its_seed_and_draws_every_kind():

@@ -2,9 +2,10 @@
 
     python -m bench.chaos --json bench/results/chaos.json --duration-s 1800 [--seed 7 --clients 12]
 
-Target, draft and orchestrator run as processes on loopback (the draft behind
-an emulated link when ``bench.netem`` is there). Clients stream greedy and
-seeded requests from a fixed catalogue while a fault schedule drawn from a seed
+Target, draft and orchestrator run as processes on loopback, the draft behind
+an emulated link (``bench.netem``). Clients stream greedy and seeded sampling
+requests (COUPLED verification, so a seed's tokens are fixed) from a fixed
+catalogue while a fault schedule drawn from a seed
 (``schedule``) kills and restarts services, stalls and slows the draft link,
 cancels streams, sends malformed and oversize requests, and drains and restarts
 the orchestrator. ``checker`` then holds the recorded history against the

@@ -35,13 +35,10 @@ async def _max_context(address: str) -> int:
 
 async def _drive(stack: Stack, args, faults: list[schedule.Fault], link: LinkControl) -> dict:
     entries = catalogue(args.max_new_tokens, sampled=True)
-    # Seeded sampling reproduces its reference only in a seed-stable verification mode; until one is served,
-    # sampled requests are checked for their status and deadline but not their tokens.
     refs = await references(stack.orchestrator.address, entries, args.deadline_s)
     max_context = await _max_context(stack.target.address)
     rng = random.Random(args.seed)
-    load = Load(stack.orchestrator.address, entries, args.deadline_s, time.monotonic(), rng,
-                checked=lambda entry: entry.temperature == 0)
+    load = Load(stack.orchestrator.address, entries, args.deadline_s, time.monotonic(), rng)
     stop_at = load.t0 + args.duration_s
     rss: dict[str, list[float]] = {}
     clients = [load.client(i, stop_at) for i in range(args.clients)]

@@ -53,6 +53,8 @@ class Entry:
             sampling.top_p = 0.95
         msg = pb.GenerateRequest(prompt=self.prompt, chat=True, max_new_tokens=self.max_new_tokens,
                                  sampling=sampling, return_token_ids=True)
+        if self.temperature > 0:  # coupled: the seed's tokens whatever k, batching, reopens or re-attaches
+            msg.mode = pb.VERIFICATION_MODE_COUPLED
         k = self.k if k is None else k
         if k is not None:
             msg.k = k
@@ -100,7 +102,6 @@ class Load:
     deadline_s: float
     t0: float
     rng: random.Random
-    checked: Callable[[Entry], bool]
     records: list[Record] = field(default_factory=list)
     cancel_next: set[int] = field(default_factory=set)  # clients told to cancel their current stream
     _ids: int = 0
@@ -123,8 +124,7 @@ class Load:
 
     async def _one(self, stub, client: int, entry_index: int) -> str:
         entry = self.entries[entry_index]
-        record = Record(self._new_id(), client, "generate", entry_index, self.now(), 0.0, self.deadline_s, "",
-                        checked=self.checked(entry))
+        record = Record(self._new_id(), client, "generate", entry_index, self.now(), 0.0, self.deadline_s, "")
         call = stub.Generate(entry.request(), timeout=self.deadline_s)
         try:
             async with asyncio.timeout(self.deadline_s + 5.0):  # the watchdog: a stream past its deadline hangs
