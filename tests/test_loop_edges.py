@@ -71,9 +71,9 @@ def test_token_ids_end_where_the_text_ends(public_api, gguf_tokenizer):
 class SlowDraft(DraftEngine):
     """Proposes like the tiny draft, 0.2 s late: a proposal drafted ahead is still running when a round ends."""
 
-    def propose(self, session, position, tokens, k):
+    def propose(self, session, position, tokens, k, free_k=0):
         time.sleep(0.2)
-        return super().propose(session, position, tokens, k)
+        return super().propose(session, position, tokens, k, free_k)
 
 
 @pytest.fixture(scope="module")
