@@ -46,6 +46,8 @@ class Sample:
     e2e: float | None = None
     tokens: int = 0
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
+    acceptance_rate: float | None = None  # from usage.speculative
+    mean_k: float | None = None
     error: str = ""
 
     @property
@@ -83,6 +85,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, samp
                     return
                 if chunk.get("usage"):
                     sample.tokens = chunk["usage"]["completion_tokens"]
+                    speculative = chunk["usage"].get("speculative") or {}
+                    sample.acceptance_rate, sample.mean_k = speculative.get("acceptance_rate"), speculative.get("mean_k")
                 if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     now = time.perf_counter()
                     if last is None:
@@ -142,7 +146,15 @@ def summarise(samples: list[Sample], wall: float, slo_ttft: float, slo_tpot: flo
         "tpot_s": percentiles([s.tpot for s in done if s.tpot is not None]),
         "e2e_s": percentiles([s.e2e for s in done]),
         "tokens_per_chunk": round(tokens / max(1, sum(len(s.itl) + 1 for s in done)), 3),
+        "mean_k": _mean([s.mean_k for s in done]),
+        "acceptance_rate": _mean([s.acceptance_rate for s in done]),
     }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean over requests that report the value (k = 0 reports no drafting)."""
+    present = [v for v in values if v is not None]
+    return round(statistics.fmean(present), 3) if present else None
 
 
 def measure(args, url: str, model: str) -> list[dict]:
@@ -156,8 +168,14 @@ def measure(args, url: str, model: str) -> list[dict]:
             rows.append(row)
             print(f"rate {rate}/s {mode:11s}: TTFT p50 {row['ttft_s'].get('p50')} s, ITL p50 "
                   f"{row['itl_s'].get('p50')} s, e2e p90 {row['e2e_s'].get('p90')} s, goodput "
-                  f"{row['goodput_req_per_s']}/s, {row['output_tokens_per_s']} tok/s", flush=True)
+                  f"{row['goodput_req_per_s']}/s, {row['output_tokens_per_s']} tok/s, mean K {row['mean_k']}, "
+                  f"acceptance {row['acceptance_rate']}", flush=True)
     return rows
+
+
+def _kinds() -> str:
+    kinds = [p.kind for p in DEMO_PROMPTS]
+    return ", ".join(f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds))
 
 
 def start_stack(args, workdir: Path):
@@ -216,8 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "load",
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "placement": placement,
-        "workload": "streamed /v1/chat/completions, greedy, the 8 demo prompts in turn (4 grounded, 4 open), "
-                    "Poisson arrivals; speculation = the server's default (n-gram, adaptive K <= 8), none = k 0",
+        "workload": f"streamed /v1/chat/completions, greedy, the {len(DEMO_PROMPTS)} demo prompts in turn "
+                    f"({_kinds()}), Poisson arrivals; speculation = the server's default (n-gram, adaptive K <= 8), "
+                    "none = k 0",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "results": rows,
     }
