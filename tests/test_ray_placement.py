@@ -76,15 +76,31 @@ def test_up_serves_the_targets_greedy_output(up, tiny_target_dir):
     assert got == expected[0, len(ids):].tolist()
 
 
-def test_unplaceable_service_is_a_cli_error(ray_cluster):
-    result = subprocess.run(
-        [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", ray_cluster.address,
-         "--target-resources", '{"nowhere": 1}', "--port", "0"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    assert "the target asks for CPU 1, nowhere 1, more than any node of the cluster has" in result.stderr
-    assert "--target-resources" in result.stderr and "Traceback" not in result.stderr
+def test_what_no_node_can_hold_is_a_cli_error_for_up_serve_and_batch(ray_cluster, tmp_path):
+    """Each command checks its requests against the cluster before it starts anything (run at once, in parallel)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    cluster = ["--ray-address", ray_cluster.address]
+    peers = ["--target", "127.0.0.1:1", "--draft", ""]  # never dialled: the refusal comes first
+    commands = {
+        "up": ["up", *cluster, "--target-resources", '{"nowhere": 1}', "--port", "0"],
+        "serve --ray": ["serve", "--ray", *cluster, *peers, "--ray-num-cpus", "64", "--port", "0"],
+        "batch": ["batch", *cluster, *peers, "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+                  "--workers", "1", "--worker-cpus", "64"],
+    }
+    running = {name: subprocess.Popen([sys.executable, "-m", "specsplit.cli", *argv], text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for name, argv in commands.items()}
+    errors = {name: process.communicate(timeout=120)[1] for name, process in running.items()}
+    for name, process in running.items():
+        assert process.returncode == 2, (name, errors[name])
+        assert f"cannot run what `specsplit {name}` asks for" in errors[name] and "Traceback" not in errors[name]
+        assert "the Ray cluster has CPU 4" in errors[name] and "in all over 3 node(s)" in errors[name], errors[name]
+    assert "the target asks for CPU 1, nowhere 1, more than any node of the cluster has" in errors["up"]
+    assert "--target-resources" in errors["up"]
+    assert "orchestrator replica asks for CPU 64" in errors["serve --ray"] and "--ray-num-cpus" in errors["serve --ray"]
+    assert "batch worker asks for CPU 64" in errors["batch"] and "--worker-cpus" in errors["batch"]
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
 
 
 def test_service_whose_resources_are_taken_fails_within_the_schedule_timeout(up, ray_cluster):
