@@ -1,8 +1,5 @@
 """The edges of a generation: where it stops, what it leaves running, what it learns.
 
-* With ``return_token_ids`` and a stop string, the ids sent are those of the
-  text sent: none past the stop string, ``decode(ids)`` is the text, and
-  ``new_tokens`` counts them.
 * When a generation ends (here by a stop string, which only the orchestrator's
   text side sees), the proposal drafted ahead is stopped before the last event
   goes out, not when the abandoned generator is garbage-collected.
@@ -15,13 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 
 from draft_service.engine import DraftEngine
 from lmkit.kinds import DrafterKind
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
@@ -32,40 +26,6 @@ from tests.test_seeds import OneRoundTarget
 pytestmark = pytest.mark.services
 
 PROMPT = "Once upon a time"
-
-
-async def public_generate(address, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return [r async for r in pb_grpc.GeneratorStub(channel).Generate(request)]
-
-
-def test_token_ids_end_where_the_text_ends(public_api, gguf_tokenizer):
-    base = dict(prompt=PROMPT, chat=False, max_new_tokens=24, return_token_ids=True, k=4)
-    full = run_async(public_generate(public_api, pb.GenerateRequest(**base)))
-    ids = [t for r in full for t in r.token_ids]
-    text = "".join(r.text for r in full)
-    assert full[-1].stats.new_tokens == len(ids)
-
-    def decode(some: list[int]) -> str:  # as the orchestrator decodes: special tokens make no text
-        return gguf_tokenizer.decode(some, skip_special_tokens=True)
-
-    def stop_after(cut: int) -> str | None:  # 4 characters starting right after token `cut`, first seen there
-        head = decode(ids[:cut])
-        stop = text[len(head) : len(head) + 4]
-        ends_a_token = len(head) > len(decode(ids[: cut - 1]))  # token cut-1 has text of its own: it is sent
-        fits = text.startswith(head) and ends_a_token and len(stop) == 4
-        return stop if fits and stop not in head + stop[:-1] else None
-
-    cut = next(c for c in [*range(len(ids) // 2, len(ids) - 2), *range(1, len(ids) // 2)] if stop_after(c))
-    head, stop = decode(ids[:cut]), stop_after(cut)
-    stopped = run_async(public_generate(public_api, pb.GenerateRequest(**base, stop=[stop])))
-    sent_ids = [t for r in stopped for t in r.token_ids]
-    sent_text = "".join(r.text for r in stopped)
-    assert stopped[-1].finish_reason == pb.FINISH_REASON_STOP_STRING
-    assert sent_text == head
-    assert sent_ids == ids[:cut]
-    assert decode(sent_ids) == sent_text
-    assert stopped[-1].stats.new_tokens == cut
 
 
 class SlowDraft(DraftEngine):
