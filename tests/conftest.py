@@ -32,10 +32,29 @@ def pytest_collection_modifyitems(config, items):
     })
     if wrong:
         raise pytest.UsageError(f"give each test exactly one tier marker of {TIERS} (pytestmark): {wrong}")
-    # Under `pytest -n N --dist loadgroup` (make test) the Ray tests run on one worker: one cluster at a time.
-    for item in items:
-        if item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+    misnamed = sorted({
+        item.nodeid.split("::")[0] for item in items
+        if bool(item.get_closest_marker("ray")) != item.path.name.startswith("test_ray_")
+    })
+    if misnamed:  # pytest_xdist_make_scheduler groups the Ray tests by this name
+        raise pytest.UsageError(f"Ray-tier tests live in tests/test_ray_*.py, and only they: {misnamed}")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs `pytest -n N --dist loadscope`: each test module runs whole on one worker, so its
+    module-scoped services start once, and the Ray modules (tests/test_ray_*.py) run as one unit, so only
+    one local Ray cluster exists at a time. (xdist's own loadgroup marks do not reach its scheduler under
+    pytest 9, whose node ids are read-only.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if module.rsplit("/", 1)[-1].startswith("test_ray_") else module
+
+    return ModuleScheduling(config, log)
 
 
 def wait_until(condition, timeout_s: float = 10.0) -> bool:

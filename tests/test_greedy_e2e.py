@@ -86,20 +86,26 @@ def smollm2_services(background_loop):
     services.stop()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_smollm2_greedy_equals_generate_with_default_drafter(smollm2_services, k):
-    """The real default target with the default (n-gram) drafter, 8 demo prompts, chat template."""
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_services):
+    """The 8 demo prompts under the chat template, and the target's own greedy answers (computed once)."""
     from lmkit import models
 
-    services = smollm2_services
     tokenizer = models.load_tokenizer("smollm2-135m")
     prompts_ids = [
         list(tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True)["input_ids"])
         for p in DEMO_PROMPTS
     ]
-    model = services.target_engine.model
-    expected = [reference_greedy(model, ids, 32) for ids in prompts_ids]
+    model = smollm2_services.target_engine.model
+    return prompts_ids, [reference_greedy(model, ids, 32) for ids in prompts_ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_smollm2_greedy_equals_generate_with_default_drafter(smollm2_services, smollm2_reference, k):
+    """The real default target with the default (n-gram) drafter, 8 demo prompts, chat template."""
+    services = smollm2_services
+    prompts_ids, expected = smollm2_reference
     got = run_async(generate_all(services, "smollm2-135m", prompts_ids, k, DrafterKind.NGRAM, 32))
     for prompt, want, have in zip(DEMO_PROMPTS, expected, got):
         assert have == want, f"k={k} diverged on {prompt.name}"
