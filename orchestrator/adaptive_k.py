@@ -31,6 +31,11 @@ hidden unless it takes longer than the verification, and paid in full only
 when the speculation misses (the block is not accepted whole, or the bonus
 token was guessed wrong: probability 1 - alpha^(k+1)).
 
+Links: a round also pays the draft's and the target's round trips, measured
+per link with their jitter (``orchestrator.link_cost``, which gives the time
+of a round); a long target round trip favours longer blocks, a long draft
+round trip favours overlap, and where neither pays the choice is k = 0.
+
 Pure: no I/O. The orchestrator feeds it the services' reported compute times.
 """
 
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from lmkit.costs import LinearCost
+from orchestrator.link_cost import LinkCosts
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class CostModel:
     decay: float = 0.98  # forget old samples slowly: load and context length drift
     verify: LinearCost = field(default_factory=LinearCost)
     load: Load = ALONE  # the target's last decode forward as any session saw it; where new sessions start
+    links: LinkCosts = field(default_factory=LinkCosts)  # the draft and target links' round trips
     _draft_s: float = 0.0
     _draft_tokens: float = 0.0
 
@@ -83,6 +90,11 @@ class CostModel:
     def verify_s(self, tokens: int) -> float:
         """Predicted time of a target forward over ``tokens`` tokens; a + s x with s >= 0."""
         return self.verify.predict(tokens)
+
+    @property
+    def draft_measured(self) -> bool:
+        """Whether a draft has reported its cost yet."""
+        return self._draft_tokens > 0
 
     def draft_s_per_token(self) -> float:
         return self._draft_s / self._draft_tokens if self._draft_tokens else 0.0
@@ -159,22 +171,23 @@ class AdaptiveK:
     def rate(self, k: int, accept: Sequence[float], load: Load = ALONE, overlap: bool = False) -> float:
         """Expected committed tokens per second, over all sessions in the forward, for a block of k."""
         verify = self.costs.verify_s(load.tokens(k))
-        draft_token_s = self.costs.draft_s_per_token()
-        if k == 0:
-            drafting = 0.0
-        elif overlap:  # the next block (k + 1 with the bonus guess) is drafted during this verification
-            whole = 1.0
-            for p in accept[:k]:
-                whole *= p
-            miss = 1.0 - whole * accept[min(k, len(accept) - 1)]
-            drafting = max(0.0, (k + 1) * draft_token_s - verify) + miss * k * draft_token_s
-        else:
-            drafting = k * draft_token_s
-        return (load.others_committed + expected_tokens_by_position(accept, k)) / (verify + drafting)
+        whole = 1.0
+        for p in accept[:k]:
+            whole *= p
+        hit = whole * accept[min(k, len(accept) - 1)] if accept else 0.0  # block whole and bonus guessed
+        round_s = self.costs.links.round_s(k, verify, self.costs.draft_s_per_token(), hit, overlap)
+        return (load.others_committed + expected_tokens_by_position(accept, k)) / round_s
 
     def best(self, accept: Sequence[float], load: Load = ALONE, overlap: bool = False) -> int:
         rates = [self.rate(k, accept, load, overlap) for k in range(self.k_max + 1)]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))  # ties: the smaller block
+
+    def ahead_pays(self, load: Load = ALONE) -> bool:
+        """Whether drafting the next block during verification beats drafting it after (overlap depth 1 vs 0)."""
+        accept = self.acceptance()
+        best = self.best(accept, load, overlap=True)
+        return best > 0 and self.rate(best, accept, load, True) >= max(
+            self.rate(k, accept, load, False) for k in range(self.k_max + 1))
 
     def choose(self, load: Load = ALONE, overlap: bool = False) -> int:
         best_k = self.best(self.acceptance(), load, overlap)
