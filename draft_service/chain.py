@@ -57,7 +57,7 @@ class ChainDrafter(Drafter):
             if block.tokens:
                 self.last_kind = kind
                 self.blocks_by_kind[kind] += 1
-                return DraftBlock(tokens=list(block.tokens))
+                return DraftBlock(tokens=list(block.tokens), branch=block.branch)
         return DraftBlock(tokens=[])
 
     def close(self) -> None:

@@ -44,6 +44,7 @@ class GenerationRequest:
     adaptive_k: bool = False  # k is then the per-round upper bound
     chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
     overlap: bool = False  # draft block i+1 while the target verifies block i
+    branch: bool = True  # with overlap, also draft past the drafter's second guess where that is free
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Orchestrator:
         self.drafter_traits: dict[DrafterKind, DrafterTraits] = {
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())
         }
-        self.costs = CostModel()  # one target: its measured costs serve every session
+        self.costs = CostModel()  # one target and one draft: their measured costs and links serve every session
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -137,10 +138,11 @@ class Orchestrator:
             self.target,
             lambda sid, tokens: pb.TargetOpen(session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value),
             policy,
+            self.costs.links.target,
         )
         draft = None
         if request.k > 0 and self.draft is not None:
-            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request), policy)
+            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request), policy, self.costs)
         try:
             if draft is not None:
                 await draft.open(prompt_ids)  # a draft that is down only means no speculation for now
@@ -150,6 +152,7 @@ class Orchestrator:
                         event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft), loop=stats
                     )
                     metrics.record_generation(stats, draft.fallback_rounds if draft else 0, target.reopens)
+                    metrics.record_links(self.costs.links)
                 yield event
         finally:
             await target.close()
@@ -166,6 +169,7 @@ class Orchestrator:
             max_context=self.target.info.max_context or 1 << 30,
             overlap=request.overlap and draft is not None,
             ahead_max=min(request.k, self.draft.info.max_block - 1) if draft is not None else 0,
+            branch=request.branch,
         )
         controller = AdaptiveK(config.k, self.costs) if request.adaptive_k and config.k > 0 else None
         async for new, finish in speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs):

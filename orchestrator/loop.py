@@ -27,7 +27,7 @@ from typing import AsyncIterator, Sequence
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import drop_leading_rows
 from orchestrator.adaptive_k import ALONE, AdaptiveK, CostModel, Load
-from orchestrator.links import DraftLink, TargetLink
+from orchestrator.links import DraftCall, DraftLink, TargetLink
 
 
 class Finish(enum.Enum):
@@ -45,6 +45,7 @@ class LoopConfig:
     max_context: int  # positions the target accepts
     overlap: bool = False  # draft block i+1 while the target verifies block i
     ahead_max: int = 0  # largest k drafted ahead (the draft proposes k + 1 then); 0 = no overlap
+    branch: bool = True  # with overlap, also draft past the drafter's second guess where that is free
 
 
 @dataclass
@@ -59,6 +60,12 @@ class LoopStats:
     k_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
     overlap_hits: int = 0  # rounds whose block was drafted during the previous verification
+    ahead_started: int = 0  # blocks drafted during a verification (hit rate: overlap_hits / ahead_started)
+    overlap_waiting: int = 0  # hits whose block was already back when the verification's result came
+    branch_started: int = 0  # blocks drafted past the drafter's second guess (a second outcome)
+    branch_hits: int = 0  # ... that were used (counted in overlap_hits too)
+    late_blocks: int = 0  # draft replies that missed their round's deadline (the target stepped alone)
+    busy_rounds: int = 0  # rounds without a draft because a late reply was still due
     batch_sizes: list[int] = field(default_factory=list)  # sessions in each verifying forward
 
     @property
@@ -73,6 +80,10 @@ class LoopStats:
     def mean_accepted_length(self) -> float:
         """Tokens committed per target forward pass (accepted + 1)."""
         return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def overlap_hit_rate(self) -> float:
+        return self.overlap_hits / self.ahead_started if self.ahead_started else 0.0
 
     @property
     def mean_k(self) -> float:
@@ -100,6 +111,7 @@ class _Block:
     probs: pb.DraftProbs | None = None
     draft_s: float = 0.0
     k: int = 0  # tokens asked for
+    branch: tuple[int, int] | None = None  # the drafter's second guess: (index into tokens, token)
 
 
 def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | None:
@@ -109,7 +121,27 @@ def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | No
     probs = reply.probs if reply.HasField("probs") else None
     if probs is not None and skip:
         probs = drop_leading_rows(probs, skip)
-    return _Block(list(reply.tokens)[skip:], probs, reply.compute_us / 1e6, k)
+    tokens = list(reply.tokens)[skip:]
+    branch = None
+    if reply.HasField("branch") and 0 <= reply.branch.index - skip < len(tokens):
+        branch = (reply.branch.index - skip, reply.branch.token)
+    return _Block(tokens, probs, reply.compute_us / 1e6, k, branch)
+
+
+@dataclass
+class _Ahead:
+    """A block drafted during a verification, assuming an outcome of the block in verification."""
+
+    call: DraftCall
+    base: int  # committed length when it was sent
+    assumed: list[int]  # the tokens it assumes the verification commits
+    k: int
+    guess: bool  # its first token guesses the bonus token (assumed: the block accepted whole)
+
+    def fits(self, committed: list[int]) -> bool:
+        """Whether the verification committed what this block assumes (the bonus guess is checked later)."""
+        outcome = committed[self.base :]
+        return (outcome[:-1] if self.guess else outcome) == self.assumed
 
 
 class _Loop:
@@ -126,10 +158,7 @@ class _Loop:
         # orchestrator last saw it: a session joining a busy target must not pad the batch with a
         # block sized for a target of its own.
         self.load = costs.load if costs is not None else ALONE
-        self.ahead: asyncio.Task | None = None  # the next block, drafted during this verification
-        self.ahead_base = 0  # committed length when it started
-        self.ahead_block: list[int] = []  # the block it assumes accepted whole
-        self.ahead_k = 0
+        self.aheads: list[_Ahead] = []  # next blocks drafted during this verification, one per assumed outcome
 
     def limit(self, extra: int = 0) -> int:
         """The most draft tokens a round may carry ``extra`` tokens from now (k + 1 must fit budget and context)."""
@@ -137,49 +166,90 @@ class _Loop:
         room = self.config.max_context - len(self.committed) - extra
         return min(self.config.k, budget - 1, room - 1)
 
-    def choose(self, limit: int) -> int:
-        wanted = self.controller.choose(self.load, self.config.overlap) if self.controller else self.config.k
+    def choose(self, limit: int, overlap: bool | None = None) -> int:
+        overlap = self.config.overlap if overlap is None else overlap
+        wanted = self.controller.choose(self.load, overlap) if self.controller else self.config.k
         return max(0, min(wanted, limit))
 
+    def overlap_pays(self) -> bool:
+        """Draft the next block during this verification? Where the controller judges it slower, no."""
+        if not self.config.overlap:
+            return False
+        return self.controller is None or self.controller.ahead_pays(self.load)
+
     async def next_block(self) -> _Block:
-        """This round's block: the one drafted ahead when its assumption held, else a fresh proposal."""
+        """This round's block: one drafted ahead whose assumed outcome came true, else a fresh proposal.
+
+        A draft that is down, busy with a late reply, or late with this one
+        gives no block: the target steps alone this round.
+        """
         ready = await self.take_ahead()
         if ready is not None:
             self.stats.overlap_hits += 1
             return ready
-        k = self.choose(self.limit())
+        k = self.choose(self.limit(), self.overlap_pays())
         if self.draft is None or k <= 0:
             return _Block([], k=k)
-        block = _block_of(await self.draft.propose(self.committed, k), k) or _Block([], k=k)
-        self.stats.draft_compute_s += block.draft_s
-        return block
+        call = self.draft.send(self.committed, (), k)
+        reply = await self.draft.receive(call) if call is not None else None
+        return _block_of(reply, k) or _Block([], k=k)
 
     async def take_ahead(self) -> _Block | None:
-        if self.ahead is None:
+        """The block drafted ahead for the outcome that came true, if it is back by its deadline.
+
+        Blocks drafted for other outcomes are not waited for; the link drops
+        them when they come (they were drafted from other contexts).
+        """
+        aheads, self.aheads = self.aheads, []
+        ahead = next((a for a in aheads if a.fits(self.committed)), None)
+        if ahead is None:
             return None
-        reply, self.ahead = await self.ahead, None
+        waiting = ahead.call.task.done()  # the reply came before the verification's
+        reply = await self.draft.receive(ahead.call)
         if reply is None:
             return None
-        self.stats.draft_compute_s += reply.compute_us / 1e6  # spent whether or not the block is used
-        guess = list(reply.tokens[:1])
-        # Usable iff the last round committed exactly the assumed block plus the guessed bonus token.
-        if len(reply.tokens) < 2 or self.committed[self.ahead_base :] != [*self.ahead_block, *guess]:
+        if ahead.guess:
+            # Usable iff the guessed bonus token is the one the target committed.
+            if len(reply.tokens) < 2 or reply.tokens[0] != self.committed[-1]:
+                return None
+        elif not reply.tokens:
             return None
-        return _block_of(reply, self.ahead_k, skip=1)
+        self.stats.overlap_waiting += waiting
+        self.stats.branch_hits += not ahead.guess
+        return _block_of(reply, ahead.k, skip=int(ahead.guess))
 
     def start_ahead(self, block: _Block) -> None:
-        """While the target verifies ``block``, draft the next one assuming it is accepted whole."""
-        if not (self.config.overlap and self.draft is not None and self.draft.up and block.tokens):
+        """While the target verifies ``block``, draft the next one assuming it is accepted whole, and,
+        where it costs the round nothing, past the drafter's second guess too (rejected at its least
+        sure position, its runner-up the correction)."""
+        if not (block.tokens and self.draft is not None and self.draft.up and self.overlap_pays()):
             return
-        k = self.choose(min(self.limit(extra=len(block.tokens) + 1), self.config.ahead_max))
-        if k > 0:
-            self.ahead_base, self.ahead_block, self.ahead_k = len(self.committed), list(block.tokens), k
-            self.ahead = asyncio.create_task(self.draft.propose_ahead(list(self.committed), block.tokens, k))
+        k = self.choose(min(self.limit(extra=len(block.tokens) + 1), self.config.ahead_max), overlap=True)
+        if k <= 0:
+            return
+        call = self.draft.send(self.committed, block.tokens, k + 1)  # + 1: the guess of the bonus token
+        if call is None:
+            return
+        self.aheads = [_Ahead(call, len(self.committed), list(block.tokens), k, guess=True)]
+        self.stats.ahead_started += 1
+        if block.branch is None or not self.config.branch:
+            return
+        index, token = block.branch
+        assumed = [*block.tokens[:index], token]
+        k_branch = self.choose(min(self.limit(extra=len(assumed)), self.config.ahead_max), overlap=True)
+        if k_branch <= 0 or not self.branch_is_free(len(block.tokens), k + 1 + k_branch):
+            return
+        call = self.draft.send(self.committed, assumed, k_branch)
+        if call is not None:
+            self.aheads.append(_Ahead(call, len(self.committed), assumed, k_branch, guess=False))
+            self.stats.branch_started += 1
 
-    def cancel(self) -> None:
-        if self.ahead is not None:
-            self.ahead.cancel()
-            self.ahead = None
+    def branch_is_free(self, block_tokens: int, drafted: int) -> bool:
+        """Whether drafting ``drafted`` tokens in two requests comes back before the verification does."""
+        if self.costs is None or not self.costs.draft_measured:
+            return False
+        verify_s = self.costs.verify_s(self.load.tokens(block_tokens))
+        return self.costs.links.two_requests_fit(drafted, verify_s, self.costs.draft_s_per_token())
 
     def commit(self, block: _Block, result: pb.VerifyResult) -> tuple[list[int], Finish | None]:
         stats, target_s = self.stats, result.compute_us / 1e6
@@ -193,10 +263,9 @@ class _Loop:
         # batch's load or a decode forward's cost.
         if stats.rounds > 0:
             self.load = load
-            if self.costs is not None:
+            if self.costs is not None:  # the draft link reports the draft's costs itself (late blocks too)
                 self.costs.load = load
                 self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
-                self.costs.observe_draft(drafted, block.draft_s)
         new, finish = cut_at_finish([*block.tokens[: result.accepted], result.next_token], self.config.eos_ids, budget)
         self.committed.extend(new)
         stats.rounds += 1
@@ -207,6 +276,9 @@ class _Loop:
         stats.drafted_per_round.append(drafted)
         stats.k_per_round.append(block.k)
         stats.batch_sizes.append(load.sessions)
+        if self.draft is not None:
+            stats.late_blocks, stats.busy_rounds = self.draft.late_blocks, self.draft.busy_rounds
+            stats.draft_compute_s = self.draft.compute_s  # every reply's, used or not
         if finish is None and len(self.committed) >= self.config.max_context:
             finish = Finish.CONTEXT
         return new, finish
@@ -224,25 +296,24 @@ async def speculative_decode(
     """Yield (newly committed tokens, finish reason or None) once per round.
 
     With a ``controller``, each round's k is chosen in [0, config.k] from the
-    measured acceptance, costs and target load; ``costs`` learns from every
-    round but the first (which carries the prompt's prefill).
+    measured acceptance, costs, links and target load, and whether to draft
+    ahead at all; ``costs`` learns from every round but the first (which
+    carries the prompt's prefill). A block drafted ahead that is still on its
+    way when the generation ends is cancelled by the draft link's ``close``.
     """
     loop = _Loop(prompt, config, draft, stats, controller, costs)
-    try:
-        while True:
-            if len(loop.committed) >= config.max_context:
-                yield [], Finish.CONTEXT
-                return
-            block = await loop.next_block()
-            verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs))
-            loop.start_ahead(block)
-            try:
-                result = await verifying
-            finally:
-                verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
-            new, finish = loop.commit(block, result)
-            yield new, finish
-            if finish is not None:
-                return
-    finally:
-        loop.cancel()
+    while True:
+        if len(loop.committed) >= config.max_context:
+            yield [], Finish.CONTEXT
+            return
+        block = await loop.next_block()
+        verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs))
+        loop.start_ahead(block)
+        try:
+            result = await verifying
+        finally:
+            verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
+        new, finish = loop.commit(block, result)
+        yield new, finish
+        if finish is not None:
+            return
