@@ -4,21 +4,25 @@ Both decodings run in one process against the same target service (k = 0 is
 target-only), on the same prompts and token budget, greedy. Services are
 started as separate processes on loopback; ``--target-cpus``/``--draft-cpus``
 pin them to different cores (they stand for separate devices).
+``--link-delay-ms`` (``--link-jitter-ms``, ``--link-rate-mbit``) puts an
+emulated link (``bench.netem``, a relay process) in front of each service.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench import demo, speed
+from bench import demo, netem, network, speed
 from bench.evaluation import Summary, compare, summarise, theoretical_speedup
 from bench.prompts import PROMPT_SETS
 from lmkit.kinds import DrafterKind
@@ -31,10 +35,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     demo.build_parser(parser)
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument(
-        "--suite", default="compare", choices=["compare", "speed"],
-        help="compare: speculative vs target-only on a prompt set; speed: modes, K sweep, concurrency, HF anchors, plot",
+        "--suite", default="compare", choices=["compare", "speed", "network"],
+        help="compare: speculative vs target-only on a prompt set; speed: modes, K sweep, concurrency, HF anchors, "
+             "plot; network: speedup vs emulated link round trip, sync/overlap, fixed/adaptive K, plot",
     )
     speed.add_flags(parser)
+    network.add_flags(parser)
     parser.add_argument("--target-cpus", default="", help="pin the target to these CPUs, e.g. '0,1'")
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
     parser.add_argument(
@@ -101,14 +107,20 @@ async def _measure(args, target_address: str, draft_address: str) -> dict:
 def run(args) -> int:
     if args.suite == "speed":
         return speed.run(args)
+    if args.suite == "network":
+        return network.run(args)
     target_args, draft_args = demo.service_args(args)
     if args.target_cpus:
         target_args += ["--cpus", args.target_cpus]
     if args.draft_cpus:
         draft_args += ["--cpus", args.draft_cpus]
     started = time.time()
-    with local_services(target_args, draft_args) as (target, draft):
-        report = asyncio.run(_measure(args, target.address, draft.address))
+    shape = network.link_shape(args)
+    with tempfile.TemporaryDirectory(prefix="specsplit-bench-") as tmp, \
+            local_services(target_args, draft_args) as (target, draft), \
+            netem.links({"target": target.address, "draft": draft.address}, shape, Path(tmp)) as (addresses, relays):
+        report = asyncio.run(_measure(args, addresses["target"], addresses["draft"]))
+        relay_stats = {name: link.stop() for name, link in relays.items()}
     report = {
         "benchmark": "speculative_vs_target_only",
         "target": args.model,
@@ -124,6 +136,7 @@ def run(args) -> int:
         "draft_threads": args.draft_threads,
         "target_cpus": args.target_cpus or "unpinned",
         "draft_cpus": args.draft_cpus or "unpinned",
+        "emulated_links": {"shape": dataclasses.asdict(shape), "relays": relay_stats} if relay_stats else None,
         **report,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "duration_s": round(time.time() - started, 1),
