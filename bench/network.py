@@ -49,10 +49,10 @@ from bench.prompts import PROMPT_SETS
 from lmkit.kinds import DrafterKind
 from lmkit.processes import local_services
 from lmkit.sampling import SamplingParams
-from orchestrator.adaptive_k import expected_tokens
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
 from orchestrator.loop import LoopStats
+from orchestrator.rate import expected_tokens
 
 GREEDY = SamplingParams()
 

@@ -11,7 +11,8 @@ from draft_service.ngram import NgramConfig
 from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
 from lmkit.kinds import DrafterKind, DrafterTraits
-from lmkit.sampling import SamplingParams, make_generator
+from lmkit.kvcache import check_cache_layout
+from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
 
@@ -47,6 +48,8 @@ class DraftEngine:
         unknown = [kind.name for kind in derived if not DRAFTERS[kind].derived]
         if unknown:
             raise ValueError(f"{unknown} are not derived drafters")
+        if model is not None:
+            check_cache_layout(model)
         self.model = model
         self.derived = derived  # LAYERSKIP / QUANTIZED views of ``model``
         self.model_id = model_id or "(model-free)"
@@ -103,6 +106,7 @@ class DraftEngine:
         return_probs: bool,
         ngram: NgramConfig,
         chain: Sequence[DrafterKind] = (),
+        coupled: bool = False,  # COUPLED verification: model drafters take the target's Gumbel-max noise
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -111,14 +115,18 @@ class DraftEngine:
         entry = DRAFTERS[kind]
         if return_probs and not entry.has_probs:
             raise errors.InvalidArgument(f"drafter {kind.name} has no draft probabilities; use token-only verification")
-        generator = None if sampling.greedy else make_generator(sampling.seed, "draft")
+        if coupled and (return_probs or sampling.greedy):
+            raise errors.InvalidArgument(
+                "COUPLED verification samples (temperature > 0) and sends token ids only; unset return_probs"
+            )
         context = DraftRequestContext(
-            list(tokens), sampling, generator, return_probs, ngram, self.model, self.derived, tuple(chain)
+            list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled
         )
         return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context)))
 
-    def propose(self, session: DraftSession, position: int, tokens: Sequence[int], k: int) -> Proposed:
-        """Take the committed tokens from ``position`` on, then draft up to ``k``."""
+    def propose(self, session: DraftSession, position: int, tokens: Sequence[int], k: int, free_k: int = 0) -> Proposed:
+        """Take the committed tokens from ``position`` on, then draft up to ``k`` (a free drafter up to
+        ``free_k`` when larger)."""
         held = session.drafter.position
         if position > held:
             raise errors.FailedPrecondition(
@@ -127,12 +135,15 @@ class DraftEngine:
             )
         if k > self.limits.max_block:
             raise errors.InvalidArgument(f"k = {k} is larger than this draft's max block {self.limits.max_block}")
+        if free_k > self.limits.max_block:
+            raise errors.InvalidArgument(
+                f"free_k = {free_k} is larger than this draft's max block {self.limits.max_block}")
         if position + len(tokens) == 0:
             raise errors.InvalidArgument("propose would leave the context empty; send the committed tokens")
         check_tokens(tokens, self.vocab_size, "tokens")
         start = time.perf_counter()
         session.drafter.commit(position, tokens)
-        block = session.drafter.propose(k)
+        block = session.drafter.propose_within(k, free_k)
         session.rounds += 1
         self.sessions.count_round()
         return Proposed(block, time.perf_counter() - start)

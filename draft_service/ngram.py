@@ -12,6 +12,12 @@ n-gram we take the *most recent* one (recent text predicts the continuation
 better than the prompt's first mention), and lookups go through an incremental
 index instead of a scan, so a proposal costs O(max_n) dictionary lookups
 whatever the context length.
+
+Each block reports its match quality (``MatchQuality``): how many tokens the
+context's suffix shares with the text before the copied span (counted past
+the n-gram, up to ``MAX_MATCH``), and how many earlier occurrences the matched
+n-gram has. Acceptance grows with the first and falls with the second, so the
+orchestrator sizes the verified block by them.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from draft_service.drafter import DraftBlock, Drafter
+from draft_service.drafter import DraftBlock, Drafter, MatchQuality
 
 # Longer suffixes rarely match and each extra n costs one tuple per token in the index.
 MAX_NGRAM = 32
 _BRANCH_CANDIDATES = 4  # earlier occurrences per suffix length looked at for a second guess
+MAX_MATCH = 32  # a match length is counted up to this many tokens
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,11 @@ class NgramDrafter(Drafter):
     whose suffix n-gram also ends at an earlier position ``e``, it proposes
     ``context[e : e + k]`` (fewer tokens if the context ends first; the copied
     span may overlap the suffix itself). With no match it proposes nothing.
-    Proposals are deterministic, so ``probs`` is always None.
+    Proposals are deterministic, so ``probs`` is always None; they cost ~nothing, so the
+    drafter is ``free``.
     """
+
+    free = True
 
     def __init__(self, config: NgramConfig, prompt: Sequence[int]):
         self._config = config
@@ -112,9 +122,17 @@ class NgramDrafter(Drafter):
             # ends[-1] is the suffix itself; the entry before it is the latest earlier occurrence.
             if ends is not None and len(ends) >= 2:
                 start = ends[-2]
+                quality = MatchQuality(self._match_length(start, n), len(ends) - 1)
                 tokens = self._tokens[start : start + k]
-                return DraftBlock(tokens=tokens, branch=self._branch(start, tokens, n))
+                return DraftBlock(tokens=tokens, quality=quality, branch=self._branch(start, tokens, n))
         return DraftBlock(tokens=[])
+
+    def _match_length(self, start: int, n: int) -> int:
+        """Tokens before ``start`` equal to the context's last ones (at least the matched ``n``)."""
+        tokens, end, length = self._tokens, len(self._tokens), n
+        while length < MAX_MATCH and length < start and tokens[start - length - 1] == tokens[end - length - 1]:
+            length += 1
+        return length
 
     def _branch(self, start: int, tokens: list[int], n: int) -> tuple[int, int] | None:
         """Where the next most recent earlier occurrence (of this suffix, or of a shorter one) goes on

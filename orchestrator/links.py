@@ -31,10 +31,11 @@ from typing import Callable, Sequence
 
 import grpc
 
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from orchestrator.adaptive_k import CostModel
 from orchestrator.link_cost import RttEstimator
 from orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
+from orchestrator.rate import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class TargetLink(_SessionLink):
         self._stream: TargetStream | None = None
         self._opened = 0
         self._rtt = rtt if rtt is not None else RttEstimator()  # this target's link, shared by its sessions
+        self._verified = 0  # verifications on the current session
+        self.last_prefilled = False  # the last verify ran on a fresh session: its time includes a prefill
 
     @property
     def reopens(self) -> int:
@@ -110,6 +113,17 @@ class TargetLink(_SessionLink):
             raise
         self._stream = stream
         self._opened += 1
+        self._verified = 0
+
+    async def try_open(self, committed: Sequence[int]) -> bool:
+        """Open the session now; False when the target is briefly unavailable (the first verify retries)."""
+        try:
+            await self.open(committed)
+        except (PeerError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
+                raise
+            return False
+        return True
 
     async def verify(self, committed: Sequence[int], tokens: Sequence[int], probs) -> pb.VerifyResult:
         """Verify a block at len(committed), re-opening the session until the deadline if the target fails."""
@@ -123,6 +137,8 @@ class TargetLink(_SessionLink):
                 async with asyncio.timeout(self._policy.target_timeout_s):
                     result = await call
                 self._rtt.observe(time.perf_counter() - start - (result.service_us or result.compute_us) / 1e6)
+                self._verified += 1
+                self.last_prefilled = self._verified == 1  # a session's first block carries its prefill
                 return result
             except (PeerError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
@@ -142,6 +158,14 @@ class TargetLink(_SessionLink):
         if self._stream is not None:
             stream, self._stream = self._stream, None
             stream.abort()
+
+
+def drafter_of(reply: pb.DraftBlock, session_drafter: DrafterKind | None) -> DrafterKind | None:
+    """The drafter that drafted a reply: the chain member it names, else the session's."""
+    try:
+        return DrafterKind(reply.drafter) if reply.drafter else session_drafter
+    except ValueError:  # a kind the draft did not announce: count it as the session's
+        return session_drafter
 
 
 @dataclass
@@ -166,10 +190,11 @@ class DraftLink(_SessionLink):
     """
 
     def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
-                 policy: LinkPolicy, costs: CostModel | None = None) -> None:
+                 policy: LinkPolicy, costs: CostModel | None = None, drafter: DrafterKind | None = None) -> None:
         super().__init__(client, open_msg, policy)
         self._stream: DraftStream | None = None
         self._costs = costs if costs is not None else CostModel()
+        self.drafter = drafter  # the session's drafter: whose costs a reply reports unless it names a chain member
         self._synced = 0  # the draft holds committed[:_synced]
         self._down_since: float | None = None
         self._tail: DraftCall | None = None  # the last request sent (or the re-attaching open)
@@ -201,10 +226,10 @@ class DraftLink(_SessionLink):
         self._stream, self._synced, self._down_since, self._cold = stream, len(committed), None, True
         return True
 
-    def send(self, committed: Sequence[int], assumed: Sequence[int], k: int) -> DraftCall | None:
-        """Ask for up to k tokens continuing ``committed`` + ``assumed`` (tokens not committed yet: a block
-        in verification, drafted past as if its outcome were ``assumed``). None when the draft cannot take a
-        request now (down, or a late reply still due): this round goes on without it."""
+    def send(self, committed: Sequence[int], assumed: Sequence[int], k: int, free_k: int = 0) -> DraftCall | None:
+        """Ask for up to k tokens (a free drafter: up to free_k) continuing ``committed`` + ``assumed`` (tokens
+        not committed yet: a block in verification, drafted past as if its outcome were ``assumed``). None when
+        the draft cannot take a request now (down, or a late reply still due): this round goes on without it."""
         if self._stream is None:
             self._reattach_later(committed)
             self.fallback_rounds += 1
@@ -215,8 +240,8 @@ class DraftLink(_SessionLink):
             self.busy_rounds += 1
             return None
         cold, self._cold = self._cold, False
-        budget = self._policy.draft_timeout_s if cold else self._deadline_s(k)
-        task = self._track(self._propose(list(committed), list(assumed), k, cold, before))
+        budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
+        task = self._track(self._propose(list(committed), list(assumed), k, free_k, cold, before))
         self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget,
                                len(committed) + len(assumed))
         return self._tail
@@ -236,7 +261,8 @@ class DraftLink(_SessionLink):
     def _deadline_s(self, k: int) -> float:
         if not self._costs.draft_measured:  # a draft's cost is unknown until it has answered once
             return self._policy.draft_timeout_s
-        deadline = self._policy.draft_deadline_s or self._costs.links.draft_deadline_s(k, self._costs.draft_s_per_token())
+        draft_s = self._costs.draft_s_per_token(self.drafter)
+        deadline = self._policy.draft_deadline_s or self._costs.links.draft_deadline_s(k, draft_s)
         return min(deadline, self._policy.draft_timeout_s)
 
     def _track(self, coro) -> asyncio.Task:
@@ -245,7 +271,7 @@ class DraftLink(_SessionLink):
         task.add_done_callback(self._pending.discard)
         return task
 
-    async def _propose(self, committed: list[int], assumed: list[int], k: int, cold: bool,
+    async def _propose(self, committed: list[int], assumed: list[int], k: int, free_k: int, cold: bool,
                        before: DraftCall | None) -> pb.DraftBlock | None:
         if before is not None:
             await asyncio.wait({before.task})  # its reply comes first on the stream
@@ -253,7 +279,7 @@ class DraftLink(_SessionLink):
             return None
         start = time.perf_counter()
         try:
-            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k)
+            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k, free_k)
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 block = await call
         except (PeerError, asyncio.TimeoutError) as exc:
@@ -267,7 +293,7 @@ class DraftLink(_SessionLink):
         self._costs.links.draft.observe(time.perf_counter() - start - block.compute_us / 1e6)
         self.compute_s += block.compute_us / 1e6
         if not cold:  # a cold proposal's compute is mostly the prefill of the context
-            self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6)
+            self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6, drafter_of(block, self.drafter))
         return block
 
     def _reattach_later(self, committed: Sequence[int]) -> None:

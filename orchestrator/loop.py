@@ -15,6 +15,12 @@ A used block was drafted from exactly the context it now continues, with the
 draft's usual sampling, so greedy output is unchanged and sampling stays
 lossless (whether the block is used depends only on the target's decisions
 about block i, not on the block's own draws).
+
+Free drafts: a drafter whose proposals cost nothing (prompt lookup) is asked
+every round for up to the round's bound, and the controller cuts the block to
+the tokens worth verifying from its reported match quality
+(``AdaptiveK.cut``); a drafter that pays per token is asked for what the
+controller chooses beforehand (``AdaptiveK.ask``).
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import drop_leading_rows
-from orchestrator.adaptive_k import ALONE, AdaptiveK, CostModel, Load
-from orchestrator.links import DraftCall, DraftLink, TargetLink
+from orchestrator.acceptance import StatsKey, quality_of
+from orchestrator.adaptive_k import AdaptiveK
+from orchestrator.links import DraftCall, DraftLink, TargetLink, drafter_of
+from orchestrator.rate import ALONE, CostModel, Load
 
 
 class Finish(enum.Enum):
@@ -46,6 +55,8 @@ class LoopConfig:
     overlap: bool = False  # draft block i+1 while the target verifies block i
     ahead_max: int = 0  # largest k drafted ahead (the draft proposes k + 1 then); 0 = no overlap
     branch: bool = True  # with overlap, also draft past the drafter's second guess where that is free
+    drafter: DrafterKind | None = None  # the session's drafter (a block's drafter unless it names a chain member)
+    free_drafters: frozenset[DrafterKind] = frozenset()  # its drafters whose proposals cost nothing (cut by quality)
 
 
 @dataclass
@@ -54,6 +65,7 @@ class LoopStats:
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
+    delivered: int = 0  # tokens sent to the client: committed ones, less any past a stop string
     draft_compute_s: float = 0.0
     target_compute_s: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
@@ -110,8 +122,10 @@ class _Block:
     tokens: list[int]
     probs: pb.DraftProbs | None = None
     draft_s: float = 0.0
-    k: int = 0  # tokens asked for
+    k: int = 0  # tokens asked for (a free block: the tokens kept)
     branch: tuple[int, int] | None = None  # the drafter's second guess: (index into tokens, token)
+    key: StatsKey | None = None  # what its acceptance is recorded under (None: nothing to record)
+    proposed: int = 0  # tokens the drafter computed (a free block's before the cut)
 
 
 def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | None:
@@ -125,7 +139,7 @@ def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | No
     branch = None
     if reply.HasField("branch") and 0 <= reply.branch.index - skip < len(tokens):
         branch = (reply.branch.index - skip, reply.branch.token)
-    return _Block(tokens, probs, reply.compute_us / 1e6, k, branch)
+    return _Block(tokens, probs, reply.compute_us / 1e6, k, branch, proposed=len(reply.tokens))
 
 
 @dataclass
@@ -166,10 +180,34 @@ class _Loop:
         room = self.config.max_context - len(self.committed) - extra
         return min(self.config.k, budget - 1, room - 1)
 
-    def choose(self, limit: int, overlap: bool | None = None) -> int:
+    def choose(self, limit: int, overlap: bool | None = None) -> tuple[int, int]:
+        """(k asked of a drafter that pays per token, the bound for a free one) for a round of at most ``limit``."""
         overlap = self.config.overlap if overlap is None else overlap
-        wanted = self.controller.choose(self.load, overlap) if self.controller else self.config.k
-        return max(0, min(wanted, limit))
+        limit = max(limit, 0)
+        if self.controller is None:
+            return min(self.config.k, limit), 0
+        free_k = limit if self.config.free_drafters else 0
+        return self.controller.ask(limit, self.load, overlap), free_k
+
+    def finish_block(self, reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block:
+        """A reply as this round's block: recorded under its drafter and quality, and a free one cut to the
+        tokens worth verifying (from its quality and the statistics only, never from random draws)."""
+        block = _block_of(reply, k, skip) or _Block([], k=k)
+        if reply is None or not block.tokens or self.controller is None:
+            return block
+        drafter = drafter_of(reply, self.config.drafter)
+        if drafter is None:
+            return block
+        quality = None
+        if reply.HasField("quality"):  # a block drafted ahead is used after its guess: its match is one longer
+            quality = quality_of(reply.quality.length + skip, reply.quality.occurrences)
+        block.key = self.controller.key(drafter, quality)
+        if drafter in self.config.free_drafters and block.probs is None:
+            block.k = self.controller.cut(block.key, len(block.tokens), self.load)
+            block.tokens = block.tokens[: block.k]
+            if block.branch is not None and block.branch[0] >= block.k:
+                block.branch = None  # past the cut: that outcome cannot happen
+        return block
 
     def overlap_pays(self) -> bool:
         """Draft the next block during this verification? Where the controller judges it slower, no."""
@@ -185,14 +223,14 @@ class _Loop:
         """
         ready = await self.take_ahead()
         if ready is not None:
-            self.stats.overlap_hits += 1
+            self.stats.overlap_hits += bool(ready.tokens)
             return ready
-        k = self.choose(self.limit(), self.overlap_pays())
-        if self.draft is None or k <= 0:
+        k, free_k = self.choose(self.limit(), self.overlap_pays())
+        if self.draft is None or (k <= 0 and free_k <= 0):
             return _Block([], k=k)
-        call = self.draft.send(self.committed, (), k)
+        call = self.draft.send(self.committed, (), k, free_k)
         reply = await self.draft.receive(call) if call is not None else None
-        return _block_of(reply, k) or _Block([], k=k)
+        return self.finish_block(reply, k)
 
     async def take_ahead(self) -> _Block | None:
         """The block drafted ahead for the outcome that came true, if it is back by its deadline.
@@ -216,7 +254,8 @@ class _Loop:
             return None
         self.stats.overlap_waiting += waiting
         self.stats.branch_hits += not ahead.guess
-        return _block_of(reply, ahead.k, skip=int(ahead.guess))
+        # cut to nothing, it is still this round's answer
+        return self.finish_block(reply, ahead.k, skip=int(ahead.guess))
 
     def start_ahead(self, block: _Block) -> None:
         """While the target verifies ``block``, draft the next one assuming it is accepted whole, and,
@@ -224,10 +263,11 @@ class _Loop:
         sure position, its runner-up the correction)."""
         if not (block.tokens and self.draft is not None and self.draft.up and self.overlap_pays()):
             return
-        k = self.choose(min(self.limit(extra=len(block.tokens) + 1), self.config.ahead_max), overlap=True)
-        if k <= 0:
+        k, free_k = self.choose(min(self.limit(extra=len(block.tokens) + 1), self.config.ahead_max), overlap=True)
+        if k <= 0 and free_k <= 0:
             return
-        call = self.draft.send(self.committed, block.tokens, k + 1)  # + 1: the guess of the bonus token
+        # + 1: the guess of the bonus token
+        call = self.draft.send(self.committed, block.tokens, k + 1, free_k + 1 if free_k else 0)
         if call is None:
             return
         self.aheads = [_Ahead(call, len(self.committed), list(block.tokens), k, guess=True)]
@@ -236,10 +276,10 @@ class _Loop:
             return
         index, token = block.branch
         assumed = [*block.tokens[:index], token]
-        k_branch = self.choose(min(self.limit(extra=len(assumed)), self.config.ahead_max), overlap=True)
-        if k_branch <= 0 or not self.branch_is_free(len(block.tokens), k + 1 + k_branch):
+        k_branch, free_branch = self.choose(min(self.limit(extra=len(assumed)), self.config.ahead_max), overlap=True)
+        if (k_branch <= 0 and free_branch <= 0) or not self.branch_is_free(len(block.tokens), k + 1 + k_branch):
             return
-        call = self.draft.send(self.committed, assumed, k_branch)
+        call = self.draft.send(self.committed, assumed, k_branch, free_branch)
         if call is not None:
             self.aheads.append(_Ahead(call, len(self.committed), assumed, k_branch, guess=False))
             self.stats.branch_started += 1
@@ -249,19 +289,33 @@ class _Loop:
         if self.costs is None or not self.costs.draft_measured:
             return False
         verify_s = self.costs.verify_s(self.load.tokens(block_tokens))
-        return self.costs.links.two_requests_fit(drafted, verify_s, self.costs.draft_s_per_token())
+        draft_s = self.costs.draft_s_per_token(self.config.drafter)
+        return self.costs.links.two_requests_fit(drafted, verify_s, draft_s)
 
-    def commit(self, block: _Block, result: pb.VerifyResult) -> tuple[list[int], Finish | None]:
+    async def close(self) -> None:
+        """Stop the proposals drafted ahead, if any, and wait until they have stopped (the draft link's close
+        cancels every request still on its way)."""
+        aheads, self.aheads = self.aheads, []
+        if aheads and self.draft is not None:
+            await self.draft.close()
+
+    def commit(
+        self, block: _Block, result: pb.VerifyResult, prefilled: bool = False
+    ) -> tuple[list[int], Finish | None]:
+        """Commit a verified block; ``prefilled``: the target re-read the context in this forward (a new session)."""
         stats, target_s = self.stats, result.compute_us / 1e6
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
         load = load_of(result)
         stats.target_compute_s += target_s
-        if self.controller is not None:
-            self.controller.observe(drafted, result.accepted)
-        # The first round's forward is the prompt's prefill, alone by design: it says nothing about the
-        # batch's load or a decode forward's cost.
-        if stats.rounds > 0:
+        if self.controller is not None and block.key is not None:
+            self.controller.observe(block.key, drafted, result.accepted)
+        if self.costs is not None:
+            self.costs.observe_target_fit(result.cost_base_us / 1e6, result.cost_per_token_us / 1e6)
+        # A forward that re-read the context (the first round's prompt, or a session re-opened after a
+        # target restart) runs alone by design: it says nothing about the batch's load or a decode
+        # forward's cost. The same for a proposal that re-read the context on a re-attached draft.
+        if stats.rounds > 0 and not prefilled:
             self.load = load
             if self.costs is not None:  # the draft link reports the draft's costs itself (late blocks too)
                 self.costs.load = load
@@ -292,28 +346,35 @@ async def speculative_decode(
     stats: LoopStats,
     controller: AdaptiveK | None = None,
     costs: CostModel | None = None,
-) -> AsyncIterator[tuple[list[int], Finish | None]]:
-    """Yield (newly committed tokens, finish reason or None) once per round.
+) -> AsyncIterator[tuple[list[int], Finish | None, list[pb.TokenLogprob]]]:
+    """Yield (newly committed tokens, finish reason or None, their logprobs) once per round.
+
+    The logprobs are the target's, one per token, when its session was opened
+    with ``return_logprobs``; empty otherwise.
 
     With a ``controller``, each round's k is chosen in [0, config.k] from the
-    measured acceptance, costs, links and target load, and whether to draft
-    ahead at all; ``costs`` learns from every round but the first (which
-    carries the prompt's prefill). A block drafted ahead that is still on its
-    way when the generation ends is cancelled by the draft link's ``close``.
+    measured acceptance, costs, links and target load (a free drafter's
+    block is cut to it), and whether to draft ahead at all; ``costs`` learns
+    from every round but the first (which carries the prompt's prefill).
     """
     loop = _Loop(prompt, config, draft, stats, controller, costs)
-    while True:
-        if len(loop.committed) >= config.max_context:
-            yield [], Finish.CONTEXT
-            return
-        block = await loop.next_block()
-        verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs))
-        loop.start_ahead(block)
-        try:
-            result = await verifying
-        finally:
-            verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
-        new, finish = loop.commit(block, result)
-        yield new, finish
-        if finish is not None:
-            return
+    try:
+        while True:
+            if len(loop.committed) >= config.max_context:
+                yield [], Finish.CONTEXT, []
+                return
+            block = await loop.next_block()
+            verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs))
+            loop.start_ahead(block)
+            try:
+                result = await verifying
+            finally:
+                verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
+            new, finish = loop.commit(block, result, target.last_prefilled)
+            if finish is not None:
+                await loop.close()  # nothing is drafted past the end: the look-ahead stops before the last yield
+            yield new, finish, list(result.logprobs[: len(new)])
+            if finish is not None:
+                return
+    finally:
+        await loop.close()

@@ -103,8 +103,8 @@ class DraftStream(_Stream):
     async def open(self, open_msg: pb.DraftOpen) -> None:
         await self._ask(pb.DraftRequest(open=open_msg))
 
-    async def propose(self, position: int, tokens: Sequence[int], k: int) -> pb.DraftBlock:
-        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k)
+    async def propose(self, position: int, tokens: Sequence[int], k: int, free_k: int = 0) -> pb.DraftBlock:
+        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k)
         return (await self._ask(pb.DraftRequest(propose=msg))).block
 
 

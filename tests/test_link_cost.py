@@ -8,8 +8,11 @@ import statistics
 
 import pytest
 
-from orchestrator.adaptive_k import AdaptiveK, CostModel
+from lmkit.kinds import DrafterKind, VerificationMode
+from orchestrator.acceptance import AcceptanceStats, Verification
+from orchestrator.adaptive_k import AdaptiveK
 from orchestrator.link_cost import DEADLINE_FLOOR_S, LinkCosts, RttEstimator, expected_max
+from orchestrator.rate import CostModel
 
 pytestmark = pytest.mark.unit
 
@@ -81,24 +84,25 @@ def controller(draft_rtt: float, target_rtt: float, alpha: float, draft_token_s:
     costs = CostModel(links=links(draft_rtt, target_rtt))
     for x in (1, 2, 3, 5, 9, 1, 4, 9):
         costs.observe_verify(x, 0.060 + 0.005 * x)
-    costs.observe_draft(4, 4 * draft_token_s)
-    ctl = AdaptiveK(k_max, costs, prior_alpha=alpha, prior_weight=1e6)
-    return ctl
+    costs.observe_draft(4, 4 * draft_token_s, DrafterKind.MODEL)
+    # Acceptance alpha at every position: the server-wide prior, with no evidence to move it.
+    stats = AcceptanceStats(prior=alpha)
+    return AdaptiveK(k_max, costs, stats, Verification.of(VerificationMode.GREEDY, 0.0), DrafterKind.MODEL)
 
 
 def test_a_long_target_round_trip_lengthens_blocks():
     near, far = controller(0.0, 0.0, 0.6, 0.0), controller(0.0, 0.100, 0.6, 0.0)
-    assert far.choose() > near.choose() >= 1
+    assert far.ask(8) > near.ask(8) >= 1
 
 
 def test_a_slow_draft_link_turns_speculation_off_in_sync_and_overlap_hides_it():
     # Drafts that would pay on loopback (alpha 0.5, free to make) do not pay a 100 ms draft round trip in sync ...
-    assert controller(0.0, 0.0, 0.5, 0.0).choose(overlap=False) >= 1
+    assert controller(0.0, 0.0, 0.5, 0.0).ask(8, overlap=False) >= 1
     slow = controller(0.100, 0.0, 0.5, 0.0)
-    assert slow.choose(overlap=False) == 0
+    assert slow.ask(8, overlap=False) == 0
     # ... and with overlap neither: a miss pays the round trip again; with drafts that pass nearly always it does.
-    assert slow.choose(overlap=True) == 0
-    assert controller(0.100, 0.100, 0.95, 0.0).choose(overlap=True) >= 1
+    assert slow.ask(8, overlap=True) == 0
+    assert controller(0.100, 0.100, 0.95, 0.0).ask(8, overlap=True) >= 1
 
 
 def test_overlap_pays_only_where_drafting_ahead_is_hidden():
