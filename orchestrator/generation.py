@@ -204,7 +204,7 @@ class Orchestrator:
                     await draft.open(prompt_ids)  # a draft that is down only means no speculation for now
                 await target.try_open(prompt_ids)
                 timer.opened()
-                async for event in self._stream(request, prompt_ids, target, draft, stats):
+                async for event in self._stream(request, mode, prompt_ids, target, draft, stats):
                     timer.committed(len(event.token_ids))
                     if event.finish is not None:
                         event = replace(
@@ -229,7 +229,7 @@ class Orchestrator:
             stats.rounds, stats.acceptance_rate,
         )
 
-    async def _stream(self, request, prompt_ids, target, draft, stats) -> AsyncIterator[GenerationEvent]:
+    async def _stream(self, request, mode, prompt_ids, target, draft, stats) -> AsyncIterator[GenerationEvent]:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         stops = StopMatcher(request.stop)
         members = self._chain(request) or (request.drafter,)
@@ -250,7 +250,6 @@ class Orchestrator:
         controller = None
         if request.adaptive_k and config.k > 0:
             paid = next((m for m in members if m not in free), None)
-            mode = verification_mode(request, self.config.default_sampling_mode)
             verification = Verification.of(mode, request.sampling.temperature)
             controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid)
         rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs)

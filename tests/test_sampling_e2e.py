@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.sampling import SamplingParams, logits_to_probs
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
@@ -24,14 +24,15 @@ pytestmark = pytest.mark.services
 PROMPT = [504, 2365, 6354]  # a few SmolLM2 token ids
 
 
-async def sample_many(services, target_dir, runs, k, drafter, draft_probs, sampling, max_new_tokens, seed0=0):
+async def sample_many(services, target_dir, runs, k, drafter, mode, sampling, max_new_tokens, seed0=0):
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir))
     orch = await Orchestrator.connect(config)
     outputs = []
     try:
         for i in range(runs):
             params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed0 + i)
-            request = GenerationRequest("", False, max_new_tokens, params, (), k, drafter, draft_probs)
+            request = GenerationRequest("", False, max_new_tokens, params, (), k, drafter,
+                                        mode is VerificationMode.DRAFT_PROBS, sampling_mode=mode)
             ids: list[int] = []
             async for event in orch.generate(request, PROMPT):
                 ids.extend(event.token_ids)
@@ -41,19 +42,19 @@ async def sample_many(services, target_dir, runs, k, drafter, draft_probs, sampl
     return outputs
 
 
-MODES = [
-    pytest.param(DrafterKind.MODEL, True, id="draft-probs"),
-    pytest.param(DrafterKind.MODEL, False, id="token-only-model"),
-    pytest.param(DrafterKind.NGRAM, False, id="token-only-ngram"),
+MODES = [  # each sampling verification mode named explicitly (a request that names none gets the server's default)
+    pytest.param(DrafterKind.MODEL, VerificationMode.DRAFT_PROBS, id="draft-probs"),
+    pytest.param(DrafterKind.MODEL, VerificationMode.TOKEN_ONLY, id="token-only-model"),
+    pytest.param(DrafterKind.NGRAM, VerificationMode.COUPLED, id="coupled-ngram"),
 ]
 
 
-@pytest.mark.parametrize("drafter,draft_probs", MODES)
-def test_seeded_sampling_is_reproducible(tiny_services, tiny_target_dir, drafter, draft_probs):
+@pytest.mark.parametrize("drafter,mode", MODES)
+def test_seeded_sampling_is_reproducible(tiny_services, tiny_target_dir, drafter, mode):
     sampling = SamplingParams(temperature=1.5, top_k=50, top_p=0.95)
-    first = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, draft_probs, sampling, 20))
-    again = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, draft_probs, sampling, 20))
-    other = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, draft_probs, sampling, 20, seed0=100))
+    first = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, mode, sampling, 20))
+    again = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, mode, sampling, 20))
+    other = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, mode, sampling, 20, seed0=100))
     assert first == again
     assert first != other
 
@@ -73,12 +74,12 @@ def exact_first_two(model_dir, sampling: SamplingParams) -> dict[tuple[int, int]
     return joint
 
 
-@pytest.mark.parametrize("drafter,draft_probs", MODES[:2])
-def test_system_output_distribution_is_the_targets(tiny_services, tiny_target_dir, drafter, draft_probs):
+@pytest.mark.parametrize("drafter,mode", MODES[:2])
+def test_system_output_distribution_is_the_targets(tiny_services, tiny_target_dir, drafter, mode):
     sampling = SamplingParams(temperature=4.0, top_k=3)
     exact = exact_first_two(tiny_target_dir, sampling)
     runs = 1500
-    samples = run_async(sample_many(tiny_services, tiny_target_dir, runs, 2, drafter, draft_probs, sampling, 2))
+    samples = run_async(sample_many(tiny_services, tiny_target_dir, runs, 2, drafter, mode, sampling, 2))
     assert_distributed_as(samples, exact)
 
 
