@@ -63,7 +63,7 @@ class ChainDrafter(Drafter):
             if block.tokens:
                 self.last_kind = kind
                 self.blocks_by_kind[kind] += 1
-                return DraftBlock(tokens=list(block.tokens), quality=block.quality, drafter=kind)
+                return DraftBlock(tokens=list(block.tokens), branch=block.branch, quality=block.quality, drafter=kind)
         return DraftBlock(tokens=[])
 
     def close(self) -> None:

@@ -44,11 +44,14 @@ class DraftBlock:
     ``tokens`` may be shorter than the ``k`` asked for (an n-gram drafter with
     no match proposes nothing). ``probs`` is set only when the drafter sampled
     the tokens and was asked for its distributions (probability mode): row i is
-    the distribution token i was drawn from.
+    the distribution token i was drawn from. ``branch`` is the drafter's second
+    guess where it is least sure: (index into ``tokens``, the token it would
+    put there instead); the orchestrator may draft past that outcome too.
     """
 
     tokens: list[int]  # [k']
     probs: torch.Tensor | None = None  # [k', vocab] float32, rows sum to 1
+    branch: tuple[int, int] | None = None  # (index < k', runner-up token)
     quality: MatchQuality | None = None  # set by drafters that copy from the context
     drafter: DrafterKind | None = None  # the member that drafted it, in a chain
 

@@ -29,6 +29,7 @@ from draft_service.drafter import DraftBlock, Drafter, MatchQuality
 
 # Longer suffixes rarely match and each extra n costs one tuple per token in the index.
 MAX_NGRAM = 32
+_BRANCH_CANDIDATES = 4  # earlier occurrences per suffix length looked at for a second guess
 MAX_MATCH = 32  # a match length is counted up to this many tokens
 
 
@@ -122,7 +123,8 @@ class NgramDrafter(Drafter):
             if ends is not None and len(ends) >= 2:
                 start = ends[-2]
                 quality = MatchQuality(self._match_length(start, n), len(ends) - 1)
-                return DraftBlock(tokens=self._tokens[start : start + k], quality=quality)
+                tokens = self._tokens[start : start + k]
+                return DraftBlock(tokens=tokens, quality=quality, branch=self._branch(start, tokens, n))
         return DraftBlock(tokens=[])
 
     def _match_length(self, start: int, n: int) -> int:
@@ -131,3 +133,15 @@ class NgramDrafter(Drafter):
         while length < MAX_MATCH and length < start and tokens[start - length - 1] == tokens[end - length - 1]:
             length += 1
         return length
+
+    def _branch(self, start: int, tokens: list[int], n: int) -> tuple[int, int] | None:
+        """Where the next most recent earlier occurrence (of this suffix, or of a shorter one) goes on
+        differently from ``tokens``: the first index at which the two copies differ, and its token."""
+        length = len(self._tokens)
+        for m in range(n, self._config.min_n - 1, -1):
+            earlier = self._ends[m].get(tuple(self._tokens[length - m :]), [])[:-1]
+            for other in [e for e in reversed(earlier) if e != start][:_BRANCH_CANDIDATES]:
+                for i, token in enumerate(tokens[: length - other]):
+                    if self._tokens[other + i] != token:
+                        return i, self._tokens[other + i]
+        return None

@@ -47,6 +47,7 @@ class GenerationRequest:
     adaptive_k: bool = False  # k is then the per-round upper bound
     chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
     overlap: bool = False  # draft block i+1 while the target verifies block i
+    branch: bool = True  # with overlap, also draft past the drafter's second guess where that is free
     messages: tuple[tuple[str, str], ...] = ()  # (role, content) turns for the chat template; prompt is then ""
     top_logprobs: int | None = None  # None: no logprobs; else each token's and this many alternatives
     request_id: str = ""  # in every log line of the generation
@@ -85,7 +86,7 @@ class Orchestrator:
         self.drafter_traits: dict[DrafterKind, DrafterTraits] = {
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())
         }
-        self.costs = CostModel()  # one target: its measured costs serve every session
+        self.costs = CostModel()  # one target and one draft: their measured costs and links serve every session
         self.active = 0  # generations in flight, over every API; bounded by config.max_concurrent
         self.acceptance = AcceptanceStats()  # per drafter, verification and match quality, from every session
 
@@ -190,10 +191,12 @@ class Orchestrator:
                 top_logprobs=request.top_logprobs or 0,
             ),
             policy,
+            self.costs.links.target,
         )
         draft = None
         if request.k > 0 and self.draft is not None:
-            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy)
+            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy,
+                              self.costs, request.drafter)
         with logs.request_context(request.request_id):
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
             try:
@@ -208,6 +211,7 @@ class Orchestrator:
                             event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft), loop=stats
                         )
                         self._record(event, timer, len(prompt_ids), draft, target)
+                        metrics.record_links(self.costs.links)
                     yield event
             finally:
                 await target.close()
@@ -239,6 +243,7 @@ class Orchestrator:
             max_context=self.target.info.max_context or 1 << 30,
             overlap=request.overlap and draft is not None,
             ahead_max=min(request.k, self.draft.info.max_block - 1) if draft is not None else 0,
+            branch=request.branch,
             drafter=request.drafter,
             free_drafters=free,
         )
