@@ -12,14 +12,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from lmkit import errors
+from lmkit import errors, packed_rows, token_tree
 from lmkit.costs import LinearCost
 from lmkit.kinds import VerificationMode
 from lmkit.kvcache import SessionCache
+from lmkit.packed_linear import pack_linears
 from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
-from target_service import rejection
-from target_service.batched_forward import Step, forward_batch, split_by_width
+from target_service import rejection, tree_verify
+from target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
 
 
 @dataclass
@@ -38,7 +39,7 @@ class BatchShare:
     """The forward pass a block was verified in, as the load signal for the orchestrator's choice of k."""
 
     size: int = 1  # sessions in the forward
-    width: int = 1  # tokens per row (blocks are padded to the longest)
+    width: int = 1  # tokens per row: the longest block when rows are padded, the mean (rounded up) when packed
     others_committed: int = 0  # tokens the other sessions committed from the same forward
 
 
@@ -48,6 +49,7 @@ class Verification:
     next_token: int
     compute_s: float
     batch: BatchShare = BatchShare()
+    path: tuple[int, ...] = ()  # a tree block's accepted nodes, root first; empty for a chain
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class VerifyItem:
     position: int
     draft_tokens: Sequence[int]  # [k]
     draft_probs: torch.Tensor | None  # [k, vocab] in DRAFT_PROBS mode, else None
+    parents: Sequence[int] | None = None  # [k] a token tree (lmkit.token_tree); None or a chain's: a chain
+
+
+def tree_of(parents: Sequence[int] | None) -> tuple[int, ...] | None:
+    """A block's parents as the engine keeps them: None for a chain (however it was sent)."""
+    return None if not parents or token_tree.is_chain(parents) else tuple(parents)
 
 
 def check_mode(mode: VerificationMode, sampling: SamplingParams) -> None:
@@ -80,7 +88,13 @@ class TargetEngine:
         limits: SessionLimits,
         new_cache: Callable[[], SessionCache] | None = None,  # tensor parallel: caches mirrored on every rank
         tp_degree: int = 1,
+        fast_forward: bool = True,
     ) -> None:
+        """``fast_forward``: pack the linear layers for oneDNN (fp32 CPU) and run verify steps through the
+        packed-rows forward (``lmkit.packed_rows``) where the model allows; off, the model's stock forward."""
+        if fast_forward and new_cache is None:
+            pack_linears(model)
+            packed_rows.install(model)
         self.model = model
         self.model_id = model_id
         self.vocab_fingerprint = vocab_fingerprint
@@ -116,14 +130,16 @@ class TargetEngine:
         position: int,
         draft_tokens: Sequence[int],  # [k]
         draft_probs: torch.Tensor | None,  # [k, vocab] in DRAFT_PROBS mode, else None
+        parents: Sequence[int] | None = None,  # [k] a token tree; None: a chain
     ) -> Verification:
         """Run the block through the target in one forward pass and commit accepted + 1 tokens."""
-        self._check_block(session, position, draft_tokens, draft_probs)
+        parents = tree_of(parents)
+        self._check_block(session, position, draft_tokens, draft_probs, parents)
         start = time.perf_counter()
-        logits = session.cache.logits(session.tokens, draft_tokens)  # [k+1, vocab]
+        logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
         self.forward_passes += 1
-        result = self._commit(session, logits, draft_tokens, draft_probs)
-        return Verification(result.accepted, result.next_token, time.perf_counter() - start)
+        path, next_token = self._commit(session, logits, draft_tokens, draft_probs, parents)
+        return Verification(len(path), next_token, time.perf_counter() - start, path=_tree_path(path, parents))
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verification | errors.SpecsplitError]:
         """Verify blocks of different sessions in shared forward passes; each result equals its solo ``verify``.
@@ -137,19 +153,22 @@ class TargetEngine:
         batch: list[int] = []
         steps: list[Step] = []  # one per batched row
         for i, item in enumerate(items):
+            parents = tree_of(item.parents)
             try:
-                self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs)
+                self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs, parents)
             except errors.SpecsplitError as exc:
                 results[i] = exc
                 continue
             keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
             if self.can_batch and len(feed) <= self.limits.max_block + 1:
                 batch.append(i)
-                steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1))
+                steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1, parents))
             else:
                 results[i] = self._verify_checked(item)
         widths = [len(step.feed) for step in steps]
-        groups = split_by_width(widths, self._split_overhead_tokens()) if len(batch) > 1 else [list(range(len(batch)))]
+        # Packed rows carry no padding: nothing to save by splitting.
+        split = len(batch) > 1 and not packed_rows.installed(self.model)
+        groups = split_by_width(widths, self._split_overhead_tokens()) if split else [list(range(len(batch)))]
         step_start = time.perf_counter()
         for group in groups:
             rows = [batch[g] for g in group]
@@ -162,7 +181,7 @@ class TargetEngine:
                 for i, verified in zip(rows, together):
                     results[i] = verified
         if len(groups) > 1:  # the load signal is the whole step, whichever forward a block ran in
-            tokens = sum(len(g) * max(widths[j] for j in g) for g in groups)
+            tokens = sum(padded_tokens(self.model, [widths[j] for j in g]) for g in groups)
             self._share_step(results, batch, tokens, time.perf_counter() - step_start)
         return results
 
@@ -175,7 +194,7 @@ class TargetEngine:
         for i in done:
             own = results[i]
             share = BatchShare(len(done), width, committed - (own.accepted + 1))
-            results[i] = Verification(own.accepted, own.next_token, step_s, share)
+            results[i] = Verification(own.accepted, own.next_token, step_s, share, own.path)
 
     def _split_overhead_tokens(self) -> float:
         """One more forward's fixed cost in tokens (a / s); infinite (never split) until measured."""
@@ -186,37 +205,52 @@ class TargetEngine:
 
     def _verify_checked(self, item: VerifyItem) -> Verification | errors.SpecsplitError:
         try:
-            return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs)
+            return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs, item.parents)
         except errors.SpecsplitError as exc:
             return exc
 
     def _verify_together(self, items: Sequence[VerifyItem], steps: Sequence[Step]) -> list[Verification]:
         """One forward over the planned steps of checked items (``steps[i]`` belongs to ``items[i]``)."""
         start = time.perf_counter()
-        width = max(len(step.feed) for step in steps)
+        tokens = padded_tokens(self.model, [len(step.feed) for step in steps])
+        width = -(-tokens // len(steps))  # per row, rounded up
         logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
         self.forward_passes += 1
-        self.forward_cost.observe(len(steps) * width, time.perf_counter() - start)
+        self.forward_cost.observe(tokens, time.perf_counter() - start)
         decided = [
-            self._commit(item.session, rows, item.draft_tokens, item.draft_probs) for item, rows in zip(items, logits)
+            self._commit(item.session, rows, item.draft_tokens, item.draft_probs, step.parents)
+            for item, rows, step in zip(items, logits, steps)
         ]
         elapsed = time.perf_counter() - start
-        committed = sum(d.accepted + 1 for d in decided)
+        committed = sum(len(path) + 1 for path, _ in decided)
         return [
-            Verification(d.accepted, d.next_token, elapsed, BatchShare(len(items), width, committed - (d.accepted + 1)))
-            for d in decided
+            Verification(
+                len(path), token, elapsed, BatchShare(len(items), width, committed - (len(path) + 1)),
+                _tree_path(path, step.parents),
+            )
+            for (path, token), step in zip(decided, steps)
         ]
 
-    def _commit(self, session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
-        """Decide on the block from its logits and commit accepted + 1 tokens to the session."""
-        result = self._decide(session, logits, draft_tokens, draft_probs)
-        session.tokens.extend(draft_tokens[: result.accepted])
-        session.tokens.append(result.next_token)
+    def _commit(self, session, logits, draft_tokens, draft_probs, parents) -> tuple[list[int], int]:
+        """Decide on the block from its logits and commit the accepted tokens + 1 to the session.
+
+        Returns the accepted nodes (a chain's are 0..accepted-1) and the next token.
+        """
+        committed = len(session.tokens)
+        if parents is None:
+            verdict = self._decide(session, logits, draft_tokens, draft_probs)
+            path = list(range(verdict.accepted))
+        else:
+            verdict = tree_verify.verify_tree_greedy(logits, torch.tensor(list(draft_tokens), dtype=torch.long), list(parents))
+            path = verdict.path
+            session.cache.keep_path(committed, path)  # the rejected branches leave nothing behind
+        session.tokens.extend(draft_tokens[i] for i in path)
+        session.tokens.append(verdict.next_token)
         session.rounds += 1
         self.sessions.count_round()
-        return result
+        return path, verdict.next_token
 
-    def _check_block(self, session, position, draft_tokens, draft_probs) -> None:
+    def _check_block(self, session, position, draft_tokens, draft_probs, parents=None) -> None:
         committed = len(session.tokens)
         if position != committed:
             raise errors.FailedPrecondition(
@@ -233,6 +267,8 @@ class TargetEngine:
                 f"{self.max_context}; send at most {room} draft tokens"
             )
         check_tokens(draft_tokens, self.vocab_size, "draft_tokens")
+        if parents is not None:
+            self._check_tree(session, draft_tokens, parents)
         if session.mode is VerificationMode.DRAFT_PROBS:
             if draft_probs is None and k > 0:
                 raise errors.InvalidArgument("DRAFT_PROBS mode needs draft_probs with one row per draft token")
@@ -245,6 +281,24 @@ class TargetEngine:
                 f"draft_probs sent in {session.mode.name} mode; open the session with DRAFT_PROBS to use them"
             )
 
+    @property
+    def verifies_trees(self) -> bool:
+        """Token-tree blocks are verified (``ModelInfo.token_trees``): the packed forward runs the model."""
+        return packed_rows.installed(self.model)
+
+    def _check_tree(self, session, draft_tokens, parents) -> None:
+        if not session.cache.supports_trees:
+            raise errors.InvalidArgument("this target does not verify token trees (ModelInfo.token_trees is false); send chains")
+        try:
+            token_tree.check_parents(parents, len(draft_tokens))
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
+        kids = token_tree.children(parents)
+        if any(len({draft_tokens[i] for i in siblings}) != len(siblings) for siblings in kids):
+            raise errors.InvalidArgument("two siblings in the token tree carry the same token; merge them")
+        if session.mode is not VerificationMode.GREEDY:
+            raise errors.InvalidArgument(f"token trees are verified in GREEDY mode; {session.mode.name} takes chains")
+
     @staticmethod
     def _decide(session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
         tokens = torch.tensor(list(draft_tokens), dtype=torch.long)
@@ -254,3 +308,7 @@ class TargetEngine:
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
             return rejection.verify_token_only(target_probs, tokens, session.generator)
         return rejection.verify_draft_probs(target_probs, draft_probs, tokens, session.generator)
+
+
+def _tree_path(path: Sequence[int], parents: Sequence[int] | None) -> tuple[int, ...]:
+    return () if parents is None else tuple(path)

@@ -75,7 +75,7 @@ class DraftProbs(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sparse: _Optional[bool] = ..., values: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "max_context", "max_block", "drafters", "tp_degree", "device", "drafter_info")
+    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "max_context", "max_block", "drafters", "tp_degree", "device", "drafter_info", "token_trees")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class ModelInfo(_message.Message):
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_INFO_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TREES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     vocab_fingerprint: str
@@ -94,7 +95,8 @@ class ModelInfo(_message.Message):
     tp_degree: int
     device: str
     drafter_info: _containers.RepeatedCompositeFieldContainer[DrafterInfo]
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ...) -> None: ...
+    token_trees: bool
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., token_trees: _Optional[bool] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
     __slots__ = ("kind", "name", "has_probs", "needs_model")
@@ -163,14 +165,16 @@ class DraftOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("position", "tokens", "k")
+    __slots__ = ("position", "tokens", "k", "max_branches")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ...) -> None: ...
+    max_branches: int
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., max_branches: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "propose")
@@ -181,16 +185,18 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("position", "tokens", "probs", "compute_us")
+    __slots__ = ("position", "tokens", "probs", "compute_us", "parents")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
     compute_us: int
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("opened", "block")
@@ -213,14 +219,16 @@ class TargetOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("position", "draft_tokens", "draft_probs")
+    __slots__ = ("position", "draft_tokens", "draft_probs", "parents")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     position: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: DraftProbs
-    def __init__(self, position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
     __slots__ = ("open", "verify")
@@ -231,7 +239,7 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed")
+    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "path")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +247,7 @@ class VerifyResult(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
     OTHERS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     position: int
     accepted: int
     next_token: int
@@ -246,7 +255,8 @@ class VerifyResult(_message.Message):
     batch_size: int
     batch_width: int
     others_committed: int
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ...) -> None: ...
+    path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
@@ -257,7 +267,7 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain", "overlap")
+    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain", "overlap", "tree_branches")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +280,7 @@ class GenerateRequest(_message.Message):
     ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    TREE_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: bool
     max_new_tokens: int
@@ -282,10 +293,11 @@ class GenerateRequest(_message.Message):
     adaptive_k: bool
     chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
     overlap: bool
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    tree_branches: int
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size")
+    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size", "tree_rounds", "tree_nodes", "branch_accepted")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +321,9 @@ class GenerationStats(_message.Message):
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
     MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     new_tokens: int
     rounds: int
@@ -332,7 +347,10 @@ class GenerationStats(_message.Message):
     overlap: bool
     overlap_hits: int
     mean_batch_size: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ...) -> None: ...
+    tree_rounds: int
+    tree_nodes: int
+    branch_accepted: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branch_accepted: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")
