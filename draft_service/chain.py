@@ -49,15 +49,22 @@ class ChainDrafter(Drafter):
     def propose(self, k: int) -> DraftBlock:
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
+        return self._first(lambda drafter: drafter.propose(k), k)
+
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+        """The first member's non-empty proposal, as a tree when that member drafts trees."""
+        return self._first(lambda drafter: drafter.propose_tree(k, max_branches, max_nodes), k)
+
+    def _first(self, ask, k: int) -> DraftBlock:
         self.last_kind = None
         if k == 0:
             return DraftBlock(tokens=[])
         for kind, drafter in self.members:
-            block = drafter.propose(k)
+            block = ask(drafter)
             if block.tokens:
                 self.last_kind = kind
                 self.blocks_by_kind[kind] += 1
-                return DraftBlock(tokens=list(block.tokens))
+                return DraftBlock(tokens=list(block.tokens), parents=block.parents)
         return DraftBlock(tokens=[])
 
     def close(self) -> None:

@@ -15,6 +15,9 @@ from lmkit.sampling import SamplingParams, make_generator
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
 
+MAX_BRANCHES = 64  # continuations per token tree
+
+
 @dataclass
 class DraftSession:
     session_id: str
@@ -117,8 +120,14 @@ class DraftEngine:
         )
         return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context)))
 
-    def propose(self, session: DraftSession, position: int, tokens: Sequence[int], k: int) -> Proposed:
-        """Take the committed tokens from ``position`` on, then draft up to ``k``."""
+    def propose(
+        self, session: DraftSession, position: int, tokens: Sequence[int], k: int, max_branches: int = 1
+    ) -> Proposed:
+        """Take the committed tokens from ``position`` on, then draft up to ``k``.
+
+        ``max_branches`` > 1: up to that many continuations as a token tree, at
+        most max_block tokens in all.
+        """
         held = session.drafter.position
         if position > held:
             raise errors.FailedPrecondition(
@@ -127,12 +136,17 @@ class DraftEngine:
             )
         if k > self.limits.max_block:
             raise errors.InvalidArgument(f"k = {k} is larger than this draft's max block {self.limits.max_block}")
+        if max_branches > MAX_BRANCHES:
+            raise errors.InvalidArgument(f"max_branches = {max_branches}; send at most {MAX_BRANCHES}")
         if position + len(tokens) == 0:
             raise errors.InvalidArgument("propose would leave the context empty; send the committed tokens")
         check_tokens(tokens, self.vocab_size, "tokens")
         start = time.perf_counter()
         session.drafter.commit(position, tokens)
-        block = session.drafter.propose(k)
+        if max_branches > 1:
+            block = session.drafter.propose_tree(k, max_branches, self.limits.max_block)
+        else:
+            block = session.drafter.propose(k)
         session.rounds += 1
         self.sessions.count_round()
         return Proposed(block, time.perf_counter() - start)

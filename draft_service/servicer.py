@@ -56,6 +56,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             ],
             tp_degree=1,
             device=self.device,
+            token_trees=True,
         )
 
     async def Session(self, request_iterator, context):
@@ -93,11 +94,14 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         )
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
-        done = await self.compute.run(engine.propose, session, msg.position, list(msg.tokens), msg.k)
+        done = await self.compute.run(
+            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.max_branches
+        )
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.block.tokens,
             compute_us=int(done.compute_s * 1e6),
+            parents=done.block.parents or [],
         )
         if done.block.probs is not None:
             block.probs.CopyFrom(probs_to_proto(done.block.probs))

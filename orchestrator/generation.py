@@ -25,6 +25,7 @@ from orchestrator.detok import IncrementalDetokenizer, StopMatcher
 from orchestrator.links import DraftLink, TargetLink
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from orchestrator.peers import ServiceClient, draft_client, target_client
+from orchestrator.tree_shape import BranchStats
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class GenerationRequest:
     adaptive_k: bool = False  # k is then the per-round upper bound
     chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
     overlap: bool = False  # draft block i+1 while the target verifies block i
+    tree_branches: int = 1  # continuations a round may verify as a token tree; 1 = chains only
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Orchestrator:
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())
         }
         self.costs = CostModel()  # one target: its measured costs serve every session
+        self.branch_stats: dict[DrafterKind, BranchStats] = {}  # token-tree branches' acceptance, per drafter
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -166,9 +169,13 @@ class Orchestrator:
             max_context=self.target.info.max_context or 1 << 30,
             overlap=request.overlap and draft is not None,
             ahead_max=min(request.k, self.draft.info.max_block - 1) if draft is not None else 0,
+            tree_branches=self.tree_branches(request) if draft is not None else 1,
         )
         controller = AdaptiveK(config.k, self.costs) if request.adaptive_k and config.k > 0 else None
-        async for new, finish in speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs):
+        branches = self.branch_stats.setdefault(request.drafter, BranchStats())
+        async for new, finish in speculative_decode(
+            prompt_ids, config, target, draft, stats, controller, self.costs, branches
+        ):
             text, stopped = stops.feed(detok.add(new))
             if stopped:
                 finish = Finish.STOP_STRING
@@ -179,6 +186,11 @@ class Orchestrator:
             yield GenerationEvent(text, new, finish)
             if finish is not None:
                 return
+
+    def tree_branches(self, request: GenerationRequest) -> int:
+        """The request's tree width where draft and target both take trees and the mode verifies them, else 1."""
+        both = self.target.info.token_trees and self.draft is not None and self.draft.info.token_trees
+        return request.tree_branches if both and verification_mode(request) is VerificationMode.GREEDY else 1
 
     def _draft_open(self, session_id: str, prompt_ids: list[int], request: GenerationRequest) -> pb.DraftOpen:
         return pb.DraftOpen(
@@ -224,6 +236,9 @@ class Orchestrator:
             overlap=request.overlap,
             overlap_hits=stats.overlap_hits,
             mean_batch_size=stats.mean_batch_size,
+            tree_rounds=stats.tree_rounds,
+            tree_nodes=stats.tree_nodes,
+            branch_accepted=stats.branch_accepted,
         )
 
 

@@ -103,14 +103,19 @@ class TargetLink(_SessionLink):
         self._stream = stream
         self._opened += 1
 
-    async def verify(self, committed: Sequence[int], tokens: Sequence[int], probs) -> pb.VerifyResult:
-        """Verify a block at len(committed), re-opening the session until the deadline if the target fails."""
+    async def verify(
+        self, committed: Sequence[int], tokens: Sequence[int], probs, parents: Sequence[int] = ()
+    ) -> pb.VerifyResult:
+        """Verify a block at len(committed), re-opening the session until the deadline if the target fails.
+
+        ``parents``: the block is a token tree (empty: a chain).
+        """
         deadline = time.monotonic() + self._policy.target_deadline_s
         while True:
             try:
                 if self._stream is None:
                     await self.open(committed)
-                call = self._stream.verify(len(committed), tokens, probs)
+                call = self._stream.verify(len(committed), tokens, probs, parents)
                 async with asyncio.timeout(self._policy.target_timeout_s):
                     return await call
             except (PeerError, asyncio.TimeoutError) as exc:
@@ -159,9 +164,10 @@ class DraftLink(_SessionLink):
         self._stream, self._synced, self._down_since = stream, len(committed), None
         return True
 
-    async def propose(self, committed: Sequence[int], k: int) -> pb.DraftBlock | None:
-        """A block of up to k tokens, or None when the draft is down (this round decodes without it)."""
-        block = await self._propose(committed, (), k)
+    async def propose(self, committed: Sequence[int], k: int, max_branches: int = 1) -> pb.DraftBlock | None:
+        """A block of up to k tokens (a token tree of up to ``max_branches`` continuations when > 1), or None
+        when the draft is down (this round decodes without it)."""
+        block = await self._propose(committed, (), k, max_branches)
         if block is None:
             self.fallback_rounds += 1
         return block
@@ -177,12 +183,14 @@ class DraftLink(_SessionLink):
             return None
         return await self._propose(committed, block, k + 1)
 
-    async def _propose(self, committed: Sequence[int], assumed: Sequence[int], k: int) -> pb.DraftBlock | None:
+    async def _propose(
+        self, committed: Sequence[int], assumed: Sequence[int], k: int, max_branches: int = 1
+    ) -> pb.DraftBlock | None:
         if self._stream is None and not await self._try_reattach(committed):
             return None
         synced = len(committed)  # read now: a proposal drafted ahead runs while ``committed`` grows
         try:
-            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k)
+            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k, max_branches)
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 block = await call
         except (PeerError, asyncio.TimeoutError) as exc:

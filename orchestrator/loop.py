@@ -15,6 +15,12 @@ A used block was drafted from exactly the context it now continues, with the
 draft's usual sampling, so greedy output is unchanged and sampling stays
 lossless (whether the block is used depends only on the target's decisions
 about block i, not on the block's own draws).
+
+Token trees: with ``tree_branches`` > 1 the draft may answer several
+continuations as a tree; ``orchestrator.tree_shape`` keeps the nodes worth
+their verify cost, the target verifies them in one pass and answers the
+accepted path, which is committed like a chain's accepted prefix. Drafting
+ahead assumes the tree's primary chain (the drafter's first choice) accepted.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from lmkit import token_tree
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import drop_leading_rows
 from orchestrator.adaptive_k import ALONE, AdaptiveK, CostModel, Load
 from orchestrator.links import DraftLink, TargetLink
+from orchestrator.tree_shape import BranchStats, choose_nodes, node_acceptance
 
 
 class Finish(enum.Enum):
@@ -45,6 +53,7 @@ class LoopConfig:
     max_context: int  # positions the target accepts
     overlap: bool = False  # draft block i+1 while the target verifies block i
     ahead_max: int = 0  # largest k drafted ahead (the draft proposes k + 1 then); 0 = no overlap
+    tree_branches: int = 1  # continuations a round may verify as a token tree; 1 = chains only
 
 
 @dataclass
@@ -60,6 +69,9 @@ class LoopStats:
     drafted_per_round: list[int] = field(default_factory=list)
     overlap_hits: int = 0  # rounds whose block was drafted during the previous verification
     batch_sizes: list[int] = field(default_factory=list)  # sessions in each verifying forward
+    tree_rounds: int = 0  # rounds that verified a token tree
+    tree_nodes: int = 0  # draft tokens those trees carried
+    branch_accepted: int = 0  # tokens accepted off a tree's primary chain
 
     @property
     def mean_batch_size(self) -> float:
@@ -100,6 +112,14 @@ class _Block:
     probs: pb.DraftProbs | None = None
     draft_s: float = 0.0
     k: int = 0  # tokens asked for
+    parents: list[int] = field(default_factory=list)  # a token tree's (lmkit.token_tree); empty: a chain
+
+    @property
+    def chain(self) -> list[int]:
+        """The tokens of the primary chain: all of them for a chain."""
+        if not self.parents:
+            return self.tokens
+        return [self.tokens[i] for i in token_tree.primary_chain(self.parents)]
 
 
 def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | None:
@@ -109,14 +129,20 @@ def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | No
     probs = reply.probs if reply.HasField("probs") else None
     if probs is not None and skip:
         probs = drop_leading_rows(probs, skip)
-    return _Block(list(reply.tokens)[skip:], probs, reply.compute_us / 1e6, k)
+    parents = list(reply.parents)
+    if skip or token_tree.is_chain(parents):  # blocks drafted ahead are chains
+        parents = []
+    else:
+        token_tree.check_parents(parents, len(reply.tokens))
+    return _Block(list(reply.tokens)[skip:], probs, reply.compute_us / 1e6, k, parents)
 
 
 class _Loop:
     """One generation's rounds; ``speculative_decode`` drives it."""
 
-    def __init__(self, prompt, config, draft, stats, controller, costs) -> None:
+    def __init__(self, prompt, config, draft, stats, controller, costs, branches=None) -> None:
         self.committed = list(prompt)
+        self.branches = branches if branches is not None else BranchStats()
         self.config = config
         self.draft = draft
         self.stats = stats
@@ -150,9 +176,23 @@ class _Loop:
         k = self.choose(self.limit())
         if self.draft is None or k <= 0:
             return _Block([], k=k)
-        block = _block_of(await self.draft.propose(self.committed, k), k) or _Block([], k=k)
+        reply = await self.draft.propose(self.committed, k, self.config.tree_branches)
+        block = _block_of(reply, k) or _Block([], k=k)
         self.stats.draft_compute_s += block.draft_s
-        return block
+        return self.shape(block) if block.parents else block
+
+    def shape(self, block: _Block) -> _Block:
+        """The nodes of a drafted tree worth verifying (all of them with a fixed K); a chain if that is all."""
+        tokens, parents = block.tokens, block.parents
+        if self.controller is not None:
+            accept = node_acceptance(parents, self.controller.acceptance(), self.branches)
+            keep = choose_nodes(parents, accept, lambda n: self.costs.verify_s(self.load.tokens(n)),
+                                self.load.others_committed)
+            tokens, parents = token_tree.subtree(tokens, parents, keep)
+        room = self.config.max_context - len(self.committed) - 1
+        if len(tokens) > room:  # near the end of the context: the primary chain only
+            tokens, parents = token_tree.subtree(tokens, parents, token_tree.primary_chain(parents)[:room])
+        return _Block(tokens, block.probs, block.draft_s, block.k, [] if token_tree.is_chain(parents) else parents)
 
     async def take_ahead(self) -> _Block | None:
         if self.ahead is None:
@@ -171,10 +211,10 @@ class _Loop:
         """While the target verifies ``block``, draft the next one assuming it is accepted whole."""
         if not (self.config.overlap and self.draft is not None and self.draft.up and block.tokens):
             return
-        k = self.choose(min(self.limit(extra=len(block.tokens) + 1), self.config.ahead_max))
+        k = self.choose(min(self.limit(extra=len(block.chain) + 1), self.config.ahead_max))
         if k > 0:
-            self.ahead_base, self.ahead_block, self.ahead_k = len(self.committed), list(block.tokens), k
-            self.ahead = asyncio.create_task(self.draft.propose_ahead(list(self.committed), block.tokens, k))
+            self.ahead_base, self.ahead_block, self.ahead_k = len(self.committed), list(block.chain), k
+            self.ahead = asyncio.create_task(self.draft.propose_ahead(list(self.committed), block.chain, k))
 
     def cancel(self) -> None:
         if self.ahead is not None:
@@ -187,8 +227,9 @@ class _Loop:
         budget = self.config.max_new_tokens - stats.committed
         load = load_of(result)
         stats.target_compute_s += target_s
+        accepted = self.accepted_tokens(block, result)
         if self.controller is not None:
-            self.controller.observe(drafted, result.accepted)
+            self.controller.observe(len(block.chain), self.primary_accepted(block, result))
         # The first round's forward is the prompt's prefill, alone by design: it says nothing about the
         # batch's load or a decode forward's cost.
         if stats.rounds > 0:
@@ -197,7 +238,7 @@ class _Loop:
                 self.costs.load = load
                 self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
                 self.costs.observe_draft(drafted, block.draft_s)
-        new, finish = cut_at_finish([*block.tokens[: result.accepted], result.next_token], self.config.eos_ids, budget)
+        new, finish = cut_at_finish([*accepted, result.next_token], self.config.eos_ids, budget)
         self.committed.extend(new)
         stats.rounds += 1
         stats.drafted += drafted
@@ -211,6 +252,31 @@ class _Loop:
             finish = Finish.CONTEXT
         return new, finish
 
+    def accepted_tokens(self, block: _Block, result: pb.VerifyResult) -> list[int]:
+        """The draft tokens the target accepted: a chain's prefix, or a tree's path (checked to be one)."""
+        if not block.parents:
+            return block.tokens[: result.accepted]
+        path = list(result.path)
+        if len(path) != result.accepted or (path and token_tree.path_to(block.parents, path[-1]) != path):
+            raise ValueError(f"the target answered {path} ({result.accepted} accepted), not a path of the tree sent")
+        self.branches.observe(block.parents, path)
+        self.stats.tree_rounds += 1
+        self.stats.tree_nodes += len(block.tokens)
+        self.stats.branch_accepted += result.accepted - self.primary_accepted(block, result)
+        return [block.tokens[i] for i in path]
+
+    @staticmethod
+    def primary_accepted(block: _Block, result: pb.VerifyResult) -> int:
+        """How many tokens of the primary chain were accepted."""
+        if not block.parents:
+            return result.accepted
+        primary, count = token_tree.primary_chain(block.parents), 0
+        for node, taken in zip(primary, result.path):
+            if node != taken:
+                break
+            count += 1
+        return count
+
 
 async def speculative_decode(
     prompt: Sequence[int],
@@ -220,6 +286,7 @@ async def speculative_decode(
     stats: LoopStats,
     controller: AdaptiveK | None = None,
     costs: CostModel | None = None,
+    branches: BranchStats | None = None,
 ) -> AsyncIterator[tuple[list[int], Finish | None]]:
     """Yield (newly committed tokens, finish reason or None) once per round.
 
@@ -227,14 +294,14 @@ async def speculative_decode(
     measured acceptance, costs and target load; ``costs`` learns from every
     round but the first (which carries the prompt's prefill).
     """
-    loop = _Loop(prompt, config, draft, stats, controller, costs)
+    loop = _Loop(prompt, config, draft, stats, controller, costs, branches)
     try:
         while True:
             if len(loop.committed) >= config.max_context:
                 yield [], Finish.CONTEXT
                 return
             block = await loop.next_block()
-            verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs))
+            verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs, block.parents))
             loop.start_ahead(block)
             try:
                 result = await verifying

@@ -12,6 +12,7 @@ from lmkit import errors
 from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import sampling_from_proto
+from orchestrator.config import MAX_TREE_BRANCHES
 from orchestrator.generation import GenerationRequest, Orchestrator
 
 
@@ -51,8 +52,11 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
         )
     adaptive = msg.adaptive_k if msg.HasField("adaptive_k") else config.default_adaptive_k
     overlap = msg.overlap if msg.HasField("overlap") else config.default_overlap
+    branches = msg.tree_branches if msg.HasField("tree_branches") else config.default_tree_branches
+    if not 1 <= branches <= MAX_TREE_BRANCHES:
+        raise errors.InvalidArgument(f"tree_branches must be in [1, {MAX_TREE_BRANCHES}] (1 = chains only), got {branches}")
     request = GenerationRequest(
-        msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap
+        msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap, branches
     )
     return request, prompt_ids
 

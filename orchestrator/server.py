@@ -22,7 +22,7 @@ from lmkit.metrics import serve_metrics
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.security import BearerTokenInterceptor, ClientTls, load_token
-from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
+from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, DEFAULT_TREE_BRANCHES, OrchestratorConfig
 from orchestrator.generation import Orchestrator
 from orchestrator.links import LinkPolicy
 from orchestrator.servicer import GeneratorServicer
@@ -49,6 +49,10 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
         "--no-overlap", action="store_true",
         help="draft and verify in turn instead of drafting block i+1 while the target verifies block i",
     )
+    parser.add_argument(
+        "--tree-branches", type=int, default=DEFAULT_TREE_BRANCHES,
+        help="continuations a round may verify together as a token tree (kept where they pay); 1 = chains only",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default max new tokens per request")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
@@ -69,6 +73,7 @@ def config_from_args(args) -> OrchestratorConfig:
         default_drafter=DrafterKind[args.drafter.upper()],
         default_adaptive_k=not args.fixed_k,
         default_overlap=not args.no_overlap,
+        default_tree_branches=args.tree_branches,
         default_max_new_tokens=args.max_new_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
