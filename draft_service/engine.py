@@ -11,9 +11,8 @@ from draft_service.ngram import NgramConfig
 from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
 from lmkit.kinds import DrafterKind, DrafterTraits
-from lmkit.sampling import SamplingParams, make_generator
+from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
-
 
 MAX_BRANCHES = 64  # continuations per token tree
 
@@ -114,10 +113,7 @@ class DraftEngine:
         entry = DRAFTERS[kind]
         if return_probs and not entry.has_probs:
             raise errors.InvalidArgument(f"drafter {kind.name} has no draft probabilities; use token-only verification")
-        generator = None if sampling.greedy else make_generator(sampling.seed, "draft")
-        context = DraftRequestContext(
-            list(tokens), sampling, generator, return_probs, ngram, self.model, self.derived, tuple(chain)
-        )
+        context = DraftRequestContext(list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain))
         return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context)))
 
     def propose(

@@ -1,7 +1,8 @@
 """The model drafter: a causal LM sharing the target's vocabulary, with its own KV cache.
 
 It drafts autoregressively (greedy argmax, or sampling from q processed by the
-same ``logits_to_probs`` as the target's p). Rolled-back tokens are dropped
+same ``logits_to_probs`` as the target's p, the token at absolute position n
+drawn with the session's ``lmkit.draws`` uniform for (DRAFT, n)). Rolled-back tokens are dropped
 lazily: the session cache keeps the longest prefix shared with the committed
 context and crops the rest on the next proposal.
 
@@ -19,7 +20,7 @@ from typing import Sequence
 import torch
 
 from draft_service.drafter import DraftBlock, Drafter
-from lmkit import token_tree
+from lmkit import draws, token_tree
 from lmkit.kvcache import SessionCache
 from lmkit.probs_codec import quantize_probs
 from lmkit.sampling import SamplingParams, logits_to_probs
@@ -31,17 +32,13 @@ class ModelDrafter(Drafter):
         model,
         prompt: Sequence[int],
         sampling: SamplingParams,
-        generator: torch.Generator | None,
         return_probs: bool,
     ) -> None:
         if not prompt:
             raise ValueError("the model drafter needs a non-empty context")
-        if not sampling.greedy and generator is None:
-            raise ValueError("sampling needs a generator")
         self._cache = SessionCache(model)
         self._tokens = list(prompt)
         self._sampling = sampling
-        self._generator = generator
         self._return_probs = return_probs and not sampling.greedy
 
     @property
@@ -92,7 +89,7 @@ class ModelDrafter(Drafter):
         rows: list[torch.Tensor] = []
         for position in range(k):
             logits = self._cache.logits([*self._tokens, *drafted], [])  # [1, vocab]
-            token, probs = self._next(logits)
+            token, probs = self._next(logits, len(self._tokens) + len(drafted))
             drafted.append(token)
             if probs is not None:
                 rows.append(probs)
@@ -102,13 +99,14 @@ class ModelDrafter(Drafter):
         probs = torch.cat(rows) if self._return_probs and rows else None
         return DraftBlock(tokens=drafted, probs=probs)
 
-    def _next(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One draft token from [1, vocab] logits, and the distribution it came from."""
+    def _next(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token at absolute ``position`` from [1, vocab] logits, and the distribution it came from."""
         if self._sampling.greedy:
             return int(logits[0].argmax()), None
         q = logits_to_probs(logits, self._sampling)  # [1, vocab]
         if self._return_probs:
             # Sample from exactly what the target will decode from the wire.
             q = quantize_probs(q)
-        token = int(torch.multinomial(q[0], 1, generator=self._generator))
+        u = float(draws.uniforms(self._sampling.seed, draws.Stream.DRAFT, [position], 1)[0, 0])
+        token = draws.inverse_cdf(q[0].to(torch.float64), u)
         return token, (q if self._return_probs else None)

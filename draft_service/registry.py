@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-import torch
-
 from draft_service.chain import ChainDrafter
 from draft_service.drafter import Drafter
 from draft_service.model_drafter import ModelDrafter
@@ -21,7 +19,6 @@ class DraftRequestContext:
 
     prompt: Sequence[int]
     sampling: SamplingParams
-    generator: torch.Generator | None
     return_probs: bool
     ngram: NgramConfig
     model: object | None  # the draft service's model, None when it runs none
@@ -45,7 +42,7 @@ class DrafterEntry:
 
 
 def _model_drafter(model, c: DraftRequestContext) -> ModelDrafter:
-    return ModelDrafter(model, c.prompt, c.sampling, c.generator, c.return_probs)
+    return ModelDrafter(model, c.prompt, c.sampling, c.return_probs)
 
 
 def _chain(c: DraftRequestContext) -> ChainDrafter:

@@ -27,6 +27,10 @@ class VerificationMode(enum.Enum):
     DRAFT_PROBS = 3  # accept w.p. min(1, p(x)/q(x)); on rejection sample from norm(max(0, p - q))
 
 
+# The modes a target verifies token trees in (target_service.tree_verify); the others take chains.
+TREE_MODES = frozenset({VerificationMode.GREEDY, VerificationMode.TOKEN_ONLY})
+
+
 class _KindRegistry(type):
     """Enum-like class access over the registered drafter kinds: ``DrafterKind["NGRAM"]``, iteration."""
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from lmkit import models
-from lmkit.kinds import DrafterKind, DrafterTraits, VerificationMode, default_chain
+from lmkit.kinds import TREE_MODES, DrafterKind, DrafterTraits, VerificationMode, default_chain
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.wire import sampling_to_proto
@@ -190,7 +190,7 @@ class Orchestrator:
     def tree_branches(self, request: GenerationRequest) -> int:
         """The request's tree width where draft and target both take trees and the mode verifies them, else 1."""
         both = self.target.info.token_trees and self.draft is not None and self.draft.info.token_trees
-        return request.tree_branches if both and verification_mode(request) is VerificationMode.GREEDY else 1
+        return request.tree_branches if both and verification_mode(request) in TREE_MODES else 1
 
     def _draft_open(self, session_id: str, prompt_ids: list[int], request: GenerationRequest) -> pb.DraftOpen:
         return pb.DraftOpen(

@@ -12,12 +12,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from lmkit import errors, packed_rows, token_tree
+from lmkit import draws, errors, packed_rows, token_tree
 from lmkit.costs import LinearCost
-from lmkit.kinds import VerificationMode
+from lmkit.kinds import TREE_MODES, VerificationMode
 from lmkit.kvcache import SessionCache
 from lmkit.packed_linear import pack_linears
-from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
+from lmkit.sampling import SamplingParams, logits_to_probs
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection, tree_verify
 from target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
@@ -30,7 +30,6 @@ class TargetSession:
     sampling: SamplingParams
     mode: VerificationMode
     cache: SessionCache
-    generator: torch.Generator | None
     rounds: int = 0
 
 
@@ -61,9 +60,16 @@ class VerifyItem:
     parents: Sequence[int] | None = None  # [k] a token tree (lmkit.token_tree); None or a chain's: a chain
 
 
-def tree_of(parents: Sequence[int] | None) -> tuple[int, ...] | None:
-    """A block's parents as the engine keeps them: None for a chain (however it was sent)."""
-    return None if not parents or token_tree.is_chain(parents) else tuple(parents)
+def tree_of(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
+    """A block's parents as the engine keeps them: None for a chain (however it was sent).
+
+    Raises InvalidArgument unless non-empty parents hold one entry per draft token.
+    """
+    if not parents:
+        return None
+    if len(parents) != n:
+        raise errors.InvalidArgument(f"parents has {len(parents)} entries for {n} tokens; send one parent index per token")
+    return None if token_tree.is_chain(parents) else tuple(parents)
 
 
 def check_mode(mode: VerificationMode, sampling: SamplingParams) -> None:
@@ -114,8 +120,7 @@ class TargetEngine:
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
         check_mode(mode, sampling)
-        generator = None if sampling.greedy else make_generator(sampling.seed, "target")
-        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(), generator)
+        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache())
         return self.sessions.add(session_id, session)
 
     def close(self, session_id: str) -> None:
@@ -133,7 +138,7 @@ class TargetEngine:
         parents: Sequence[int] | None = None,  # [k] a token tree; None: a chain
     ) -> Verification:
         """Run the block through the target in one forward pass and commit accepted + 1 tokens."""
-        parents = tree_of(parents)
+        parents = tree_of(parents, len(draft_tokens))
         self._check_block(session, position, draft_tokens, draft_probs, parents)
         start = time.perf_counter()
         logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
@@ -153,8 +158,8 @@ class TargetEngine:
         batch: list[int] = []
         steps: list[Step] = []  # one per batched row
         for i, item in enumerate(items):
-            parents = tree_of(item.parents)
             try:
+                parents = tree_of(item.parents, len(item.draft_tokens))
                 self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs, parents)
             except errors.SpecsplitError as exc:
                 results[i] = exc
@@ -241,7 +246,7 @@ class TargetEngine:
             verdict = self._decide(session, logits, draft_tokens, draft_probs)
             path = list(range(verdict.accepted))
         else:
-            verdict = tree_verify.verify_tree_greedy(logits, torch.tensor(list(draft_tokens), dtype=torch.long), list(parents))
+            verdict = self._decide_tree(session, logits, draft_tokens, list(parents))
             path = verdict.path
             session.cache.keep_path(committed, path)  # the rejected branches leave nothing behind
         session.tokens.extend(draft_tokens[i] for i in path)
@@ -296,8 +301,22 @@ class TargetEngine:
         kids = token_tree.children(parents)
         if any(len({draft_tokens[i] for i in siblings}) != len(siblings) for siblings in kids):
             raise errors.InvalidArgument("two siblings in the token tree carry the same token; merge them")
-        if session.mode is not VerificationMode.GREEDY:
-            raise errors.InvalidArgument(f"token trees are verified in GREEDY mode; {session.mode.name} takes chains")
+        if session.mode not in TREE_MODES:
+            raise errors.InvalidArgument(
+                f"token trees are verified in GREEDY and TOKEN_ONLY modes; {session.mode.name} takes chains"
+            )
+
+    @staticmethod
+    def _decide_tree(session, logits, draft_tokens, parents: list[int]) -> tree_verify.TreeVerdict:
+        tokens = torch.tensor(list(draft_tokens), dtype=torch.long)
+        if session.mode is VerificationMode.GREEDY:
+            return tree_verify.verify_tree_greedy(logits, tokens, parents)
+        target_probs = logits_to_probs(logits, session.sampling)
+        # The walk decides one node per depth: depth d's draws are those of absolute position len(tokens) + d.
+        position, depth = len(session.tokens), max(token_tree.depths(parents)) + 2
+        columns = tree_verify.uniform_columns(parents)
+        uniforms = draws.uniforms(session.sampling.seed, draws.Stream.TARGET, range(position, position + depth), columns)
+        return tree_verify.verify_tree_token_only(target_probs, tokens, parents, uniforms)
 
     @staticmethod
     def _decide(session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
@@ -305,9 +324,12 @@ class TargetEngine:
         if session.mode is VerificationMode.GREEDY:
             return rejection.verify_greedy(logits, tokens)
         target_probs = logits_to_probs(logits, session.sampling)
+        # Row i decides the token at absolute position len(session.tokens) + i, with that position's draws.
+        position = len(session.tokens)
+        uniforms = draws.uniforms(session.sampling.seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
-            return rejection.verify_token_only(target_probs, tokens, session.generator)
-        return rejection.verify_draft_probs(target_probs, draft_probs, tokens, session.generator)
+            return rejection.verify_token_only(target_probs, tokens, uniforms)
+        return rejection.verify_draft_probs(target_probs, draft_probs, tokens, uniforms)
 
 
 def _tree_path(path: Sequence[int], parents: Sequence[int] | None) -> tuple[int, ...]:

@@ -75,7 +75,9 @@ def test_tiny_greedy_with_token_trees_equals_generate(tiny_services, tiny_target
         generate_all(tiny_services, str(tiny_target_dir), prompts_ids, 6, drafter, 24, adaptive, 4, trees)
     )
     assert got == expected
-    if not adaptive:  # a fixed K sends every tree the drafter offers
+    if not adaptive and drafter is DrafterKind.MODEL:  # a fixed K sends every tree the drafter offers
+        # The model's second choices make a tree every round; n-gram trees need earlier matches that
+        # continued differently, which these outputs may not hold (test_sampling_e2e builds a prompt for them).
         assert sum(rounds for rounds, _ in trees) > 0
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lmkit import token_tree
-from target_service.rejection import verify_greedy
-from target_service.tree_verify import verify_tree_greedy
+from target_service.rejection import verify_greedy, verify_token_only
+from target_service.tree_verify import uniform_columns, verify_tree_greedy, verify_tree_token_only
 
 pytestmark = pytest.mark.unit
 
@@ -118,3 +118,40 @@ def test_tree_verifier_checks_its_input():
         verify_tree_greedy(_logits_choosing([0, 0]), torch.tensor([4, 5]), [-1, -1])
     with pytest.raises(ValueError, match="NaN"):
         verify_tree_greedy(torch.full((2, 4), float("nan")), torch.tensor([1]), [-1])
+
+
+def test_a_chain_tree_samples_as_verify_token_only():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        k = int(torch.randint(0, 5, (1,), generator=gen))
+        probs = torch.softmax(torch.randn(k + 1, 5, generator=gen) * 2, dim=-1)
+        tokens = torch.randint(0, 5, (k,), generator=gen)
+        uniforms = torch.rand(k + 1, 2, dtype=torch.float64, generator=gen)
+        tree = verify_tree_token_only(probs, tokens, token_tree.chain_parents(k), uniforms)
+        chain = verify_token_only(probs, tokens, uniforms)
+        assert (tree.accepted, tree.next_token) == (chain.accepted, chain.next_token)
+
+
+def test_siblings_are_tried_in_turn_against_the_residual():
+    # p after the context: token 1: 0.5, token 2: 0.3, token 3: 0.2; the children are 1, then 2 (both leaves)
+    probs = torch.tensor([[0.0, 0.5, 0.3, 0.2], [0.25] * 4, [0.0, 0.0, 0.0, 1.0]])
+    tokens, parents = torch.tensor([1, 2]), [-1, -1]
+    assert uniform_columns(parents) == 3
+
+    def verdict(accept_first, sample, accept_second):
+        uniforms = torch.tensor([[accept_first, sample, accept_second], [0.1, 0.99, 0.1]], dtype=torch.float64)
+        result = verify_tree_token_only(probs, tokens, parents, uniforms)
+        return result.path, result.next_token
+
+    assert verdict(0.49, 0.5, 0.9) == ([0], 3)  # u < 0.5: token 1, then the bonus after it (u = 0.99 of uniform)
+    # 1 rejected; token 2 holds 0.3 of the remaining 0.5: accepted iff u < 0.6; its bonus is token 3 surely
+    assert verdict(0.51, 0.5, 0.59) == ([1], 3)
+    assert verdict(0.51, 0.5, 0.61) == ([], 3)  # both rejected: the residual holds token 3 alone
+
+
+def test_tree_sampling_checks_its_draws():
+    probs = torch.full((3, 4), 0.25)
+    with pytest.raises(ValueError, match=r"uniforms must be \[2, 3\]"):
+        verify_tree_token_only(probs, torch.tensor([1, 2]), [-1, -1], torch.full((2, 2), 0.5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not 1"):
+        verify_tree_token_only(probs * 2, torch.tensor([1, 2]), [-1, -1], torch.full((2, 3), 0.5, dtype=torch.float64))
