@@ -8,7 +8,9 @@ model members crop their caches lazily, so a member that sat out a few rounds
 only catches up (one forward over the missed tokens) when it is next asked.
 
 Chains send token ids only (no draft probabilities): a block's distribution
-would depend on which member answered.
+would depend on which member answered. Each block names the member that drafted
+it and carries its match quality; a free member (prompt lookup) may draft up to
+the free bound while a model member drafts k.
 """
 
 from __future__ import annotations
@@ -47,24 +49,27 @@ class ChainDrafter(Drafter):
             drafter.extend(tokens)
 
     def propose(self, k: int) -> DraftBlock:
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
-        return self._first(lambda drafter: drafter.propose(k), k)
+        return self.propose_within(k, 0)
+
+    def propose_within(self, k: int, free_k: int) -> DraftBlock:
+        if k < 0 or free_k < 0:
+            raise ValueError(f"k and free_k must be >= 0, got {k}, {free_k}")
+        return self._first(lambda drafter: drafter.propose(max(k, free_k) if drafter.free else k))
 
     def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
         """The first member's non-empty proposal, as a tree when that member drafts trees."""
-        return self._first(lambda drafter: drafter.propose_tree(k, max_branches, max_nodes), k)
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        return self._first(lambda drafter: drafter.propose_tree(k, max_branches, max_nodes))
 
-    def _first(self, ask, k: int) -> DraftBlock:
+    def _first(self, ask) -> DraftBlock:
         self.last_kind = None
-        if k == 0:
-            return DraftBlock(tokens=[])
         for kind, drafter in self.members:
             block = ask(drafter)
             if block.tokens:
                 self.last_kind = kind
                 self.blocks_by_kind[kind] += 1
-                return DraftBlock(tokens=list(block.tokens), parents=block.parents)
+                return DraftBlock(tokens=list(block.tokens), parents=block.parents, quality=block.quality, drafter=kind)
         return DraftBlock(tokens=[])
 
     def close(self) -> None:

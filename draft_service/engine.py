@@ -11,6 +11,7 @@ from draft_service.ngram import NgramConfig
 from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
 from lmkit.kinds import DrafterKind, DrafterTraits
+from lmkit.kvcache import check_cache_layout
 from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
@@ -49,6 +50,8 @@ class DraftEngine:
         unknown = [kind.name for kind in derived if not DRAFTERS[kind].derived]
         if unknown:
             raise ValueError(f"{unknown} are not derived drafters")
+        if model is not None:
+            check_cache_layout(model)
         self.model = model
         self.derived = derived  # LAYERSKIP / QUANTIZED views of ``model``
         self.model_id = model_id or "(model-free)"
@@ -105,6 +108,7 @@ class DraftEngine:
         return_probs: bool,
         ngram: NgramConfig,
         chain: Sequence[DrafterKind] = (),
+        coupled: bool = False,  # COUPLED verification: model drafters take the target's Gumbel-max noise
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -113,14 +117,22 @@ class DraftEngine:
         entry = DRAFTERS[kind]
         if return_probs and not entry.has_probs:
             raise errors.InvalidArgument(f"drafter {kind.name} has no draft probabilities; use token-only verification")
-        context = DraftRequestContext(list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain))
+        if coupled and (return_probs or sampling.greedy):
+            raise errors.InvalidArgument(
+                "COUPLED verification samples (temperature > 0) and sends token ids only; unset return_probs"
+            )
+        context = DraftRequestContext(
+            list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled
+        )
         return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context)))
 
     def propose(
-        self, session: DraftSession, position: int, tokens: Sequence[int], k: int, max_branches: int = 1
+        self, session: DraftSession, position: int, tokens: Sequence[int], k: int,
+        free_k: int = 0, max_branches: int = 1,
     ) -> Proposed:
         """Take the committed tokens from ``position`` on, then draft up to ``k``.
 
+        A free drafter may draft up to ``free_k`` when larger (chains only).
         ``max_branches`` > 1: up to that many continuations as a token tree, at
         most max_block tokens in all.
         """
@@ -132,6 +144,9 @@ class DraftEngine:
             )
         if k > self.limits.max_block:
             raise errors.InvalidArgument(f"k = {k} is larger than this draft's max block {self.limits.max_block}")
+        if free_k > self.limits.max_block:
+            raise errors.InvalidArgument(
+                f"free_k = {free_k} is larger than this draft's max block {self.limits.max_block}")
         if max_branches > MAX_BRANCHES:
             raise errors.InvalidArgument(f"max_branches = {max_branches}; send at most {MAX_BRANCHES}")
         if position + len(tokens) == 0:
@@ -142,7 +157,7 @@ class DraftEngine:
         if max_branches > 1:
             block = session.drafter.propose_tree(k, max_branches, self.limits.max_block)
         else:
-            block = session.drafter.propose(k)
+            block = session.drafter.propose_within(k, free_k)
         session.rounds += 1
         self.sessions.count_round()
         return Proposed(block, time.perf_counter() - start)

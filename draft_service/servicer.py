@@ -8,10 +8,10 @@ from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
 from lmkit import errors
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.wire import probs_to_proto, sampling_from_proto
+from lmkit.wire import mode_from_proto, probs_to_proto, sampling_from_proto
 
 
 def drafter_from_proto(value: int, served: list[DrafterKind]) -> DrafterKind:
@@ -51,7 +51,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             max_block=e.limits.max_block,
             drafters=[k.value for k in e.drafters],
             drafter_info=[
-                pb.DrafterInfo(kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model)
+                pb.DrafterInfo(kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model,
+                               free=t.free)
                 for t in e.traits
             ],
             tp_degree=1,
@@ -89,20 +90,25 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         kind = drafter_from_proto(msg.drafter, engine.drafters)
         ngram = ngram_from_proto(msg, self.ngram_default)
         chain = [drafter_from_proto(value, engine.drafters) for value in msg.chain]
+        coupled = msg.mode != pb.VERIFICATION_MODE_UNSPECIFIED and mode_from_proto(msg.mode) is VerificationMode.COUPLED
         return await self.compute.run(
-            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain
+            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain, coupled
         )
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
         done = await self.compute.run(
-            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.max_branches
+            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches
         )
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.block.tokens,
             compute_us=int(done.compute_s * 1e6),
             parents=done.block.parents or [],
+            drafter=done.block.drafter.value if done.block.drafter is not None else 0,
         )
+        if done.block.quality is not None:
+            block.quality.CopyFrom(pb.MatchQuality(
+                length=done.block.quality.length, occurrences=done.block.quality.occurrences))
         if done.block.probs is not None:
             block.probs.CopyFrom(probs_to_proto(done.block.probs))
         return block

@@ -36,6 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lmkit.kv_buffer import KVBuffer
+from lmkit.transfer import to_host
 
 ATTENTION = "specsplit_packed_rows"
 _INSTALLED = "_specsplit_packed_rows"
@@ -100,6 +101,12 @@ def installed(model) -> bool:
     return bool(getattr(model, _INSTALLED, False))
 
 
+def _cache_kwargs(model, cache) -> dict:
+    from lmkit.kvcache import cache_kwargs  # lmkit.kvcache imports this module
+
+    return cache_kwargs(model, cache)
+
+
 def causal_mask(start: int, width: int, device=None) -> torch.Tensor:  # -> [width, start + width] bool
     """Fed token i attends to every cached position and to fed tokens 0..i."""
     return torch.ones(width, start + width, dtype=torch.bool, device=device).tril(diagonal=start)
@@ -133,12 +140,12 @@ def forward_rows(model, steps: Sequence[RowStep]) -> list[torch.Tensor]:
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
         attention_mask=_NO_MODEL_MASK.to(device),
-        cache=_RowsCache(rows, n_layers),
+        **_cache_kwargs(model, _RowsCache(rows, n_layers)),
         use_cache=True,
         logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
         specsplit_rows=rows,
     )
-    logits = out.logits[0].float().cpu()  # [len(keep), vocab]
+    logits = to_host(out.logits[0])  # [len(keep), vocab]
     results, first = [], 0
     for step, row in zip(steps, rows):
         step.kv.length = row.start + row.width

@@ -21,20 +21,29 @@ continuations as a tree; ``orchestrator.tree_shape`` keeps the nodes worth
 their verify cost, the target verifies them in one pass and answers the
 accepted path, which is committed like a chain's accepted prefix. Drafting
 ahead assumes the tree's primary chain (the drafter's first choice) accepted.
+
+Free drafts: a drafter whose proposals cost nothing (prompt lookup) is asked
+every round for up to the round's bound, and the controller cuts the block to
+the tokens worth verifying from its reported match quality
+(``AdaptiveK.cut``); a drafter that pays per token is asked for what the
+controller chooses beforehand (``AdaptiveK.ask``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
 from lmkit import token_tree
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import drop_leading_rows
-from orchestrator.adaptive_k import ALONE, AdaptiveK, CostModel, Load
+from orchestrator.acceptance import StatsKey, quality_of
+from orchestrator.adaptive_k import AdaptiveK
 from orchestrator.links import DraftLink, TargetLink
+from orchestrator.rate import ALONE, CostModel, Load
 from orchestrator.tree_shape import BranchStats, choose_nodes, node_acceptance
 
 
@@ -54,6 +63,8 @@ class LoopConfig:
     overlap: bool = False  # draft block i+1 while the target verifies block i
     ahead_max: int = 0  # largest k drafted ahead (the draft proposes k + 1 then); 0 = no overlap
     tree_branches: int = 1  # continuations a round may verify as a token tree; 1 = chains only
+    drafter: DrafterKind | None = None  # the session's drafter (a block's drafter unless it names a chain member)
+    free_drafters: frozenset[DrafterKind] = frozenset()  # its drafters whose proposals cost nothing (cut by quality)
 
 
 @dataclass
@@ -62,6 +73,7 @@ class LoopStats:
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
+    delivered: int = 0  # tokens sent to the client: committed ones, less any past a stop string
     draft_compute_s: float = 0.0
     target_compute_s: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
@@ -111,8 +123,11 @@ class _Block:
     tokens: list[int]
     probs: pb.DraftProbs | None = None
     draft_s: float = 0.0
-    k: int = 0  # tokens asked for
+    k: int = 0  # tokens asked for (a free block: the tokens kept)
     parents: list[int] = field(default_factory=list)  # a token tree's (lmkit.token_tree); empty: a chain
+    key: StatsKey | None = None  # what its acceptance is recorded under (None: nothing to record)
+    proposed: int = 0  # tokens the drafter computed (a free block's before the cut)
+    prefilled: bool = False  # the draft re-read the context for it (a new or re-attached session)
 
     @property
     def chain(self) -> list[int]:
@@ -134,7 +149,15 @@ def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | No
         parents = []
     else:
         token_tree.check_parents(parents, len(reply.tokens))
-    return _Block(list(reply.tokens)[skip:], probs, reply.compute_us / 1e6, k, parents)
+    return _Block(list(reply.tokens)[skip:], probs, reply.compute_us / 1e6, k, parents, proposed=len(reply.tokens))
+
+
+def drafter_of(reply: pb.DraftBlock, session_drafter: DrafterKind | None) -> DrafterKind | None:
+    """The drafter that drafted a reply: the chain member it names, else the session's."""
+    try:
+        return DrafterKind(reply.drafter) if reply.drafter else session_drafter
+    except ValueError:  # a kind the draft did not announce: count it as the session's
+        return session_drafter
 
 
 class _Loop:
@@ -163,21 +186,44 @@ class _Loop:
         room = self.config.max_context - len(self.committed) - extra
         return min(self.config.k, budget - 1, room - 1)
 
-    def choose(self, limit: int) -> int:
-        wanted = self.controller.choose(self.load, self.config.overlap) if self.controller else self.config.k
-        return max(0, min(wanted, limit))
+    def choose(self, limit: int) -> tuple[int, int]:
+        """(k asked of a drafter that pays per token, the bound for a free one) for a round of at most ``limit``."""
+        limit = max(limit, 0)
+        if self.controller is None:
+            return min(self.config.k, limit), 0
+        free_k = limit if self.config.free_drafters else 0
+        return self.controller.ask(limit, self.load, self.config.overlap), free_k
+
+    def finish_block(self, reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block:
+        """A reply as this round's block: recorded under its drafter and quality, and a free one cut to the
+        tokens worth verifying (from its quality and the statistics only, never from random draws)."""
+        block = _block_of(reply, k, skip) or _Block([], k=k)
+        if reply is None or not block.tokens or self.controller is None:
+            return block
+        drafter = drafter_of(reply, self.config.drafter)
+        if drafter is None:
+            return block
+        quality = None
+        if reply.HasField("quality"):  # a block drafted ahead is used after its guess: its match is one longer
+            quality = quality_of(reply.quality.length + skip, reply.quality.occurrences)
+        block.key = self.controller.key(drafter, quality)
+        if drafter in self.config.free_drafters and block.probs is None and not block.parents:
+            block.k = self.controller.cut(block.key, len(block.tokens), self.load)
+            block.tokens = block.tokens[: block.k]
+        return block
 
     async def next_block(self) -> _Block:
         """This round's block: the one drafted ahead when its assumption held, else a fresh proposal."""
         ready = await self.take_ahead()
         if ready is not None:
-            self.stats.overlap_hits += 1
+            self.stats.overlap_hits += bool(ready.tokens)
             return ready
-        k = self.choose(self.limit())
-        if self.draft is None or k <= 0:
+        k, free_k = self.choose(self.limit())
+        if self.draft is None or (k <= 0 and free_k <= 0):
             return _Block([], k=k)
-        reply = await self.draft.propose(self.committed, k, self.config.tree_branches)
-        block = _block_of(reply, k) or _Block([], k=k)
+        reply = await self.draft.propose(self.committed, k, free_k, self.config.tree_branches)
+        block = self.finish_block(reply, k)
+        block.prefilled = self.draft.last_prefilled
         self.stats.draft_compute_s += block.draft_s
         return self.shape(block) if block.parents else block
 
@@ -185,14 +231,22 @@ class _Loop:
         """The nodes of a drafted tree worth verifying (all of them with a fixed K); a chain if that is all."""
         tokens, parents = block.tokens, block.parents
         if self.controller is not None:
-            accept = node_acceptance(parents, self.controller.acceptance(), self.branches)
+            accept = node_acceptance(parents, self.chain_acceptance(block), self.branches)
             keep = choose_nodes(parents, accept, lambda n: self.costs.verify_s(self.load.tokens(n)),
                                 self.load.others_committed)
             tokens, parents = token_tree.subtree(tokens, parents, keep)
         room = self.config.max_context - len(self.committed) - 1
         if len(tokens) > room:  # near the end of the context: the primary chain only
             tokens, parents = token_tree.subtree(tokens, parents, token_tree.primary_chain(parents)[:room])
-        return _Block(tokens, block.probs, block.draft_s, block.k, [] if token_tree.is_chain(parents) else parents)
+        return replace(block, tokens=tokens, parents=[] if token_tree.is_chain(parents) else parents)
+
+    def chain_acceptance(self, block: _Block) -> list[float]:
+        """Per-depth acceptance of the drafter's first choices: the paid drafter's session record, else the
+        server-wide figures of the block's drafter (a free one, e.g. prompt lookup)."""
+        key = block.key
+        if key is None or key.drafter is self.controller.paid:
+            return self.controller.acceptance()
+        return self.controller.stats.acceptance(key, self.controller.k_max)
 
     async def take_ahead(self) -> _Block | None:
         if self.ahead is None:
@@ -205,39 +259,49 @@ class _Loop:
         # Usable iff the last round committed exactly the assumed block plus the guessed bonus token.
         if len(reply.tokens) < 2 or self.committed[self.ahead_base :] != [*self.ahead_block, *guess]:
             return None
-        return _block_of(reply, self.ahead_k, skip=1)
+        return self.finish_block(reply, self.ahead_k, skip=1)  # cut to nothing, it is still this round's answer
 
     def start_ahead(self, block: _Block) -> None:
         """While the target verifies ``block``, draft the next one assuming it is accepted whole."""
         if not (self.config.overlap and self.draft is not None and self.draft.up and block.tokens):
             return
-        k = self.choose(min(self.limit(extra=len(block.chain) + 1), self.config.ahead_max))
-        if k > 0:
+        k, free_k = self.choose(min(self.limit(extra=len(block.chain) + 1), self.config.ahead_max))
+        if k > 0 or free_k > 0:
             self.ahead_base, self.ahead_block, self.ahead_k = len(self.committed), list(block.chain), k
-            self.ahead = asyncio.create_task(self.draft.propose_ahead(list(self.committed), block.chain, k))
+            self.ahead = asyncio.create_task(
+                self.draft.propose_ahead(list(self.committed), block.chain, k, free_k))
 
-    def cancel(self) -> None:
-        if self.ahead is not None:
-            self.ahead.cancel()
-            self.ahead = None
+    async def close(self) -> None:
+        """Stop the proposal drafted ahead, if any, and wait until it has stopped."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
 
-    def commit(self, block: _Block, result: pb.VerifyResult) -> tuple[list[int], Finish | None]:
+    def commit(
+        self, block: _Block, result: pb.VerifyResult, prefilled: bool = False
+    ) -> tuple[list[int], Finish | None]:
+        """Commit a verified block; ``prefilled``: the target re-read the context in this forward (a new session)."""
         stats, target_s = self.stats, result.compute_us / 1e6
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
         load = load_of(result)
         stats.target_compute_s += target_s
         accepted = self.accepted_tokens(block, result)
-        if self.controller is not None:
-            self.controller.observe(len(block.chain), self.primary_accepted(block, result))
-        # The first round's forward is the prompt's prefill, alone by design: it says nothing about the
-        # batch's load or a decode forward's cost.
-        if stats.rounds > 0:
+        if self.controller is not None and block.key is not None:
+            self.controller.observe(block.key, len(block.chain), self.primary_accepted(block, result))
+        if self.costs is not None:
+            self.costs.observe_target_fit(result.cost_base_us / 1e6, result.cost_per_token_us / 1e6)
+        # A forward that re-read the context (the first round's prompt, or a session re-opened after a
+        # target restart) runs alone by design: it says nothing about the batch's load or a decode
+        # forward's cost. The same for a proposal that re-read the context on a re-attached draft.
+        if stats.rounds > 0 and not prefilled:
             self.load = load
             if self.costs is not None:
                 self.costs.load = load
                 self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
-                self.costs.observe_draft(drafted, block.draft_s)
+        if stats.rounds > 0 and self.costs is not None and not block.prefilled:
+            self.costs.observe_draft(block.proposed, block.draft_s, block.key.drafter if block.key else None)
         new, finish = cut_at_finish([*accepted, result.next_token], self.config.eos_ids, budget)
         self.committed.extend(new)
         stats.rounds += 1
@@ -287,18 +351,22 @@ async def speculative_decode(
     controller: AdaptiveK | None = None,
     costs: CostModel | None = None,
     branches: BranchStats | None = None,
-) -> AsyncIterator[tuple[list[int], Finish | None]]:
-    """Yield (newly committed tokens, finish reason or None) once per round.
+) -> AsyncIterator[tuple[list[int], Finish | None, list[pb.TokenLogprob]]]:
+    """Yield (newly committed tokens, finish reason or None, their logprobs) once per round.
+
+    The logprobs are the target's, one per token, when its session was opened
+    with ``return_logprobs``; empty otherwise.
 
     With a ``controller``, each round's k is chosen in [0, config.k] from the
-    measured acceptance, costs and target load; ``costs`` learns from every
-    round but the first (which carries the prompt's prefill).
+    measured acceptance, costs and target load (a free drafter's block is cut
+    to it); ``costs`` learns from every round but the first (which carries the
+    prompt's prefill).
     """
     loop = _Loop(prompt, config, draft, stats, controller, costs, branches)
     try:
         while True:
             if len(loop.committed) >= config.max_context:
-                yield [], Finish.CONTEXT
+                yield [], Finish.CONTEXT, []
                 return
             block = await loop.next_block()
             verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs, block.parents))
@@ -307,9 +375,11 @@ async def speculative_decode(
                 result = await verifying
             finally:
                 verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
-            new, finish = loop.commit(block, result)
-            yield new, finish
+            new, finish = loop.commit(block, result, target.last_prefilled)
+            if finish is not None:
+                await loop.close()  # nothing is drafted past the end: the look-ahead stops before the last yield
+            yield new, finish, list(result.logprobs[: len(new)])
             if finish is not None:
                 return
     finally:
-        loop.cancel()
+        await loop.close()

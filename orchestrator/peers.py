@@ -106,8 +106,10 @@ class DraftStream(_Stream):
     async def open(self, open_msg: pb.DraftOpen) -> None:
         await self._ask(pb.DraftRequest(open=open_msg))
 
-    async def propose(self, position: int, tokens: Sequence[int], k: int, max_branches: int = 1) -> pb.DraftBlock:
-        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, max_branches=max_branches)
+    async def propose(
+        self, position: int, tokens: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1
+    ) -> pb.DraftBlock:
+        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k, max_branches=max_branches)
         return (await self._ask(pb.DraftRequest(propose=msg))).block
 
 

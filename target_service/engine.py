@@ -6,8 +6,9 @@ No grpc here: the servicer converts protos to these calls and maps
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -15,12 +16,20 @@ import torch
 from lmkit import draws, errors, packed_rows, token_tree
 from lmkit.costs import LinearCost
 from lmkit.kinds import TREE_MODES, VerificationMode
-from lmkit.kvcache import SessionCache
+from lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
 from lmkit.packed_linear import pack_linears
 from lmkit.sampling import SamplingParams, logits_to_probs
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection, tree_verify
 from target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
+from target_service.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, committed_logprobs
+
+_MIN_FIT_SAMPLES = 8  # forwards before the cost fit is used
+
+log = logging.getLogger(__name__)
+
+# A decided block: a chain's verdict, or a tree's (accepted nodes in ``path``).
+Decided = rejection.Verdict | tree_verify.TreeVerdict
 
 
 @dataclass
@@ -31,6 +40,7 @@ class TargetSession:
     mode: VerificationMode
     cache: SessionCache
     rounds: int = 0
+    top_logprobs: int | None = None  # None: no logprobs; else also this many most likely tokens per position
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ class Verification:
     compute_s: float
     batch: BatchShare = BatchShare()
     path: tuple[int, ...] = ()  # a tree block's accepted nodes, root first; empty for a chain
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token when the session asked for them
 
 
 @dataclass(frozen=True)
@@ -76,7 +87,7 @@ def check_mode(mode: VerificationMode, sampling: SamplingParams) -> None:
     if mode is VerificationMode.GREEDY and not sampling.greedy:
         raise errors.InvalidArgument(
             f"VERIFICATION_MODE_GREEDY needs temperature 0, got {sampling.temperature}; "
-            "use TOKEN_ONLY or DRAFT_PROBS for sampling"
+            "use TOKEN_ONLY, DRAFT_PROBS or COUPLED for sampling"
         )
     if mode is not VerificationMode.GREEDY and sampling.greedy:
         raise errors.InvalidArgument(f"{mode.name} samples and needs temperature > 0; use GREEDY for temperature 0")
@@ -97,8 +108,10 @@ class TargetEngine:
         fast_forward: bool = True,
     ) -> None:
         """``fast_forward``: pack the linear layers for oneDNN (fp32 CPU) and run verify steps through the
-        packed-rows forward (``lmkit.packed_rows``) where the model allows; off, the model's stock forward."""
-        if fast_forward and new_cache is None:
+        packed-rows forward (``lmkit.packed_rows``) where the model allows (full attention only: a
+        sliding-window model keeps the stock forward); off, the model's stock forward."""
+        check_cache_layout(model)
+        if fast_forward and new_cache is None and next(model.parameters()).device.type == "cpu":
             pack_linears(model)
             packed_rows.install(model)
         self.model = model
@@ -110,17 +123,22 @@ class TargetEngine:
         self.sessions: SessionTable[TargetSession] = SessionTable(limits, "target")
         self._new_cache = new_cache or (lambda: SessionCache(model))
         self.tp_degree = tp_degree
-        # Sharded caches replay each step on the other ranks one session at a time.
-        self.can_batch = new_cache is None
+        # Sharded caches replay each step on the other ranks one session at a time; a RoPE whose scaling
+        # follows the longest row of a forward would let rows change each other's positions' encoding.
+        self.can_batch = new_cache is None and rows_share_rope(model)
         self.forward_passes = 0  # verifying forwards run; rounds / forward_passes is the mean batch size
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
 
     # -- sessions -----------------------------------------------------------
-    def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode):
+    def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode,
+             top_logprobs: int | None = None):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
         check_mode(mode, sampling)
-        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache())
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise errors.InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
+                                top_logprobs=top_logprobs)
         return self.sessions.add(session_id, session)
 
     def close(self, session_id: str) -> None:
@@ -143,8 +161,12 @@ class TargetEngine:
         start = time.perf_counter()
         logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
         self.forward_passes += 1
-        path, next_token = self._commit(session, logits, draft_tokens, draft_probs, parents)
-        return Verification(len(path), next_token, time.perf_counter() - start, path=_tree_path(path, parents))
+        result = self._commit(session, logits, draft_tokens, draft_probs, parents)
+        logprobs = self._logprobs(session, logits, result)
+        return Verification(
+            result.accepted, result.next_token, time.perf_counter() - start,
+            path=_tree_path(result, parents), logprobs=logprobs,
+        )
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verification | errors.SpecsplitError]:
         """Verify blocks of different sessions in shared forward passes; each result equals its solo ``verify``.
@@ -199,12 +221,19 @@ class TargetEngine:
         for i in done:
             own = results[i]
             share = BatchShare(len(done), width, committed - (own.accepted + 1))
-            results[i] = Verification(own.accepted, own.next_token, step_s, share, own.path)
+            results[i] = replace(own, compute_s=step_s, batch=share)
+
+    def cost_fit(self) -> tuple[float, float] | None:
+        """(a, s) of t(x) = a + s x over this target's verifying forwards, once measured (the load-aware
+        K choice of every orchestrator reads it); None before ``_MIN_FIT_SAMPLES`` forwards."""
+        if self.forward_cost.samples < _MIN_FIT_SAMPLES:
+            return None
+        return max(self.forward_cost.intercept(), 0.0), self.forward_cost.slope()
 
     def _split_overhead_tokens(self) -> float:
         """One more forward's fixed cost in tokens (a / s); infinite (never split) until measured."""
         slope = self.forward_cost.slope()
-        if self.forward_cost.samples < 8 or slope <= 0:
+        if self.forward_cost.samples < _MIN_FIT_SAMPLES or slope <= 0:
             return float("inf")
         return max(self.forward_cost.intercept(), 0.0) / slope
 
@@ -213,47 +242,91 @@ class TargetEngine:
             return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs, item.parents)
         except errors.SpecsplitError as exc:
             return exc
+        except Exception as exc:  # noqa: BLE001 - NaN logits, OOM, a bad cache: this session's failure alone
+            return self._failed(item.session, exc)
 
-    def _verify_together(self, items: Sequence[VerifyItem], steps: Sequence[Step]) -> list[Verification]:
-        """One forward over the planned steps of checked items (``steps[i]`` belongs to ``items[i]``)."""
+    def _verify_together(
+        self, items: Sequence[VerifyItem], steps: Sequence[Step]
+    ) -> list[Verification | errors.SpecsplitError]:
+        """One forward over the planned steps of checked items (``steps[i]`` belongs to ``items[i]``).
+
+        A failure stays with its session: if the shared forward fails (a bad
+        cache, out of memory), every block is verified again alone, so only the
+        culprit fails; a session whose rows cannot be decided (NaN logits) gets
+        its error while the others commit.
+        """
         start = time.perf_counter()
         tokens = padded_tokens(self.model, [len(step.feed) for step in steps])
         width = -(-tokens // len(steps))  # per row, rounded up
-        logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
+        try:
+            logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
+        except Exception as exc:  # noqa: BLE001 - find the culprit: each block alone
+            log.warning("a batched forward of %d sessions failed (%s); verifying each alone", len(steps), exc)
+            for step in steps:  # the step may have left caches half-written; they re-prefill
+                step.cache.reset()
+            return [self._verify_checked(item) for item in items]
         self.forward_passes += 1
         self.forward_cost.observe(tokens, time.perf_counter() - start)
         decided = [
-            self._commit(item.session, rows, item.draft_tokens, item.draft_probs, step.parents)
-            for item, rows, step in zip(items, logits, steps)
+            self._commit_isolated(item, rows, step.parents) for item, rows, step in zip(items, logits, steps)
         ]
+        logprobs = [self._logprobs(item.session, rows, d) if not isinstance(d, errors.SpecsplitError) else ()
+                    for item, rows, d in zip(items, logits, decided)]
         elapsed = time.perf_counter() - start
-        committed = sum(len(path) + 1 for path, _ in decided)
+        done = [d for d in decided if not isinstance(d, errors.SpecsplitError)]
+        committed = sum(d.accepted + 1 for d in done)
+        share = lambda d: BatchShare(len(done), width, committed - (d.accepted + 1))  # noqa: E731
         return [
-            Verification(
-                len(path), token, elapsed, BatchShare(len(items), width, committed - (len(path) + 1)),
-                _tree_path(path, step.parents),
-            )
-            for (path, token), step in zip(decided, steps)
+            d if isinstance(d, errors.SpecsplitError)
+            else Verification(d.accepted, d.next_token, elapsed, share(d), _tree_path(d, step.parents), lp)
+            for d, lp, step in zip(decided, logprobs, steps)
         ]
 
-    def _commit(self, session, logits, draft_tokens, draft_probs, parents) -> tuple[list[int], int]:
-        """Decide on the block from its logits and commit the accepted tokens + 1 to the session.
+    @staticmethod
+    def _logprobs(session: TargetSession, logits, verdict: Decided) -> tuple[TokenLogprob, ...]:
+        """The committed tokens' log-probabilities from this pass's logits, when the session asked for them.
 
-        Returns the accepted nodes (a chain's are 0..accepted-1) and the next token.
+        A tree's logits rows are per node: the committed tokens follow the root
+        row, then the accepted nodes' rows.
         """
-        committed = len(session.tokens)
+        if session.top_logprobs is None:
+            return ()
+        committed = session.tokens[len(session.tokens) - verdict.accepted - 1 :]  # _commit appended them
+        if isinstance(verdict, tree_verify.TreeVerdict):
+            logits = logits[[0, *(node + 1 for node in verdict.path)]]
+        return tuple(committed_logprobs(logits, committed, session.top_logprobs))
+
+    def _commit_isolated(self, item: VerifyItem, logits, parents) -> Decided | errors.SpecsplitError:
+        try:
+            return self._commit(item.session, logits, item.draft_tokens, item.draft_probs, parents)
+        except errors.SpecsplitError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - NaN logits in this session's rows: its failure alone
+            return self._failed(item.session, exc)
+
+    def _failed(self, session: TargetSession, exc: Exception) -> errors.Internal:
+        """A session whose forward or decision failed: nothing committed, its cache dropped (it may be bad)."""
+        log.warning("verifying session %r failed: %s: %s", session.session_id, type(exc).__name__, exc)
+        session.cache.reset()
+        return errors.Internal(
+            f"verifying a block of session {session.session_id!r} failed ({type(exc).__name__}: {exc}); nothing was "
+            "committed and its cache was dropped: resend the block or re-open the session"
+        )
+
+    def _commit(self, session, logits, draft_tokens, draft_probs, parents) -> Decided:
+        """Decide on the block from its logits and commit the accepted tokens + 1 to the session."""
         if parents is None:
             verdict = self._decide(session, logits, draft_tokens, draft_probs)
-            path = list(range(verdict.accepted))
+            path = range(verdict.accepted)
         else:
             verdict = self._decide_tree(session, logits, draft_tokens, list(parents))
             path = verdict.path
-            session.cache.keep_path(committed, path)  # the rejected branches leave nothing behind
+            session.cache.keep_path(len(session.tokens), path)  # the rejected branches leave nothing behind
         session.tokens.extend(draft_tokens[i] for i in path)
         session.tokens.append(verdict.next_token)
         session.rounds += 1
         self.sessions.count_round()
-        return path, verdict.next_token
+        return verdict
 
     def _check_block(self, session, position, draft_tokens, draft_probs, parents=None) -> None:
         committed = len(session.tokens)
@@ -325,12 +398,15 @@ class TargetEngine:
             return rejection.verify_greedy(logits, tokens)
         target_probs = logits_to_probs(logits, session.sampling)
         # Row i decides the token at absolute position len(session.tokens) + i, with that position's draws.
-        position = len(session.tokens)
-        uniforms = draws.uniforms(session.sampling.seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
+        position, seed = len(session.tokens), session.sampling.seed
+        if session.mode is VerificationMode.COUPLED:
+            noise = lambda i, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731
+            return rejection.verify_coupled(target_probs, tokens, noise)
+        uniforms = draws.uniforms(seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
             return rejection.verify_token_only(target_probs, tokens, uniforms)
         return rejection.verify_draft_probs(target_probs, draft_probs, tokens, uniforms)
 
 
-def _tree_path(path: Sequence[int], parents: Sequence[int] | None) -> tuple[int, ...]:
-    return () if parents is None else tuple(path)
+def _tree_path(verdict: Decided, parents: Sequence[int] | None) -> tuple[int, ...]:
+    return () if parents is None else tuple(verdict.path)
