@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.sampling import SamplingParams, logits_to_probs
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
@@ -26,7 +26,7 @@ PROMPT = [504, 2365, 6354]  # a few SmolLM2 token ids
 
 async def sample_many(
     services, target_dir, runs, k, drafter, draft_probs, sampling, max_new_tokens, seed0=0, prompt=PROMPT,
-    tree_branches=1, tree_rounds=None,
+    tree_branches=1, tree_rounds=None, sampling_mode=None,
 ):
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir))
     orch = await Orchestrator.connect(config)
@@ -35,7 +35,8 @@ async def sample_many(
         for i in range(runs):
             params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed0 + i)
             request = GenerationRequest(
-                "", False, max_new_tokens, params, (), k, drafter, draft_probs, tree_branches=tree_branches
+                "", False, max_new_tokens, params, (), k, drafter, draft_probs, tree_branches=tree_branches,
+                sampling_mode=sampling_mode,
             )
             ids: list[int] = []
             async for event in orch.generate(request, prompt):
@@ -90,16 +91,24 @@ def test_system_output_distribution_is_the_targets(tiny_services, tiny_target_di
 
 
 def test_token_trees_keep_system_sampling_lossless(tiny_services, tiny_target_dir):
-    """n-gram trees (the suffix 5 6 occurred twice before, with different continuations) in TOKEN_ONLY mode."""
+    """n-gram trees (the suffix 5 6 occurred twice before, with different continuations) in TOKEN_ONLY mode.
+
+    COUPLED (the default for sampled requests) verifies chains only: its rounds send no tree.
+    """
     prompt = [5, 6, 7, 9, 5, 6, 8, 9, 5, 6]
     sampling = SamplingParams(temperature=4.0, top_k=3)
+    coupled: list[int] = []
+    run_async(sample_many(tiny_services, tiny_target_dir, 4, 2, DrafterKind.NGRAM, False, sampling, 2, prompt=prompt,
+                          tree_branches=4, tree_rounds=coupled, sampling_mode=VerificationMode.COUPLED))
+    assert coupled == [0] * 4
     exact = exact_first_two(tiny_target_dir, sampling, prompt)
     trees: list[int] = []
+    runs = 800  # ~89 expected per cell on average over the 9 (t1, t2) pairs
     samples = run_async(
-        sample_many(tiny_services, tiny_target_dir, 1500, 2, DrafterKind.NGRAM, False, sampling, 2, prompt=prompt,
-                    tree_branches=4, tree_rounds=trees)
+        sample_many(tiny_services, tiny_target_dir, runs, 2, DrafterKind.NGRAM, False, sampling, 2, prompt=prompt,
+                    tree_branches=4, tree_rounds=trees, sampling_mode=VerificationMode.TOKEN_ONLY)
     )
-    assert sum(trees) >= 1500  # every first round verified a tree
+    assert sum(trees) >= runs  # every first round verified a tree
     assert_distributed_as(samples, exact)
 
 
