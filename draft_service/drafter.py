@@ -47,12 +47,16 @@ class DraftBlock:
     no match proposes nothing). ``probs`` is set only when the drafter sampled
     the tokens and was asked for its distributions (probability mode): row i is
     the distribution token i was drawn from. ``parents`` is set for a token
-    tree (``lmkit.token_tree``), None for a chain.
+    tree (``lmkit.token_tree``), None for a chain. ``branch`` (chains only) is
+    the drafter's second guess where it is least sure: (index into ``tokens``,
+    the token it would put there instead); the orchestrator may draft past that
+    outcome too.
     """
 
     tokens: list[int]  # [k']
     probs: torch.Tensor | None = None  # [k', vocab] float32, rows sum to 1
     parents: list[int] | None = None  # [k'] parent index of each token, -1 = the context
+    branch: tuple[int, int] | None = None  # (index < k', runner-up token)
     quality: MatchQuality | None = None  # set by drafters that copy from the context
     drafter: DrafterKind | None = None  # the member that drafted it, in a chain
 
@@ -89,6 +93,10 @@ class Drafter(abc.ABC):
         Drafters with alternatives override it; the default is the chain of ``propose(k)``.
         """
         return self.propose(min(k, max_nodes))
+
+    def propose_tree_within(self, k: int, free_k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+        """``propose_tree`` up to ``k`` tokens deep, or up to ``free_k`` (when larger) for a free drafter."""
+        return self.propose_tree(max(k, free_k) if self.free else k, max_branches, max_nodes)
 
     def commit(self, position: int, tokens: Sequence[int]) -> None:
         """Roll back to ``position``, then append ``tokens`` (the committed ones)."""

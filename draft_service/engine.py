@@ -132,9 +132,9 @@ class DraftEngine:
     ) -> Proposed:
         """Take the committed tokens from ``position`` on, then draft up to ``k``.
 
-        A free drafter may draft up to ``free_k`` when larger (chains only).
-        ``max_branches`` > 1: up to that many continuations as a token tree, at
-        most max_block tokens in all.
+        A free drafter may draft up to ``free_k`` when larger. ``max_branches``
+        > 1: up to that many continuations as a token tree (each as deep as a
+        chain would be long), at most max_block tokens in all.
         """
         held = session.drafter.position
         if position > held:
@@ -155,7 +155,7 @@ class DraftEngine:
         start = time.perf_counter()
         session.drafter.commit(position, tokens)
         if max_branches > 1:
-            block = session.drafter.propose_tree(k, max_branches, self.limits.max_block)
+            block = session.drafter.propose_tree_within(k, free_k, max_branches, self.limits.max_block)
         else:
             block = session.drafter.propose_within(k, free_k)
         session.rounds += 1

@@ -92,9 +92,11 @@ class ModelDrafter(Drafter):
             raise ValueError(f"k must be >= 0, got {k}")
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
+        margins: list[tuple[float, int]] = []  # (how sure, runner-up) per drafted position
         for position in range(k):
             logits = self._cache.logits([*self._tokens, *drafted], [])  # [1, vocab]
             token, probs = self._next(logits, len(self._tokens) + len(drafted))
+            margins.append(_margin(logits[0], token))
             drafted.append(token)
             if probs is not None:
                 rows.append(probs)
@@ -102,7 +104,11 @@ class ModelDrafter(Drafter):
                 top = torch.softmax(logits[0], dim=-1).topk(2)
                 runners_up.append((float(top.values[1]), position, int(top.indices[1])))
         probs = torch.cat(rows) if self._return_probs and rows else None
-        return DraftBlock(tokens=drafted, probs=probs)
+        branch = None
+        if margins:
+            index = min(range(len(margins)), key=lambda i: margins[i][0])
+            branch = (index, margins[index][1])
+        return DraftBlock(tokens=drafted, probs=probs, branch=branch)
 
     def _next(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
         """The draft token at absolute ``position`` from [1, vocab] logits, and the distribution it came from."""
@@ -118,3 +124,15 @@ class ModelDrafter(Drafter):
         u = float(draws.uniforms(seed, draws.Stream.DRAFT, [position], 1)[0, 0])
         token = draws.inverse_cdf(q[0].to(torch.float64), u)
         return token, (q if self._return_probs else None)
+
+
+def _margin(logits: torch.Tensor, token: int) -> tuple[float, int]:
+    """How sure the draft is of ``token`` (its logit minus the best other one's) and that other token.
+
+    logits: [vocab]. The position with the smallest margin is where the target
+    most likely rejects the block, and the runner-up its most likely correction.
+    """
+    top = torch.topk(logits, 2)
+    first, second = int(top.indices[0]), int(top.indices[1])
+    other = second if first == token else first
+    return float(logits[token] - logits[other]), other

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from draft_service.engine import DraftEngine
@@ -96,6 +98,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         )
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
+        received = time.perf_counter()
         done = await self.compute.run(
             engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches
         )
@@ -111,5 +114,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
                 length=done.block.quality.length, occurrences=done.block.quality.occurrences))
         if done.block.probs is not None:
             block.probs.CopyFrom(probs_to_proto(done.block.probs))
+        if done.block.branch is not None:
+            block.branch.index, block.branch.token = done.block.branch
+        block.service_us = int((time.perf_counter() - received) * 1e6)
         return block
 

@@ -151,3 +151,15 @@ def subtree(tokens: Sequence[int], parents: Sequence[int], keep: Sequence[int]) 
             raise ValueError(f"node {old} is kept without its parent {parent}")
         out_parents.append(ROOT if parent == ROOT else new_index[parent])
     return [tokens[i] for i in kept], out_parents
+
+
+def below(tokens: Sequence[int], parents: Sequence[int], node: int) -> tuple[list[int], list[int]]:
+    """The descendants of ``node`` as a block of their own, ``node`` now the context (its children at ROOT)."""
+    new_index = {node: ROOT}
+    out_tokens, out_parents = [], []
+    for i in range(node + 1, len(parents)):  # parents come first: one pass finds every descendant
+        if parents[i] in new_index:
+            new_index[i] = len(out_tokens)
+            out_tokens.append(tokens[i])
+            out_parents.append(new_index[parents[i]])
+    return out_tokens, out_parents

@@ -75,6 +75,9 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent", type=int, default=64,
                         help="generations in flight at most; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--draft-timeout-s", type=float, default=5.0, help="a propose slower than this drops the draft")
+    parser.add_argument("--draft-deadline-s", type=float, default=0.0,
+                        help="how long a round waits for a draft block before the target steps alone "
+                             "(0: from the draft link's measured round trip, jitter and cost)")
     parser.add_argument("--target-deadline-s", type=float, default=30.0,
                         help="a target down this long fails in-flight generations with UNAVAILABLE")
 
@@ -98,7 +101,8 @@ def config_from_args(args) -> OrchestratorConfig:
         connect_timeout_s=args.connect_timeout_s,
         max_concurrent=args.max_concurrent,
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
-        link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, target_deadline_s=args.target_deadline_s),
+        link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,
+                               target_deadline_s=args.target_deadline_s),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
@@ -76,6 +78,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         return await self.compute.run(engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs)
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
+        received = time.perf_counter()
         probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
         item = VerifyItem(session, msg.position, list(msg.draft_tokens), probs, list(msg.parents) or None)
         done = await self.scheduler.verify(item)
@@ -89,6 +92,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             batch_width=done.batch.width,
             others_committed=done.batch.others_committed,
             path=done.path,
+            service_us=int((time.perf_counter() - received) * 1e6),
             logprobs=[
                 pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                 top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])

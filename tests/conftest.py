@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,20 @@ def pytest_collection_modifyitems(config, items):
     })
     if wrong:
         raise pytest.UsageError(f"give each test exactly one tier marker of {TIERS} (pytestmark): {wrong}")
+    # Under `pytest -n N --dist loadgroup` (make test) the Ray tests run on one worker: one cluster at a time.
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 VOCAB = 49152  # SmolLM2's vocabulary: tiny models share it, so any of them drafts for the real target

@@ -20,10 +20,12 @@ pytestmark = pytest.mark.services
 
 
 async def generate_ids(
-    orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, adaptive=False, branches=1, tree_rounds=None
+    orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, adaptive=False, branches=1, tree_rounds=None,
+    overlap=False,
 ) -> list[int]:
     request = GenerationRequest(
-        "", False, max_new_tokens, SamplingParams(), (), k, drafter, False, adaptive, tree_branches=branches
+        "", False, max_new_tokens, SamplingParams(), (), k, drafter, False, adaptive, overlap=overlap,
+        tree_branches=branches,
     )
     ids: list[int] = []
     async for event in orch.generate(request, prompt_ids):
@@ -35,13 +37,13 @@ async def generate_ids(
 
 async def generate_all(
     services: Services, tokenizer_ref, prompts_ids, k, drafter, max_new_tokens, adaptive=False, branches=1,
-    tree_rounds=None,
+    tree_rounds=None, overlap=False,
 ) -> list[list[int]]:
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=tokenizer_ref)
     orch = await Orchestrator.connect(config)
     try:
         return [
-            await generate_ids(orch, ids, k, drafter, max_new_tokens, adaptive, branches, tree_rounds)
+            await generate_ids(orch, ids, k, drafter, max_new_tokens, adaptive, branches, tree_rounds, overlap)
             for ids in prompts_ids
         ]
     finally:
@@ -65,14 +67,17 @@ def test_tiny_greedy_with_adaptive_k_equals_generate(tiny_services, tiny_target_
     assert got == expected
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("adaptive, overlap", [(False, False), (False, True), (True, True)])
 @pytest.mark.parametrize("drafter", [DrafterKind.MODEL, DrafterKind.NGRAM])
-def test_tiny_greedy_with_token_trees_equals_generate(tiny_services, tiny_target_dir, tiny_reference, drafter, adaptive):
-    """Rounds verify token trees (older n-gram matches; the model's second choices) and output stays the target's."""
+def test_tiny_greedy_with_token_trees_equals_generate(
+    tiny_services, tiny_target_dir, tiny_reference, drafter, adaptive, overlap
+):
+    """Rounds verify token trees (older n-gram matches; the model's second choices) and output stays the target's;
+    with overlap, trees are drafted ahead too (several guesses of the bonus token) and used below the right one."""
     prompts_ids, expected = tiny_reference
     trees: list[tuple[int, int]] = []
     got = run_async(
-        generate_all(tiny_services, str(tiny_target_dir), prompts_ids, 6, drafter, 24, adaptive, 4, trees)
+        generate_all(tiny_services, str(tiny_target_dir), prompts_ids, 6, drafter, 24, adaptive, 4, trees, overlap)
     )
     assert got == expected
     if not adaptive and drafter is DrafterKind.MODEL:  # a fixed K sends every tree the drafter offers

@@ -73,6 +73,14 @@ def test_subtree_reindexes_and_refuses_orphans():
         token_tree.subtree(TOKENS, PARENTS, [0, 2])
 
 
+def test_below_keeps_a_nodes_descendants_rerooted():
+    tokens, parents = token_tree.merge([[7, 1, 2], [7, 1, 3, 4], [8, 5], [7, 6]])
+    assert tokens == [7, 1, 2, 3, 4, 8, 5, 6]
+    assert token_tree.below(tokens, parents, 0) == ([1, 2, 3, 4, 6], [-1, 0, 0, 2, -1])
+    assert token_tree.below(tokens, parents, 5) == ([5], [-1])
+    assert token_tree.below(tokens, parents, 7) == ([], [])
+
+
 def _logits_choosing(choices: list[int], vocab: int = 32) -> torch.Tensor:
     logits = torch.zeros(len(choices), vocab)
     logits[torch.arange(len(choices)), torch.tensor(choices)] = 5.0

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from draft_service.chain import ChainDrafter
 from draft_service.ngram import NgramConfig, NgramDrafter
 from lmkit import token_tree
 from lmkit.kinds import DrafterKind
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from orchestrator.links import DraftCall
+from orchestrator.loop import LoopConfig, LoopStats, _Ahead, _Loop
 from orchestrator.tree_shape import BranchStats, choose_nodes, node_acceptance, path_probabilities
 
 pytestmark = pytest.mark.unit
@@ -97,9 +102,58 @@ def test_ngram_tree_of_one_continuation_is_a_chain():
     assert _ngram([1, 2, 3]).propose_tree(3, 4, 32).tokens == []
 
 
+def test_a_free_drafters_tree_is_as_deep_as_its_free_bound_and_carries_its_match_quality():
+    context = [7, 8, 5, 6, 0, 7, 8, 1, 3, 0, 7, 8, 1, 2, 0, 7, 8]
+    drafter = _ngram(context, 2, 2)
+    tree = drafter.propose_tree_within(k=0, free_k=2, max_branches=4, max_nodes=32)  # nothing asked of a paid drafter
+    assert tree.tokens == [1, 2, 3, 5, 6] and tree.quality == drafter.propose(2).quality
+    chain = ChainDrafter([(DrafterKind.NGRAM, _ngram(context, 2, 2))])
+    assert chain.propose_tree_within(0, 2, 4, 32).tokens == tree.tokens
+    one = _ngram([1, 2, 3, 9, 1, 2]).propose_tree_within(0, 3, 4, 32)  # a single match: propose's own block
+    assert one == _ngram([1, 2, 3, 9, 1, 2]).propose(3) and one.quality is not None
+
+
 def test_a_chain_drafter_passes_its_members_tree_on():
     context = [7, 8, 1, 0, 7, 8, 2, 0, 7, 8]
     chain = ChainDrafter([(DrafterKind.NGRAM, _ngram(context, 2, 2))])
     block = chain.propose_tree(k=2, max_branches=3, max_nodes=8)
     assert block.tokens == [2, 0, 1, 0] and block.parents == [-1, 0, -1, 2]
     assert chain.last_kind is DrafterKind.NGRAM
+
+
+class _Answered:
+    """A draft link whose reply is already in: ``receive`` returns it."""
+
+    def __init__(self, reply: pb.DraftBlock) -> None:
+        self.reply = reply
+
+    async def receive(self, call: DraftCall) -> pb.DraftBlock:
+        return self.reply
+
+
+def _take_ahead(reply: pb.DraftBlock, bonus: int):
+    """Drafted during the verification of [5, 6] at position 3, assuming it accepted whole; the target accepts
+    it and commits ``bonus``."""
+
+    async def go():
+        config = LoopConfig(k=8, max_new_tokens=100, eos_ids=frozenset(), max_context=1000, tree_branches=4)
+        loop = _Loop([1, 2, 3], config, _Answered(reply), LoopStats(), None, None)
+        task = asyncio.get_running_loop().create_future()
+        task.set_result(reply)
+        loop.aheads = [_Ahead(DraftCall(task, 0.0, 5), 3, [5, 6], 3, guess=True)]
+        loop.committed += [5, 6, bonus]
+        return await loop.take_ahead()
+
+    return asyncio.run(go())
+
+
+def test_a_tree_drafted_ahead_is_used_below_the_bonus_guess_that_came_true():
+    # two guesses of the bonus token, 7 and 8, each with what the draft would say after it
+    tree = pb.DraftBlock(position=5, tokens=[7, 1, 2, 8, 3, 4], parents=[-1, 0, 1, -1, 3, 0])
+    seven = _take_ahead(tree, 7)
+    assert (seven.tokens, seven.parents) == ([1, 2, 4], [-1, 0, -1])
+    eight = _take_ahead(tree, 8)
+    assert (eight.tokens, eight.parents) == ([3], [])  # a chain below that guess
+    assert _take_ahead(tree, 9) is None  # no guess came true: the round drafts afresh
+    chain = pb.DraftBlock(position=5, tokens=[7, 1, 2])
+    assert _take_ahead(chain, 7).tokens == [1, 2] and _take_ahead(chain, 8) is None

@@ -223,7 +223,7 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("position", "tokens", "probs", "compute_us", "parents", "drafter", "quality")
+    __slots__ = ("position", "tokens", "probs", "compute_us", "parents", "drafter", "quality", "service_us", "branch")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,8 @@ class DraftBlock(_message.Message):
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_US_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
@@ -238,7 +240,9 @@ class DraftBlock(_message.Message):
     parents: _containers.RepeatedScalarFieldContainer[int]
     drafter: DrafterKind
     quality: MatchQuality
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ...) -> None: ...
+    service_us: int
+    branch: DraftBranch
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ..., service_us: _Optional[int] = ..., branch: _Optional[_Union[DraftBranch, _Mapping]] = ...) -> None: ...
 
 class MatchQuality(_message.Message):
     __slots__ = ("length", "occurrences")
@@ -247,6 +251,14 @@ class MatchQuality(_message.Message):
     length: int
     occurrences: int
     def __init__(self, length: _Optional[int] = ..., occurrences: _Optional[int] = ...) -> None: ...
+
+class DraftBranch(_message.Message):
+    __slots__ = ("index", "token")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token: int
+    def __init__(self, index: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("opened", "block")
@@ -293,7 +305,7 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "path", "logprobs", "cost_base_us", "cost_per_token_us")
+    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "path", "logprobs", "cost_base_us", "cost_per_token_us", "service_us")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +317,7 @@ class VerifyResult(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COST_BASE_US_FIELD_NUMBER: _ClassVar[int]
     COST_PER_TOKEN_US_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_US_FIELD_NUMBER: _ClassVar[int]
     position: int
     accepted: int
     next_token: int
@@ -316,7 +329,8 @@ class VerifyResult(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     cost_base_us: float
     cost_per_token_us: float
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ...) -> None: ...
+    service_us: int
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ..., service_us: _Optional[int] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
