@@ -103,15 +103,18 @@ class AdaptiveK:
 
     # -- a block drafted for free -----------------------------------------------------------------------
     def cut(self, key: StatsKey, available: int, load: Load = ALONE) -> int:
-        """Tokens to verify of a free block of ``key`` with ``available`` tokens, in [0, available]."""
+        """Tokens to verify of a free block of ``key`` with ``available`` tokens, in [0, available].
+
+        The block is in hand: the draft's round trip is paid whatever the cut, so only the target's forward
+        weighs against the tokens it may add."""
         available = min(available, self.k_max)
         if available <= 0:
             return 0
-        k = best_k(self.stats.acceptance(key, available), available, self.costs, load)
+        k = best_k(self.stats.acceptance(key, available), available, self.costs, load, in_hand=True)
         if k > 0:
             return k
         due = self.stats.skip(key) >= self.probe_every * max(load.sessions, 1)
-        if due and best_k([self.probe_alpha] * available, available, self.costs, load) > 0:
+        if due and best_k([self.probe_alpha] * available, available, self.costs, load, in_hand=True) > 0:
             self.stats.probe(key)
             return 1
         return 0

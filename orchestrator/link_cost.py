@@ -21,6 +21,7 @@ round trips R_t, R_d:
     k = 0:    T = t_v + R_t                                  (no draft call at all)
     sync:     T + R_d + k c                                  (draft, then verify)
     overlap:  E[max(T, R_d + (k + 1) c)] + (1 - h)(R_d + k c)
+    in hand:  T                                  (a free block already drafted, cut to k)
 
 With overlap the next block (k + 1 tokens: a guess of the bonus token, then k)
 is drafted while the target verifies; it is used with probability h (the
@@ -97,10 +98,14 @@ class LinkCosts:
     draft: RttEstimator = field(default_factory=RttEstimator)
     target: RttEstimator = field(default_factory=RttEstimator)
 
-    def round_s(self, k: int, verify_s: float, draft_token_s: float, hit: float, overlap: bool) -> float:
-        """Expected wall time of a round with a block of k (the module docstring's formulas)."""
+    def round_s(self, k: int, verify_s: float, draft_token_s: float, hit: float, overlap: bool,
+                in_hand: bool = False) -> float:
+        """Expected wall time of a round with a block of k (the module docstring's formulas).
+
+        ``in_hand``: the block is already drafted (a free drafter's, asked for in any case, to be cut to k): its
+        draft round trip is paid whatever k is, so the round is the target's alone."""
         target = verify_s + self.target.srtt
-        if k == 0:
+        if k == 0 or in_hand:
             return target
         if not overlap:
             return target + self.draft.srtt + k * draft_token_s

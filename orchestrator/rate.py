@@ -136,16 +136,17 @@ def whole_probability(accept: Sequence[float], n: int) -> float:
 
 
 def round_seconds(costs: CostModel, forward_tokens: int, draft_s_per_token: float, k: int, overlap: bool,
-                  hit: float) -> float:
+                  hit: float, in_hand: bool = False) -> float:
     """Seconds of a round whose forward holds ``forward_tokens`` tokens and whose block has k drafted tokens.
 
     Sync: drafting k tokens, then the forward. Overlap: the next block (k + 1
     tokens with the bonus guess) is drafted during the forward, so only the part
     longer than the forward shows, plus a fresh block when the speculation
     misses (probability 1 - ``hit``). Both include the links' round trips
-    (``LinkCosts.round_s``; nothing before a link has samples).
+    (``LinkCosts.round_s``; nothing before a link has samples). ``in_hand``: the
+    block is drafted already (a free block being cut), its draft round trip paid.
     """
-    return costs.links.round_s(k, costs.verify_s(forward_tokens), draft_s_per_token, hit, overlap)
+    return costs.links.round_s(k, costs.verify_s(forward_tokens), draft_s_per_token, hit, overlap, in_hand)
 
 
 def rate(expected: float, seconds: float, load: Load = ALONE) -> float:
@@ -154,15 +155,16 @@ def rate(expected: float, seconds: float, load: Load = ALONE) -> float:
 
 
 def chain_rate(k: int, accept: Sequence[float], costs: CostModel, load: Load = ALONE, overlap: bool = False,
-               draft_s_per_token: float = 0.0) -> float:
+               draft_s_per_token: float = 0.0, in_hand: bool = False) -> float:
     """The rate of a chain block of k tokens with per-position acceptance ``accept``."""
     hit = whole_probability(accept, k + 1)
-    seconds = round_seconds(costs, load.tokens(k), draft_s_per_token, k, overlap, hit)
+    seconds = round_seconds(costs, load.tokens(k), draft_s_per_token, k, overlap, hit, in_hand)
     return rate(expected_tokens_by_position(accept, k), seconds, load)
 
 
 def best_k(accept: Sequence[float], k_max: int, costs: CostModel, load: Load = ALONE, overlap: bool = False,
-           draft_s_per_token: float = 0.0) -> int:
-    """The block size in [0, k_max] with the highest rate (ties: the smaller)."""
-    rates = [chain_rate(k, accept, costs, load, overlap, draft_s_per_token) for k in range(k_max + 1)]
+           draft_s_per_token: float = 0.0, in_hand: bool = False) -> int:
+    """The block size in [0, k_max] with the highest rate (ties: the smaller); ``in_hand``: of a block drafted
+    already, whose draft round trip every k pays alike."""
+    rates = [chain_rate(k, accept, costs, load, overlap, draft_s_per_token, in_hand) for k in range(k_max + 1)]
     return max(range(len(rates)), key=lambda k: (rates[k], -k))

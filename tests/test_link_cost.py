@@ -65,6 +65,9 @@ def test_round_time_adds_each_link_where_it_is_paid():
     assert lk.round_s(3, verify, c, hit=0.5, overlap=True) == pytest.approx(0.070 + 0.5 * (0.010 + 0.012))
     # no links measured: the loopback model the controller had before links
     assert LinkCosts().round_s(3, verify, c, 0.5, True) == pytest.approx(verify + 0.5 * 3 * c)
+    # a block in hand (a free block being cut): its draft round trip is paid whatever k is
+    for overlap in (False, True):
+        assert lk.round_s(3, verify, 0.0, 0.5, overlap, in_hand=True) == pytest.approx(0.070)
 
 
 def test_jitter_makes_two_parallel_legs_slower_on_average():
