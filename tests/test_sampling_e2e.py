@@ -17,6 +17,7 @@ from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.sampling import SamplingParams, logits_to_probs
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
+from orchestrator.links import LinkPolicy
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
@@ -28,7 +29,10 @@ async def sample_many(
     services, target_dir, runs, k, drafter, mode, sampling, max_new_tokens, seed0=0, prompt=PROMPT,
     tree_branches=1, tree_rounds=None,
 ):
-    config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir))
+    # A draft block is never late here (a late one makes that round k = 0: in TOKEN_ONLY and DRAFT_PROBS modes
+    # the tokens depend on how blocks fall, so a loaded machine would change a seed's output).
+    config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir),
+                                link_policy=LinkPolicy(draft_deadline_s=LinkPolicy().draft_timeout_s))
     orch = await Orchestrator.connect(config)
     outputs = []
     try:
