@@ -66,8 +66,11 @@ async def generate_on_each(
     """Every request through an orchestrator on each of ``services_list``: results[service][request]."""
     results = []
     for services in services_list:
+        # A draft block that misses its deadline changes the blocks, and so the tokens of a seed outside
+        # COUPLED mode (docs/protocol.md#seeds): a deadline no loaded machine reaches keeps the blocks fixed.
+        policy = LinkPolicy(target_retry_s=0.01, draft_deadline_s=5.0)
         config = OrchestratorConfig(services.target_address, services.draft_address, str(tokenizer_dir),
-                                    link_policy=LinkPolicy(target_retry_s=0.01))
+                                    link_policy=policy)
         orch = await Orchestrator.connect(config)
         try:
             if concurrent:
