@@ -59,6 +59,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             ],
             tp_degree=1,
             device=self.device,
+            token_trees=True,
         )
 
     async def Session(self, request_iterator, context):
@@ -98,11 +99,14 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
         received = time.perf_counter()
-        done = await self.compute.run(engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k)
+        done = await self.compute.run(
+            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches
+        )
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.block.tokens,
             compute_us=int(done.compute_s * 1e6),
+            parents=done.block.parents or [],
             drafter=done.block.drafter.value if done.block.drafter is not None else 0,
         )
         if done.block.quality is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
 
 from lmkit import errors, logs, models
-from lmkit.kinds import DrafterKind, DrafterTraits, VerificationMode, default_chain
+from lmkit.kinds import TREE_MODES, DrafterKind, DrafterTraits, VerificationMode, default_chain
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.wire import sampling_to_proto
@@ -28,6 +28,7 @@ from orchestrator.links import DraftLink, TargetLink
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from orchestrator.peers import ServiceClient, draft_client, target_client
 from orchestrator.rate import CostModel
+from orchestrator.tree_shape import BranchStats
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class GenerationRequest:
     # How sampled blocks are verified (TOKEN_ONLY, DRAFT_PROBS, COUPLED); None: DRAFT_PROBS when
     # draft_probs is set, else the server's default sampling mode. Greedy requests verify GREEDY.
     sampling_mode: VerificationMode | None = None
+    tree_branches: int = 1  # continuations a round may verify as a token tree; 1 = chains only
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class Orchestrator:
         self.costs = CostModel()  # one target and one draft: their measured costs and links serve every session
         self.active = 0  # generations in flight, over every API; bounded by config.max_concurrent
         self.acceptance = AcceptanceStats()  # per drafter, verification and match quality, from every session
+        self.branch_stats: dict[DrafterKind, BranchStats] = {}  # token-tree branches' acceptance, per drafter
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -246,13 +249,15 @@ class Orchestrator:
             branch=request.branch,
             drafter=request.drafter,
             free_drafters=free,
+            tree_branches=self.tree_branches(request, mode) if draft is not None else 1,
         )
         controller = None
         if request.adaptive_k and config.k > 0:
             paid = next((m for m in members if m not in free), None)
             verification = Verification.of(mode, request.sampling.temperature)
             controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid)
-        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs)
+        branches = self.branch_stats.setdefault(request.drafter, BranchStats())
+        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs, branches)
         pending: list[pb.TokenLogprob] = []  # the logprobs of committed ids not sent yet (ids wait for their text)
         last = None
         # A stop string ends the generation here: the loop (and the proposal it drafts ahead) is closed
@@ -284,6 +289,12 @@ class Orchestrator:
                 yield GenerationEvent(text, ids, finish, logprobs=sent)
         if last is not None:
             yield last
+
+    def tree_branches(self, request: GenerationRequest, mode: VerificationMode) -> int:
+        """The request's tree width where draft and target both take trees and its mode verifies them
+        (GREEDY, TOKEN_ONLY: not COUPLED, the default for sampled requests), else 1."""
+        both = self.target.info.token_trees and self.draft is not None and self.draft.info.token_trees
+        return request.tree_branches if both and mode in TREE_MODES else 1
 
     def _with_text(self, logprob: pb.TokenLogprob) -> pb.TokenLogprob:
         """The target's TokenLogprob with each token's text filled in."""
@@ -344,6 +355,9 @@ class Orchestrator:
             overlap=request.overlap,
             overlap_hits=stats.overlap_hits,
             mean_batch_size=stats.mean_batch_size,
+            tree_rounds=stats.tree_rounds,
+            tree_nodes=stats.tree_nodes,
+            branch_accepted=stats.branch_accepted,
             request_id=request.request_id,
         )
 

@@ -125,14 +125,19 @@ class TargetLink(_SessionLink):
             return False
         return True
 
-    async def verify(self, committed: Sequence[int], tokens: Sequence[int], probs) -> pb.VerifyResult:
-        """Verify a block at len(committed), re-opening the session until the deadline if the target fails."""
+    async def verify(
+        self, committed: Sequence[int], tokens: Sequence[int], probs, parents: Sequence[int] = ()
+    ) -> pb.VerifyResult:
+        """Verify a block at len(committed), re-opening the session until the deadline if the target fails.
+
+        ``parents``: the block is a token tree (empty: a chain).
+        """
         deadline = time.monotonic() + self._policy.target_deadline_s
         while True:
             try:
                 if self._stream is None:
                     await self.open(committed)
-                call = self._stream.verify(len(committed), tokens, probs)
+                call = self._stream.verify(len(committed), tokens, probs, parents)
                 start = time.perf_counter()
                 async with asyncio.timeout(self._policy.target_timeout_s):
                     result = await call
@@ -226,10 +231,13 @@ class DraftLink(_SessionLink):
         self._stream, self._synced, self._down_since, self._cold = stream, len(committed), None, True
         return True
 
-    def send(self, committed: Sequence[int], assumed: Sequence[int], k: int, free_k: int = 0) -> DraftCall | None:
-        """Ask for up to k tokens (a free drafter: up to free_k) continuing ``committed`` + ``assumed`` (tokens
-        not committed yet: a block in verification, drafted past as if its outcome were ``assumed``). None when
-        the draft cannot take a request now (down, or a late reply still due): this round goes on without it."""
+    def send(
+        self, committed: Sequence[int], assumed: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1
+    ) -> DraftCall | None:
+        """Ask for up to k tokens (a free drafter: up to free_k; a token tree of up to ``max_branches``
+        continuations when > 1) continuing ``committed`` + ``assumed`` (tokens not committed yet: a block in
+        verification, drafted past as if its outcome were ``assumed``). None when the draft cannot take a
+        request now (down, or a late reply still due): this round goes on without it."""
         if self._stream is None:
             self._reattach_later(committed)
             self.fallback_rounds += 1
@@ -241,7 +249,7 @@ class DraftLink(_SessionLink):
             return None
         cold, self._cold = self._cold, False
         budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
-        task = self._track(self._propose(list(committed), list(assumed), k, free_k, cold, before))
+        task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
         self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget,
                                len(committed) + len(assumed))
         return self._tail
@@ -271,15 +279,17 @@ class DraftLink(_SessionLink):
         task.add_done_callback(self._pending.discard)
         return task
 
-    async def _propose(self, committed: list[int], assumed: list[int], k: int, free_k: int, cold: bool,
-                       before: DraftCall | None) -> pb.DraftBlock | None:
+    async def _propose(self, committed: list[int], assumed: list[int], k: int, free_k: int, max_branches: int,
+                       cold: bool, before: DraftCall | None) -> pb.DraftBlock | None:
         if before is not None:
             await asyncio.wait({before.task})  # its reply comes first on the stream
         if self._stream is None:  # it failed and dropped the stream
             return None
         start = time.perf_counter()
         try:
-            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k, free_k)
+            call = self._stream.propose(
+                self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches
+            )
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 block = await call
         except (PeerError, asyncio.TimeoutError) as exc:

@@ -22,7 +22,13 @@ from lmkit.metrics import serve_metrics
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.security import BearerTokenInterceptor, ClientTls, load_token
-from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, DEFAULT_SAMPLING_MODE, OrchestratorConfig
+from orchestrator.config import (
+    DEFAULT_DRAFTER,
+    DEFAULT_K,
+    DEFAULT_SAMPLING_MODE,
+    DEFAULT_TREE_BRANCHES,
+    OrchestratorConfig,
+)
 from orchestrator.generation import Orchestrator
 from orchestrator.links import LinkPolicy
 from orchestrator.servicer import GeneratorServicer
@@ -48,6 +54,11 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-overlap", action="store_true",
         help="draft and verify in turn instead of drafting block i+1 while the target verifies block i",
+    )
+    parser.add_argument(
+        "--tree-branches", type=int, default=DEFAULT_TREE_BRANCHES,
+        help="continuations a round may verify together as a token tree (kept where they pay; GREEDY and "
+        "TOKEN_ONLY rounds only); 1 = chains only",
     )
     parser.add_argument(
         "--sampling-mode", default=DEFAULT_SAMPLING_MODE.name.lower().replace("_", "-"), choices=["coupled", "token-only"],
@@ -80,6 +91,7 @@ def config_from_args(args) -> OrchestratorConfig:
         default_drafter=DrafterKind[args.drafter.upper()],
         default_adaptive_k=not args.fixed_k,
         default_overlap=not args.no_overlap,
+        default_tree_branches=args.tree_branches,
         default_sampling_mode=VerificationMode[args.sampling_mode.upper().replace("-", "_")],
         default_max_new_tokens=args.max_new_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,

@@ -313,7 +313,7 @@ def test_a_free_block_is_cut_by_its_quality_and_recorded_under_it():
 def test_a_block_drafted_ahead_is_one_token_better_matched_after_its_guess():
     stats = AcceptanceStats()
     loop = loop_with(free(cpu_like(), stats))
-    block = loop.finish_block(reply([4, 5, 6, 7], length=5), k=0, skip=1)
+    block = loop.finish_block(reply([4, 5, 6, 7], length=5), k=0, guess=4)
     assert block.key.quality == quality_of(6, 1) and block.tokens[:1] == [5]
 
 
