@@ -9,6 +9,9 @@ one drafter per session and drives it with two calls per round:
   speculative tokens) is rolled back first.
 * ``propose(k)`` — up to ``k`` draft tokens continuing the committed context.
 
+A feature drafter (``needs_features``, e.g. EAGLE) also takes the target's
+hidden features of committed positions between the two (``add_features``).
+
 Adding a drafter means one module implementing this class and one entry in
 ``draft_service.registry`` (its ``DrafterKind``, traits and how to build it).
 """
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from lmkit.features import FeatureBlock
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class DraftBlock:
 
 class Drafter(abc.ABC):
     """Per-session proposer over a committed context."""
+
+    needs_features = False  # drafts from the target's hidden features (they arrive through add_features)
 
     @property
     @abc.abstractmethod
@@ -62,6 +69,10 @@ class Drafter(abc.ABC):
             raise ValueError(f"commit at position {position} is past the drafter's context ({self.position} tokens)")
         self.rollback(position)
         self.extend(tokens)
+
+    def add_features(self, block: FeatureBlock) -> None:
+        """Take the target's hidden features of committed positions (feature drafters only)."""
+        raise ValueError(f"{type(self).__name__} takes no hidden features")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release per-session resources (caches)."""

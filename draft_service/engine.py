@@ -10,6 +10,7 @@ from draft_service.drafter import DraftBlock, Drafter
 from draft_service.ngram import NgramConfig
 from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
+from lmkit.features import FeatureBlock
 from lmkit.kinds import DrafterKind, DrafterTraits
 from lmkit.sampling import SamplingParams, make_generator
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
@@ -21,6 +22,7 @@ class DraftSession:
     kind: DrafterKind
     drafter: Drafter
     rounds: int = 0
+    feature_width: int = 0  # values per position of the target's features (feature drafters), else 0
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class DraftEngine:
     @property
     def traits(self) -> list[DrafterTraits]:
         """What each served drafter can do, for ``ModelInfo.drafter_info``."""
-        return [DRAFTERS[kind].traits for kind in self.drafters]
+        return [DRAFTERS[kind].traits(self.derived.get(kind)) for kind in self.drafters]
 
     def _available(self, kind: DrafterKind) -> bool:
         entry = DRAFTERS.get(kind)
@@ -103,6 +105,7 @@ class DraftEngine:
         return_probs: bool,
         ngram: NgramConfig,
         chain: Sequence[DrafterKind] = (),
+        feature_width: int = 0,
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -111,13 +114,37 @@ class DraftEngine:
         entry = DRAFTERS[kind]
         if return_probs and not entry.has_probs:
             raise errors.InvalidArgument(f"drafter {kind.name} has no draft probabilities; use token-only verification")
+        width = self._check_features(kind, chain, feature_width)
         generator = None if sampling.greedy else make_generator(sampling.seed, "draft")
         context = DraftRequestContext(
             list(tokens), sampling, generator, return_probs, ngram, self.model, self.derived, tuple(chain)
         )
-        return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context)))
+        return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context), feature_width=width))
 
-    def propose(self, session: DraftSession, position: int, tokens: Sequence[int], k: int) -> Proposed:
+    def _check_features(self, kind: DrafterKind, chain: Sequence[DrafterKind], sent_width: int) -> int:
+        """The features width a feature drafter (alone or in the chain) reads, checked against what the target sends."""
+        for member in (kind, *chain):
+            traits = DRAFTERS[member].traits(self.derived.get(member))
+            if not traits.needs_features:
+                continue
+            if sent_width == 0:
+                raise errors.InvalidArgument(
+                    f"drafter {member.name} drafts from the target's hidden features: set DraftOpen.feature_width "
+                    f"to the values per position the target sends (layers {list(traits.feature_layers)})"
+                )
+            if sent_width != traits.feature_width:
+                raise errors.FailedPrecondition(
+                    f"drafter {member.name}'s head reads {traits.feature_width} feature values per position "
+                    f"(target layers {list(traits.feature_layers)}), but the target sends {sent_width}: the head was "
+                    "trained for another target; start serve-draft with a head for this one"
+                )
+            return sent_width
+        return 0
+
+    def propose(
+        self, session: DraftSession, position: int, tokens: Sequence[int], k: int,
+        features: FeatureBlock | None = None,
+    ) -> Proposed:
         """Take the committed tokens from ``position`` on, then draft up to ``k``."""
         held = session.drafter.position
         if position > held:
@@ -130,12 +157,30 @@ class DraftEngine:
         if position + len(tokens) == 0:
             raise errors.InvalidArgument("propose would leave the context empty; send the committed tokens")
         check_tokens(tokens, self.vocab_size, "tokens")
+        self._check_features_block(session, position + len(tokens), features)
         start = time.perf_counter()
         session.drafter.commit(position, tokens)
+        if features is not None:
+            session.drafter.add_features(features)
         block = session.drafter.propose(k)
         session.rounds += 1
         self.sessions.count_round()
         return Proposed(block, time.perf_counter() - start)
+
+    @staticmethod
+    def _check_features_block(session: DraftSession, committed: int, features: FeatureBlock | None) -> None:
+        if features is None:
+            return
+        if not session.feature_width:
+            raise errors.InvalidArgument(
+                f"features sent to drafter {session.kind.name}, which does not read them; send them only to a "
+                "feature drafter (EAGLE)"
+            )
+        if features.end > committed:
+            raise errors.FailedPrecondition(
+                f"features of positions [{features.position}, {features.end}) reach past the committed context "
+                f"of session {session.session_id!r} ({committed} tokens); send features of committed positions"
+            )
 
     def close(self, session_id: str) -> None:
         session = self.sessions.remove(session_id)

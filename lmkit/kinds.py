@@ -54,6 +54,7 @@ class DrafterKind(metaclass=_KindRegistry):
     LAYERSKIP: ClassVar[DrafterKind]
     QUANTIZED: ClassVar[DrafterKind]
     CHAIN: ClassVar[DrafterKind]
+    EAGLE: ClassVar[DrafterKind]
 
     value: int
     name: str
@@ -97,6 +98,7 @@ DrafterKind.NGRAM = DrafterKind(2, "NGRAM")  # prompt lookup: model-free, contin
 DrafterKind.LAYERSKIP = DrafterKind(3, "LAYERSKIP")  # the target's own first L layers + final norm + LM head
 DrafterKind.QUANTIZED = DrafterKind(4, "QUANTIZED")  # the target's own checkpoint, transformer layers in int8
 DrafterKind.CHAIN = DrafterKind(5, "CHAIN")  # an ordered list of other kinds, tried in turn each round
+DrafterKind.EAGLE = DrafterKind(6, "EAGLE")  # a feature head over the target's hidden states (EAGLE-3 layout)
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,14 @@ class DrafterTraits:
     kind: DrafterKind
     has_probs: bool = False  # can send the distributions its tokens were sampled from (DRAFT_PROBS mode)
     needs_model: bool = False  # runs a model that must share the target's vocabulary
+    # Drafts from the target's hidden features: the target must send them (TargetOpen.feature_layers).
+    needs_features: bool = False
+    feature_layers: tuple[int, ...] = ()  # the target's hidden-state indices it reads, in order
+    feature_width: int = 0  # values per position it expects (the sum of those layers' hidden sizes)
 
 
 # Model-backed drafters in order of preference as the fallback behind n-gram lookup.
-_FALLBACK_ORDER = (DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED, DrafterKind.MODEL)
+_FALLBACK_ORDER = (DrafterKind.EAGLE, DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED, DrafterKind.MODEL)
 
 
 def default_chain(available) -> tuple[DrafterKind, ...]:

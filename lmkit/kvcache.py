@@ -39,6 +39,11 @@ class SessionCache:
         self._device = next(model.parameters()).device
         self.cache = DynamicCache(config=model.config)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache
+        # Feature drafters (EAGLE): hidden states to keep from each forward, as indices into the
+        # model's hidden states (0 = embeddings, i = input of decoder layer i); empty = none.
+        self.feature_layers: tuple[int, ...] = ()
+        self.features: torch.Tensor | None = None  # [fed, width] of the last forward, row 0 at features_from
+        self.features_from = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -67,9 +72,20 @@ class SessionCache:
         """Crop to ``keep`` positions, feed ``feed``, return the last ``n_logits`` rows [n_logits, vocab]."""
         self.crop(keep)
         ids = torch.tensor([list(feed)], dtype=torch.long, device=self._device)
-        out = self._model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits)
+        out = self._model(
+            input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits,
+            output_hidden_states=bool(self.feature_layers),
+        )
+        self.keep_features(out.hidden_states, 0, keep, len(feed))
         self.tokens = [*self.tokens, *feed]
         return out.logits[0].float().cpu()  # small: [n_logits, vocab]; verification runs on the CPU
+
+    def keep_features(self, hidden_states, row: int, start: int, fed: int) -> None:
+        """Keep the chosen layers' hidden states of a forward's ``fed`` positions (row ``row``), from ``start`` on."""
+        if self.feature_layers:
+            # each hidden state: [batch, width of the forward, hidden]
+            self.features = torch.cat([hidden_states[i][row, :fed] for i in self.feature_layers], dim=-1).float().cpu()
+            self.features_from = start
 
     def release(self) -> None:  # noqa: B027 - a hook; the plain cache is freed by the GC
         """Called once when the session ends (a sharded cache tells the other ranks)."""

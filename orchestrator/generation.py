@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
-from lmkit import models
+from lmkit import errors, models
 from lmkit.kinds import DrafterKind, DrafterTraits, VerificationMode, default_chain
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
@@ -133,13 +133,18 @@ class Orchestrator:
         mode = verification_mode(request)
         sampling = sampling_to_proto(request.sampling)
         policy = self.config.link_policy
+        speculating = request.k > 0 and self.draft is not None
+        # A feature drafter (EAGLE) reads the target's hidden states of these layers, sent with each result.
+        layers = self.feature_traits(request).feature_layers if speculating else ()
         target = TargetLink(
             self.target,
-            lambda sid, tokens: pb.TargetOpen(session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value),
+            lambda sid, tokens: pb.TargetOpen(
+                session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value, feature_layers=layers
+            ),
             policy,
         )
         draft = None
-        if request.k > 0 and self.draft is not None:
+        if speculating:
             draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request), policy)
         try:
             if draft is not None:
@@ -190,7 +195,32 @@ class Orchestrator:
             ngram_min=self.config.ngram_min,
             ngram_max=self.config.ngram_max,
             chain=[kind.value for kind in self._chain(request)],
+            feature_width=len(self.feature_traits(request).feature_layers) * self.target.info.hidden_size,
         )
+
+    def feature_traits(self, request: GenerationRequest) -> DrafterTraits:
+        """The traits of the request's feature drafter (alone or in its chain); empty traits when it has none."""
+        for kind in (request.drafter, *self._chain(request)):
+            traits = self.drafter_traits.get(kind)
+            if traits is not None and traits.needs_features:
+                return traits
+        return DrafterTraits(request.drafter)
+
+    def check_features(self, request: GenerationRequest) -> None:
+        """Refuse a feature drafter whose head does not fit the target's hidden states."""
+        traits = self.feature_traits(request)
+        if not traits.needs_features:
+            return
+        info = self.target.info
+        sends = len(traits.feature_layers) * info.hidden_size
+        out_of_range = [layer for layer in traits.feature_layers if layer > info.num_layers]
+        if out_of_range or sends != traits.feature_width:
+            raise errors.FailedPrecondition(
+                f"drafter {traits.kind.name}'s head reads {traits.feature_width} feature values per position from "
+                f"target layers {list(traits.feature_layers)}, but target {info.model_id} has {info.num_layers} "
+                f"layers of hidden size {info.hidden_size} (it would send {sends}): the head was trained for another "
+                "target; start serve-draft with a head for this one"
+            )
 
     def _chain(self, request: GenerationRequest) -> tuple[DrafterKind, ...]:
         if request.drafter is not DrafterKind.CHAIN:
@@ -224,12 +254,20 @@ class Orchestrator:
             overlap=request.overlap,
             overlap_hits=stats.overlap_hits,
             mean_batch_size=stats.mean_batch_size,
+            feature_bytes=stats.feature_bytes,
+            feature_bytes_per_round=stats.feature_bytes / stats.rounds if stats.rounds else 0.0,
         )
 
 
 def drafter_traits(info: pb.ModelInfo) -> list[DrafterTraits]:
     """A draft service's drafters, registering the kinds it defines beyond the built-in ones."""
-    return [DrafterTraits(DrafterKind(d.kind, d.name), d.has_probs, d.needs_model) for d in info.drafter_info]
+    return [
+        DrafterTraits(
+            DrafterKind(d.kind, d.name), d.has_probs, d.needs_model, d.needs_features, tuple(d.feature_layers),
+            d.feature_width,
+        )
+        for d in info.drafter_info
+    ]
 
 
 def check_pair(a_name: str, a_model: str, a_fingerprint: str, b_name: str, b_info: pb.ModelInfo) -> None:

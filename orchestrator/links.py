@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import grpc
 
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.wire import join_features
 from orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class DraftLink(_SessionLink):
         self._down_since: float | None = None
         self.fallback_rounds = 0  # rounds decoded without a draft because it was down
         self.reattached = 0
+        self._features: pb.HiddenFeatures | None = None  # the target's features not yet forwarded (feature drafters)
 
     @property
     def up(self) -> bool:
@@ -158,6 +160,10 @@ class DraftLink(_SessionLink):
             return False
         self._stream, self._synced, self._down_since = stream, len(committed), None
         return True
+
+    def add_features(self, features: pb.HiddenFeatures) -> None:
+        """Hold the target's features of committed positions until the next proposal carries them."""
+        self._features = join_features(self._features, features)
 
     async def propose(self, committed: Sequence[int], k: int) -> pb.DraftBlock | None:
         """A block of up to k tokens, or None when the draft is down (this round decodes without it)."""
@@ -181,8 +187,9 @@ class DraftLink(_SessionLink):
         if self._stream is None and not await self._try_reattach(committed):
             return None
         synced = len(committed)  # read now: a proposal drafted ahead runs while ``committed`` grows
+        features, self._features = self._features, None  # a new session starts from whichever features come next
         try:
-            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k)
+            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k, features)
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 block = await call
         except (PeerError, asyncio.TimeoutError) as exc:

@@ -59,6 +59,7 @@ class LoopStats:
     k_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
     overlap_hits: int = 0  # rounds whose block was drafted during the previous verification
+    feature_bytes: int = 0  # hidden features the target sent for a feature drafter
     batch_sizes: list[int] = field(default_factory=list)  # sessions in each verifying forward
 
     @property
@@ -197,6 +198,10 @@ class _Loop:
                 self.costs.load = load
                 self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
                 self.costs.observe_draft(drafted, block.draft_s)
+        if result.HasField("features"):
+            stats.feature_bytes += len(result.features.values)
+            if self.draft is not None:
+                self.draft.add_features(result.features)
         new, finish = cut_at_finish([*block.tokens[: result.accepted], result.next_token], self.config.eos_ids, budget)
         self.committed.extend(new)
         stats.rounds += 1

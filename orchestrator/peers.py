@@ -103,8 +103,12 @@ class DraftStream(_Stream):
     async def open(self, open_msg: pb.DraftOpen) -> None:
         await self._ask(pb.DraftRequest(open=open_msg))
 
-    async def propose(self, position: int, tokens: Sequence[int], k: int) -> pb.DraftBlock:
+    async def propose(
+        self, position: int, tokens: Sequence[int], k: int, features: pb.HiddenFeatures | None = None
+    ) -> pb.DraftBlock:
         msg = pb.ProposeRequest(position=position, tokens=tokens, k=k)
+        if features is not None:
+            msg.features.CopyFrom(features)
         return (await self._ask(pb.DraftRequest(propose=msg))).block
 
 

@@ -54,6 +54,8 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     request = GenerationRequest(
         msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap
     )
+    if k > 0 and orch.draft is not None:
+        orch.check_features(request)
     return request, prompt_ids
 
 

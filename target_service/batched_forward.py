@@ -113,11 +113,13 @@ def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
         position_ids=positions.to(device),
         cache=batch_cache,
         use_cache=True,
+        output_hidden_states=any(step.cache.feature_layers for step in steps),
     )
     logits = out.logits.float().cpu()  # [batch, width, vocab]
     results = []
     for row, step in enumerate(steps):
         n = len(step.feed)
+        step.cache.keep_features(out.hidden_states, row, step.keep, n)
         _append(step, batch_cache, row)
         results.append(logits[row, n - step.n_logits : n])
     return results

@@ -14,6 +14,7 @@ import torch
 
 from lmkit import errors
 from lmkit.costs import LinearCost
+from lmkit.features import FeatureBlock
 from lmkit.kinds import VerificationMode
 from lmkit.kvcache import SessionCache
 from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
@@ -48,6 +49,7 @@ class Verification:
     next_token: int
     compute_s: float
     batch: BatchShare = BatchShare()
+    features: FeatureBlock | None = None  # the committed positions' hidden features, when the session asked
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class TargetEngine:
         self.limits = limits
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
+        self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
         self.sessions: SessionTable[TargetSession] = SessionTable(limits, "target")
         self._new_cache = new_cache or (lambda: SessionCache(model))
         self.tp_degree = tp_degree
@@ -96,13 +100,27 @@ class TargetEngine:
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
 
     # -- sessions -----------------------------------------------------------
-    def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode):
+    def open(
+        self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode,
+        feature_layers: Sequence[int] = (),
+    ):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
         check_mode(mode, sampling)
+        self._check_feature_layers(feature_layers)
         generator = None if sampling.greedy else make_generator(sampling.seed, "target")
         session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(), generator)
+        session.cache.feature_layers = tuple(feature_layers)
         return self.sessions.add(session_id, session)
+
+    def _check_feature_layers(self, layers: Sequence[int]) -> None:
+        bad = [layer for layer in layers if not 0 <= layer <= self.num_layers]
+        if bad:
+            raise errors.InvalidArgument(
+                f"feature_layers {bad} are outside [0, {self.num_layers}]: this target has {self.num_layers} "
+                "decoder layers (0 = the embeddings, i = the input of layer i); the draft's head was trained "
+                "for another target"
+            )
 
     def close(self, session_id: str) -> None:
         session = self.sessions.remove(session_id)
@@ -123,7 +141,8 @@ class TargetEngine:
         logits = session.cache.logits(session.tokens, draft_tokens)  # [k+1, vocab]
         self.forward_passes += 1
         result = self._commit(session, logits, draft_tokens, draft_probs)
-        return Verification(result.accepted, result.next_token, time.perf_counter() - start)
+        features = committed_features(session.cache, position, result.accepted)
+        return Verification(result.accepted, result.next_token, time.perf_counter() - start, features=features)
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verification | errors.SpecsplitError]:
         """Verify blocks of different sessions in shared forward passes; each result equals its solo ``verify``.
@@ -175,7 +194,7 @@ class TargetEngine:
         for i in done:
             own = results[i]
             share = BatchShare(len(done), width, committed - (own.accepted + 1))
-            results[i] = Verification(own.accepted, own.next_token, step_s, share)
+            results[i] = Verification(own.accepted, own.next_token, step_s, share, own.features)
 
     def _split_overhead_tokens(self) -> float:
         """One more forward's fixed cost in tokens (a / s); infinite (never split) until measured."""
@@ -203,8 +222,11 @@ class TargetEngine:
         elapsed = time.perf_counter() - start
         committed = sum(d.accepted + 1 for d in decided)
         return [
-            Verification(d.accepted, d.next_token, elapsed, BatchShare(len(items), width, committed - (d.accepted + 1)))
-            for d in decided
+            Verification(
+                d.accepted, d.next_token, elapsed, BatchShare(len(items), width, committed - (d.accepted + 1)),
+                committed_features(item.session.cache, item.position, d.accepted),
+            )
+            for item, d in zip(items, decided)
         ]
 
     def _commit(self, session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
@@ -254,3 +276,16 @@ class TargetEngine:
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
             return rejection.verify_token_only(target_probs, tokens, session.generator)
         return rejection.verify_draft_probs(target_probs, draft_probs, tokens, session.generator)
+
+
+def committed_features(cache, position: int, accepted: int) -> FeatureBlock | None:
+    """The hidden features of the positions a forward fed that are now committed, when the session asked.
+
+    The forward fed positions from ``cache.features_from`` on; those through the
+    last accepted draft token (``position + accepted - 1``) are committed. The
+    new next token has none yet. A long prefill keeps only its last rows.
+    """
+    if not cache.feature_layers or cache.features is None:
+        return None
+    rows = position + accepted - cache.features_from
+    return FeatureBlock(cache.features_from, cache.features[:rows]).last_rows()

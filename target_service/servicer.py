@@ -9,7 +9,7 @@ from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from lmkit.kinds import VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.wire import probs_from_proto, sampling_from_proto
+from lmkit.wire import features_to_proto, probs_from_proto, sampling_from_proto
 from target_service.engine import TargetEngine, VerifyItem
 from target_service.scheduler import VerifyScheduler
 
@@ -52,6 +52,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             max_block=e.limits.max_block,
             tp_degree=self.tp_degree,
             device=self.device,
+            hidden_size=e.hidden_size,
+            num_layers=e.num_layers,
         )
 
     async def Session(self, request_iterator, context):
@@ -82,12 +84,14 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
     async def _open(self, engine: TargetEngine, msg: pb.TargetOpen):
         sampling = sampling_from_proto(msg.sampling)
         mode = mode_from_proto(msg.mode)
-        return await self.compute.run(engine.open, msg.session_id, list(msg.tokens), sampling, mode)
+        return await self.compute.run(
+            engine.open, msg.session_id, list(msg.tokens), sampling, mode, list(msg.feature_layers)
+        )
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
         probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
         done = await self.scheduler.verify(VerifyItem(session, msg.position, list(msg.draft_tokens), probs))
-        return pb.VerifyResult(
+        result = pb.VerifyResult(
             position=msg.position,
             accepted=done.accepted,
             next_token=done.next_token,
@@ -96,3 +100,6 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             batch_width=done.batch.width,
             others_committed=done.batch.others_committed,
         )
+        if done.features is not None:
+            result.features.CopyFrom(features_to_proto(done.features))
+        return result
