@@ -58,13 +58,15 @@ def self_draft_services(background_loop, tiny_target_dir):
     services.stop()
 
 
-async def run_greedy(services, tokenizer, prompts_ids, k, drafter, chain, adaptive=False):
+async def run_greedy(services, tokenizer, prompts_ids, k, drafter, chain, adaptive=False, overlap=False):
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=tokenizer)
     orch = await Orchestrator.connect(config)
     outputs, drafted, accepted = [], 0, 0
     try:
         for ids in prompts_ids:
-            request = GenerationRequest("", False, 24, SamplingParams(), (), k, drafter, False, adaptive, chain)
+            request = GenerationRequest(
+                "", False, 24, SamplingParams(), (), k, drafter, False, adaptive, chain, overlap
+            )
             out: list[int] = []
             async for event in orch.generate(request, ids):
                 out.extend(event.token_ids)
