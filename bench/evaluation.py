@@ -30,6 +30,7 @@ class RunResult:
     accepted_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
     overlap_hits: int = 0
+    feature_bytes: int = 0  # hidden features the target sent (feature drafters)
 
 
 @dataclass
@@ -61,6 +62,7 @@ async def run_one(
                 prompt, "".join(text), ids, s.wall_s, s.rounds, s.drafted_tokens, s.accepted_tokens,
                 s.draft_compute_s, s.target_compute_s, event.finish.name,
                 list(event.loop.accepted_per_round), list(event.loop.drafted_per_round), s.overlap_hits,
+                s.feature_bytes,
             )
     raise RuntimeError("generation ended without a finish event")
 
@@ -99,6 +101,7 @@ class Summary:
     baseline_target_compute_s: float = 0.0
     baseline_rounds: int = 0
     identical: int = 0
+    feature_bytes: int = 0
     names: list[str] = field(default_factory=list)
 
     def add(self, c: Comparison) -> None:
@@ -115,6 +118,7 @@ class Summary:
         self.baseline_target_compute_s += c.baseline.target_compute_s
         self.baseline_rounds += c.baseline.rounds
         self.identical += int(c.identical)
+        self.feature_bytes += c.speculative.feature_bytes
 
     @property
     def baseline_tokens(self) -> int:

@@ -39,7 +39,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
     parser.add_argument(
         "--prompt-set", default="demo", choices=sorted(PROMPT_SETS),
-        help="demo: the 8 demo prompts; drafters: 4 code-edit + 4 free-text prompts (drafter comparison)",
+        help="demo: the 8 demo prompts; drafters: 4 code-edit + 4 free-text prompts (drafter comparison); "
+             "mix: the demo prompts plus 4 more open prose prompts (EAGLE)",
     )
     return parser
 
@@ -62,6 +63,7 @@ def figures(g: Summary, k: int) -> dict:
         "mean_drafted_per_round": round(g.drafted / g.rounds, 3) if g.rounds else 0.0,
         "accepted_tokens": g.accepted,
         "identical_to_target_only": g.identical,
+        "feature_bytes_per_round": round(g.feature_bytes / g.rounds, 1) if g.rounds else 0.0,
     }
 
 

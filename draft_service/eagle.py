@@ -33,12 +33,12 @@ from typing import Sequence
 
 import torch
 
-from draft_service.drafter import DraftBlock, Drafter
+from draft_service.drafter import DraftBlock
 from draft_service.eagle_head import EagleHead
+from draft_service.model_drafter import SamplingDrafter
 from lmkit.features import FeatureBlock
 from lmkit.kvcache import common_prefix
-from lmkit.probs_codec import quantize_probs
-from lmkit.sampling import SamplingParams, logits_to_probs
+from lmkit.sampling import SamplingParams
 
 
 class HeadCache:
@@ -80,7 +80,7 @@ class HeadCache:
         self.length = min(self.length, length)
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(SamplingDrafter):
     needs_features = True
 
     def __init__(
@@ -91,15 +91,9 @@ class EagleDrafter(Drafter):
         generator: torch.Generator | None,
         return_probs: bool,
     ) -> None:
-        if not prompt:
-            raise ValueError("the EAGLE drafter needs a non-empty context")
-        if not sampling.greedy and generator is None:
-            raise ValueError("sampling needs a generator")
+        super().__init__(prompt, sampling, generator, return_probs)
         self._head = head
-        self._tokens = list(prompt)
-        self._sampling = sampling
-        self._generator = generator
-        self._return_probs = return_probs and not sampling.greedy
+        self._draft_ids = head.draft_ids()  # [draft_vocab] the target ids of the head's outputs
         self._cache = HeadCache(head)
         self._start: int | None = None  # position of the head's row 0; None until features arrive
         self._row_tokens: list[int] = []  # cached row j holds token t_{start + j + 1}
@@ -107,10 +101,6 @@ class EagleDrafter(Drafter):
         self._pending = head.fc.weight.new_zeros(0, head.feature_width)  # features of rows not yet true
 
     # -- context ---------------------------------------------------------------------------------------------
-    @property
-    def position(self) -> int:
-        return len(self._tokens)
-
     @property
     def cached_tokens(self) -> int:
         return self._cache.length
@@ -123,9 +113,7 @@ class EagleDrafter(Drafter):
         return self._start + self._true_rows + self._pending.shape[0]
 
     def rollback(self, position: int) -> None:
-        if not 0 <= position <= len(self._tokens):
-            raise ValueError(f"rollback to {position} is outside the context [0, {len(self._tokens)}]")
-        del self._tokens[position:]
+        super().rollback(position)
         if self._start is None:
             return
         true_end = self._start + self._true_rows
@@ -133,9 +121,6 @@ class EagleDrafter(Drafter):
             self._restart()
             return
         self._pending = self._pending[: max(position - true_end, 0)]
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        self._tokens.extend(tokens)
 
     def add_features(self, block: FeatureBlock) -> None:
         """The target's features of committed positions; rows already held are skipped, a gap restarts the context."""
@@ -172,7 +157,7 @@ class EagleDrafter(Drafter):
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(k):
-            token, probs = self._next(self._head.logits(out))
+            token, probs = self._draw(self._head.logits(out))
             drafted.append(token)
             if probs is not None:
                 rows.append(probs)
@@ -228,14 +213,10 @@ class EagleDrafter(Drafter):
         self._row_tokens.extend(tokens)
         return out[0]
 
-    def _next(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _draw(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """One draft token (a target id) from [draft_vocab] logits, and the [1, vocab] distribution it came from."""
         if self._sampling.greedy:
-            return int(self._head.draft_to_target(draft_logits.argmax())), None
-        full = draft_logits.new_full((1, self._head.config.vocab_size), -math.inf)
-        full[0, self._head.draft_ids()] = draft_logits
-        q = logits_to_probs(full.float(), self._sampling)  # [1, vocab]
-        if self._return_probs:
-            q = quantize_probs(q)  # sample from exactly what the target will decode from the wire
-        token = int(torch.multinomial(q[0], 1, generator=self._generator))
-        return token, (q if self._return_probs else None)
+            return int(self._draft_ids[draft_logits.argmax()]), None
+        full = draft_logits.new_full((1, self._head.config.vocab_size), -math.inf)  # q is 0 outside the draft vocab
+        full[0, self._draft_ids] = draft_logits
+        return self._next(full.float())

@@ -25,8 +25,9 @@ from typing import Sequence
 
 import torch
 
-# Chat prompts: templates x subjects. The benchmark's open prompts (a lighthouse keeper, the blue sky,
-# the guitar, a painting robot, tides, a garden party, cats and dogs) are not among the subjects.
+# Chat prompts: templates x subjects. The benchmarks' prompts (bench/prompts.py, bench/prompt_sets/) are not
+# among them: no lighthouse keeper, blue sky, guitar, painting robot, tides, garden party, cats and dogs,
+# seasons, palindromes, merging sorted lists or word counts.
 _TEMPLATES = (
     "Write a short story about {}.",
     "Explain {} in simple words.",
@@ -78,11 +79,11 @@ _CODE_TASKS = (
     "Explain how to write a Python program that {}.",
 )
 _CODE_SUBJECTS = (
-    "reverses a string", "checks whether a number is prime", "counts the words in a text", "merges two sorted lists",
-    "finds the largest value in a dictionary", "reads a CSV file and prints each row", "computes a factorial",
-    "removes duplicates from a list", "converts Celsius to Fahrenheit", "checks if a word is a palindrome",
-    "computes the average of a list of numbers", "flattens a nested list", "counts vowels in a sentence",
-    "returns the n-th Fibonacci number", "sorts a list of tuples by their second item", "validates an email address",
+    "reverses a string", "checks whether a number is prime", "finds the largest value in a dictionary",
+    "reads a CSV file and prints each row", "computes a factorial", "removes duplicates from a list",
+    "converts Celsius to Fahrenheit", "computes the average of a list of numbers", "flattens a nested list",
+    "counts vowels in a sentence", "returns the n-th Fibonacci number", "sorts a list of tuples by their second item",
+    "validates an email address",
 )
 
 

@@ -46,11 +46,12 @@ class EagleDistillConfig:
     temperature: float = 0.8
     answer_tokens: int = 192
     held_out_prompts: int = 48
-    draft_vocab: int = 8192
+    draft_vocab: int = 4096  # with the target's layer shape this keeps the fp16 head under 16 MB for SmolLM2
     steps: int = 1200
     batch: int = 8
     seq_len: int = 256
     ttt_steps: int = 3
+    loss_share: float = 0.5  # share of rows the loss reads each step (the LM head is most of a step's cost)
     lr: float = 6e-4
     save_every: int = 100
     gen_batch: int = 32
@@ -62,6 +63,8 @@ class EagleDistillConfig:
                      "seq_len", "ttt_steps", "save_every", "gen_batch", "chunk_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.loss_share <= 1:
+            raise ValueError(f"--loss-share must be in (0, 1], got {self.loss_share}")
         if not 0 <= self.sampled_share <= 1:
             raise ValueError(f"--sampled-share must be in [0, 1], got {self.sampled_share}")
         if not 0 < self.lr < 1:
@@ -79,7 +82,7 @@ class EagleDistillConfig:
 
     def train_fields(self) -> dict:
         """What a checkpoint depends on."""
-        keep = ("prompts", "sampled_share", "draft_vocab", "batch", "seq_len", "ttt_steps", "lr")
+        keep = ("prompts", "sampled_share", "draft_vocab", "batch", "seq_len", "ttt_steps", "loss_share", "lr")
         return {**self.data_fields(), **{k: v for k, v in asdict(self).items() if k in keep}}
 
 
@@ -189,7 +192,9 @@ def _train(config: EagleDistillConfig, head, train: eagle_data.Segments, target_
             )
             for group in optimizer.param_groups:
                 group["lr"] = _lr(config, step)
-            loss, agreement = eagle_train.ttt_loss(head, batch, config.ttt_steps, target_rows)
+            loss, agreement = eagle_train.ttt_loss(
+                head, batch, config.ttt_steps, target_rows, config.loss_share, generator
+            )
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -273,6 +278,7 @@ def add_flags(parser) -> None:
     g.add_argument("--held-out-prompts", type=int, default=d.held_out_prompts, help="answers kept for the report")
     g.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="size of the head's draft vocabulary")
     g.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="unrolled steps of training-time test")
+    g.add_argument("--loss-share", type=float, default=d.loss_share, help="share of rows the loss reads per step")
     g.add_argument("--gen-batch", type=int, default=d.gen_batch, help="prompts per generation batch")
 
 
@@ -288,5 +294,6 @@ def config_from_args(args) -> EagleDistillConfig:
         prompts=args.prompts, sampled_share=args.sampled_share, temperature=args.temperature,
         answer_tokens=args.answer_tokens, held_out_prompts=args.held_out_prompts, draft_vocab=args.draft_vocab,
         steps=given("steps"), batch=given("batch"), seq_len=given("seq_len"), ttt_steps=args.ttt_steps,
+        loss_share=args.loss_share,
         lr=given("lr"), save_every=args.save_every, gen_batch=args.gen_batch, seed=args.seed,
     )

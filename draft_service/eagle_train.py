@@ -137,22 +137,34 @@ def sample_windows(segments: Segments, count: int, width: int, generator: torch.
     return picks
 
 
-def ttt_loss(head: EagleHead, batch: Batch, steps: int, target_rows: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-    """Weighted cross-entropy against the target's restricted distribution; also top-1 agreement per step."""
+def ttt_loss(
+    head: EagleHead, batch: Batch, steps: int, target_rows: torch.Tensor, loss_share: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, list[float]]:
+    """Weighted cross-entropy against the target's restricted distribution; also top-1 agreement per step.
+
+    With ``loss_share`` < 1 the loss reads a random share of the rows (the
+    same ones at every step): every row still runs through the layer, since
+    later rows attend to it, but the LM head and the target's distribution,
+    most of a step's cost, run on the share only.
+    """
     outs = unrolled(head, batch.features, batch.next_tokens, steps)
+    chosen = batch.valid.clone()
+    if loss_share < 1.0:
+        chosen &= torch.rand(chosen.shape, generator=generator) < loss_share
+    where = torch.nonzero(chosen)  # [n, 2] (sequence, row)
     with torch.no_grad():
-        target_logp = F.log_softmax(batch.target_final @ target_rows.T, dim=-1)  # [B, T, Vd]
-        target_p = target_logp.exp()
+        target_p = F.softmax(batch.target_final[chosen] @ target_rows.T, dim=-1)  # [n, Vd]
+        target_choice = batch.target_argmax[chosen]
     total = torch.zeros(())
     agreement = []
     for step, out in enumerate(outs):
-        rows = batch.valid.clone()
-        rows[:, :step] = False  # a row of step s branches at row r - s
-        logq = F.log_softmax(head.logits(out[rows]), dim=-1)  # [n, Vd]
+        rows = where[:, 1] >= step  # a row of step s branches at row r - s
+        logq = F.log_softmax(head.logits(out[chosen][rows]), dim=-1)  # [m, Vd]
         ce = -(target_p[rows] * logq).sum(-1).mean()
         total = total + STEP_DECAY**step * ce
         with torch.no_grad():
-            agreement.append(float((head.draft_to_target(logq.argmax(-1)) == batch.target_argmax[rows]).float().mean()))
+            agreement.append(float((head.draft_to_target(logq.argmax(-1)) == target_choice[rows]).float().mean()))
     return total, agreement
 
 

@@ -3,7 +3,8 @@
 It drafts autoregressively (greedy argmax, or sampling from q processed by the
 same ``logits_to_probs`` as the target's p). Rolled-back tokens are dropped
 lazily: the session cache keeps the longest prefix shared with the committed
-context and crops the rest on the next proposal.
+context and crops the rest on the next proposal. ``SamplingDrafter`` is what it
+shares with the EAGLE drafter: the committed context and drawing one token.
 """
 
 from __future__ import annotations
@@ -18,20 +19,17 @@ from lmkit.probs_codec import quantize_probs
 from lmkit.sampling import SamplingParams, logits_to_probs
 
 
-class ModelDrafter(Drafter):
+class SamplingDrafter(Drafter):
+    """A drafter over a committed context that draws each token from logits: the argmax when greedy, else a
+    sample from q = ``logits_to_probs(logits)`` (fp16-rounded first when q travels, DRAFT_PROBS mode)."""
+
     def __init__(
-        self,
-        model,
-        prompt: Sequence[int],
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        return_probs: bool,
+        self, prompt: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, return_probs: bool,
     ) -> None:
         if not prompt:
-            raise ValueError("the model drafter needs a non-empty context")
+            raise ValueError(f"{type(self).__name__} needs a non-empty context")
         if not sampling.greedy and generator is None:
             raise ValueError("sampling needs a generator")
-        self._cache = SessionCache(model)
         self._tokens = list(prompt)
         self._sampling = sampling
         self._generator = generator
@@ -41,10 +39,6 @@ class ModelDrafter(Drafter):
     def position(self) -> int:
         return len(self._tokens)
 
-    @property
-    def cached_tokens(self) -> int:
-        return len(self._cache)
-
     def rollback(self, position: int) -> None:
         if not 0 <= position <= len(self._tokens):
             raise ValueError(f"rollback to {position} is outside the context [0, {len(self._tokens)}]")
@@ -52,6 +46,34 @@ class ModelDrafter(Drafter):
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._tokens.extend(tokens)
+
+    def _next(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """One draft token from [1, vocab] logits, and the distribution it came from (when q travels)."""
+        if self._sampling.greedy:
+            return int(logits[0].argmax()), None
+        q = logits_to_probs(logits, self._sampling)  # [1, vocab]
+        if self._return_probs:
+            # Sample from exactly what the target will decode from the wire.
+            q = quantize_probs(q)
+        token = int(torch.multinomial(q[0], 1, generator=self._generator))
+        return token, (q if self._return_probs else None)
+
+
+class ModelDrafter(SamplingDrafter):
+    def __init__(
+        self,
+        model,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        return_probs: bool,
+    ) -> None:
+        super().__init__(prompt, sampling, generator, return_probs)
+        self._cache = SessionCache(model)
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._cache)
 
     def propose(self, k: int) -> DraftBlock:
         if k < 0:
@@ -66,14 +88,3 @@ class ModelDrafter(Drafter):
                 rows.append(probs)
         probs = torch.cat(rows) if self._return_probs and rows else None
         return DraftBlock(tokens=drafted, probs=probs)
-
-    def _next(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One draft token from [1, vocab] logits, and the distribution it came from."""
-        if self._sampling.greedy:
-            return int(logits[0].argmax()), None
-        q = logits_to_probs(logits, self._sampling)  # [1, vocab]
-        if self._return_probs:
-            # Sample from exactly what the target will decode from the wire.
-            q = quantize_probs(q)
-        token = int(torch.multinomial(q[0], 1, generator=self._generator))
-        return token, (q if self._return_probs else None)
