@@ -23,7 +23,8 @@ prompt's with its first verification), so it proposes nothing: the first round
 decodes target-only. Greedy drafts take the argmax over the draft vocabulary;
 sampling drafts sample from q, the head's distribution spread over the target
 vocabulary (zero outside the draft vocabulary) and processed by the same
-``logits_to_probs`` as the target's p.
+``logits_to_probs`` as the target's p, with the session's uniform for the
+token's absolute position (``lmkit.draws``).
 """
 
 from __future__ import annotations
@@ -88,10 +89,9 @@ class EagleDrafter(SamplingDrafter):
         head: EagleHead,
         prompt: Sequence[int],
         sampling: SamplingParams,
-        generator: torch.Generator | None,
         return_probs: bool,
     ) -> None:
-        super().__init__(prompt, sampling, generator, return_probs)
+        super().__init__(prompt, sampling, return_probs)
         self._head = head
         self._draft_ids = head.draft_ids()  # [draft_vocab] the target ids of the head's outputs
         self._cache = HeadCache(head)
@@ -157,7 +157,7 @@ class EagleDrafter(SamplingDrafter):
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(k):
-            token, probs = self._draw(self._head.logits(out))
+            token, probs = self._draw(self._head.logits(out), len(self._tokens) + i)
             drafted.append(token)
             if probs is not None:
                 rows.append(probs)
@@ -213,10 +213,11 @@ class EagleDrafter(SamplingDrafter):
         self._row_tokens.extend(tokens)
         return out[0]
 
-    def _draw(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One draft token (a target id) from [draft_vocab] logits, and the [1, vocab] distribution it came from."""
+    def _draw(self, draft_logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token (a target id) at absolute ``position`` from [draft_vocab] logits, and the [1, vocab]
+        distribution it came from."""
         if self._sampling.greedy:
             return int(self._draft_ids[draft_logits.argmax()]), None
         full = draft_logits.new_full((1, self._head.config.vocab_size), -math.inf)  # q is 0 outside the draft vocab
         full[0, self._draft_ids] = draft_logits
-        return self._next(full.float())
+        return self._next(full.float(), position)

@@ -12,7 +12,7 @@ from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
 from lmkit.features import FeatureBlock
 from lmkit.kinds import DrafterKind, DrafterTraits
-from lmkit.sampling import SamplingParams, make_generator
+from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
 
@@ -115,10 +115,7 @@ class DraftEngine:
         if return_probs and not entry.has_probs:
             raise errors.InvalidArgument(f"drafter {kind.name} has no draft probabilities; use token-only verification")
         width = self._check_features(kind, chain, feature_width)
-        generator = None if sampling.greedy else make_generator(sampling.seed, "draft")
-        context = DraftRequestContext(
-            list(tokens), sampling, generator, return_probs, ngram, self.model, self.derived, tuple(chain)
-        )
+        context = DraftRequestContext(list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain))
         return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context), feature_width=width))
 
     def _check_features(self, kind: DrafterKind, chain: Sequence[DrafterKind], sent_width: int) -> int:

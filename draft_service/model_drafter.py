@@ -1,7 +1,8 @@
 """The model drafter: a causal LM sharing the target's vocabulary, with its own KV cache.
 
 It drafts autoregressively (greedy argmax, or sampling from q processed by the
-same ``logits_to_probs`` as the target's p). Rolled-back tokens are dropped
+same ``logits_to_probs`` as the target's p, the token at absolute position n
+drawn with the session's ``lmkit.draws`` uniform for (DRAFT, n)). Rolled-back tokens are dropped
 lazily: the session cache keeps the longest prefix shared with the committed
 context and crops the rest on the next proposal. ``SamplingDrafter`` is what it
 shares with the EAGLE drafter: the committed context and drawing one token.
@@ -14,6 +15,7 @@ from typing import Sequence
 import torch
 
 from draft_service.drafter import DraftBlock, Drafter
+from lmkit import draws
 from lmkit.kvcache import SessionCache
 from lmkit.probs_codec import quantize_probs
 from lmkit.sampling import SamplingParams, logits_to_probs
@@ -21,18 +23,14 @@ from lmkit.sampling import SamplingParams, logits_to_probs
 
 class SamplingDrafter(Drafter):
     """A drafter over a committed context that draws each token from logits: the argmax when greedy, else a
-    sample from q = ``logits_to_probs(logits)`` (fp16-rounded first when q travels, DRAFT_PROBS mode)."""
+    sample from q = ``logits_to_probs(logits)`` (fp16-rounded first when q travels, DRAFT_PROBS mode) with the
+    session's uniform for the token's absolute position."""
 
-    def __init__(
-        self, prompt: Sequence[int], sampling: SamplingParams, generator: torch.Generator | None, return_probs: bool,
-    ) -> None:
+    def __init__(self, prompt: Sequence[int], sampling: SamplingParams, return_probs: bool) -> None:
         if not prompt:
             raise ValueError(f"{type(self).__name__} needs a non-empty context")
-        if not sampling.greedy and generator is None:
-            raise ValueError("sampling needs a generator")
         self._tokens = list(prompt)
         self._sampling = sampling
-        self._generator = generator
         self._return_probs = return_probs and not sampling.greedy
 
     @property
@@ -47,28 +45,22 @@ class SamplingDrafter(Drafter):
     def extend(self, tokens: Sequence[int]) -> None:
         self._tokens.extend(tokens)
 
-    def _next(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One draft token from [1, vocab] logits, and the distribution it came from (when q travels)."""
+    def _next(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token at absolute ``position`` from [1, vocab] logits, and the distribution it came from."""
         if self._sampling.greedy:
             return int(logits[0].argmax()), None
         q = logits_to_probs(logits, self._sampling)  # [1, vocab]
         if self._return_probs:
             # Sample from exactly what the target will decode from the wire.
             q = quantize_probs(q)
-        token = int(torch.multinomial(q[0], 1, generator=self._generator))
+        u = float(draws.uniforms(self._sampling.seed, draws.Stream.DRAFT, [position], 1)[0, 0])
+        token = draws.inverse_cdf(q[0].to(torch.float64), u)
         return token, (q if self._return_probs else None)
 
 
 class ModelDrafter(SamplingDrafter):
-    def __init__(
-        self,
-        model,
-        prompt: Sequence[int],
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        return_probs: bool,
-    ) -> None:
-        super().__init__(prompt, sampling, generator, return_probs)
+    def __init__(self, model, prompt: Sequence[int], sampling: SamplingParams, return_probs: bool) -> None:
+        super().__init__(prompt, sampling, return_probs)
         self._cache = SessionCache(model)
 
     @property
@@ -82,7 +74,7 @@ class ModelDrafter(SamplingDrafter):
         rows: list[torch.Tensor] = []
         for _ in range(k):
             logits = self._cache.logits([*self._tokens, *drafted], [])  # [1, vocab]
-            token, probs = self._next(logits)
+            token, probs = self._next(logits, len(self._tokens) + len(drafted))
             drafted.append(token)
             if probs is not None:
                 rows.append(probs)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-import torch
-
 from draft_service.chain import ChainDrafter
 from draft_service.drafter import Drafter
 from draft_service.eagle import EagleDrafter
@@ -22,7 +20,6 @@ class DraftRequestContext:
 
     prompt: Sequence[int]
     sampling: SamplingParams
-    generator: torch.Generator | None
     return_probs: bool
     ngram: NgramConfig
     model: object | None  # the draft service's model, None when it runs none
@@ -53,7 +50,7 @@ class DrafterEntry:
 
 
 def _model_drafter(model, c: DraftRequestContext) -> ModelDrafter:
-    return ModelDrafter(model, c.prompt, c.sampling, c.generator, c.return_probs)
+    return ModelDrafter(model, c.prompt, c.sampling, c.return_probs)
 
 
 def _chain(c: DraftRequestContext) -> ChainDrafter:
@@ -81,7 +78,7 @@ register(DrafterEntry(DrafterKind.QUANTIZED, lambda c: _model_drafter(c.derived[
 register(DrafterEntry(DrafterKind.CHAIN, _chain))
 register(DrafterEntry(
     DrafterKind.EAGLE,
-    lambda c: EagleDrafter(c.derived[DrafterKind.EAGLE], c.prompt, c.sampling, c.generator, c.return_probs),
+    lambda c: EagleDrafter(c.derived[DrafterKind.EAGLE], c.prompt, c.sampling, c.return_probs),
     needs_model=True, has_probs=True, derived=True, needs_features=True,
     enable_hint="start serve-draft with --model TARGET --eagle-head DIR (or the bundled head's name) to enable it",
 ))

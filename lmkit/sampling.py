@@ -1,4 +1,4 @@
-"""Logits processing shared by draft and target, and the seeded random streams of a session.
+"""Logits processing shared by draft and target.
 
 Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers
 via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model
@@ -14,13 +14,12 @@ top-k, then top-p, each on the output of the previous one.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 
-_SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes values below this without wrapping
+from lmkit.draws import SEED_LIMIT
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax); must be >= 0 and finite
     top_k: int = 0  # keep the k most likely tokens; 0 disables; must be >= 0
     top_p: float = 1.0  # nucleus mass, must be in (0, 1]; 1 disables
-    seed: int = 0  # seeds the per-session generators; >= 0, < 2**63
+    seed: int = 0  # keys every random draw of the session (lmkit.draws); >= 0, < 2**63
 
     def __post_init__(self) -> None:
         _check_real("temperature", self.temperature)
@@ -45,7 +44,7 @@ class SamplingParams:
         if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 disables top-p), got {self.top_p!r}")
         _check_int("seed", self.seed)
-        if not (0 <= self.seed < _SEED_LIMIT):
+        if not (0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
 
     @property
@@ -129,20 +128,3 @@ def _truncation_mask(
         mass_before = torch.cumsum(sorted_probs.to(torch.float64), dim=-1) - sorted_probs.to(torch.float64)
         keep_sorted &= mass_before < top_p  # position 0 has mass_before 0 < top_p, so the top token stays
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-
-
-def make_generator(seed: int, stream: str) -> torch.Generator:
-    """A CPU generator for one random stream ("draft", "target", ...) of a session.
-
-    The generator's seed is a SHA-256 of ``(seed, stream)``, so it is the same
-    in every process and Python version (unlike ``hash()``), and draft and
-    target never consume the same draws.
-    """
-    if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < _SEED_LIMIT):
-        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
-    if not isinstance(stream, str) or not stream:
-        raise ValueError(f"stream must be a non-empty string naming the random stream, got {stream!r}")
-    digest = hashlib.sha256(f"specsplit/{seed}/{stream}".encode()).digest()
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(int.from_bytes(digest[:8], "little") % _SEED_LIMIT)
-    return generator

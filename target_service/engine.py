@@ -12,12 +12,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from lmkit import errors
+from lmkit import draws, errors
 from lmkit.costs import LinearCost
 from lmkit.features import FeatureBlock
 from lmkit.kinds import VerificationMode
 from lmkit.kvcache import SessionCache
-from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
+from lmkit.sampling import SamplingParams, logits_to_probs
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection
 from target_service.batched_forward import Step, forward_batch, split_by_width
@@ -30,7 +30,6 @@ class TargetSession:
     sampling: SamplingParams
     mode: VerificationMode
     cache: SessionCache
-    generator: torch.Generator | None
     rounds: int = 0
 
 
@@ -108,8 +107,7 @@ class TargetEngine:
         check_tokens(tokens, self.vocab_size, "tokens")
         check_mode(mode, sampling)
         self._check_feature_layers(feature_layers)
-        generator = None if sampling.greedy else make_generator(sampling.seed, "target")
-        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(), generator)
+        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache())
         session.cache.feature_layers = tuple(feature_layers)
         return self.sessions.add(session_id, session)
 
@@ -273,9 +271,12 @@ class TargetEngine:
         if session.mode is VerificationMode.GREEDY:
             return rejection.verify_greedy(logits, tokens)
         target_probs = logits_to_probs(logits, session.sampling)
+        # Row i decides the token at absolute position len(session.tokens) + i, with that position's draws.
+        position = len(session.tokens)
+        uniforms = draws.uniforms(session.sampling.seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
-            return rejection.verify_token_only(target_probs, tokens, session.generator)
-        return rejection.verify_draft_probs(target_probs, draft_probs, tokens, session.generator)
+            return rejection.verify_token_only(target_probs, tokens, uniforms)
+        return rejection.verify_draft_probs(target_probs, draft_probs, tokens, uniforms)
 
 
 def committed_features(cache, position: int, accepted: int) -> FeatureBlock | None:

@@ -15,11 +15,12 @@ whole block). Positions are examined in order:
 Each call emits ``accepted + 1`` tokens, distributed exactly as the target alone
 would have sampled them (greedy: exactly its argmax tokens), whatever the drafter.
 
-Randomness comes from an explicit CPU ``torch.Generator``: every sampling call
-draws exactly k + 1 float64 uniforms up front (one per draft position, used in
-order while positions are examined, then one inverting the CDF of the
-recovered / bonus distribution), so a seeded generator gives the same tokens
-whatever the outcome, device or vocabulary size.
+Randomness is passed in, never drawn here: ``uniforms`` [k+1, 2] holds two
+float64 draws per position of the block, ``uniforms[i, 0]`` for the test of
+draft token i and ``uniforms[i, 1]`` for the recovered token at i (or the bonus
+token, i = k). The target takes them from ``lmkit.draws`` keyed by the absolute
+position of each row, so a position's verdict is a pure function of the block,
+the distributions and the seed, and no draw ever decides two positions.
 
 Values are checked where they are used (p(x), q(x), the row sampled from) and
 row sums once, so a verification never scans the [k+1, vocab] block twice.
@@ -31,6 +32,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from lmkit.draws import ACCEPT, SAMPLE, inverse_cdf
 
 # Rows of target_probs / draft_probs must sum to 1 within this; catches logits passed by mistake
 # while tolerating bf16/fp16 softmax rounding.
@@ -69,7 +72,7 @@ def verify_greedy(
 def verify_token_only(
     target_probs: torch.Tensor,  # [k+1, vocab] rows sum to 1
     draft_tokens: torch.Tensor,  # [k] int64
-    generator: torch.Generator,  # CPU; consumes k + 1 uniforms
+    uniforms: torch.Tensor,  # [k+1, 2] float64 in (0, 1): per position (accept test, sample)
 ) -> Verdict:
     """Treats each draft token x as a point proposal: accept w.p. p(x), else sample from p with x removed.
 
@@ -79,25 +82,25 @@ def verify_token_only(
     tokens = _check_block("target_probs", target_probs, draft_tokens)
     k = len(tokens)
     _check_row_sums("target_probs", target_probs)
-    uniforms = _draw_uniforms(generator, k)
+    accept_u, sample_u = _split_uniforms(uniforms, k)
     flat_index = _flat_index(draft_tokens, target_probs.shape[1], target_probs.device)
     p_drafted = _probs_at("target_probs", target_probs, flat_index)  # [k] p_i(x_i)
-    accepted = _count_accepted(uniforms, p_drafted, [1.0] * k)
+    accepted = _count_accepted(accept_u, p_drafted, [1.0] * k)
     row = _row("target_probs", target_probs, accepted)  # [vocab] float64
     if accepted == k:
-        return Verdict(accepted=k, next_token=_sample(row, uniforms[k]))
+        return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
     residual = row.clone()
     residual[tokens[accepted]] = 0.0
     # An all-zero residual means p(x) == 1 up to rounding: rejection then has probability ~0
     # and the exact answer is x itself, which sampling from p returns.
-    return Verdict(accepted=accepted, next_token=_sample(residual, uniforms[k], fallback=row))
+    return Verdict(accepted=accepted, next_token=inverse_cdf(residual, sample_u[accepted], fallback=row))
 
 
 def verify_draft_probs(
     target_probs: torch.Tensor,  # [k+1, vocab] rows sum to 1
     draft_probs: torch.Tensor,  # [k, vocab] rows sum to 1; row i is the q that x_i was sampled from
     draft_tokens: torch.Tensor,  # [k] int64
-    generator: torch.Generator,  # CPU; consumes k + 1 uniforms
+    uniforms: torch.Tensor,  # [k+1, 2] float64 in (0, 1): per position (accept test, sample)
 ) -> Verdict:
     """Standard speculative sampling: accept w.p. min(1, p(x)/q(x)), else sample from norm(max(0, p - q)).
 
@@ -111,19 +114,19 @@ def verify_draft_probs(
     _check_float("draft_probs", draft_probs)
     _check_row_sums("target_probs", target_probs)
     _check_row_sums("draft_probs", draft_probs)
-    uniforms = _draw_uniforms(generator, k)
+    accept_u, sample_u = _split_uniforms(uniforms, k)
     flat_index = _flat_index(draft_tokens, vocab, target_probs.device)
     p_drafted = _probs_at("target_probs", target_probs, flat_index)  # [k] p_i(x_i)
     q_drafted = _probs_at("draft_probs", draft_probs, flat_index.to(draft_probs.device))  # [k] q_i(x_i)
-    accepted = _count_accepted(uniforms, p_drafted, q_drafted)
+    accepted = _count_accepted(accept_u, p_drafted, q_drafted)
     row = _row("target_probs", target_probs, accepted)  # [vocab] float64
     if accepted == k:
-        return Verdict(accepted=k, next_token=_sample(row, uniforms[k]))
+        return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
     residual = (row - _row("draft_probs", draft_probs, accepted)).clamp_(min=0.0)
     # max(0, p - q) is all zero only if p <= q everywhere, i.e. p == q (both sum to 1). Then
     # min(1, p/q) = 1 at every x with q(x) > 0, so this rejection is reached with probability 0
     # (float rounding, or a broken drafter with q(x) = 0); sampling from p keeps the output exact.
-    return Verdict(accepted=accepted, next_token=_sample(residual, uniforms[k], fallback=row))
+    return Verdict(accepted=accepted, next_token=inverse_cdf(residual, sample_u[accepted], fallback=row))
 
 
 def _check_block(name: str, target: torch.Tensor, draft_tokens: torch.Tensor) -> list[int]:
@@ -163,10 +166,18 @@ def _shape(value: object) -> str:
     return f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
-def _draw_uniforms(generator: torch.Generator, k: int) -> list[float]:  # -> [k+1] in [0, 1)
-    if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
-        raise ValueError("generator must be a CPU torch.Generator (see lmkit.sampling.make_generator)")
-    return torch.rand(k + 1, dtype=torch.float64, generator=generator).tolist()
+def _split_uniforms(uniforms: torch.Tensor, k: int) -> tuple[list[float], list[float]]:  # -> [k+1], [k+1]
+    """The accept-test and sample columns of ``uniforms`` [k+1, 2], checked to lie in [0, 1)."""
+    if not isinstance(uniforms, torch.Tensor) or tuple(uniforms.shape) != (k + 1, 2):
+        raise ValueError(
+            f"uniforms must be a tensor [k+1, 2] = {[k + 1, 2]} (see lmkit.draws.uniforms), got {_shape(uniforms)}"
+        )
+    if not uniforms.is_floating_point():
+        raise ValueError(f"uniforms must be floating point, got dtype {uniforms.dtype}")
+    rows = uniforms.tolist()  # k + 1 pairs: checked in Python, cheaper than tensor reductions this small
+    if not all(0.0 <= row[ACCEPT] < 1.0 and 0.0 <= row[SAMPLE] < 1.0 for row in rows):  # also refuses NaN
+        raise ValueError("uniforms must lie in [0, 1)")
+    return [row[ACCEPT] for row in rows], [row[SAMPLE] for row in rows]
 
 
 def _flat_index(draft_tokens: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:  # -> [k] int64
@@ -186,7 +197,7 @@ def _probs_at(name: str, probs: torch.Tensor, flat_index: torch.Tensor) -> list[
 def _count_accepted(uniforms: list[float], p_drafted: list[float], q_drafted: list[float]) -> int:
     """Leading positions with u_i < p_i(x_i) / q_i(x_i), i.e. accepted w.p. min(1, p/q); q == 0 rejects.
 
-    zip stops at the k draft positions; the last uniform is left for the recovered / bonus token.
+    zip stops at the k draft positions.
     """
     accepted = 0
     for u, p, q in zip(uniforms, p_drafted, q_drafted):
@@ -202,20 +213,3 @@ def _row(name: str, probs: torch.Tensor, index: int) -> torch.Tensor:  # -> [voc
     if not float(row.min()) >= 0.0:
         raise ValueError(f"{name} row {index} has negative values")
     return row
-
-
-def _sample(
-    probs: torch.Tensor,  # [vocab] float64 >= 0, need not be normalised
-    uniform: float,
-    fallback: torch.Tensor | None = None,  # [vocab] float64, used when probs has no mass
-) -> int:
-    """Inverse-CDF sample of one token; zero-probability tokens are never returned."""
-    cdf = torch.cumsum(probs, dim=0)
-    total = float(cdf[-1])
-    if fallback is not None and not total > 0.0:
-        return _sample(fallback, uniform)
-    # right=True finds the first token whose CDF exceeds the target, which skips tokens with p == 0.
-    token = int(torch.searchsorted(cdf, uniform * total, right=True))
-    if token >= probs.shape[0]:  # uniform * total rounded up onto the total: take the last token with mass
-        token = int(probs.nonzero()[-1])
-    return token

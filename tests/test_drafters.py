@@ -19,7 +19,7 @@ from draft_service.registry import DRAFTERS, DraftRequestContext
 from draft_service.self_draft import ExitAdapter, QuantizeMode
 from lmkit import models
 from lmkit.kinds import DrafterKind, default_chain
-from lmkit.sampling import SamplingParams, make_generator
+from lmkit.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -54,9 +54,8 @@ GREEDY = SamplingParams()
 
 
 def build(kind, target_model, derived, prompt, chain=(), sampling=GREEDY, return_probs=False):
-    generator = None if sampling.greedy else make_generator(sampling.seed, "draft")
     context = DraftRequestContext(
-        list(prompt), sampling, generator, return_probs, NgramConfig(1, 3), target_model, derived, tuple(chain)
+        list(prompt), sampling, return_probs, NgramConfig(1, 3), target_model, derived, tuple(chain)
     )
     return DRAFTERS[kind].build(context)
 
@@ -119,8 +118,8 @@ def test_int8_dynamic_depends_on_chunking_which_is_why_it_is_not_the_default(tar
     view = self_draft.quantized_view(target_model, QuantizeMode.INT8_DYNAMIC)
     exact = self_draft.quantized_view(target_model, QuantizeMode.INT8)
     for model, invariant in ((view, False), (exact, True)):
-        whole = ModelDrafter(model, PROMPT, GREEDY, None, False)
-        stepwise = ModelDrafter(model, PROMPT[:1], GREEDY, None, False)
+        whole = ModelDrafter(model, PROMPT, GREEDY, False)
+        stepwise = ModelDrafter(model, PROMPT[:1], GREEDY, False)
         for token in PROMPT[1:]:
             stepwise.propose(1)
             stepwise.extend([token])
@@ -208,7 +207,7 @@ def test_chain_uses_the_first_member_that_proposes(target_model, derived):
     chain = (DrafterKind.NGRAM, DrafterKind.LAYERSKIP)
     no_match = [11, 300, 4000, 27, 9]  # no repeated suffix: n-gram proposes nothing
     drafter = build(DrafterKind.CHAIN, target_model, derived, no_match, chain)
-    layerskip = ModelDrafter(derived[DrafterKind.LAYERSKIP], no_match, SamplingParams(), None, False)
+    layerskip = ModelDrafter(derived[DrafterKind.LAYERSKIP], no_match, SamplingParams(), False)
     assert drafter.propose(4).tokens == layerskip.propose(4).tokens
     assert drafter.last_kind is DrafterKind.LAYERSKIP
 
@@ -229,7 +228,7 @@ def test_chain_members_stay_in_sync_after_rounds_they_sat_out(target_model, deri
     drafter.commit(len(context), committed)
     assert drafter.position == len(context) + 3
     got = drafter.propose(3)
-    quantized = ModelDrafter(derived[DrafterKind.QUANTIZED], context + committed, SamplingParams(), None, False)
+    quantized = ModelDrafter(derived[DrafterKind.QUANTIZED], context + committed, SamplingParams(), False)
     assert drafter.last_kind is DrafterKind.QUANTIZED
     assert got.tokens == quantized.propose(3).tokens
 

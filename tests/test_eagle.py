@@ -145,9 +145,8 @@ SEQUENCE = [504, 2365, 6354, 16438, 28, 94, 727, 1869, 2025, 3, 77, 4001, 12, 9,
 GREEDY = SamplingParams()
 
 
-def drafter(head, tokens, sampling=GREEDY, seed=0) -> EagleDrafter:
-    generator = None if sampling.greedy else torch.Generator().manual_seed(seed)
-    return EagleDrafter(head, tokens, sampling, generator, return_probs=not sampling.greedy)
+def drafter(head, tokens, sampling=GREEDY) -> EagleDrafter:
+    return EagleDrafter(head, tokens, sampling, return_probs=not sampling.greedy)
 
 
 def fresh_proposal(head, features, tokens, k):
@@ -201,7 +200,7 @@ def test_features_past_the_context_or_of_another_width_are_refused(head):
 
 def test_sampled_drafts_come_from_the_head_restricted_to_the_draft_vocabulary(head, tiny):
     features = target_features(tiny, SEQUENCE)
-    d = drafter(head, SEQUENCE[:8], SamplingParams(temperature=1.0, top_k=20), seed=4)
+    d = drafter(head, SEQUENCE[:8], SamplingParams(temperature=1.0, top_k=20, seed=4))
     d.add_features(FeatureBlock(0, features[:7]))
     block = d.propose(5)
     allowed = set(head.draft_ids().tolist())

@@ -7,7 +7,7 @@ import torch
 
 from draft_service.model_drafter import ModelDrafter
 from lmkit import models
-from lmkit.sampling import SamplingParams, make_generator
+from lmkit.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -24,14 +24,14 @@ PROMPT = [11, 300, 4000, 27, 9]
 
 @pytest.mark.parametrize("rejected_at", range(K + 1))
 def test_rollback_matches_fresh_drafter(draft_model, rejected_at):
-    drafter = ModelDrafter(draft_model, PROMPT, SamplingParams(), None, False)
+    drafter = ModelDrafter(draft_model, PROMPT, SamplingParams(), False)
     block = drafter.propose(K).tokens
     assert len(block) == K
     # The target accepted block[:rejected_at] and sent a correction that differs from the draft's token.
     correction = (block[rejected_at] + 1) % 49152 if rejected_at < K else 77
     committed = [*block[:rejected_at], correction]
     drafter.commit(len(PROMPT), committed)
-    fresh = ModelDrafter(draft_model, PROMPT + committed, SamplingParams(), None, False)
+    fresh = ModelDrafter(draft_model, PROMPT + committed, SamplingParams(), False)
     assert drafter.propose(K).tokens == fresh.propose(K).tokens
     # The cache kept the shared prefix instead of re-reading the prompt.
     assert drafter.cached_tokens >= len(PROMPT) + rejected_at
@@ -39,7 +39,7 @@ def test_rollback_matches_fresh_drafter(draft_model, rejected_at):
 
 def test_sampling_returns_the_distributions_it_sampled_from(draft_model):
     params = SamplingParams(temperature=1.0, top_k=20, seed=3)
-    drafter = ModelDrafter(draft_model, PROMPT, params, make_generator(3, "draft"), True)
+    drafter = ModelDrafter(draft_model, PROMPT, params, True)
     block = drafter.propose(4)
     assert block.probs is not None and block.probs.shape == (4, 49152)
     assert torch.allclose(block.probs.sum(-1), torch.ones(4), atol=1e-5)
@@ -49,7 +49,7 @@ def test_sampling_returns_the_distributions_it_sampled_from(draft_model):
 
 
 def test_rollback_outside_context_is_refused(draft_model):
-    drafter = ModelDrafter(draft_model, PROMPT, SamplingParams(), None, False)
+    drafter = ModelDrafter(draft_model, PROMPT, SamplingParams(), False)
     with pytest.raises(ValueError, match="outside the context"):
         drafter.rollback(len(PROMPT) + 1)
     with pytest.raises(ValueError, match="past the drafter's context"):

@@ -1,13 +1,12 @@
 """Tests for target_service.rejection, levels 1 and 2 (level 3, statistics: test_rejection_stats.py).
 
 1. Hand-built distributions with exact expected tokens (and the edge cases).
-2. Seeded determinism, and exactly k + 1 uniforms consumed per call.
+2. Exact use of the draws passed in: uniforms[i, 0] tests draft token i, uniforms[i, 1] samples the token at i.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import pytest
 import torch
@@ -33,6 +32,10 @@ def probs(*rows: list[float]) -> torch.Tensor:  # [rows, vocab] float32
 
 def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def drawn(seed: int, k: int) -> torch.Tensor:  # [k+1, 2] float64: the draws of one block
+    return torch.rand(k + 1, 2, dtype=torch.float64, generator=seeded(seed))
 
 
 def test_modes_are_distinct_enum_members():
@@ -86,19 +89,19 @@ def test_greedy_handles_banned_tokens_and_refuses_nan():
 def test_token_only_always_accepts_a_token_with_p_one():
     target = probs([0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0])
     for seed in range(300):
-        assert verify_token_only(target, tokens(1, 3), seeded(seed)) == Verdict(accepted=2, next_token=2)
+        assert verify_token_only(target, tokens(1, 3), drawn(seed, 2)) == Verdict(accepted=2, next_token=2)
 
 
 def test_token_only_always_rejects_a_token_with_p_zero_and_never_returns_it():
     target = probs([0.0, 0.2, 0.8, 0.0], [0.25, 0.25, 0.25, 0.25])
     for seed in range(300):
-        result = verify_token_only(target, tokens(3), seeded(seed))
+        result = verify_token_only(target, tokens(3), drawn(seed, 1))
         assert result.accepted == 0 and result.next_token in (1, 2)
 
 
 def test_token_only_recovers_from_p_without_the_rejected_token():
     target = probs([0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0])
-    outcomes = {verify_token_only(target, tokens(0), seeded(seed)) for seed in range(300)}
+    outcomes = {verify_token_only(target, tokens(0), drawn(seed, 1)) for seed in range(300)}
     assert outcomes == {Verdict(accepted=1, next_token=0), Verdict(accepted=0, next_token=1)}
 
 
@@ -106,13 +109,13 @@ def test_token_only_falls_back_to_p_when_removing_x_leaves_nothing():
     # p(x) = 0.995 with no other mass (rows may miss 1 by rounding): rejection is rare, and then the
     # only token p allows is x itself.
     target = probs([0.995, 0.0, 0.0], [0.0, 0.0, 1.0])
-    results = [verify_token_only(target, tokens(0), seeded(seed)) for seed in range(3000)]
+    results = [verify_token_only(target, tokens(0), drawn(seed, 1)) for seed in range(3000)]
     assert {result.next_token for result in results if result.accepted == 0} == {0}
     assert {result.next_token for result in results if result.accepted == 1} == {2}
 
 
 def test_token_only_with_no_draft_samples_the_bonus_from_row_zero():
-    assert verify_token_only(probs([0, 0, 1.0]), tokens(), seeded(0)) == Verdict(accepted=0, next_token=2)
+    assert verify_token_only(probs([0, 0, 1.0]), tokens(), drawn(0, 0)) == Verdict(accepted=0, next_token=2)
 
 
 # --- 1. hand-built cases: draft probabilities -----------------------------------
@@ -122,13 +125,13 @@ def test_draft_probs_always_accepts_where_p_is_at_least_q():
     target = probs([0.1, 0.6, 0.3], [0.5, 0.0, 0.5], [0.0, 0.0, 1.0])
     draft = probs([0.4, 0.6, 0.0], [0.4, 0.6, 0.0])  # p(x) = q(x) at x = 1, then p(x) > q(x) at x = 0
     for seed in range(300):
-        assert verify_draft_probs(target, draft, tokens(1, 0), seeded(seed)) == Verdict(2, 2)
+        assert verify_draft_probs(target, draft, tokens(1, 0), drawn(seed, 2)) == Verdict(2, 2)
 
 
 def test_draft_probs_recovers_only_from_the_support_of_p_minus_q():
     target = probs([0.4, 0.3, 0.3, 0.0], [1.0, 0.0, 0.0, 0.0])
     draft = probs([0.1, 0.6, 0.1, 0.2])  # p(1)/q(1) = 0.5; max(0, p - q) = [0.3, 0, 0.2, 0]
-    results = [verify_draft_probs(target, draft, tokens(1), seeded(seed)) for seed in range(500)]
+    results = [verify_draft_probs(target, draft, tokens(1), drawn(seed, 1)) for seed in range(500)]
     assert {r.next_token for r in results if r.accepted == 0} == {0, 2}
     assert {r.next_token for r in results if r.accepted == 1} == {0}
 
@@ -137,7 +140,7 @@ def test_draft_probs_rejects_a_token_the_draft_gave_zero_probability():
     target = probs([0.5, 0.5, 0.0], [0.0, 1.0, 0.0])
     draft = probs([0.0, 0.5, 0.5])  # x = 0 has q = 0: a broken drafter, whatever p(x) says
     for seed in range(100):
-        result = verify_draft_probs(target, draft, tokens(0), seeded(seed))
+        result = verify_draft_probs(target, draft, tokens(0), drawn(seed, 1))
         assert result.accepted == 0 and result.next_token in (0, 1)
 
 
@@ -145,12 +148,12 @@ def test_draft_probs_falls_back_to_p_when_the_residual_is_empty():
     # p == q, so max(0, p - q) == 0; the broken q(x) = 0 forces the rejection that cannot happen otherwise.
     same = probs([0.5, 0.5, 0.0])
     target = torch.cat([same, probs([0.0, 0.0, 1.0])])
-    results = {verify_draft_probs(target, same, tokens(2), seeded(seed)) for seed in range(100)}
+    results = {verify_draft_probs(target, same, tokens(2), drawn(seed, 1)) for seed in range(100)}
     assert results == {Verdict(accepted=0, next_token=0), Verdict(accepted=0, next_token=1)}
 
 
 def test_draft_probs_with_no_draft_samples_the_bonus_from_row_zero():
-    result = verify_draft_probs(probs([0, 1.0, 0]), torch.zeros(0, 3), tokens(), seeded(0))
+    result = verify_draft_probs(probs([0, 1.0, 0]), torch.zeros(0, 3), tokens(), drawn(0, 0))
     assert result == Verdict(accepted=0, next_token=1)
 
 
@@ -158,6 +161,7 @@ def test_draft_probs_with_no_draft_samples_the_bonus_from_row_zero():
 
 P3 = probs([0.2, 0.8], [0.5, 0.5], [1.0, 0.0])
 Q2 = probs([0.5, 0.5], [0.5, 0.5])
+U2 = drawn(0, 2)
 
 
 @pytest.mark.parametrize(
@@ -169,15 +173,19 @@ Q2 = probs([0.5, 0.5], [0.5, 0.5])
         (lambda: verify_greedy(P3, tokens(0, 2)), r"token ids in \[0, 2\)"),
         (lambda: verify_greedy(P3, tokens(-1, 0)), r"token ids in \[0, 2\)"),
         (lambda: verify_greedy(P3.long(), tokens(0, 1)), "floating"),
-        (lambda: verify_token_only(P3[:, :0], tokens(), seeded(0)), r"\[k\+1, vocab\]"),
-        (lambda: verify_token_only(P3 * 3, tokens(0, 1), seeded(0)), "row 0 sums to 3.0"),
-        (lambda: verify_token_only(P3, tokens(0, 1), None), "CPU torch.Generator"),
-        (lambda: verify_token_only(probs([1.2, -0.2], [0.5, 0.5], [1, 0]), tokens(1, 0), seeded(0)), "negative"),
-        (lambda: verify_token_only(probs([math.nan, 1], [0.5, 0.5], [1, 0]), tokens(1, 0), seeded(0)), "sums to nan"),
-        (lambda: verify_draft_probs(P3, Q2[:1], tokens(0, 1), seeded(0)), r"draft_probs must have shape"),
-        (lambda: verify_draft_probs(P3, Q2.long(), tokens(0, 1), seeded(0)), "floating"),
-        (lambda: verify_draft_probs(P3, Q2 * 2, tokens(0, 1), seeded(0)), "draft_probs row 0 sums to 2.0"),
-        (lambda: verify_draft_probs(P3, probs([1.5, -0.5], [0.5, 0.5]), tokens(1, 0), seeded(0)), "negative"),
+        (lambda: verify_token_only(P3[:, :0], tokens(), U2), r"\[k\+1, vocab\]"),
+        (lambda: verify_token_only(P3 * 3, tokens(0, 1), U2), "row 0 sums to 3.0"),
+        (lambda: verify_token_only(P3, tokens(0, 1), None), r"uniforms must be a tensor \[k\+1, 2\]"),
+        (lambda: verify_token_only(P3, tokens(0, 1), U2[:2]), r"uniforms must be a tensor \[k\+1, 2\]"),
+        (lambda: verify_token_only(P3, tokens(0, 1), U2 + 1), r"uniforms must lie in \[0, 1\)"),
+        (lambda: verify_token_only(P3, tokens(0, 1), U2 * math.nan), r"uniforms must lie in \[0, 1\)"),
+        (lambda: verify_token_only(P3, tokens(0, 1), U2.long()), "uniforms must be floating point"),
+        (lambda: verify_token_only(probs([1.2, -0.2], [0.5, 0.5], [1, 0]), tokens(1, 0), U2), "negative"),
+        (lambda: verify_token_only(probs([math.nan, 1], [0.5, 0.5], [1, 0]), tokens(1, 0), U2), "sums to nan"),
+        (lambda: verify_draft_probs(P3, Q2[:1], tokens(0, 1), U2), r"draft_probs must have shape"),
+        (lambda: verify_draft_probs(P3, Q2.long(), tokens(0, 1), U2), "floating"),
+        (lambda: verify_draft_probs(P3, Q2 * 2, tokens(0, 1), U2), "draft_probs row 0 sums to 2.0"),
+        (lambda: verify_draft_probs(P3, probs([1.5, -0.5], [0.5, 0.5]), tokens(1, 0), U2), "negative"),
     ],
 )
 def test_bad_inputs_are_refused_with_a_message(call, message):
@@ -185,46 +193,47 @@ def test_bad_inputs_are_refused_with_a_message(call, message):
         call()
 
 
-# --- 2. exact draws and determinism ---------------------------------------------
+# --- 2. exact use of the draws ----------------------------------------------------
 
 
-def test_the_draws_are_k_plus_one_uniforms_used_in_order():
+def test_each_position_uses_its_own_two_draws():
     target = probs([0.3, 0.7, 0.0], [0.6, 0.4, 0.0], [0.2, 0.2, 0.6])
     draft = probs([0.5, 0.5, 0.0], [0.2, 0.8, 0.0])  # x = (0, 1): accept w.p. 0.6, then 0.5
     p_x, q_x = [float(target[0, 0]), float(target[1, 1])], [float(draft[0, 0]), float(draft[1, 1])]
     outcomes = set()
     for seed in range(300):
-        u = torch.rand(3, dtype=torch.float64, generator=seeded(seed)).tolist()
-        if not u[0] * q_x[0] < p_x[0]:
-            expected = Verdict(0, 1)  # max(0, p - q) = [0, 0.2, 0]
-        elif not u[1] * q_x[1] < p_x[1]:
+        u = drawn(seed, 2).tolist()
+        if not u[0][0] * q_x[0] < p_x[0]:
+            expected = Verdict(0, 1)  # max(0, p - q) = [0, 0.2, 0]: any u[0][1] gives token 1
+        elif not u[1][0] * q_x[1] < p_x[1]:
             expected = Verdict(1, 0)  # max(0, p - q) = [0.4, 0, 0]
         else:
-            expected = Verdict(2, 0 if u[2] < 0.2 else 1 if u[2] < 0.4 else 2)  # bonus from row 2
-        generator = seeded(seed)
-        assert verify_draft_probs(target, draft, tokens(0, 1), generator) == expected
+            expected = Verdict(2, 0 if u[2][1] < 0.2 else 1 if u[2][1] < 0.4 else 2)  # bonus from row 2
+        assert verify_draft_probs(target, draft, tokens(0, 1), drawn(seed, 2)) == expected
         outcomes.add(expected)
-        # Exactly k + 1 = 3 float64 uniforms consumed, whatever the outcome.
-        reference = seeded(seed)
-        torch.rand(3, dtype=torch.float64, generator=reference)
-        assert torch.equal(generator.get_state(), reference.get_state())
     assert len(outcomes) == 5  # every branch was taken
 
 
-def test_a_rejection_decision_follows_the_uniform_exactly():
-    target = probs([0.3, 0.7], [0.5, 0.5])
+def test_a_rejection_decision_and_its_recovered_token_follow_the_draws_exactly():
+    target = probs([0.3, 0.4, 0.3], [0.5, 0.5, 0.0])
     for seed in range(200):
-        u = torch.rand(2, dtype=torch.float64, generator=seeded(seed)).tolist()
-        result = verify_token_only(target, tokens(1), seeded(seed))
-        if u[0] < float(target[0, 1]):
-            assert result.accepted == 1 and result.next_token == (0 if u[1] < 0.5 else 1)
-        else:
-            assert result == Verdict(accepted=0, next_token=0)  # p without token 1 is all on 0
+        u = drawn(seed, 1).tolist()
+        result = verify_token_only(target, tokens(1), drawn(seed, 1))
+        if u[0][0] < float(target[0, 1]):
+            assert result.accepted == 1 and result.next_token == (0 if u[1][1] < 0.5 else 1)
+        else:  # p without token 1 is [0.5, 0, 0.5] after renormalising: u[0][1] picks
+            assert result == Verdict(accepted=0, next_token=0 if u[0][1] < 0.5 else 2)
 
 
-def run_many(verify: Callable[[torch.Generator], Verdict], seed: int, calls: int = 200) -> list[Verdict]:
-    generator = seeded(seed)
-    return [verify(generator) for _ in range(calls)]
+def test_draws_of_positions_not_reached_change_nothing():
+    target = probs([0.1, 0.9], [0.5, 0.5], [0.5, 0.5])
+    for seed in range(100):
+        u = drawn(seed, 2)
+        result = verify_token_only(target, tokens(0, 1), u)
+        if result.accepted == 0:  # rejected at 0: rows 1 and 2 were never reached
+            other = u.clone()
+            other[1:] = torch.rand(2, 2, dtype=torch.float64, generator=seeded(seed + 1000))
+            assert verify_token_only(target, tokens(0, 1), other) == result
 
 
 DET_TARGET = torch.softmax(torch.randn(4, 12, generator=seeded(1)), dim=-1)
@@ -234,13 +243,13 @@ DET_DRAFT = torch.softmax(torch.randn(3, 12, generator=seeded(2)), dim=-1)
 @pytest.mark.parametrize(
     "verify",
     [
-        lambda g: verify_token_only(DET_TARGET, tokens(3, 7, 1), g),
-        lambda g: verify_draft_probs(DET_TARGET, DET_DRAFT, tokens(3, 7, 1), g),
+        lambda u: verify_token_only(DET_TARGET, tokens(3, 7, 1), u),
+        lambda u: verify_draft_probs(DET_TARGET, DET_DRAFT, tokens(3, 7, 1), u),
     ],
     ids=["token_only", "draft_probs"],
 )
-def test_same_seed_same_results_different_seed_different_results(verify):
-    first = run_many(verify, seed=5)
-    assert run_many(verify, seed=5) == first
-    assert run_many(verify, seed=6) != first
-    assert len(set(first)) > 3  # the outcomes really vary from call to call
+def test_same_draws_same_results_different_draws_different_results(verify):
+    first = [verify(drawn(seed, 3)) for seed in range(200)]
+    assert [verify(drawn(seed, 3)) for seed in range(200)] == first
+    assert [verify(drawn(seed, 3)) for seed in range(200, 400)] != first
+    assert len(set(first)) > 3  # the outcomes really vary from draw to draw

@@ -16,6 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from lmkit.draws import SAMPLE, inverse_cdf
 from lmkit.probs_codec import decode_probs, encode_probs, quantize_probs
 from target_service.rejection import (
     Verdict,
@@ -65,8 +66,8 @@ def exact_joint(table: torch.Tensor) -> np.ndarray:  # -> [VOCAB, VOCAB, VOCAB] 
 
 
 Drafter = Callable[[np.ndarray, np.random.Generator], np.ndarray]  # last tokens [m] -> draft blocks [m, K]
-# (target_probs [K+1, VOCAB], draft block [K], context id into ALL_CONTEXTS, generator) -> result
-Verifier = Callable[[torch.Tensor, torch.Tensor, int, torch.Generator], Verdict]
+# (target_probs [K+1, VOCAB], draft block [K], context id into ALL_CONTEXTS, uniforms [K+1, 2]) -> result
+Verifier = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], Verdict]
 
 
 def sampling_drafter(table: torch.Tensor) -> Drafter:
@@ -118,9 +119,10 @@ def speculative_samples(drafter: Drafter, verify: Verifier, seed: int) -> np.nda
         blocks = drafter(last[active], rng)  # [m, K]
         contexts = np.concatenate([last[active, None], blocks], axis=1)  # [m, K+1]: the token before each row
         context_ids = np.ravel_multi_index(contexts.T, (VOCAB,) * (K + 1)).tolist()
-        for trial, context_id in zip(active.tolist(), context_ids):
+        fresh = torch.rand(len(context_ids), K + 1, 2, dtype=torch.float64, generator=generator)  # never reused
+        for trial, context_id, uniforms in zip(active.tolist(), context_ids, fresh):
             block = DRAFT_BLOCKS[context_id]
-            result = verify(TARGET_BLOCKS[context_id], block, context_id, generator)
+            result = verify(TARGET_BLOCKS[context_id], block, context_id, uniforms)
             new = block[: result.accepted].tolist() + [result.next_token]
             start = filled[trial]
             take = new[: EMITTED - start]
@@ -160,8 +162,8 @@ def _chisquare_merged(observed: np.ndarray, expected: np.ndarray) -> float:
     return float(chisquare(observed[keep], expected).pvalue)
 
 
-def token_only(target_probs, block, context_id, generator) -> Verdict:
-    return verify_token_only(target_probs, block, generator)
+def token_only(target_probs, block, context_id, uniforms) -> Verdict:
+    return verify_token_only(target_probs, block, uniforms)
 
 
 QUANTIZED_DRAFT = quantize_probs(DRAFT)  # the draft samples from what the wire carries exactly
@@ -171,12 +173,12 @@ def draft_probs_over_the_wire() -> Verifier:
     """Probability mode with q sent through the codec; each distinct block is encoded and decoded once."""
     decoded: dict[int, torch.Tensor] = {}
 
-    def verify(target_probs, block, context_id, generator) -> Verdict:
+    def verify(target_probs, block, context_id, uniforms) -> Verdict:
         if context_id not in decoded:
             sent = QUANTIZED_DRAFT[ALL_CONTEXTS[context_id, :K]]  # [K, VOCAB]: q(. | token before position i)
             decoded[context_id] = decode_probs(encode_probs(sent))
             assert torch.equal(decoded[context_id], sent)
-        return verify_draft_probs(target_probs, decoded[context_id], block, generator)
+        return verify_draft_probs(target_probs, decoded[context_id], block, uniforms)
 
     return verify
 
@@ -187,11 +189,11 @@ def recovering_from_p(verify: Verifier) -> Verifier:
     For TOKEN_ONLY that forgets to remove x; for DRAFT_PROBS it ignores max(0, p - q).
     """
 
-    def wrong(target_probs, block, context_id, generator) -> Verdict:
-        result = verify(target_probs, block, context_id, generator)
+    def wrong(target_probs, block, context_id, uniforms) -> Verdict:
+        result = verify(target_probs, block, context_id, uniforms)
         if result.accepted == len(block):
             return result
-        token = int(torch.multinomial(target_probs[result.accepted], 1, generator=generator))
+        token = inverse_cdf(target_probs[result.accepted].double(), float(uniforms[result.accepted, SAMPLE]))
         return Verdict(accepted=result.accepted, next_token=token)
 
     return wrong

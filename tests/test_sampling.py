@@ -1,14 +1,13 @@
-"""Tests for lmkit.sampling: SamplingParams checks, logits_to_probs (temperature, top-k, top-p), generators."""
+"""Tests for lmkit.sampling: SamplingParams checks, logits_to_probs (temperature, top-k, top-p)."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import pytest
 import torch
 
-from lmkit.sampling import SamplingParams, logits_to_probs, make_generator
+from lmkit.sampling import SamplingParams, logits_to_probs
 
 pytestmark = pytest.mark.unit
 
@@ -193,29 +192,3 @@ def test_banned_tokens_get_zero_probability_and_vocab_of_one_works():
 def test_bad_logits_are_refused(logits, message):
     with pytest.raises(ValueError, match=message):
         logits_to_probs(logits, SamplingParams(temperature=1.0))
-
-
-# --- make_generator -------------------------------------------------------------
-
-
-def draws(generator: torch.Generator) -> list[float]:
-    return torch.rand(8, generator=generator).tolist()
-
-
-def test_generator_is_a_deterministic_function_of_seed_and_stream():
-    assert draws(make_generator(7, "draft")) == draws(make_generator(7, "draft"))
-    assert draws(make_generator(7, "draft")) != draws(make_generator(7, "target"))
-    assert draws(make_generator(7, "draft")) != draws(make_generator(8, "draft"))
-    assert make_generator(7, "draft").device.type == "cpu"
-
-
-def test_generator_seed_is_a_stable_hash_not_pythons_hash():
-    # Python's hash() of a str changes per process (PYTHONHASHSEED); a SHA-256 does not.
-    digest = hashlib.sha256(b"specsplit/7/target").digest()
-    assert make_generator(7, "target").initial_seed() == int.from_bytes(digest[:8], "little") % 2**63
-
-
-@pytest.mark.parametrize("seed, stream", [(-1, "draft"), (2**63, "draft"), (1.5, "draft"), (0, ""), (0, None)])
-def test_generator_rejects_bad_arguments(seed, stream):
-    with pytest.raises(ValueError):
-        make_generator(seed, stream)

@@ -1,0 +1,133 @@
+"""Counter-based random draws: every uniform is a pure function of (seed, stream, position, index).
+
+A session's randomness is not a generator that advances as it is used, but a
+fixed table: the draw with index ``i`` at absolute token position ``position``
+of ``stream`` is the same number whenever and wherever it is computed — after a
+target reopen, a draft re-attach, an eviction, in a batch or alone, on any
+process. So a uniform is never used for two decisions: position ``n`` is decided
+once in a generation's committed sequence, with the draws keyed by ``n``, and a
+replayed round recomputes the same draws and reaches the same verdict.
+Counter-based generation follows Salmon et al. 2011, "Parallel Random Numbers:
+As Easy as 1, 2, 3"; the mixing function is SplitMix64's (Steele, Lea and Flood
+2014, "Fast Splittable Pseudorandom Number Generators").
+
+Construction: ``key = BLAKE2b-64(seed, stream, position)``, then the draw with
+index ``i`` is the SplitMix64 output ``mix(key + (i + 1) * GAMMA)``, whose top
+53 bits give a float64 in the open interval (0, 1). Any index can be computed
+without the others, so Gumbel noise is made only for the tokens a truncated
+(top-k / top-p) distribution keeps.
+
+Which draw means what (``index``):
+
+* ``Stream.TARGET`` at position n: index 0 tests the draft token at n
+  (accept iff u < p/q), index 1 samples the recovered or bonus token at n.
+  Indices 2 and up are free for verifying further candidates at n (token trees).
+* ``Stream.DRAFT`` at position n: index 0 samples a model drafter's token at n.
+* ``Stream.COUPLED`` at position n: index t is the Gumbel noise of token id t,
+  shared by target and draft in ``VerificationMode.COUPLED``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from typing import Sequence
+
+import numpy as np
+import torch
+
+SEED_LIMIT = 2**63  # seeds are in [0, 2**63): what every wire format and torch accept
+
+# Which draw of a TARGET position is which.
+ACCEPT = 0  # the test of the draft token at this position
+SAMPLE = 1  # the recovered or bonus token at this position
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_PERSON = b"specsplit.draws"  # BLAKE2b personalisation: these keys are for nothing else
+
+
+class Stream(enum.Enum):
+    """Who draws: disjoint tables, so draft and target never share a uniform (COUPLED shares on purpose)."""
+
+    TARGET = 1  # acceptance tests and recovered / bonus samples of the target
+    DRAFT = 2  # a model drafter's sampled tokens
+    COUPLED = 3  # Gumbel noise over token ids, shared by draft and target in COUPLED mode
+
+
+def position_keys(seed: int, stream: Stream, positions: Sequence[int]) -> np.ndarray:  # -> [n] uint64
+    """The 64-bit key of each (seed, stream, position): a BLAKE2b hash, the same in every process."""
+    _check(seed, stream)
+    keys = np.empty(len(positions), dtype=np.uint64)
+    for i, position in enumerate(positions):
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < 2**64:
+            raise ValueError(f"positions must be ints >= 0, got {position!r}")
+        digest = hashlib.blake2b(
+            struct.pack("<QBQ", seed, stream.value, position), digest_size=8, person=_PERSON
+        ).digest()
+        keys[i] = int.from_bytes(digest, "little")
+    return keys
+
+
+def uniforms(seed: int, stream: Stream, positions: Sequence[int], count: int) -> torch.Tensor:
+    """Draws 0..count-1 at each position: [len(positions), count] float64 in (0, 1)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be an int >= 0, got {count!r}")
+    keys = position_keys(seed, stream, positions)
+    index = np.arange(count, dtype=np.uint64)
+    return torch.from_numpy(_to_unit(_mix(keys[:, None], index[None, :])))
+
+
+def gumbel(seed: int, stream: Stream, position: int, token_ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise G = -log(-log u) of the given token ids at one position: [n] float64.
+
+    The draw index is the token id, so a token's noise does not depend on which
+    other tokens are asked for.
+    """
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype != torch.int64:
+        raise ValueError("token_ids must be a 1-D int64 tensor")
+    if token_ids.numel() and int(token_ids.min()) < 0:
+        raise ValueError("token_ids must be >= 0")
+    key = position_keys(seed, stream, [position])
+    u = _to_unit(_mix(key, token_ids.cpu().numpy().astype(np.uint64)))
+    return torch.from_numpy(-np.log(-np.log(u)))
+
+
+def _mix(keys: np.ndarray, index: np.ndarray) -> np.ndarray:  # broadcast uint64 -> uint64
+    """SplitMix64's output function at counter ``index + 1`` of the stream started at ``key``."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2**64, as SplitMix64 intends
+        z = keys + (index + np.uint64(1)) * _GAMMA
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _to_unit(bits: np.ndarray) -> np.ndarray:  # uint64 -> float64 in (0, 1)
+    # The top 53 bits, centred in their cell: never 0 (so log u is finite) and never 1.
+    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def _check(seed: int, stream: Stream) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    if not isinstance(stream, Stream):
+        raise ValueError(f"stream must be a draws.Stream, got {stream!r}")
+
+
+def inverse_cdf(
+    probs: torch.Tensor,  # [vocab] float64 >= 0, need not be normalised
+    uniform: float,  # in (0, 1)
+    fallback: torch.Tensor | None = None,  # [vocab] float64, used when probs has no mass
+) -> int:
+    """The token whose CDF cell holds ``uniform``: one sample; zero-probability tokens are never returned."""
+    cdf = torch.cumsum(probs, dim=0)
+    total = float(cdf[-1])
+    if fallback is not None and not total > 0.0:
+        return inverse_cdf(fallback, uniform)
+    # right=True finds the first token whose CDF exceeds the target, which skips tokens with p == 0.
+    token = int(torch.searchsorted(cdf, uniform * total, right=True))
+    if token >= probs.shape[0]:  # uniform * total rounded up onto the total: take the last token with mass
+        token = int(probs.nonzero()[-1])
+    return token
