@@ -8,6 +8,8 @@ one stopped; other settings are refused):
    generated in batches (``draft_service.eagle_data``);
 2. training with training-time test (``draft_service.eagle_train``), a
    checkpoint every ``--save-every`` steps (``OUT/checkpoint.pt``);
+   ``--max-minutes`` stops training after that long (checkpointed): on a
+   shared machine, train in slices and rerun to continue;
 3. the report (``OUT/distill_report.json``): top-1 agreement, acceptance per
    depth and tokens per round at k = 1..4 on held-out answers (prompts never
    trained on), top-1 agreement on held-out corpus text; and the head itself in
@@ -57,6 +59,7 @@ class EagleDistillConfig:
     gen_batch: int = 32
     chunk_prompts: int = 128  # prompts per data file (the unit of resumption while generating)
     seed: int = 0
+    max_minutes: float = 0.0  # stop training after this long, checkpointed (rerun to continue); 0 = no limit
 
     def __post_init__(self) -> None:
         for name in ("corpus_tokens", "prompts", "answer_tokens", "held_out_prompts", "draft_vocab", "steps", "batch",
@@ -69,6 +72,8 @@ class EagleDistillConfig:
             raise ValueError(f"--sampled-share must be in [0, 1], got {self.sampled_share}")
         if not 0 < self.lr < 1:
             raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
+        if self.max_minutes < 0:
+            raise ValueError(f"--max-minutes must be >= 0 (0 = no limit), got {self.max_minutes}")
         if self.temperature <= 0:
             raise ValueError(f"--temperature must be > 0, got {self.temperature}")
         if not self.out:
@@ -203,8 +208,11 @@ def _train(config: EagleDistillConfig, head, train: eagle_data.Segments, target_
             mean = [sum(a[s] for a in recent) / len(recent) for s in range(config.ttt_steps)]
             bar.set_postfix(loss=f"{loss.item():.3f}", agree="/".join(f"{a:.2f}" for a in mean))
             bar.update(1)
-            if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
+            out_of_time = config.max_minutes and time.perf_counter() - started > 60 * config.max_minutes
+            if (step + 1) % config.save_every == 0 or step + 1 == config.steps or out_of_time:
                 _checkpoint(out / CHECKPOINT, config, head, optimizer, step + 1)
+            if out_of_time and step + 1 < config.steps:
+                return {"stopped_at": step + 1}
     return {"resumed_at": start, "train_s": round(time.perf_counter() - started, 1),
             "final_train_agreement_per_step": [round(a, 4) for a in mean] if recent else []}
 
@@ -234,9 +242,13 @@ def distill_eagle(config: EagleDistillConfig) -> dict:
     draft_ids, coverage = eagle_train.draft_vocabulary(train, config.draft_vocab, int(model.config.vocab_size))
     head = eagle_train.new_head(model, layers, draft_ids, config.seed)
     target_rows = model.get_output_embeddings().weight[draft_ids].float()  # [Vd, H]
-    before = eagle_train.acceptance(head, held)
     training = _train(config, head, train, target_rows)
+    if "stopped_at" in training:
+        _log(f"stopped after --max-minutes {config.max_minutes:g} at step {training['stopped_at']} of "
+             f"{config.steps}; rerun the same command to continue")
+        return training
     head.eval()
+    before = eagle_train.acceptance(eagle_train.new_head(model, layers, draft_ids, config.seed), held)
     report = {
         "target": config.target,
         "feature_layers": list(layers),
@@ -280,6 +292,8 @@ def add_flags(parser) -> None:
     g.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="unrolled steps of training-time test")
     g.add_argument("--loss-share", type=float, default=d.loss_share, help="share of rows the loss reads per step")
     g.add_argument("--gen-batch", type=int, default=d.gen_batch, help="prompts per generation batch")
+    g.add_argument("--max-minutes", type=float, default=d.max_minutes,
+                   help="stop training after this long, checkpointed; rerun to continue (0 = no limit)")
 
 
 def config_from_args(args) -> EagleDistillConfig:
@@ -296,4 +310,5 @@ def config_from_args(args) -> EagleDistillConfig:
         steps=given("steps"), batch=given("batch"), seq_len=given("seq_len"), ttt_steps=args.ttt_steps,
         loss_share=args.loss_share,
         lr=given("lr"), save_every=args.save_every, gen_batch=args.gen_batch, seed=args.seed,
+        max_minutes=args.max_minutes,
     )
