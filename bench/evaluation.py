@@ -47,9 +47,10 @@ class Comparison:
 async def run_one(
     orch: Orchestrator, prompt: DemoPrompt, k: int, drafter: DrafterKind, max_new_tokens: int,
     sampling: SamplingParams, draft_probs: bool = False, adaptive_k: bool = False, overlap: bool = False,
+    chain: tuple[DrafterKind, ...] = (),
 ) -> RunResult:
     request = GenerationRequest(
-        prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k, overlap=overlap
+        prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k, chain, overlap
     )
     prompt_ids = orch.encode(prompt.text, chat=True)
     text, ids = [], []

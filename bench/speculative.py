@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench import demo, speed
+from bench import demo, interleaved, speed
 from bench.evaluation import Summary, compare, summarise, theoretical_speedup
 from bench.prompts import PROMPT_SETS
 from lmkit.kinds import DrafterKind
@@ -31,10 +31,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     demo.build_parser(parser)
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument(
-        "--suite", default="compare", choices=["compare", "speed"],
-        help="compare: speculative vs target-only on a prompt set; speed: modes, K sweep, concurrency, HF anchors, plot",
+        "--suite", default="compare", choices=["compare", "speed", "interleaved"],
+        help="compare: speculative vs target-only on a prompt set; speed: modes, K sweep, concurrency, HF anchors, "
+             "plot; interleaved: several --drafters against target-only, prompt by prompt, in one run",
     )
     speed.add_flags(parser)
+    interleaved.add_flags(parser)
     parser.add_argument("--target-cpus", default="", help="pin the target to these CPUs, e.g. '0,1'")
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
     parser.add_argument(
@@ -100,14 +102,21 @@ async def _measure(args, target_address: str, draft_address: str) -> dict:
     return report
 
 
-def run(args) -> int:
-    if args.suite == "speed":
-        return speed.run(args)
-    target_args, draft_args = demo.service_args(args)
+def pin(args, target_args: list[str], draft_args: list[str]) -> None:
+    """--target-cpus / --draft-cpus as the services' own --cpus flags."""
     if args.target_cpus:
         target_args += ["--cpus", args.target_cpus]
     if args.draft_cpus:
         draft_args += ["--cpus", args.draft_cpus]
+
+
+def run(args) -> int:
+    if args.suite == "speed":
+        return speed.run(args)
+    if args.suite == "interleaved":
+        return interleaved.run(args)
+    target_args, draft_args = demo.service_args(args)
+    pin(args, target_args, draft_args)
     started = time.time()
     with local_services(target_args, draft_args) as (target, draft):
         report = asyncio.run(_measure(args, target.address, draft.address))
