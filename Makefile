@@ -49,7 +49,8 @@ test-unit: install
 bench: install
 	$(VENV)/bin/specsplit bench --json bench/results/core-ngram.json --target-cpus 1 --draft-cpus 0
 
-# Sync vs overlap, fixed vs adaptive K, K sweep, concurrency 1..32, HF anchors: JSON + PNG.
+# Traffic per kind on the mixed set (greedy and sampling, vs HF anchors) and concurrency 1..32: JSON + PNG.
+# Over an hour on 2 cores; --parts traffic|modes|concurrency and --prompt-set mixed-dev|mixed-heldout run it in pieces.
 bench-speed: install
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(VENV)/bin/specsplit bench --suite speed --json bench/results/speed.json --target-cpus 1 --draft-cpus 0 --target-threads 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.prompts import DemoPrompt
+from bench.prompts import DemoPrompt, chat_ids
 from lmkit.kinds import DrafterKind
 from lmkit.sampling import SamplingParams
 from orchestrator.generation import GenerationRequest, Orchestrator
@@ -52,7 +52,7 @@ async def run_one(
     request = GenerationRequest(
         prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k, chain, overlap
     )
-    prompt_ids = orch.encode(prompt.text, chat=True)
+    prompt_ids = chat_ids(orch.tokenizer, prompt)
     text, ids = [], []
     async for event in orch.generate(request, prompt_ids):
         text.append(event.text)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from bench import demo
-from bench.evaluation import Comparison, run_one, summarise
+from bench import demo, runs
+from bench.evaluation import Comparison, Summary, run_one, summarise, theoretical_speedup
 from bench.prompts import PROMPT_SETS
 from lmkit.kinds import DrafterKind
 from lmkit.processes import local_services
@@ -120,9 +120,30 @@ async def _measure(args, entries: list[Entry], target_address: str, draft_addres
     return results
 
 
-def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> dict:
-    from bench.speculative import figures
+def figures(g: Summary, k: int) -> dict:
+    """One drafter's figures over a group of prompts."""
+    c = g.draft_cost_ratio
+    return {
+        "prompts": g.prompts,
+        "prompt_names": g.names,
+        "new_tokens": g.new_tokens,
+        "tokens_per_s_target_only": round(g.tokens_per_s_target_only, 3),
+        "tokens_per_s_speculative": round(g.tokens_per_s_speculative, 3),
+        "speedup": round(g.speedup, 3),
+        "acceptance_rate": round(g.acceptance_rate, 4),
+        "mean_accepted_length": round(g.mean_accepted_length, 3),
+        "draft_cost_ratio": round(c, 4),
+        "theoretical_speedup": round(theoretical_speedup(g.acceptance_rate, k, c), 3),
+        "rounds": g.rounds,
+        "drafted_tokens": g.drafted,
+        "mean_drafted_per_round": round(g.drafted / g.rounds, 3) if g.rounds else 0.0,
+        "accepted_tokens": g.accepted,
+        "identical_to_target_only": g.identical,
+        "feature_bytes_per_round": round(g.feature_bytes / g.rounds, 1) if g.rounds else 0.0,
+    }
 
+
+def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> dict:
     drafters = {}
     for e in entries:
         groups = summarise(results[e.label])
@@ -160,13 +181,10 @@ def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> 
 
 def run(args) -> int:
     entries = parse_entries(args.drafters)
-    target_args, draft_args = demo.service_args(argparse.Namespace(**{**vars(args), "drafter": "ngram"}))
+    target_args, draft_args = runs.service_args(argparse.Namespace(**{**vars(args), "drafter": "ngram"}))
     flags = draft_flags(args, entries)
     if flags:
         draft_args += ["--model", args.model, *flags]
-    from bench.speculative import pin
-
-    pin(args, target_args, draft_args)
     started = time.time()
     with local_services(target_args, draft_args) as (target, draft):
         results = asyncio.run(_measure(args, entries, target.address, draft.address))

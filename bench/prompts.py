@@ -1,21 +1,62 @@
 """Built-in prompts for ``specsplit demo`` and ``specsplit bench``.
 
-Two kinds, reported apart: *grounded* tasks whose answer re-uses the input
-(edit code, extract, summarise, answer from a passage) and *open* prose. The
-split matters because a model-free drafter only helps where the output copies
-from the context.
+The demo's two kinds, reported apart: *grounded* tasks whose answer re-uses the
+input (edit code, extract, summarise, answer from a passage) and *open* prose.
+The split matters because a model-free drafter only helps where the output
+copies from the context.
+
+The mixed-traffic set (``--prompt-set mixed``, ``bench/prompt_sets/mixed.jsonl``)
+is what a service sees: 55 prompts of 11 kinds written for the benchmark, each
+labelled with its kind, its group (grounded or open) and a dev/held-out split
+(``mixed-dev``, ``mixed-heldout``); multi-turn chats carry their message lists.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+SETS_DIR = Path(__file__).parent / "prompt_sets"
 
 
 @dataclass(frozen=True)
 class DemoPrompt:
     name: str
-    kind: str  # "grounded" or "open"
-    text: str
+    kind: str  # the demo's "grounded" / "open", or a traffic kind such as "code-edit"
+    text: str  # the last user message
+    group: str = ""  # "grounded" or "open" for traffic kinds; empty for the demo's sets
+    split: str = ""  # "dev" or "heldout" for the mixed set
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) of a multi-turn chat; empty: one user message
+
+    def chat(self) -> list[dict[str, str]]:
+        """The conversation to put through the chat template."""
+        if self.messages:
+            return [{"role": role, "content": content} for role, content in self.messages]
+        return [{"role": "user", "content": self.text}]
+
+
+def chat_ids(tokenizer, prompt: DemoPrompt) -> list[int]:
+    """The prompt's token ids under the tokenizer's chat template, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def load_prompt_set(path: Path) -> tuple[DemoPrompt, ...]:
+    """A JSONL prompt set: one object per line with name, kind, group, split and messages."""
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        messages = tuple((m["role"], m["content"]) for m in row["messages"])
+        if not messages or messages[-1][0] != "user":
+            raise ValueError(f"{path}:{number}: the last message must be the user's")
+        prompts.append(DemoPrompt(
+            row["name"], row["kind"], messages[-1][1], row["group"], row["split"],
+            messages if len(messages) > 1 else (),
+        ))
+    return tuple(prompts)
 
 
 _CODE = '''def average(values):
@@ -124,6 +165,8 @@ FREE_TEXT_PROMPTS: tuple[DemoPrompt, ...] = (
     DemoPrompt("compare", "free-text", "What are the differences between cats and dogs as pets?"),
 )
 
+MIXED_PROMPTS = load_prompt_set(SETS_DIR / "mixed.jsonl")
+
 # Open prose beyond the demo's three, for the EAGLE drafter's figures (``--prompt-set mix``: the demo's
 # grounded and open prompts plus these). None is among the chat prompts `specsplit distill --eagle` trains on.
 PROSE_PROMPTS: tuple[DemoPrompt, ...] = (
@@ -134,6 +177,9 @@ PROSE_PROMPTS: tuple[DemoPrompt, ...] = (
 )
 
 PROMPT_SETS: dict[str, tuple[DemoPrompt, ...]] = {
+    "mixed": MIXED_PROMPTS,
+    "mixed-dev": tuple(p for p in MIXED_PROMPTS if p.split == "dev"),
+    "mixed-heldout": tuple(p for p in MIXED_PROMPTS if p.split == "heldout"),
     "demo": DEMO_PROMPTS,
     "mix": DEMO_PROMPTS + PROSE_PROMPTS,
     "drafters": CODE_EDIT_PROMPTS + FREE_TEXT_PROMPTS,

@@ -1,27 +1,21 @@
-"""``specsplit bench --json PATH``: speculative vs target-only decoding on the demo prompts, as JSON.
+"""``specsplit bench --json PATH``: specsplit against target-only and HF anchors on a prompt set, per kind.
 
-Both decodings run in one process against the same target service (k = 0 is
-target-only), on the same prompts and token budget, greedy. Services are
-started as separate processes on loopback; ``--target-cpus``/``--draft-cpus``
-pin them to different cores (they stand for separate devices).
+Every contender (target-only through the same target service, specsplit,
+``model.generate``, and Hugging Face prompt lookup at each ``--hf-lookup`` N)
+generates every prompt, interleaved (``bench/traffic.py``), greedy and/or
+sampling. Services are started as separate processes on loopback;
+``--target-cpus``/``--draft-cpus`` pin them to different cores (they stand for
+separate devices); the HF anchors run in this process with the target's threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
-import torch
-
-from bench import demo, interleaved, speed
-from bench.evaluation import Summary, compare, summarise, theoretical_speedup
+from bench import demo, interleaved, runs, speed, traffic
 from bench.prompts import PROMPT_SETS
-from lmkit.kinds import DrafterKind
 from lmkit.processes import local_services
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Orchestrator
@@ -32,82 +26,37 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument(
         "--suite", default="compare", choices=["compare", "speed", "interleaved"],
-        help="compare: speculative vs target-only on a prompt set; speed: modes, K sweep, concurrency, HF anchors, "
-             "plot; interleaved: several --drafters against target-only, prompt by prompt, in one run",
+        help="compare: contenders per kind on a prompt set; speed: the same on both decodings, concurrency, plot; "
+             "interleaved: several --drafters against target-only, prompt by prompt, in one run",
     )
     speed.add_flags(parser)
     interleaved.add_flags(parser)
     parser.add_argument("--target-cpus", default="", help="pin the target to these CPUs, e.g. '0,1'")
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
     parser.add_argument(
-        "--prompt-set", default="demo", choices=sorted(PROMPT_SETS),
-        help="demo: the 8 demo prompts; drafters: 4 code-edit + 4 free-text prompts (drafter comparison); "
-             "mix: the demo prompts plus 4 more open prose prompts (EAGLE)",
+        "--prompt-set", default="mixed", choices=sorted(PROMPT_SETS),
+        help="mixed: 55 prompts of 11 kinds (mixed-dev / mixed-heldout: its two splits); demo: the 8 demo prompts; "
+             "drafters: 4 code-edit + 4 free-text prompts; mix: the demo prompts plus 4 more open prose prompts (EAGLE)",
     )
+    parser.add_argument("--decoding", default="both", choices=sorted(traffic.DECODINGS),
+                        help="both (a sampling row beside greedy), greedy, or sampling (T 0.7, top-p 0.95, a seed "
+                             "per prompt)")
+    parser.add_argument("--hf-lookup", default="3,8", help="HF prompt_lookup_num_tokens values to run ('' = none)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face anchors")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the prompt set")
     return parser
 
 
-def figures(g: Summary, k: int) -> dict:
-    c = g.draft_cost_ratio
-    return {
-        "prompts": g.prompts,
-        "prompt_names": g.names,
-        "new_tokens": g.new_tokens,
-        "tokens_per_s_target_only": round(g.tokens_per_s_target_only, 3),
-        "tokens_per_s_speculative": round(g.tokens_per_s_speculative, 3),
-        "speedup": round(g.speedup, 3),
-        "acceptance_rate": round(g.acceptance_rate, 4),
-        "mean_accepted_length": round(g.mean_accepted_length, 3),
-        "draft_cost_ratio": round(c, 4),
-        "theoretical_speedup": round(theoretical_speedup(g.acceptance_rate, k, c), 3),
-        "rounds": g.rounds,
-        "drafted_tokens": g.drafted,
-        "mean_drafted_per_round": round(g.drafted / g.rounds, 3) if g.rounds else 0.0,
-        "accepted_tokens": g.accepted,
-        "identical_to_target_only": g.identical,
-        "feature_bytes_per_round": round(g.feature_bytes / g.rounds, 1) if g.rounds else 0.0,
-    }
-
-
-async def _measure(args, target_address: str, draft_address: str) -> dict:
-    config = OrchestratorConfig(target_address=target_address, draft_address=draft_address, tokenizer=args.model)
+async def measure_traffic(args, target_address: str, draft_address: str, decodings, model) -> dict:
+    config = OrchestratorConfig(target_address=target_address, draft_address=draft_address, tokenizer=args.model,
+                                ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     orch = await Orchestrator.connect(config)
+    settings = runs.settings_of(args)
     try:
-        drafter = DrafterKind[args.drafter.upper()]
-        prompts = PROMPT_SETS[args.prompt_set]
-        results = await compare(
-            orch, prompts, args.k, drafter, args.max_new_tokens, adaptive_k=not args.fixed_k,
-            overlap=not args.no_overlap,
-        )
+        measured = await traffic.measure(orch, model, PROMPT_SETS[args.prompt_set], settings, decodings)
     finally:
         await orch.close()
-    groups = summarise(results)
-    report = {"k": args.k, "adaptive_k": not args.fixed_k, "overlap": not args.no_overlap,
-              **figures(groups["all"], args.k)}
-    report["by_kind"] = {name: figures(g, args.k) for name, g in groups.items() if name != "all"}
-    report["per_prompt"] = [
-        {
-            "name": c.prompt.name,
-            "kind": c.prompt.kind,
-            "new_tokens": len(c.speculative.token_ids),
-            "speculative_s": round(c.speculative.wall_s, 4),
-            "target_only_s": round(c.baseline.wall_s, 4),
-            "rounds": c.speculative.rounds,
-            "drafted": c.speculative.drafted,
-            "accepted": c.speculative.accepted,
-            "identical": c.identical,
-        }
-        for c in results
-    ]
-    return report
-
-
-def pin(args, target_args: list[str], draft_args: list[str]) -> None:
-    """--target-cpus / --draft-cpus as the services' own --cpus flags."""
-    if args.target_cpus:
-        target_args += ["--cpus", args.target_cpus]
-    if args.draft_cpus:
-        draft_args += ["--cpus", args.draft_cpus]
+    return traffic.report(measured, settings)
 
 
 def run(args) -> int:
@@ -115,36 +64,13 @@ def run(args) -> int:
         return speed.run(args)
     if args.suite == "interleaved":
         return interleaved.run(args)
-    target_args, draft_args = demo.service_args(args)
-    pin(args, target_args, draft_args)
     started = time.time()
-    with local_services(target_args, draft_args) as (target, draft):
-        report = asyncio.run(_measure(args, target.address, draft.address))
-    report = {
-        "benchmark": "speculative_vs_target_only",
-        "target": args.model,
-        "drafter": args.drafter,
-        "draft_model": args.draft_model or None,
-        "self_draft_flags": demo.self_draft_flags(args) if not args.draft_model else [],
-        "chain": [k.name.lower() for k in demo.chain_members(args)],
-        "prompt_set": args.prompt_set,
-        "decoding": "greedy",
-        "max_new_tokens": args.max_new_tokens,
-        "tp": args.tp,
-        "target_threads": args.target_threads,
-        "draft_threads": args.draft_threads,
-        "target_cpus": args.target_cpus or "unpinned",
-        "draft_cpus": args.draft_cpus or "unpinned",
-        **report,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-        "duration_s": round(time.time() - started, 1),
-    }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        f"speedup {report['speedup']:.2f}x  acceptance {report['acceptance_rate']:.2f}  "
-        f"mean accepted length {report['mean_accepted_length']:.2f}  "
-        f"({report['tokens_per_s_speculative']:.1f} vs {report['tokens_per_s_target_only']:.1f} tok/s) -> {path}"
-    )
+    model = None if args.no_hf else runs.load_anchor_model(args)
+    with local_services(*runs.service_args(args)) as (target, draft):
+        result = asyncio.run(
+            measure_traffic(args, target.address, draft.address, traffic.DECODINGS[args.decoding], model))
+    report = {"benchmark": "traffic", **runs.header(args), **result, "duration_s": round(time.time() - started, 1)}
+    path = runs.write(report, args.json)
+    traffic.print_rows(result)
+    print(f"-> {path}")
     return 0

@@ -1,29 +1,34 @@
-"""``specsplit bench --suite speed``: sync vs overlap, fixed vs adaptive K, concurrency, HF anchors; JSON + PNG.
+"""``specsplit bench --suite speed``: traffic per kind, sync vs overlap, concurrency, HF anchors; JSON + PNG.
 
-One run, one target, the same prompts and token budget throughout, greedy:
+One run, one target, the same prompts throughout, in parts (``--parts``; a
+run of every part on the mixed set takes longer than a machine should be held,
+so the parts run apart and each writes its own JSON):
 
-* single stream: target-only (k = 0 through the same service), speculative in
-  sync and overlap modes with fixed and adaptive K, and Hugging Face anchors in
-  this process on the target's cores: plain ``model.generate`` and assisted
-  generation (``prompt_lookup_num_tokens`` for the n-gram drafter,
-  ``assistant_model`` for a draft model);
-* a K sweep (fixed K, sync) for speedup vs K, and per-position acceptance;
-* concurrency 1..32: aggregate tokens/s with speculation (adaptive, overlap)
-  and without (k = 0), both through continuous batching; each level runs
-  ``--concurrency-repeats`` times per mode, the modes interleaved (ABBA...), and
-  the report gives medians (the per-repeat figures beside them).
+* ``traffic``: every prompt by target-only, specsplit, HF ``generate`` and HF
+  prompt lookup, interleaved, per kind, greedy and/or sampling
+  (``--decoding``; ``bench/traffic.py``). The bench process is not pinned: the
+  HF anchors run in it with the target's threads;
+* ``modes``: single stream, target-only and speculative in sync and overlap
+  modes with fixed and adaptive K, a K sweep (fixed K, sync) with per-position
+  acceptance, and HF anchors run after the services stop (plain
+  ``model.generate`` and assisted generation: ``prompt_lookup_num_tokens`` for
+  the n-gram drafter, ``assistant_model`` for a draft model), greedy;
+* ``concurrency``: 1..32 sessions, aggregate tokens/s with speculation
+  (adaptive, overlap) and without (k = 0), both through continuous batching;
+  each level runs ``--concurrency-repeats`` times per mode, the modes
+  interleaved (ABBA...), and the report gives medians (the per-repeat figures
+  beside them).
 
-Draft and target run as separate processes pinned to different cores (they
-stand for separate devices); the orchestrator runs in this process on the
-draft's cores, the HF anchors on the target's.
+Draft and target run as separate processes, pinned to different cores when
+``--target-cpus``/``--draft-cpus`` say so (they stand for separate devices);
+for ``modes`` and ``concurrency`` the orchestrator runs in this process on the
+draft's cores.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from bench import demo
+from bench import runs, traffic
 from bench.evaluation import RunResult, run_one, theoretical_speedup
-from bench.prompts import PROMPT_SETS
+from bench.prompts import PROMPT_SETS, chat_ids
 from lmkit import models
 from lmkit.kinds import DrafterKind
 from lmkit.processes import local_services
@@ -52,7 +57,12 @@ class Mode:
     overlap: bool
 
 
+PARTS = ("traffic", "modes", "concurrency")
+
+
 def add_flags(parser) -> None:
+    parser.add_argument("--parts", default="traffic,concurrency",
+                        help=f"--suite speed: which parts to run, of {','.join(PARTS)}")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="--suite speed: concurrent sessions levels")
     parser.add_argument("--k-sweep", default="1,2,4,8", help="--suite speed: fixed K values for speedup vs K")
     parser.add_argument("--concurrency-max-new-tokens", type=int, default=48, help="--suite speed: tokens per request")
@@ -131,10 +141,10 @@ def hf_anchors(args, prompts, tokenizer, max_new: int, k: int, drafter: DrafterK
     extra = {"assistant_model": assistant} if assistant is not None else {"prompt_lookup_num_tokens": k}
     out = {"generate": [], "assisted": []}
     for name, kwargs in (("generate", {}), ("assisted", extra)):
-        ids = _chat_ids(tokenizer, prompts[0].text)
+        ids = chat_ids(tokenizer, prompts[0])
         _hf_generate(target, ids, 8, kwargs)  # warm-up
         for p in prompts:
-            ids = _chat_ids(tokenizer, p.text)
+            ids = chat_ids(tokenizer, p)
             start = time.perf_counter()
             new = _hf_generate(target, ids, max_new, kwargs)
             out[name].append((new, time.perf_counter() - start))
@@ -146,11 +156,6 @@ def hf_anchors(args, prompts, tokenizer, max_new: int, k: int, drafter: DrafterK
         "threads": threads, "cpus": args.target_cpus or "unpinned",
         "outputs": {name: [n for n, _ in runs] for name, runs in out.items()},
     }
-
-
-def _chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 @torch.inference_mode()
@@ -165,7 +170,7 @@ async def _timed(orch, prompt, mode: Mode, drafter, max_new) -> tuple[list[tuple
     request = GenerationRequest(prompt.text, True, max_new, GREEDY, (), mode.k, drafter, False, mode.adaptive,
                                 overlap=mode.overlap)
     events, ids, stats = [], [], None
-    async for event in orch.generate(request, orch.encode(prompt.text, chat=True)):
+    async for event in orch.generate(request, chat_ids(orch.tokenizer, prompt)):
         events.append((time.perf_counter(), len(event.token_ids)))
         ids.extend(event.token_ids)
         stats = event.stats or stats
@@ -195,40 +200,59 @@ async def _concurrent(orch, prompts, level: int, mode: Mode, drafter, max_new) -
     }
 
 
-async def _measure(args, target_address: str, draft_address: str):
+async def _modes(orch, prompts, args, drafter):
+    k, max_new = args.k, args.max_new_tokens
+    baseline = await _pass(orch, prompts, Mode("target-only", 0, False, False), drafter, max_new)
+    modes = [Mode("sync-adaptive", k, True, False), Mode("overlap-adaptive", k, True, True),
+             Mode("sync-fixed", k, False, False), Mode("overlap-fixed", k, False, True)]
+    single = {m.name: (m, await _pass(orch, prompts, m, drafter, max_new)) for m in modes}
+    sweep = {}
+    for kk in [int(x) for x in args.k_sweep.split(",") if x.strip()]:
+        m = Mode(f"sync-fixed-k{kk}", kk, False, False)
+        sweep[kk] = (m, await _pass(orch, prompts, m, drafter, max_new))
+    return baseline, single, sweep
+
+
+async def _concurrency(orch, prompts, args, drafter) -> list[dict]:
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    on, off = Mode("speculative", args.k, True, True), Mode("no-speculation", 0, False, False)
+    conc_max = args.concurrency_max_new_tokens
+    await _concurrent(orch, prompts, 2, on, drafter, 8)  # warm-up
+    concurrency = []
+    for level in levels:
+        samples = {"speculative": [], "no_speculation": []}
+        for repeat in range(max(args.concurrency_repeats, 1)):
+            # ABBA order: neither mode always runs first (warmer caches, drifting machine load)
+            order = [("speculative", on), ("no_speculation", off)]
+            if repeat % 2:
+                order.reverse()
+            for name, mode in order:
+                samples[name].append(await _concurrent(orch, prompts, level, mode, drafter, conc_max))
+        concurrency.append({"sessions": level, **samples})
+    return concurrency
+
+
+async def _measure(args, target_address: str, draft_address: str, parts: set[str], model) -> dict:
+    """The chosen parts against one pair of services, through one orchestrator (its statistics carry over)."""
     drafter = DrafterKind[args.drafter.upper()]
     prompts = PROMPT_SETS[args.prompt_set]
-    k, max_new = args.k, args.max_new_tokens
-    config = OrchestratorConfig(target_address, draft_address, tokenizer=args.model, max_concurrent=256)
+    config = OrchestratorConfig(target_address, draft_address, tokenizer=args.model, max_concurrent=256,
+                                ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     orch = await Orchestrator.connect(config)
+    out: dict = {}
     try:
+        if "traffic" in parts:
+            settings = runs.settings_of(args)
+            measured = await traffic.measure(orch, model, prompts, settings, traffic.DECODINGS[args.decoding])
+            out["traffic"] = traffic.report(measured, settings)
         _pin(args.draft_cpus)
-        baseline = await _pass(orch, prompts, Mode("target-only", 0, False, False), drafter, max_new)
-        modes = [Mode("sync-adaptive", k, True, False), Mode("overlap-adaptive", k, True, True),
-                 Mode("sync-fixed", k, False, False), Mode("overlap-fixed", k, False, True)]
-        single = {m.name: (m, await _pass(orch, prompts, m, drafter, max_new)) for m in modes}
-        sweep = {}
-        for kk in [int(x) for x in args.k_sweep.split(",") if x.strip()]:
-            m = Mode(f"sync-fixed-k{kk}", kk, False, False)
-            sweep[kk] = (m, await _pass(orch, prompts, m, drafter, max_new))
-        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-        on, off = Mode("speculative", k, True, True), Mode("no-speculation", 0, False, False)
-        conc_max = args.concurrency_max_new_tokens
-        await _concurrent(orch, prompts, 2, on, drafter, 8)  # warm-up
-        concurrency = []
-        for level in levels:
-            samples = {"speculative": [], "no_speculation": []}
-            for repeat in range(max(args.concurrency_repeats, 1)):
-                # ABBA order: neither mode always runs first (warmer caches, drifting machine load)
-                order = [("speculative", on), ("no_speculation", off)]
-                if repeat % 2:
-                    order.reverse()
-                for name, mode in order:
-                    samples[name].append(await _concurrent(orch, prompts, level, mode, drafter, conc_max))
-            concurrency.append({"sessions": level, **samples})
+        if "modes" in parts:
+            out["modes"] = await _modes(orch, prompts, args, drafter)
+        if "concurrency" in parts:
+            out["concurrency"] = await _concurrency(orch, prompts, args, drafter)
     finally:
         await orch.close()
-    return baseline, single, sweep, concurrency
+    return out
 
 
 def _median(samples: list[dict], key: str) -> float:
@@ -273,65 +297,122 @@ def _concurrency_table(concurrency: list[dict]) -> list[dict]:
     return table
 
 
-def _report(args, baseline, single, sweep, concurrency, hf) -> dict:
+def _modes_report(args, baseline, single, sweep, hf) -> dict:
     base_tokens = sum(len(r.token_ids) for r in baseline)
     base_tps = base_tokens / sum(r.wall_s for r in baseline)
     modes = {name: _figures(runs, baseline, m, hf) for name, (m, runs) in single.items()}
     k_sweep = [_figures(runs, baseline, m, hf) for m, runs in sweep.values()]
-    table = _concurrency_table(concurrency)
     hf_identical = sum(a == r.token_ids for a, r in zip(hf["outputs"]["assisted"], single["overlap-adaptive"][1]))
     hf_summary = {key: v for key, v in hf.items() if key != "outputs"}
     hf_summary["assisted_identical_to_specsplit"] = f"{hf_identical}/{len(baseline)}"
     by_name = {m["mode"]: m for m in modes.values()}
-    at = {row["sessions"]: row for row in table}
-    goals = {
-        "overlap_beats_sync": by_name["overlap-adaptive"]["tokens_per_s"] > by_name["sync-adaptive"]["tokens_per_s"],
-        "speculative_vs_hf_assisted_ge_1_3": by_name["overlap-adaptive"]["speedup_vs_hf_assisted"] >= 1.3,
-        "speculation_ge_0_95_no_speculation_at_every_level": all(
-            r["speculative_vs_no_speculation"] >= 0.95 for r in table),
-        "throughput_8_sessions_ge_3x_one": at.get(8, {}).get("no_speculation_vs_one_session", 0.0) >= 3.0,
-    }
     return {
-        "benchmark": "speed", "target": args.model, "drafter": args.drafter, "draft_model": args.draft_model or None,
-        "prompt_set": args.prompt_set, "decoding": "greedy", "max_new_tokens": args.max_new_tokens, "k_max": args.k,
-        "placement": (f"target pinned to cpus {args.target_cpus or 'all'} ({args.target_threads} threads), draft to "
-                      f"cpus {args.draft_cpus or 'all'}; orchestrator on the draft's cpus; HF anchors on the "
-                      "target's cpus with the target's threads"),
+        "decoding": "greedy",
         "target_only_tokens_per_s": round(base_tps, 3),
         "hf": hf_summary,
         "modes": modes,
         "k_sweep": k_sweep,
-        "concurrency_max_new_tokens": args.concurrency_max_new_tokens,
-        "concurrency_repeats": args.concurrency_repeats,
-        "concurrency": table,
-        "goals": goals,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "goals": {
+            "overlap_beats_sync": by_name["overlap-adaptive"]["tokens_per_s"] > by_name["sync-adaptive"]["tokens_per_s"],
+            "speculative_vs_hf_assisted_ge_1_3": by_name["overlap-adaptive"]["speedup_vs_hf_assisted"] >= 1.3,
+        },
     }
 
 
-def plot(report: dict, path: Path) -> None:
+def _concurrency_report(args, concurrency) -> dict:
+    table = _concurrency_table(concurrency)
+    at = {row["sessions"]: row for row in table}
+    return {
+        "concurrency_max_new_tokens": args.concurrency_max_new_tokens,
+        "concurrency_repeats": args.concurrency_repeats,
+        "concurrency": table,
+        "goals": {
+            "speculation_ge_0_95_no_speculation_at_every_level": all(
+                r["speculative_vs_no_speculation"] >= 0.95 for r in table),
+            "throughput_8_sessions_ge_3x_one": at.get(8, {}).get("no_speculation_vs_one_session", 0.0) >= 3.0,
+        },
+    }
+
+
+def _report(args, measured: dict, hf: dict | None) -> dict:
+    """The JSON of a run: each part's figures and goals."""
+    report = {
+        "benchmark": "speed", **runs.header(args), "parts": sorted(measured),
+        "placement": (f"target on cpus {args.target_cpus or 'all'} ({args.target_threads} threads), draft on "
+                      f"cpus {args.draft_cpus or 'all'}; orchestrator on the draft's cpus for modes and "
+                      "concurrency; HF anchors with the target's threads"),
+        "goals": {},
+    }
+    if "traffic" in measured:
+        report["traffic"] = measured["traffic"]
+        for decoding, block in measured["traffic"]["decodings"].items():
+            report["goals"].update({f"traffic_{decoding}_{k}": v for k, v in block["goals"].items()})
+    if "modes" in measured:
+        part = _modes_report(args, *measured["modes"], hf)
+        report["goals"].update(part.pop("goals"))
+        report["single_stream"] = part
+    if "concurrency" in measured:
+        part = _concurrency_report(args, measured["concurrency"])
+        report["goals"].update(part.pop("goals"))
+        report.update(part)
+    return report
+
+
+def plot(report: dict, path: Path) -> bool:
+    """A PNG of what the run measured: traffic per kind, speedup vs K, throughput vs concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    sweep = report["k_sweep"]
-    ax = axes[0]
+    panels = [name for name in ("traffic", "single_stream", "concurrency") if name in report]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        {"traffic": _plot_traffic, "single_stream": _plot_modes, "concurrency": _plot_concurrency}[name](ax, report)
+    fig.suptitle(f"specsplit on {report['target']}, drafter {report['drafter']}, {report['machine']['cpus']} CPUs, "
+                 f"prompt set {report['prompt_set']}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_traffic(ax, report: dict) -> None:
+    decodings = report["traffic"]["decodings"]
+    rows = [k for k in next(iter(decodings.values()))["rows"] if k.startswith("kind:") or k == "all"]
+    width = 0.8 / (2 * len(decodings))
+    for i, (decoding, block) in enumerate(decodings.items()):
+        xs = [j + (2 * i) * width for j in range(len(rows))]
+        ax.bar(xs, [block["rows"][r]["specsplit_vs_target_only"] or 0 for r in rows], width, label=f"specsplit, {decoding}")
+        lookup = []
+        for r in rows:
+            row = block["rows"][r]
+            best = row["best_hf_lookup"]
+            lookup.append(row["tokens_per_s"][best] / row["tokens_per_s"]["target-only"] if best else 0.0)
+        ax.bar([x + width for x in xs], lookup, width, label=f"best HF lookup, {decoding}", alpha=0.6)
+    ax.axhline(1.0, color="black", lw=0.5)
+    ax.set_xticks([j + width for j in range(len(rows))], [r.split(":")[-1] for r in rows], rotation=60, fontsize=7)
+    ax.set(ylabel="tokens/s vs target-only", title="Traffic per kind")
+    ax.legend(fontsize=7)
+
+
+def _plot_modes(ax, report: dict) -> None:
+    part = report["single_stream"]
+    sweep = part["k_sweep"]
     ax.plot([m["k"] for m in sweep], [m["speedup_vs_target_only"] for m in sweep], "o-", label="sync, fixed K")
     ax.plot([m["k"] for m in sweep], [m["leviathan_bound"] for m in sweep], "--", color="grey", label="Leviathan bound")
     for name, marker in (("sync-adaptive", "s"), ("overlap-adaptive", "D")):
-        m = report["modes"][name]
-        ax.plot([report["k_max"]], [m["speedup_vs_target_only"]], marker, label=f"{name} (K ≤ {report['k_max']})")
+        m = part["modes"][name]
+        ax.plot([report["k"]], [m["speedup_vs_target_only"]], marker, label=f"{name} (K ≤ {report['k']})")
     ax.axhline(1.0, color="black", lw=0.5)
     ax.set(xlabel="K (draft tokens per round)", ylabel="speedup vs target-only", title="Speedup vs K")
     ax.legend(fontsize=8)
-    ax = axes[1]
-    per_pos = report["modes"]["sync-fixed"]["per_position_acceptance"]
-    ax.bar(range(1, len(per_pos) + 1), per_pos)
-    ax.set(xlabel="draft position", ylabel="P(accepted | reached)", title=f"Per-position acceptance (K = {report['k_max']})",
-           ylim=(0, 1))
-    ax = axes[2]
+
+
+def _plot_concurrency(ax, report: dict) -> None:
     rows = report["concurrency"]
     xs = [r["sessions"] for r in rows]
     ax.plot(xs, [r["tokens_per_s_speculative"] for r in rows], "o-", label="speculation (adaptive, overlap)")
@@ -340,39 +421,38 @@ def plot(report: dict, path: Path) -> None:
     ax.set(xlabel="concurrent sessions", ylabel="aggregate decode tokens/s",
            title="Throughput vs concurrency (batched verification)")
     ax.legend(fontsize=8)
-    fig.suptitle(f"specsplit on {report['target']}, drafter {report['drafter']}, {report['machine']['cpus']} CPUs, "
-                 "draft and target pinned to different cores", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run(args) -> int:
-    target_args, draft_args = demo.service_args(args)
-    target_args += ["--max-sessions", "128"] + (["--cpus", args.target_cpus] if args.target_cpus else [])
-    draft_args += ["--max-sessions", "128"] + (["--cpus", args.draft_cpus] if args.draft_cpus else [])
-    tokenizer = models.load_tokenizer(args.model)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - set(PARTS):
+        raise ValueError(f"--parts must name some of {','.join(PARTS)}, got {args.parts!r}")
+    target_args, draft_args = runs.service_args(args)
+    target_args += ["--max-sessions", "128"]
+    draft_args += ["--max-sessions", "128"]
     started = time.time()
+    model = runs.load_anchor_model(args) if "traffic" in parts and not args.no_hf else None
     with local_services(target_args, draft_args) as (target, draft):
-        baseline, single, sweep, concurrency = asyncio.run(_measure(args, target.address, draft.address))
-    # After the services stopped: the anchors get the target's cores to themselves.
-    drafter = DrafterKind[args.drafter.upper()]
-    hf = hf_anchors(args, PROMPT_SETS[args.prompt_set], tokenizer, args.max_new_tokens, args.k, drafter,
-                    args.target_threads)
-    report = _report(args, baseline, single, sweep, concurrency, hf)
+        measured = asyncio.run(_measure(args, target.address, draft.address, parts, model))
+    hf = None
+    if "modes" in parts:  # after the services stopped: the anchors get the target's cores to themselves
+        tokenizer = models.load_tokenizer(args.model)
+        hf = hf_anchors(args, PROMPT_SETS[args.prompt_set], tokenizer, args.max_new_tokens, args.k,
+                        DrafterKind[args.drafter.upper()], args.target_threads)
+    report = _report(args, measured, hf)
     report["duration_s"] = round(time.time() - started, 1)
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = runs.write(report, args.json)
     png = Path(args.plot) if args.plot else path.with_suffix(".png")
-    plot(report, png)
-    for name, m in report["modes"].items():
+    if not plot(report, png):
+        png = None
+    if "traffic" in report:
+        traffic.print_rows(report["traffic"])
+    for name, m in report.get("single_stream", {}).get("modes", {}).items():
         print(f"{name:17s} {m['tokens_per_s']:6.1f} tok/s  x{m['speedup_vs_target_only']:.2f} target-only  "
               f"x{m['speedup_vs_hf_assisted']:.2f} HF assisted  efficiency {m['efficiency_vs_bound']:.2f}")
-    for row in report["concurrency"]:
+    for row in report.get("concurrency", []):
         print(f"{row['sessions']:3d} sessions  {row['tokens_per_s_speculative']:7.1f} tok/s speculative  "
               f"{row['tokens_per_s_no_speculation']:7.1f} without  (x{row['speculative_vs_no_speculation']:.2f}, "
               f"median of {row['speculative_vs_no_speculation_per_repeat']})")
-    print(f"goals: {report['goals']} -> {path}, {png}")
+    print(f"goals: {report['goals']} -> {path}" + (f", {png}" if png else ""))
     return 0

@@ -8,7 +8,9 @@ model members crop their caches lazily, so a member that sat out a few rounds
 only catches up (one forward over the missed tokens) when it is next asked.
 
 Chains send token ids only (no draft probabilities): a block's distribution
-would depend on which member answered.
+would depend on which member answered. Each block names the member that drafted
+it and carries its match quality; a free member (prompt lookup) may draft up to
+the free bound while a model member drafts k.
 """
 
 from __future__ import annotations
@@ -54,17 +56,21 @@ class ChainDrafter(Drafter):
                 drafter.add_features(block)
 
     def propose(self, k: int) -> DraftBlock:
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
+        return self.propose_within(k, 0)
+
+    def propose_within(self, k: int, free_k: int) -> DraftBlock:
+        if k < 0 or free_k < 0:
+            raise ValueError(f"k and free_k must be >= 0, got {k}, {free_k}")
         self.last_kind = None
-        if k == 0:
-            return DraftBlock(tokens=[])
         for kind, drafter in self.members:
-            block = drafter.propose(k)
+            limit = max(k, free_k) if drafter.free else k
+            if limit == 0:
+                continue
+            block = drafter.propose(limit)
             if block.tokens:
                 self.last_kind = kind
                 self.blocks_by_kind[kind] += 1
-                return DraftBlock(tokens=list(block.tokens))
+                return DraftBlock(tokens=list(block.tokens), quality=block.quality, drafter=kind)
         return DraftBlock(tokens=[])
 
     def close(self) -> None:

@@ -12,6 +12,11 @@ one drafter per session and drives it with two calls per round:
 A feature drafter (``needs_features``, e.g. EAGLE) also takes the target's
 hidden features of committed positions between the two (``add_features``).
 
+A drafter whose proposals cost nothing to make (prompt lookup) says so with
+``free``: the draft service then lets it propose up to the orchestrator's
+``free_k`` bound, and the orchestrator cuts the block by the ``quality`` it
+reports (a pure function of the committed context, never of random draws).
+
 Adding a drafter means one module implementing this class and one entry in
 ``draft_service.registry`` (its ``DrafterKind``, traits and how to build it).
 """
@@ -25,6 +30,15 @@ from typing import Sequence
 import torch
 
 from lmkit.features import FeatureBlock
+from lmkit.kinds import DrafterKind
+
+
+@dataclass(frozen=True)
+class MatchQuality:
+    """How well a copied block's source matches the context (prompt lookup): what its acceptance depends on."""
+
+    length: int  # tokens the context's suffix shares with the text before the copied span (capped)
+    occurrences: int  # earlier occurrences of the matched suffix n-gram (1 = unique)
 
 
 @dataclass(frozen=True)
@@ -39,12 +53,19 @@ class DraftBlock:
 
     tokens: list[int]  # [k']
     probs: torch.Tensor | None = None  # [k', vocab] float32, rows sum to 1
+    quality: MatchQuality | None = None  # set by drafters that copy from the context
+    drafter: DrafterKind | None = None  # the member that drafted it, in a chain
 
 
 class Drafter(abc.ABC):
     """Per-session proposer over a committed context."""
 
     needs_features = False  # drafts from the target's hidden features (they arrive through add_features)
+    free = False  # proposals cost ~nothing to make: it may draft up to the free bound
+
+    def propose_within(self, k: int, free_k: int) -> DraftBlock:
+        """Up to ``k`` tokens, or up to ``free_k`` (when larger) for a free drafter."""
+        return self.propose(max(k, free_k) if self.free else k)
 
     @property
     @abc.abstractmethod

@@ -24,7 +24,8 @@ decodes target-only. Greedy drafts take the argmax over the draft vocabulary;
 sampling drafts sample from q, the head's distribution spread over the target
 vocabulary (zero outside the draft vocabulary) and processed by the same
 ``logits_to_probs`` as the target's p, with the session's uniform for the
-token's absolute position (``lmkit.draws``).
+token's absolute position (``lmkit.draws``); in coupled verification they
+take argmax(log q + G) with the target's Gumbel noise, as the model drafter.
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ class EagleDrafter(SamplingDrafter):
         prompt: Sequence[int],
         sampling: SamplingParams,
         return_probs: bool,
+        coupled: bool = False,
     ) -> None:
-        super().__init__(prompt, sampling, return_probs)
+        super().__init__(prompt, sampling, return_probs, coupled)
         self._head = head
         self._draft_ids = head.draft_ids()  # [draft_vocab] the target ids of the head's outputs
         self._cache = HeadCache(head)

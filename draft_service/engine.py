@@ -12,6 +12,7 @@ from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
 from lmkit.features import FeatureBlock
 from lmkit.kinds import DrafterKind, DrafterTraits
+from lmkit.kvcache import check_cache_layout
 from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
@@ -49,6 +50,8 @@ class DraftEngine:
         unknown = [kind.name for kind in derived if not DRAFTERS[kind].derived]
         if unknown:
             raise ValueError(f"{unknown} are not derived drafters")
+        if model is not None:
+            check_cache_layout(model)
         self.model = model
         self.derived = derived  # LAYERSKIP / QUANTIZED views of ``model``
         self.model_id = model_id or "(model-free)"
@@ -105,6 +108,7 @@ class DraftEngine:
         return_probs: bool,
         ngram: NgramConfig,
         chain: Sequence[DrafterKind] = (),
+        coupled: bool = False,  # COUPLED verification: model drafters take the target's Gumbel-max noise
         feature_width: int = 0,
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
@@ -114,8 +118,14 @@ class DraftEngine:
         entry = DRAFTERS[kind]
         if return_probs and not entry.has_probs:
             raise errors.InvalidArgument(f"drafter {kind.name} has no draft probabilities; use token-only verification")
+        if coupled and (return_probs or sampling.greedy):
+            raise errors.InvalidArgument(
+                "COUPLED verification samples (temperature > 0) and sends token ids only; unset return_probs"
+            )
         width = self._check_features(kind, chain, feature_width)
-        context = DraftRequestContext(list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain))
+        context = DraftRequestContext(
+            list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled
+        )
         return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context), feature_width=width))
 
     def _check_features(self, kind: DrafterKind, chain: Sequence[DrafterKind], sent_width: int) -> int:
@@ -139,10 +149,11 @@ class DraftEngine:
         return 0
 
     def propose(
-        self, session: DraftSession, position: int, tokens: Sequence[int], k: int,
+        self, session: DraftSession, position: int, tokens: Sequence[int], k: int, free_k: int = 0,
         features: FeatureBlock | None = None,
     ) -> Proposed:
-        """Take the committed tokens from ``position`` on, then draft up to ``k``."""
+        """Take the committed tokens from ``position`` on, then draft up to ``k`` (a free drafter up to
+        ``free_k`` when larger)."""
         held = session.drafter.position
         if position > held:
             raise errors.FailedPrecondition(
@@ -151,6 +162,9 @@ class DraftEngine:
             )
         if k > self.limits.max_block:
             raise errors.InvalidArgument(f"k = {k} is larger than this draft's max block {self.limits.max_block}")
+        if free_k > self.limits.max_block:
+            raise errors.InvalidArgument(
+                f"free_k = {free_k} is larger than this draft's max block {self.limits.max_block}")
         if position + len(tokens) == 0:
             raise errors.InvalidArgument("propose would leave the context empty; send the committed tokens")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -159,7 +173,7 @@ class DraftEngine:
         session.drafter.commit(position, tokens)
         if features is not None:
             session.drafter.add_features(features)
-        block = session.drafter.propose(k)
+        block = session.drafter.propose_within(k, free_k)
         session.rounds += 1
         self.sessions.count_round()
         return Proposed(block, time.perf_counter() - start)

@@ -12,6 +12,12 @@ n-gram we take the *most recent* one (recent text predicts the continuation
 better than the prompt's first mention), and lookups go through an incremental
 index instead of a scan, so a proposal costs O(max_n) dictionary lookups
 whatever the context length.
+
+Each block reports its match quality (``MatchQuality``): how many tokens the
+context's suffix shares with the text before the copied span (counted past
+the n-gram, up to ``MAX_MATCH``), and how many earlier occurrences the matched
+n-gram has. Acceptance grows with the first and falls with the second, so the
+orchestrator sizes the verified block by them.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from draft_service.drafter import DraftBlock, Drafter
+from draft_service.drafter import DraftBlock, Drafter, MatchQuality
 
 # Longer suffixes rarely match and each extra n costs one tuple per token in the index.
 MAX_NGRAM = 32
+MAX_MATCH = 32  # a match length is counted up to this many tokens
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,11 @@ class NgramDrafter(Drafter):
     whose suffix n-gram also ends at an earlier position ``e``, it proposes
     ``context[e : e + k]`` (fewer tokens if the context ends first; the copied
     span may overlap the suffix itself). With no match it proposes nothing.
-    Proposals are deterministic, so ``probs`` is always None.
+    Proposals are deterministic, so ``probs`` is always None; they cost ~nothing, so the
+    drafter is ``free``.
     """
+
+    free = True
 
     def __init__(self, config: NgramConfig, prompt: Sequence[int]):
         self._config = config
@@ -111,5 +121,13 @@ class NgramDrafter(Drafter):
             # ends[-1] is the suffix itself; the entry before it is the latest earlier occurrence.
             if ends is not None and len(ends) >= 2:
                 start = ends[-2]
-                return DraftBlock(tokens=self._tokens[start : start + k])
+                quality = MatchQuality(self._match_length(start, n), len(ends) - 1)
+                return DraftBlock(tokens=self._tokens[start : start + k], quality=quality)
         return DraftBlock(tokens=[])
+
+    def _match_length(self, start: int, n: int) -> int:
+        """Tokens before ``start`` equal to the context's last ones (at least the matched ``n``)."""
+        tokens, end, length = self._tokens, len(self._tokens), n
+        while length < MAX_MATCH and length < start and tokens[start - length - 1] == tokens[end - length - 1]:
+            length += 1
+        return length

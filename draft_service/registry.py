@@ -26,6 +26,7 @@ class DraftRequestContext:
     # Models derived from it at start-up, by the kind that runs them (LAYERSKIP, QUANTIZED).
     derived: Mapping[DrafterKind, object] = field(default_factory=dict)
     chain: tuple[DrafterKind, ...] = ()  # the members, in order, when the kind is CHAIN
+    coupled: bool = False  # COUPLED verification: sample by Gumbel-max with the target's noise
 
 
 @dataclass(frozen=True)
@@ -36,21 +37,22 @@ class DrafterEntry:
     has_probs: bool = False  # can return the distributions its tokens were sampled from
     derived: bool = False  # runs a model derived from --model at start-up (needs its flag)
     enable_hint: str = ""  # how to start serve-draft so that it serves this drafter
+    free: bool = False  # its proposals cost ~nothing (its Drafter class says ``free = True`` too)
     # Drafts from the target's hidden features; its derived model says which (feature_layers, feature_width).
     needs_features: bool = False
 
     def traits(self, derived: object | None = None) -> DrafterTraits:
         """What it can do; a feature drafter's layers and width come from its derived model."""
         if not self.needs_features:
-            return DrafterTraits(self.kind, self.has_probs, self.needs_model)
+            return DrafterTraits(self.kind, self.has_probs, self.needs_model, self.free)
         return DrafterTraits(
-            self.kind, self.has_probs, self.needs_model, True,
-            tuple(derived.feature_layers), int(derived.feature_width),
+            self.kind, self.has_probs, self.needs_model, self.free, needs_features=True,
+            feature_layers=tuple(derived.feature_layers), feature_width=int(derived.feature_width),
         )
 
 
 def _model_drafter(model, c: DraftRequestContext) -> ModelDrafter:
-    return ModelDrafter(model, c.prompt, c.sampling, c.return_probs)
+    return ModelDrafter(model, c.prompt, c.sampling, c.return_probs, c.coupled)
 
 
 def _chain(c: DraftRequestContext) -> ChainDrafter:
@@ -68,7 +70,7 @@ def register(entry: DrafterEntry) -> DrafterEntry:
 DRAFTERS: dict[DrafterKind, DrafterEntry] = {}
 register(DrafterEntry(DrafterKind.MODEL, lambda c: _model_drafter(c.model, c), needs_model=True, has_probs=True,
                       enable_hint="start serve-draft with --model to enable the model drafter"))
-register(DrafterEntry(DrafterKind.NGRAM, lambda c: NgramDrafter(c.ngram, c.prompt)))
+register(DrafterEntry(DrafterKind.NGRAM, lambda c: NgramDrafter(c.ngram, c.prompt), free=NgramDrafter.free))
 register(DrafterEntry(DrafterKind.LAYERSKIP, lambda c: _model_drafter(c.derived[DrafterKind.LAYERSKIP], c),
                       needs_model=True, has_probs=True, derived=True,
                       enable_hint="start serve-draft with --model TARGET --layerskip-layers L to enable it"))
@@ -78,7 +80,7 @@ register(DrafterEntry(DrafterKind.QUANTIZED, lambda c: _model_drafter(c.derived[
 register(DrafterEntry(DrafterKind.CHAIN, _chain))
 register(DrafterEntry(
     DrafterKind.EAGLE,
-    lambda c: EagleDrafter(c.derived[DrafterKind.EAGLE], c.prompt, c.sampling, c.return_probs),
+    lambda c: EagleDrafter(c.derived[DrafterKind.EAGLE], c.prompt, c.sampling, c.return_probs, c.coupled),
     needs_model=True, has_probs=True, derived=True, needs_features=True,
     enable_hint="start serve-draft with --model TARGET --eagle-head DIR (or the bundled head's name) to enable it",
 ))

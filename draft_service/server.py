@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from draft_service import eagle_head, self_draft
@@ -12,7 +11,7 @@ from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
 from draft_service.self_draft import QuantizeMode
 from draft_service.servicer import DraftServicer
-from lmkit import models
+from lmkit import logs, models
 from lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
 from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
@@ -27,7 +26,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specsplit serve-draft", description=__doc__)
     parser.add_argument("--model", default="", help="draft model (folder, .gguf, cached hub id); empty = n-gram only")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default=models.AUTO_DTYPE, choices=models.DTYPE_CHOICES,
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     parser.add_argument("--max-block", type=int, default=32, help="largest k accepted per propose")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
@@ -109,7 +109,7 @@ async def serve(args) -> None:
     limits = SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)
     ngram = NgramConfig(min_n=args.ngram_min, max_n=args.ngram_max)
     compute = ComputeThread("draft-compute")
-    servicer = DraftServicer(compute, ngram, device=f"{args.device}/{args.dtype}")
+    servicer = DraftServicer(compute, ngram, device=f"{args.device}/{models.resolve_dtype(args.device, args.dtype)}")
 
     def load():
         engine = load_engine(args, limits)
@@ -136,7 +136,7 @@ def run(args) -> None:
     if args.model:
         models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     check_self_draft_flags(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s draft %(levelname)s %(message)s")
+    logs.configure(args.log_level, "draft", args.log_format)
     models.configure_torch_threads(args.threads)
     models.pin_cpus(args.cpus)
     asyncio.run(serve(args))

@@ -8,10 +8,10 @@ from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
 from lmkit import errors
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.wire import features_from_proto, probs_to_proto, sampling_from_proto
+from lmkit.wire import features_from_proto, mode_from_proto, probs_to_proto, sampling_from_proto
 
 
 def drafter_from_proto(value: int, served: list[DrafterKind]) -> DrafterKind:
@@ -53,7 +53,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             drafter_info=[
                 pb.DrafterInfo(
                     kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model,
-                    needs_features=t.needs_features, feature_layers=list(t.feature_layers),
+                    free=t.free, needs_features=t.needs_features, feature_layers=list(t.feature_layers),
                     feature_width=t.feature_width,
                 )
                 for t in e.traits
@@ -92,8 +92,9 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         kind = drafter_from_proto(msg.drafter, engine.drafters)
         ngram = ngram_from_proto(msg, self.ngram_default)
         chain = [drafter_from_proto(value, engine.drafters) for value in msg.chain]
+        coupled = msg.mode != pb.VERIFICATION_MODE_UNSPECIFIED and mode_from_proto(msg.mode) is VerificationMode.COUPLED
         return await self.compute.run(
-            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain,
+            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain, coupled,
             msg.feature_width,
         )
 
@@ -101,12 +102,18 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         features = None
         if msg.HasField("features"):
             features = features_from_proto(msg.features, session.feature_width or msg.features.width)
-        done = await self.compute.run(engine.propose, session, msg.position, list(msg.tokens), msg.k, features)
+        done = await self.compute.run(
+            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k, features
+        )
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.block.tokens,
             compute_us=int(done.compute_s * 1e6),
+            drafter=done.block.drafter.value if done.block.drafter is not None else 0,
         )
+        if done.block.quality is not None:
+            block.quality.CopyFrom(pb.MatchQuality(
+                length=done.block.quality.length, occurrences=done.block.quality.occurrences))
         if done.block.probs is not None:
             block.probs.CopyFrom(probs_to_proto(done.block.probs))
         return block

@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -114,6 +114,24 @@ def _check(seed: int, stream: Stream) -> None:
         raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
     if not isinstance(stream, Stream):
         raise ValueError(f"stream must be a draws.Stream, got {stream!r}")
+
+
+def gumbel_max(
+    probs: torch.Tensor,  # [vocab] >= 0, need not be normalised
+    noise: Callable[[torch.Tensor], torch.Tensor],  # token ids [n] int64 -> their Gumbel noise [n] float64
+) -> int:
+    """argmax over the support of log p + G: a sample from p when G is i.i.d. standard Gumbel.
+
+    The Gumbel-max trick (Gumbel 1954; Maddison, Tarlow and Minka 2014, "A*
+    Sampling"). Noise is asked for the support only (ids ascending), so a
+    truncated distribution costs its size, not the vocabulary's; ties go to
+    the lowest id.
+    """
+    ids = probs.nonzero().flatten()  # [n] ascending
+    if ids.numel() == 0:
+        raise ValueError("gumbel_max needs a distribution with a positive probability")
+    scores = probs[ids].to(torch.float64).log() + noise(ids)
+    return int(ids[int(scores.argmax())])
 
 
 def inverse_cdf(

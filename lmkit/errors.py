@@ -31,3 +31,7 @@ class ResourceExhausted(SpecsplitError):
 
 class Unavailable(SpecsplitError):
     """The service cannot serve now: loading, draining, or a peer is down (UNAVAILABLE)."""
+
+
+class Internal(SpecsplitError):
+    """The service failed on this request's own data (NaN logits, out of memory, a bad cache) (INTERNAL)."""

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from lmkit import errors
+from lmkit import errors, logs
 from lmkit.metrics import serve_metrics
 from lmkit.security import ServerTls
 
@@ -34,6 +34,7 @@ _CODES = {
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Internal: grpc.StatusCode.INTERNAL,
 }
 
 # Messages carry token blocks and fp16 distributions; 64 MiB leaves room for
@@ -268,8 +269,13 @@ def write_port_file(path: str, port: int) -> None:
     tmp.replace(target)
 
 
-async def serve_until_signal(server: grpc.aio.Server, health: HealthServicer, grace_s: float) -> None:
-    """Block until SIGTERM/SIGINT, then turn NOT_SERVING and stop with a grace period."""
+async def serve_until_signal(
+    server: grpc.aio.Server, health: HealthServicer, grace_s: float, also_stop: Callable[[], Awaitable] | None = None
+) -> None:
+    """Block until SIGTERM/SIGINT, then turn NOT_SERVING and stop with a grace period.
+
+    ``also_stop()`` (another server of the process) drains at the same time.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -281,7 +287,7 @@ async def serve_until_signal(server: grpc.aio.Server, health: HealthServicer, gr
     if stop.is_set():
         log.info("signal received: draining for up to %.1f s", grace_s)
         await health.enter_graceful_shutdown()
-        await server.stop(grace_s)
+        await asyncio.gather(server.stop(grace_s), *([also_stop()] if also_stop is not None else []))
     waiter.cancel()
     stopper.cancel()
 
@@ -302,7 +308,7 @@ def add_common_flags(parser, default_port: int) -> None:
         help="also serve grpc.health.v1 alone, plaintext, on this port (for Kubernetes gRPC probes, which cannot "
              "speak TLS); 0 = off",
     )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    logs.add_log_flags(parser)
     add_tls_flags(parser)
 
 

@@ -25,6 +25,12 @@ class VerificationMode(enum.Enum):
     GREEDY = 1  # accept while draft token == target argmax; correction = argmax
     TOKEN_ONLY = 2  # x is a point proposal: accept w.p. p(x); on rejection sample from p without x, renormalised
     DRAFT_PROBS = 3  # accept w.p. min(1, p(x)/q(x)); on rejection sample from norm(max(0, p - q))
+    COUPLED = 4  # target token = argmax(log p + G(seed, position)); accept iff the draft token equals it
+
+    @property
+    def samples(self) -> bool:
+        """True for the modes that sample (temperature > 0)."""
+        return self is not VerificationMode.GREEDY
 
 
 class _KindRegistry(type):
@@ -108,6 +114,7 @@ class DrafterTraits:
     kind: DrafterKind
     has_probs: bool = False  # can send the distributions its tokens were sampled from (DRAFT_PROBS mode)
     needs_model: bool = False  # runs a model that must share the target's vocabulary
+    free: bool = False  # proposals cost ~nothing to make: asked for up to the free bound, cut by quality
     # Drafts from the target's hidden features: the target must send them (TargetOpen.feature_layers).
     needs_features: bool = False
     feature_layers: tuple[int, ...] = ()  # the target's hidden-state indices it reads, in order

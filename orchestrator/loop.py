@@ -15,6 +15,12 @@ A used block was drafted from exactly the context it now continues, with the
 draft's usual sampling, so greedy output is unchanged and sampling stays
 lossless (whether the block is used depends only on the target's decisions
 about block i, not on the block's own draws).
+
+Free drafts: a drafter whose proposals cost nothing (prompt lookup) is asked
+every round for up to the round's bound, and the controller cuts the block to
+the tokens worth verifying from its reported match quality
+(``AdaptiveK.cut``); a drafter that pays per token is asked for what the
+controller chooses beforehand (``AdaptiveK.ask``).
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import drop_leading_rows
-from orchestrator.adaptive_k import ALONE, AdaptiveK, CostModel, Load
+from orchestrator.acceptance import StatsKey, quality_of
+from orchestrator.adaptive_k import AdaptiveK
 from orchestrator.links import DraftLink, TargetLink
+from orchestrator.rate import ALONE, CostModel, Load
 
 
 class Finish(enum.Enum):
@@ -45,6 +54,8 @@ class LoopConfig:
     max_context: int  # positions the target accepts
     overlap: bool = False  # draft block i+1 while the target verifies block i
     ahead_max: int = 0  # largest k drafted ahead (the draft proposes k + 1 then); 0 = no overlap
+    drafter: DrafterKind | None = None  # the session's drafter (a block's drafter unless it names a chain member)
+    free_drafters: frozenset[DrafterKind] = frozenset()  # its drafters whose proposals cost nothing (cut by quality)
 
 
 @dataclass
@@ -53,6 +64,7 @@ class LoopStats:
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
+    delivered: int = 0  # tokens sent to the client: committed ones, less any past a stop string
     draft_compute_s: float = 0.0
     target_compute_s: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
@@ -100,7 +112,10 @@ class _Block:
     tokens: list[int]
     probs: pb.DraftProbs | None = None
     draft_s: float = 0.0
-    k: int = 0  # tokens asked for
+    k: int = 0  # tokens asked for (a free block: the tokens kept)
+    key: StatsKey | None = None  # what its acceptance is recorded under (None: nothing to record)
+    proposed: int = 0  # tokens the drafter computed (a free block's before the cut)
+    prefilled: bool = False  # the draft re-read the context for it (a new or re-attached session)
 
 
 def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | None:
@@ -110,7 +125,15 @@ def _block_of(reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block | No
     probs = reply.probs if reply.HasField("probs") else None
     if probs is not None and skip:
         probs = drop_leading_rows(probs, skip)
-    return _Block(list(reply.tokens)[skip:], probs, reply.compute_us / 1e6, k)
+    return _Block(list(reply.tokens)[skip:], probs, reply.compute_us / 1e6, k, proposed=len(reply.tokens))
+
+
+def drafter_of(reply: pb.DraftBlock, session_drafter: DrafterKind | None) -> DrafterKind | None:
+    """The drafter that drafted a reply: the chain member it names, else the session's."""
+    try:
+        return DrafterKind(reply.drafter) if reply.drafter else session_drafter
+    except ValueError:  # a kind the draft did not announce: count it as the session's
+        return session_drafter
 
 
 class _Loop:
@@ -138,20 +161,43 @@ class _Loop:
         room = self.config.max_context - len(self.committed) - extra
         return min(self.config.k, budget - 1, room - 1)
 
-    def choose(self, limit: int) -> int:
-        wanted = self.controller.choose(self.load, self.config.overlap) if self.controller else self.config.k
-        return max(0, min(wanted, limit))
+    def choose(self, limit: int) -> tuple[int, int]:
+        """(k asked of a drafter that pays per token, the bound for a free one) for a round of at most ``limit``."""
+        limit = max(limit, 0)
+        if self.controller is None:
+            return min(self.config.k, limit), 0
+        free_k = limit if self.config.free_drafters else 0
+        return self.controller.ask(limit, self.load, self.config.overlap), free_k
+
+    def finish_block(self, reply: pb.DraftBlock | None, k: int, skip: int = 0) -> _Block:
+        """A reply as this round's block: recorded under its drafter and quality, and a free one cut to the
+        tokens worth verifying (from its quality and the statistics only, never from random draws)."""
+        block = _block_of(reply, k, skip) or _Block([], k=k)
+        if reply is None or not block.tokens or self.controller is None:
+            return block
+        drafter = drafter_of(reply, self.config.drafter)
+        if drafter is None:
+            return block
+        quality = None
+        if reply.HasField("quality"):  # a block drafted ahead is used after its guess: its match is one longer
+            quality = quality_of(reply.quality.length + skip, reply.quality.occurrences)
+        block.key = self.controller.key(drafter, quality)
+        if drafter in self.config.free_drafters and block.probs is None:
+            block.k = self.controller.cut(block.key, len(block.tokens), self.load)
+            block.tokens = block.tokens[: block.k]
+        return block
 
     async def next_block(self) -> _Block:
         """This round's block: the one drafted ahead when its assumption held, else a fresh proposal."""
         ready = await self.take_ahead()
         if ready is not None:
-            self.stats.overlap_hits += 1
+            self.stats.overlap_hits += bool(ready.tokens)
             return ready
-        k = self.choose(self.limit())
-        if self.draft is None or k <= 0:
+        k, free_k = self.choose(self.limit())
+        if self.draft is None or (k <= 0 and free_k <= 0):
             return _Block([], k=k)
-        block = _block_of(await self.draft.propose(self.committed, k), k) or _Block([], k=k)
+        block = self.finish_block(await self.draft.propose(self.committed, k, free_k), k)
+        block.prefilled = self.draft.last_prefilled
         self.stats.draft_compute_s += block.draft_s
         return block
 
@@ -166,38 +212,48 @@ class _Loop:
         # Usable iff the last round committed exactly the assumed block plus the guessed bonus token.
         if len(reply.tokens) < 2 or self.committed[self.ahead_base :] != [*self.ahead_block, *guess]:
             return None
-        return _block_of(reply, self.ahead_k, skip=1)
+        return self.finish_block(reply, self.ahead_k, skip=1)  # cut to nothing, it is still this round's answer
 
     def start_ahead(self, block: _Block) -> None:
         """While the target verifies ``block``, draft the next one assuming it is accepted whole."""
         if not (self.config.overlap and self.draft is not None and self.draft.up and block.tokens):
             return
-        k = self.choose(min(self.limit(extra=len(block.tokens) + 1), self.config.ahead_max))
-        if k > 0:
+        k, free_k = self.choose(min(self.limit(extra=len(block.tokens) + 1), self.config.ahead_max))
+        if k > 0 or free_k > 0:
             self.ahead_base, self.ahead_block, self.ahead_k = len(self.committed), list(block.tokens), k
-            self.ahead = asyncio.create_task(self.draft.propose_ahead(list(self.committed), block.tokens, k))
+            self.ahead = asyncio.create_task(
+                self.draft.propose_ahead(list(self.committed), block.tokens, k, free_k))
 
-    def cancel(self) -> None:
-        if self.ahead is not None:
-            self.ahead.cancel()
-            self.ahead = None
+    async def close(self) -> None:
+        """Stop the proposal drafted ahead, if any, and wait until it has stopped."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
 
-    def commit(self, block: _Block, result: pb.VerifyResult) -> tuple[list[int], Finish | None]:
+    def commit(
+        self, block: _Block, result: pb.VerifyResult, prefilled: bool = False
+    ) -> tuple[list[int], Finish | None]:
+        """Commit a verified block; ``prefilled``: the target re-read the context in this forward (a new session)."""
         stats, target_s = self.stats, result.compute_us / 1e6
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
         load = load_of(result)
         stats.target_compute_s += target_s
-        if self.controller is not None:
-            self.controller.observe(drafted, result.accepted)
-        # The first round's forward is the prompt's prefill, alone by design: it says nothing about the
-        # batch's load or a decode forward's cost.
-        if stats.rounds > 0:
+        if self.controller is not None and block.key is not None:
+            self.controller.observe(block.key, drafted, result.accepted)
+        if self.costs is not None:
+            self.costs.observe_target_fit(result.cost_base_us / 1e6, result.cost_per_token_us / 1e6)
+        # A forward that re-read the context (the first round's prompt, or a session re-opened after a
+        # target restart) runs alone by design: it says nothing about the batch's load or a decode
+        # forward's cost. The same for a proposal that re-read the context on a re-attached draft.
+        if stats.rounds > 0 and not prefilled:
             self.load = load
             if self.costs is not None:
                 self.costs.load = load
                 self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
-                self.costs.observe_draft(drafted, block.draft_s)
+        if stats.rounds > 0 and self.costs is not None and not block.prefilled:
+            self.costs.observe_draft(block.proposed, block.draft_s, block.key.drafter if block.key else None)
         if result.HasField("features"):
             stats.feature_bytes += len(result.features.values)
             if self.draft is not None:
@@ -225,18 +281,22 @@ async def speculative_decode(
     stats: LoopStats,
     controller: AdaptiveK | None = None,
     costs: CostModel | None = None,
-) -> AsyncIterator[tuple[list[int], Finish | None]]:
-    """Yield (newly committed tokens, finish reason or None) once per round.
+) -> AsyncIterator[tuple[list[int], Finish | None, list[pb.TokenLogprob]]]:
+    """Yield (newly committed tokens, finish reason or None, their logprobs) once per round.
+
+    The logprobs are the target's, one per token, when its session was opened
+    with ``return_logprobs``; empty otherwise.
 
     With a ``controller``, each round's k is chosen in [0, config.k] from the
-    measured acceptance, costs and target load; ``costs`` learns from every
-    round but the first (which carries the prompt's prefill).
+    measured acceptance, costs and target load (a free drafter's block is cut
+    to it); ``costs`` learns from every round but the first (which carries the
+    prompt's prefill).
     """
     loop = _Loop(prompt, config, draft, stats, controller, costs)
     try:
         while True:
             if len(loop.committed) >= config.max_context:
-                yield [], Finish.CONTEXT
+                yield [], Finish.CONTEXT, []
                 return
             block = await loop.next_block()
             verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs))
@@ -245,9 +305,11 @@ async def speculative_decode(
                 result = await verifying
             finally:
                 verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
-            new, finish = loop.commit(block, result)
-            yield new, finish
+            new, finish = loop.commit(block, result, target.last_prefilled)
+            if finish is not None:
+                await loop.close()  # nothing is drafted past the end: the look-ahead stops before the last yield
+            yield new, finish, list(result.logprobs[: len(new)])
             if finish is not None:
                 return
     finally:
-        loop.cancel()
+        await loop.close()

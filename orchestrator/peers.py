@@ -104,9 +104,10 @@ class DraftStream(_Stream):
         await self._ask(pb.DraftRequest(open=open_msg))
 
     async def propose(
-        self, position: int, tokens: Sequence[int], k: int, features: pb.HiddenFeatures | None = None
+        self, position: int, tokens: Sequence[int], k: int, free_k: int = 0,
+        features: pb.HiddenFeatures | None = None,
     ) -> pb.DraftBlock:
-        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k)
+        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k)
         if features is not None:
             msg.features.CopyFrom(features)
         return (await self._ask(pb.DraftRequest(propose=msg))).block

@@ -7,19 +7,24 @@ message that names the field and the accepted range.
 from __future__ import annotations
 
 import secrets
+import string
 
 from lmkit import errors
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.wire import sampling_from_proto
+from lmkit.sampling import SamplingParams
+from lmkit.wire import MAX_TOP_LOGPROBS, mode_from_proto, sampling_from_proto
 from orchestrator.generation import GenerationRequest, Orchestrator
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_REQUEST_ID = 128
+_REQUEST_ID_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
 
 
 def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[GenerationRequest, list[int]]:
     """Validate a request against the server's limits; return it with the prompt's token ids."""
     config = orch.config
-    if not msg.prompt:
-        raise errors.InvalidArgument("prompt is empty; send the text to continue")
+    messages = _messages(msg)
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else config.default_max_new_tokens
     if not 1 <= max_new <= config.max_new_tokens_limit:
         raise errors.InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
@@ -38,12 +43,16 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     if k > 0 and orch.draft is not None and drafter not in orch.drafters:
         available = ", ".join(d.name for d in orch.drafters)
         raise errors.InvalidArgument(f"drafter {drafter.name} is not served by the draft service (it runs {available})")
+    sampling_mode = _sampling_mode(msg, sampling)
+    wants_probs = msg.draft_probs or sampling_mode is VerificationMode.DRAFT_PROBS
     traits = orch.drafter_traits.get(drafter)
-    if msg.draft_probs and not (traits is not None and traits.has_probs):
+    if wants_probs and not (traits is not None and traits.has_probs):
         names = "/".join(sorted(t.kind.name for t in orch.drafter_traits.values() if t.has_probs)) or "model"
         raise errors.InvalidArgument(f"draft_probs needs a {names} drafter; {drafter.name} sends token ids only")
     chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
-    prompt_ids = orch.encode(msg.prompt, msg.chat)
+    top_logprobs = _top_logprobs(msg)
+    request_id = _request_id(msg.request_id)
+    prompt_ids = orch.encode(msg.prompt, msg.chat, messages)
     limit = orch.target.info.max_context
     if limit and len(prompt_ids) >= limit:
         raise errors.InvalidArgument(
@@ -52,11 +61,58 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     adaptive = msg.adaptive_k if msg.HasField("adaptive_k") else config.default_adaptive_k
     overlap = msg.overlap if msg.HasField("overlap") else config.default_overlap
     request = GenerationRequest(
-        msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap
+        msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap,
+        messages=messages, top_logprobs=top_logprobs, request_id=request_id, sampling_mode=sampling_mode,
     )
     if k > 0 and orch.draft is not None:
         orch.check_features(request)
     return request, prompt_ids
+
+
+def _messages(msg: pb.GenerateRequest) -> tuple[tuple[str, str], ...]:
+    """The conversation, checked; a request sends either a prompt or messages."""
+    if msg.prompt and msg.messages:
+        raise errors.InvalidArgument("send either prompt or messages, not both")
+    if not msg.prompt and not msg.messages:
+        raise errors.InvalidArgument("prompt is empty; send the text to continue (or messages for a conversation)")
+    for i, turn in enumerate(msg.messages):
+        if turn.role not in CHAT_ROLES:
+            raise errors.InvalidArgument(f"messages[{i}].role is {turn.role!r}; use one of {', '.join(CHAT_ROLES)}")
+    return tuple((turn.role, turn.content) for turn in msg.messages)
+
+
+def _top_logprobs(msg: pb.GenerateRequest) -> int | None:
+    if not msg.return_logprobs:
+        if msg.top_logprobs:
+            raise errors.InvalidArgument("top_logprobs needs return_logprobs")
+        return None
+    if msg.top_logprobs > MAX_TOP_LOGPROBS:
+        raise errors.InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
+    return msg.top_logprobs
+
+
+def _request_id(value: str) -> str:
+    """The caller's id, checked (it goes into log lines), or a new one."""
+    if not value:
+        return f"req-{secrets.token_hex(8)}"
+    if len(value) > MAX_REQUEST_ID or not set(value) <= _REQUEST_ID_CHARS:
+        raise errors.InvalidArgument(
+            f"request_id must be 1..{MAX_REQUEST_ID} printable ASCII characters without spaces, got {value[:40]!r}"
+        )
+    return value
+def _sampling_mode(msg: pb.GenerateRequest, sampling: SamplingParams) -> VerificationMode | None:
+    """GenerateRequest.mode, checked against the temperature and draft_probs (None: the server's default)."""
+    if msg.mode == pb.VERIFICATION_MODE_UNSPECIFIED:
+        return None
+    mode = mode_from_proto(msg.mode)
+    if mode is VerificationMode.GREEDY or sampling.greedy:
+        raise errors.InvalidArgument(
+            f"mode {mode.name} with temperature {sampling.temperature}: temperature 0 is greedy and needs no mode; "
+            "for sampling send temperature > 0 with TOKEN_ONLY, DRAFT_PROBS or COUPLED"
+        )
+    if msg.draft_probs and mode is not VerificationMode.DRAFT_PROBS:
+        raise errors.InvalidArgument(f"draft_probs asks for DRAFT_PROBS verification but mode is {mode.name}; send one")
+    return mode
 
 
 def _chain(values, drafter: DrafterKind, served: list[DrafterKind] | None) -> tuple[DrafterKind, ...]:

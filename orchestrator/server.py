@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from lmkit import models
+from lmkit import logs, models
 from lmkit.grpc_server import (
     add_servicer,
     add_tls_flags,
@@ -17,12 +17,12 @@ from lmkit.grpc_server import (
     start_in_process,
     write_port_file,
 )
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.metrics import serve_metrics
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.security import BearerTokenInterceptor, ClientTls, load_token
-from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
+from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, DEFAULT_SAMPLING_MODE, OrchestratorConfig
 from orchestrator.generation import Orchestrator
 from orchestrator.links import LinkPolicy
 from orchestrator.servicer import GeneratorServicer
@@ -49,7 +49,15 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
         "--no-overlap", action="store_true",
         help="draft and verify in turn instead of drafting block i+1 while the target verifies block i",
     )
+    parser.add_argument(
+        "--sampling-mode", default=DEFAULT_SAMPLING_MODE.name.lower().replace("_", "-"), choices=["coupled", "token-only"],
+        help="how sampled requests that name no mode are verified (docs/protocol.md, Seeds)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default max new tokens per request")
+    parser.add_argument("--max-new-tokens-limit", type=int, default=4096,
+                        help="the most new tokens a request may ask for (larger requests get INVALID_ARGUMENT / 400)")
+    parser.add_argument("--served-model-name", action="append", default=[],
+                        help="a model name the HTTP API answers to (repeatable); default: the target's model name")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--connect-timeout-s", type=float, default=120.0, help="wait this long for the services")
@@ -69,7 +77,10 @@ def config_from_args(args) -> OrchestratorConfig:
         default_drafter=DrafterKind[args.drafter.upper()],
         default_adaptive_k=not args.fixed_k,
         default_overlap=not args.no_overlap,
+        default_sampling_mode=VerificationMode[args.sampling_mode.upper().replace("-", "_")],
         default_max_new_tokens=args.max_new_tokens,
+        max_new_tokens_limit=args.max_new_tokens_limit,
+        served_model_names=tuple(args.served_model_name),
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         connect_timeout_s=args.connect_timeout_s,
@@ -85,9 +96,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind; 0 picks a free one")
     parser.add_argument("--port-file", default="", help="write the bound port here once serving")
     parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, ...) on this port")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight generations get on SIGTERM")
-    parser.add_argument("--log-level", default="INFO")
+    logs.add_log_flags(parser)
     add_tls_flags(parser)
     parser.add_argument("--peer-tls-ca", default="", help="CA that signed the draft/target certificates (TLS to them)")
     parser.add_argument("--peer-tls-cert", default="", help="our client certificate for mTLS to draft/target")
@@ -123,14 +136,27 @@ async def serve(args) -> None:
     await set_serving(health, [SERVICE_NAME], False)
     orchestrator = await Orchestrator.connect(config)
     add_servicer(pb_grpc.add_GeneratorServicer_to_server, GeneratorServicer(orchestrator), server)
-    await server.start()
-    await set_serving(health, [SERVICE_NAME], True)
-    write_port_file(args.port_file, port)
-    log.info("orchestrator serving on %s:%d", args.host, port)
+    http = await _start_http(args, orchestrator, token) if args.http_port is not None else None
     try:
-        await serve_until_signal(server, health, args.grace_s)
+        await server.start()
+        await set_serving(health, [SERVICE_NAME], True)
+        write_port_file(args.port_file, port)
+        log.info("orchestrator serving on %s:%d", args.host, port)
+        await serve_until_signal(server, health, args.grace_s, http.stop if http else None)
     finally:
+        if http is not None:
+            await http.stop()
         await orchestrator.close()
+
+
+async def _start_http(args, orchestrator: Orchestrator, token: str):
+    """The OpenAI-compatible HTTP API on --http-port, same host, TLS and token as the gRPC API."""
+    from orchestrator import openai_server
+
+    app = openai_server.build_app(orchestrator, token)
+    http = await openai_server.start_http_server(app, args.host, args.http_port, server_tls(args), args.grace_s)
+    log.info("OpenAI-compatible HTTP API on %s:%d", args.host, http.port)
+    return http
 
 
 def run(args) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -31,39 +32,35 @@ _PASS_THROUGH = {
 class GeneratorServicer(pb_grpc.GeneratorServicer):
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orch = orchestrator
-        self.active = 0  # generations in flight; bounded by config.max_concurrent
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        limit = self.orch.config.max_concurrent
-        if self.active >= limit:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the orchestrator is serving its maximum of {limit} concurrent generations; retry with backoff",
-            )
-        self.active += 1
-        metrics.ACTIVE.inc()
+        arrived = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            parsed, prompt_ids = parse_request(request, self.orch)
-            async for event in self.orch.generate(parsed, prompt_ids):
-                response = pb.GenerateResponse(text=event.text)
-                if request.return_token_ids:
-                    response.token_ids.extend(event.token_ids)
-                if event.finish is not None:
-                    response.finish_reason = event.finish.value
-                    response.stats.CopyFrom(event.stats)
-                yield response
+            with self.orch.admit():
+                parsed, prompt_ids = parse_request(request, self.orch)
+                async for event in self.orch.generate(parsed, prompt_ids, arrived):
+                    response = pb.GenerateResponse(text=event.text, logprobs=event.logprobs)
+                    if request.return_token_ids:
+                        response.token_ids.extend(event.token_ids)
+                    if event.finish is not None:
+                        response.finish_reason = event.finish.value
+                        response.stats.CopyFrom(event.stats)
+                    yield response
         except errors.SpecsplitError as exc:
             code = status_for(exc)
             await context.abort(code, str(exc))
         except PeerError as exc:
-            code = exc.code if exc.code in _PASS_THROUGH else grpc.StatusCode.INTERNAL
+            code = peer_status(exc)
             log.warning("generation failed: %s", exc)
             await context.abort(code, str(exc))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            self.active -= 1
-            metrics.ACTIVE.dec()
-            metrics.REQUESTS.labels(code.name).inc()
+            metrics.REQUESTS.inc(code=code.name)
+
+
+def peer_status(exc: PeerError) -> grpc.StatusCode:
+    """The status a client gets for a failed peer call: its own when it is the client's to act on, else INTERNAL."""
+    return exc.code if exc.code in _PASS_THROUGH else grpc.StatusCode.INTERNAL

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import server
-from ray_deploy import batch_files, cluster, options
+from ray_deploy import batch_files, cluster, options, resources
 
 # Flags of `specsplit batch` that are not orchestrator flags (the rest configure every worker's orchestrator).
 BATCH_ONLY = options.FRONT_ONLY | {"input", "output", "workers", "concurrency", "worker_cpus"}
@@ -29,7 +29,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="JSONL file of results; appended to, and read to resume")
     parser.add_argument("--workers", type=int, default=2, help="orchestrator workers (Ray actors)")
     parser.add_argument("--concurrency", type=int, default=4, help="generations each worker runs at once")
-    parser.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs per worker")
+    parser.add_argument("--worker-cpus", type=float, default=None,
+                        help="Ray CPUs per worker (default 1; on a local cluster started here, a share that fits)")
     cluster.add_cluster_flags(parser)
     parser.add_argument("--peer-tls-ca", default="", help="CA that signed the draft/target certificates")
     parser.add_argument("--peer-tls-cert", default="", help="client certificate for mTLS to draft/target")
@@ -125,11 +126,12 @@ def append_record(fd: int, record: dict) -> None:
 
 
 def run(args) -> int:
-    import ray
     from tqdm import tqdm
 
     if args.workers < 1 or args.concurrency < 1:
         raise ValueError("--workers and --concurrency must be >= 1")
+    if args.worker_cpus is not None and args.worker_cpus < 0:
+        raise ValueError(f"--worker-cpus must be >= 0, got {args.worker_cpus:g}")
     specs = batch_files.parse_prompts(_read_input(Path(args.input)))
     output = Path(args.output)
     done = resume(output)
@@ -139,22 +141,43 @@ def run(args) -> int:
                                                                BATCH_ONLY))
     server.config_from_args(options.parse_serve_argv(argv))  # bad flags fail here, not in every worker
     start = time.perf_counter()
+    stopped = False
     if todo:
         started = cluster.connect(args.ray_address, args.ray_local_cpus)
         start = time.perf_counter()  # tokens/s counts from here: workers starting up and generating
         try:
-            worker_cls = ray.remote(BatchWorker).options(num_cpus=args.worker_cpus, max_concurrency=args.concurrency)
-            workers = [worker_cls.remote(argv) for _ in range(min(args.workers, len(todo)))]
+            workers = _start_workers(args, argv, min(args.workers, len(todo)), started)
             with tqdm(total=len(specs), initial=totals.done_before, desc="batch", unit="prompt", file=sys.stderr,
                       mininterval=0.5) as bar:
                 _drive(workers, todo, args.concurrency, output, totals, bar)
+        except KeyboardInterrupt:
+            if not cluster.stop_requested():
+                raise
+            stopped = True  # every finished result is on disk already
         finally:
-            if started:
-                ray.shutdown()
+            cluster.disconnect(started)
     print(totals.summary(len(specs), time.perf_counter() - start))
     for line in totals.failed:
         print(f"specsplit batch: failed {line}; re-run to retry", file=sys.stderr)
-    return 1 if totals.failed else 0
+    if stopped:
+        print("specsplit batch: stopped by SIGTERM; re-run to resume", file=sys.stderr)
+    return 1 if totals.failed or stopped else 0
+
+
+def _start_workers(args, argv: list[str], count: int, local: bool) -> list:
+    """``count`` BatchWorker actors, once the cluster has their CPUs free (bounded by --ray-schedule-timeout-s)."""
+    import ray
+
+    cap = resources.capacity()
+    cpus = resources.size_cpus({"worker": (args.worker_cpus, count)},
+                               cap.total().get("CPU", 0.0) if local else None)["worker"]
+    asks = [resources.Ask("batch worker", {"CPU": cpus}, "--worker-cpus, --workers", count)]
+    resources.require(asks, cap, local, "batch")
+    group = resources.reserve(asks, args.ray_schedule_timeout_s, cap, local)  # removed with the job
+    worker_cls = ray.remote(BatchWorker)
+    return [worker_cls.options(num_cpus=cpus, max_concurrency=args.concurrency,
+                               **resources.in_bundle(group, asks, "batch worker", i)).remote(argv)
+            for i in range(count)]
 
 
 def _read_input(path: Path) -> str:

@@ -1,15 +1,41 @@
-"""Joining a Ray cluster (``--ray-address``, ``RAY_ADDRESS``) or starting a local one on loopback.
+"""Joining a Ray cluster (``--ray-address``, ``RAY_ADDRESS``) or starting a local one on loopback, and leaving it.
 
 Ray is imported lazily, so plain ``specsplit serve`` never pays for it.
+
+Signals: ``ray.init`` installs a SIGTERM handler that calls ``sys.exit`` wherever
+the main thread happens to be, and a native one that prints "*** SIGTERM
+received ***" lines; a SIGTERM during start-up then left actors, services and
+the local cluster behind. ``connect`` replaces both with one that raises
+``Stopped`` (a KeyboardInterrupt, so no ``except Exception`` swallows it), and
+the commands stop in order from wherever they are, then exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
+import threading
+import time
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "specsplit"
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # only small messages (text, token ids) cross Ray here
+SCHEDULE_TIMEOUT_S = 60.0
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM: stop in order (Ray may re-raise it as a plain KeyboardInterrupt: see ``stop_requested``)."""
+
+
+_sigterm = threading.Event()
+
+
+def stop_requested() -> bool:
+    """True once SIGTERM arrived: a KeyboardInterrupt then is that normal stop, not Ctrl-C."""
+    return _sigterm.is_set()
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -19,12 +45,15 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ray-local-cpus", type=float, default=None,
                         help="CPUs a local cluster started here offers to Ray (default: all)")
+    parser.add_argument("--ray-schedule-timeout-s", type=float, default=SCHEDULE_TIMEOUT_S,
+                        help="fail when an actor or replica finds no free resources for this long")
 
 
 def connect(address: str = "", local_cpus: float | None = None) -> bool:
     """Join the cluster at ``address`` (or RAY_ADDRESS), else start a local one; True when we started it.
 
-    A local cluster binds 127.0.0.1 only and runs no dashboard.
+    A local cluster binds 127.0.0.1 only and runs no dashboard. Call from the main thread: it
+    installs the SIGTERM handler (see the module docstring).
     """
     import ray
 
@@ -33,13 +62,53 @@ def connect(address: str = "", local_cpus: float | None = None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS", "")
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        _raise_on_sigterm()
         return False
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray 2.60: else it binds the external address
-    ray.init(
-        num_cpus=local_cpus, include_dashboard=False, namespace=NAMESPACE, _node_ip_address="127.0.0.1",
+    _loopback_only()
+    ray.init(  # "local": a new cluster, even where `ray start` left one (ray.init() would join that)
+        address="local", num_cpus=local_cpus, include_dashboard=False, namespace=NAMESPACE,
+        _node_ip_address="127.0.0.1",
         object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False,
     )
+    _raise_on_sigterm()
     return True
+
+
+def stopping() -> None:
+    """From here on the command is stopping: a second SIGTERM does not cut the (bounded) teardown short."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def disconnect(started: bool) -> None:
+    """Leave the cluster; a local one started here is shut down with every process it ran."""
+    import ray
+
+    stopping()
+    began = time.monotonic()
+    ray.shutdown()
+    if started:
+        log.info("local Ray cluster shut down in %.1f s", time.monotonic() - began)
+
+
+def _loopback_only() -> None:
+    """Make a local cluster bind 127.0.0.1. Ray 2.60 reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is
+    imported, and otherwise turns ``_node_ip_address="127.0.0.1"`` into the host's external address."""
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # for the processes the cluster starts
+    ray_constants.ENABLE_RAY_CLUSTER = False  # for this one, which imported Ray already
+
+
+def _raise_on_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stopped)
+
+
+def _stopped(signum, frame) -> None:
+    _sigterm.set()
+    log.info("SIGTERM received: stopping")
+    raise Stopped()
 
 
 def node_ip() -> str:

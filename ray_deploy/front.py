@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import threading
+import time
 
 import grpc
 
@@ -29,12 +31,13 @@ from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.security import BearerTokenInterceptor, load_token
 from orchestrator import metrics, server
-from ray_deploy import cluster, options, serve_app
+from ray_deploy import cluster, options, resources, serve_app
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 APP_POLL_S = 5.0  # how often health follows the Serve application's status
 DELETE_TIMEOUT_S = 60.0  # replicas drain their generations while the application is deleted
+DEPLOY_POLL_S = 0.5
 
 
 class RayFrontServicer(pb_grpc.GeneratorServicer):
@@ -82,23 +85,83 @@ class RayFrontServicer(pb_grpc.GeneratorServicer):
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            metrics.REQUESTS.labels(code.name).inc()
+            metrics.REQUESTS.inc(code=code.name)
 
 
-def deploy(args):
-    """Start Serve (no HTTP/gRPC proxies of its own: the front is the ingress) and run the application."""
+def deploy(args, local: bool, cancelled: threading.Event):
+    """Start Serve and run the application. The front is the gRPC ingress; with --http-port, Serve's HTTP
+    proxy (on the head node) is the HTTP one, reaching the replicas' OpenAI-compatible API.
+
+    Waits a bounded time for the replicas' resources: first for a placement group that holds them
+    all (removed at once: it only proves they fit), then for Serve to stop reporting replicas that
+    wait to be scheduled. Returns None when ``cancelled`` is set meanwhile.
+    """
     from ray import serve
+    from ray.util.placement_group import remove_placement_group
 
-    serve.start(proxy_location="Disabled")
-    app = serve_app.build_app(options.app_args(args, server.build_parser()))
-    try:
-        serve.run(app, name=args.ray_app_name, route_prefix=None)
-    except RuntimeError as exc:  # the replicas failed to start: say why, as the replica said it
-        why = _replica_error(serve.status().applications.get(args.ray_app_name)) or str(exc)
-        with contextlib.suppress(Exception):
-            serve.delete(args.ray_app_name)
-        raise ValueError(f"the orchestrator replicas did not start: {why}") from None
-    return serve.get_app_handle(args.ray_app_name)
+    http = args.http_port is not None
+    if http:
+        if args.http_port == 0:
+            raise ValueError("--http-port 0 is not supported with --ray: Serve's HTTP proxy needs a fixed port")
+        serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.http_port})
+    else:
+        serve.start(proxy_location="Disabled")
+    app_args = options.app_args(args, server.build_parser())
+    if http and args.auth_token_file:
+        app_args["auth_token_file"] = args.auth_token_file  # the replicas check the HTTP requests' token
+    app = serve_app.build_app(app_args)
+    ask = resources.replica_ask(args.ray_num_cpus, args.ray_num_replicas)
+    probe = resources.reserve([ask], args.ray_schedule_timeout_s, resources.capacity(), local, cancelled)
+    if probe is not None:
+        remove_placement_group(probe)
+    if cancelled.is_set():
+        return None
+    # serve.run waits for RUNNING without a bound; serve._run (marked PublicAPI in Ray 2.60) can return at once.
+    serve._run(app, _blocking=False, name=args.ray_app_name, route_prefix="/" if http else None)
+    began, said = time.monotonic(), set()
+    while not cancelled.is_set():
+        app_status = serve.status().applications.get(args.ray_app_name)
+        if app_status is not None and app_status.status == "RUNNING":
+            if http:
+                _wait_for_http(args.host, args.http_port)
+            return serve.get_app_handle(args.ray_app_name)
+        if app_status is None or app_status.status == "DEPLOY_FAILED":  # say why, as the replica said it
+            why = _replica_error(app_status) or (app_status.message if app_status else "the application is gone")
+            raise ValueError(f"the orchestrator replicas did not start: {why}")
+        for message in {d.message for d in app_status.deployments.values() if d.message} - said:
+            log.warning("Serve: %s", message)  # e.g. replicas slow to be scheduled or to start: never silent
+            said.add(message)
+        if time.monotonic() - began > args.ray_schedule_timeout_s and _waiting_for_resources(app_status):
+            raise ValueError(resources.refusal(
+                f"Serve could not schedule the orchestrator replicas within {args.ray_schedule_timeout_s:.0f} s "
+                "(--ray-schedule-timeout-s): what they ask for is not free", [ask], resources.capacity(), local))
+        time.sleep(DEPLOY_POLL_S)
+    return None
+
+
+def _waiting_for_resources(app) -> bool:
+    """Serve says that replicas wait to be scheduled (its report, 30 s after they began to wait)."""
+    return any("to be scheduled" in d.message for d in app.deployments.values())
+
+
+def _wait_for_http(host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Serve's HTTP proxy answers on the port, or a ValueError says why it cannot (Serve already running)."""
+    import urllib.error
+    import urllib.request
+
+    address = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://{address}:{port}/-/healthz", timeout=5).close()
+            return
+        except (urllib.error.URLError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"Serve's HTTP proxy does not answer on {address}:{port} ({exc}); if Serve already runs on "
+                    "this cluster with other HTTP options, it keeps them: `serve shutdown` first, or use its port"
+                ) from None
+            time.sleep(0.5)
 
 
 def _replica_error(app) -> str:
@@ -145,22 +208,32 @@ async def _follow_app_status(health, app_name: str) -> None:
 
 async def serve(args) -> None:
     """``specsplit serve --ray``: join or start a cluster, deploy the application, serve until a signal."""
-    loop = asyncio.get_running_loop()
-    started = await loop.run_in_executor(None, cluster.connect, args.ray_address, args.ray_local_cpus)
+    if args.ray_num_cpus is not None and args.ray_num_cpus < 0:
+        raise ValueError(f"--ray-num-cpus must be >= 0, got {args.ray_num_cpus:g}")
+    # On the loop's (main) thread: it installs the SIGTERM handler; nothing else runs on the loop yet.
+    started = cluster.connect(args.ray_address, args.ray_local_cpus)
     try:
-        await run_front(args)
+        cap = resources.capacity()
+        args.ray_num_cpus = resources.size_cpus({"replica": (args.ray_num_cpus, args.ray_num_replicas)},
+                                                cap.total().get("CPU", 0.0) if started else None)["replica"]
+        resources.require([resources.replica_ask(args.ray_num_cpus, args.ray_num_replicas)], cap, started,
+                          "serve --ray")
+        await run_front(args, local=started)
+    except KeyboardInterrupt:
+        if not cluster.stop_requested():
+            raise
     finally:
-        if started:
-            import ray
-
-            ray.shutdown()
+        cluster.disconnect(started)
 
 
-async def run_front(args) -> None:
-    """Deploy the application on the connected cluster and serve the front until SIGTERM/SIGINT."""
+async def run_front(args, local: bool = False) -> None:
+    """Deploy the application on the connected cluster and serve the front until SIGTERM/SIGINT.
+
+    A signal while the replicas deploy stops at once; either way the application is deleted.
+    """
     from ray import serve as ray_serve
 
-    loop = asyncio.get_running_loop()
+    stop = _stop_on_signal()
     token = load_token(args.auth_token_file)
     interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
     front, port, health = create_server(
@@ -168,19 +241,58 @@ async def run_front(args) -> None:
     )
     serve_metrics(args.metrics_port, args.host, "orchestrator")
     await set_serving(health, [SERVICE_NAME], False)
-    handle = await loop.run_in_executor(None, deploy, args)
+    cancelled, deployed = threading.Event(), threading.Event()
+
+    def deploying():
+        try:
+            return deploy(args, local, cancelled)
+        finally:
+            deployed.set()
+
     try:
+        handle = await _unless(stop, _off_loop(deploying, timeout_s=None))
+        if handle is None:  # stopped while deploying
+            return
         servicer = RayFrontServicer(handle, args.ray_max_queued_requests)
         add_servicer(pb_grpc.add_GeneratorServicer_to_server, servicer, front)
         await front.start()
         await set_serving(health, [SERVICE_NAME], True)
         write_port_file(args.port_file, port)
         log.info("orchestrator on Ray (%d replicas) serving on %s:%d", args.ray_num_replicas, args.host, port)
+        if args.http_port is not None:
+            log.info("OpenAI-compatible HTTP API (Serve's HTTP proxy) on %s:%d", args.host, args.http_port)
         watcher = asyncio.create_task(_follow_app_status(health, args.ray_app_name))
         try:
-            await serve_until_signal(front, health, args.grace_s)
+            if not stop.is_set():  # serve_until_signal takes the signals over from here
+                await serve_until_signal(front, health, args.grace_s)
         finally:
             watcher.cancel()
     finally:
+        cancelled.set()
+        began = time.monotonic()
         with contextlib.suppress(Exception):  # the cluster may already be gone
+            # A deploy cut short by a signal finishes its step first, so that nothing deploys after the delete.
+            await _off_loop(deployed.wait, DELETE_TIMEOUT_S, timeout_s=DELETE_TIMEOUT_S)
             await _off_loop(ray_serve.delete, args.ray_app_name, timeout_s=DELETE_TIMEOUT_S)
+        log.info("application %s deleted in %.1f s", args.ray_app_name, time.monotonic() - began)
+
+
+def _stop_on_signal() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT, from now on (replacing Ray's handler, which exits wherever it is)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _unless(stop: asyncio.Event, awaitable):
+    """The result of ``awaitable``, or None as soon as ``stop`` is set first."""
+    task, stopped = asyncio.ensure_future(awaitable), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None

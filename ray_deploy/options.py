@@ -24,13 +24,15 @@ _HELP = {
     "num_replicas": "orchestrator replicas",
     "max_ongoing_requests": "generations one replica runs at once",
     "max_queued_requests": "requests waiting for a replica; beyond it RESOURCE_EXHAUSTED",
-    "num_cpus": "Ray CPUs reserved per replica",
+    "num_cpus": "Ray CPUs reserved per replica (default 1; on a local cluster started here, a share that fits)",
     "health_check_period_s": "seconds between health checks of each replica",
     "health_check_timeout_s": "a replica whose health check takes longer fails it",
 }
+# Ray keys whose flag defaults to None: sized to the cluster once joined (``resources.size_cpus``).
+SIZED_TO_CLUSTER = frozenset({"num_cpus"})
 # ``specsplit serve`` flags that configure the public front, not the orchestrator replicas.
 FRONT_ONLY = frozenset({
-    "host", "port", "port_file", "reflection", "metrics_port", "grace_s", "log_level",
+    "host", "port", "port_file", "reflection", "metrics_port", "grace_s", "log_level", "http_port",
     "tls_cert", "tls_key", "tls_ca", "auth_token_file", "handler", "command", "help",
 })
 
@@ -41,7 +43,8 @@ def add_ray_flags(parser: argparse.ArgumentParser) -> None:
     cluster.add_cluster_flags(parser)
     parser.add_argument("--ray-app-name", default="specsplit", help="Serve application name")
     for key, default in RAY_DEFAULTS.items():
-        parser.add_argument(f"--ray-{key.replace('_', '-')}", type=type(default), default=default, help=_HELP[key])
+        parser.add_argument(f"--ray-{key.replace('_', '-')}", type=type(default),
+                            default=None if key in SIZED_TO_CLUSTER else default, help=_HELP[key])
 
 
 def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, exclude=FRONT_ONLY) -> dict[str, Any]:
@@ -64,6 +67,9 @@ def app_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
     set (so flags added later flow through) plus every Ray key."""
     out = changed_flags(args, parser)
     out.update({key: getattr(args, f"ray_{key}") for key in RAY_DEFAULTS})
+    for key in SIZED_TO_CLUSTER:
+        if out[key] is None:
+            out[key] = RAY_DEFAULTS[key]
     return out
 
 

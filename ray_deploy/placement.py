@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import shlex
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmkit.processes import start_service
 from orchestrator import server
-from ray_deploy import cluster
+from ray_deploy import cluster, resources
+from ray_deploy.resources import Ask
 
 log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 30.0  # a service drains its calls (its own --grace-s) and exits
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,10 @@ class Placement:
     def actor_options(self) -> dict:
         return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources)}
 
-    def fits(self, node_resources: dict[str, float]) -> bool:
-        wanted = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
-        return all(node_resources.get(name, 0.0) >= amount for name, amount in wanted.items() if amount > 0)
+    def ask(self, role: str) -> Ask:
+        """What the ``role``'s actor asks of the cluster, and the flags that set it."""
+        amounts = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return Ask(role, amounts, f"--{role}-num-cpus, --{role}-num-gpus, --{role}-resources")
 
 
 def parse_resources(text: str, flag: str) -> dict[str, float]:
@@ -91,19 +96,13 @@ class ServiceHost:
         return self.service.stop()
 
 
-def place(name: str, module: str, argv: list[str], placement: Placement, timeout_s: float):
-    """Start ``module`` under a ServiceHost actor named ``name`` on a node that fits ``placement``."""
+def place(name: str, module: str, argv: list[str], placement: Placement, timeout_s: float, bundle: dict):
+    """Start ``module`` under a ServiceHost actor named ``name`` in its reserved ``bundle`` (actor options)."""
     import ray
 
-    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
-    if not any(placement.fits(resources) for resources in nodes):
-        raise ValueError(
-            f"no node of the Ray cluster offers what the {name} asks for ({placement.actor_options()}); start one "
-            "with e.g. `ray start --address HEAD:6379 --resources '{\"draft\": 1}'` or change the flags"
-        )
     return (
         ray.remote(ServiceHost)
-        .options(name=name, max_restarts=0, **placement.actor_options())
+        .options(name=name, max_restarts=0, **placement.actor_options(), **bundle)
         .remote(module, name, argv, timeout_s)
     )
 
@@ -123,9 +122,10 @@ def wait_serving(name: str, actor, timeout_s: float) -> dict:
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.build_parser(parser)  # the orchestrator's flags; --target/--draft are filled in from the actors
     group = parser.add_argument_group("placement of the services (specsplit up)")
-    for role, default_cpus in (("target", 1.0), ("draft", 1.0)):
+    for role in ("target", "draft"):
         group.add_argument(f"--{role}-args", default="", help=f"arguments of `specsplit serve-{role}`, one string")
-        group.add_argument(f"--{role}-num-cpus", type=float, default=default_cpus, help=f"Ray CPUs for the {role}")
+        group.add_argument(f"--{role}-num-cpus", type=float, default=None,
+                           help=f"Ray CPUs for the {role} (default 1; on a local cluster started here, a share that fits)")
         group.add_argument(f"--{role}-resources", default="{}",
                            help=f"custom Ray resources the {role}'s node must have, JSON, e.g. '{{\"{role}\": 1}}'")
     group.add_argument("--target-num-gpus", type=int, default=0, help="GPUs for the target; N > 1 runs it with --tp N")
@@ -149,41 +149,82 @@ def placements(args) -> dict[str, tuple[str, list[str], Placement]]:
     return wanted
 
 
+def size_to_cluster(args, cap: resources.Capacity, local: bool) -> list[Ask]:
+    """Fill in the CPU flags left at their default (``resources.size_cpus``) and refuse what can never run;
+    returns the service actors' asks (the replicas' ask is checked with them)."""
+    cpus = resources.size_cpus(
+        {"target": (args.target_num_cpus, 1), "draft": (args.draft_num_cpus, 0 if args.no_draft else 1),
+         "replica": (args.ray_num_cpus, args.ray_num_replicas)},
+        cap.total().get("CPU", 0.0) if local else None,
+    )
+    if local:
+        log.info("local cluster of %g CPUs: Ray CPUs target %g, draft %g, each of %d orchestrator replicas %g",
+                 cap.total().get("CPU", 0.0), cpus["target"], 0 if args.no_draft else cpus["draft"],
+                 args.ray_num_replicas, cpus["replica"])
+    args.target_num_cpus, args.draft_num_cpus, args.ray_num_cpus = cpus["target"], cpus["draft"], cpus["replica"]
+    services = [placement.ask(role) for role, (_, _, placement) in placements(args).items()]
+    resources.require([*services, resources.replica_ask(args.ray_num_cpus, args.ray_num_replicas)], cap, local, "up")
+    return services
+
+
 def run(args) -> int:
     from ray_deploy import front
 
-    wanted = placements(args)
-    target_model = model_in(wanted["target"][1])
+    target_model = model_in(target_argv(args.target_args, args.target_num_gpus))
     if target_model and args.tokenizer == server.build_parser().get_default("tokenizer"):
         args.tokenizer = target_model  # the orchestrator tokenizes with the target's own tokenizer
+    _check_flags(args)  # before a cluster is joined
     started = cluster.connect(args.ray_address, args.ray_local_cpus)
-    actors = []
+    actors, serving, group = [], [], None
     try:
+        cap = resources.capacity()
+        asks = size_to_cluster(args, cap, started)
+        group = resources.reserve(asks, args.ray_schedule_timeout_s, cap, started)
+        wanted = placements(args)
         names = {role: f"{args.ray_app_name}-{role}" for role in wanted}
         for role, (module, argv, placement) in wanted.items():  # all start at once, then we wait for each
-            actors.append(place(names[role], module, argv, placement, args.place_timeout_s))
+            bundle = resources.in_bundle(group, asks, role)
+            actors.append(place(names[role], module, argv, placement, args.place_timeout_s, bundle))
         for role, actor in zip(wanted, actors):
             info = wait_serving(names[role], actor, args.place_timeout_s)
+            serving.append(actor)
             log.info("%s serving at %s on node %s", role, info["address"], info["node_id"])
             setattr(args, role, info["address"])
         if args.no_draft:
             args.draft = ""
-        asyncio.run(front.run_front(args))
+        asyncio.run(front.run_front(args, local=started))
+    except KeyboardInterrupt:
+        if not cluster.stop_requested():
+            raise
     finally:
-        _stop(actors)
-        if started:
-            import ray
-
-            ray.shutdown()
+        cluster.stopping()
+        _stop(actors, serving, group)
+        cluster.disconnect(started)
     return 0
 
 
-def _stop(actors) -> None:
-    import ray
+def _check_flags(args) -> None:
+    for role in ("target", "draft"):
+        parse_resources(getattr(args, f"{role}_resources"), f"--{role}-resources")
+    for flag in ("--target-num-cpus", "--draft-num-cpus", "--ray-num-cpus"):
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value:g}")
 
+
+def _stop(actors, serving, group) -> None:
+    """Stop every service that serves (each drains, then exits), then kill every actor (a service still
+    loading dies with its actor) and free the resources they held."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    started = time.monotonic()
+    stops = [actor.stop.remote() for actor in serving]
+    with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+        ray.get(stops, timeout=STOP_TIMEOUT_S)
     for actor in actors:
-        try:
-            ray.get(actor.stop.remote(), timeout=30)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass
         ray.kill(actor)
+    if group is not None:
+        remove_placement_group(group)
+    if actors:
+        log.info("services stopped in %.1f s", time.monotonic() - started)

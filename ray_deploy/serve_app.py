@@ -10,10 +10,14 @@ output are identical. Serve bounds each replica's work
 (``max_ongoing_requests``) and the queue in front of them
 (``max_queued_requests``); a request beyond both is answered RESOURCE_EXHAUSTED.
 
-Two ways in, one deployment: ``specsplit serve --ray`` (``ray_deploy.front``)
+Three ways in, one deployment: ``specsplit serve --ray`` (``ray_deploy.front``)
 calls it through a DeploymentHandle; on KubeRay, Serve's own gRPC proxy (port
 9000 by default) calls it with ``SERVICER_FUNCTION`` registered in
-``grpc_options``, and the replica then checks the bearer token itself.
+``grpc_options``, and the replica then checks the bearer token itself; Serve's
+HTTP proxy (``serve --ray --http-port``, KubeRay's port 8000) reaches each
+replica's OpenAI-compatible API (``orchestrator.openai_server``), which checks
+the token too. Replicas record their metrics through Ray's metrics API, which
+every node's metrics agent exports to Prometheus.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
 
 SERVICER_FUNCTION = "lmkit.proto.specsplit.v1.specsplit_pb2_grpc.add_GeneratorServicer_to_server"
 HEALTH_PROBE_S = 5.0  # a target that does not answer Info this fast fails the replica's health check
+SHUTDOWN_POLL_S = 0.5  # a stopping replica checks this often for unfinished generations (Serve's default: 2 s)
 
 
 @dataclass(frozen=True)
@@ -87,17 +92,26 @@ async def _until_cancelled(responses):
 
 
 @serve.deployment(name="Orchestrator")
+@serve.ingress()
 class OrchestratorReplica:
-    """One orchestrator; Serve runs ``num_replicas`` of them and routes Generate calls over them."""
+    """One orchestrator; Serve runs ``num_replicas`` of them and routes Generate calls and HTTP requests over them."""
 
     async def __init__(self, argv: list[str]) -> None:
+        from orchestrator import metrics
         from orchestrator.generation import Orchestrator
         from orchestrator.servicer import GeneratorServicer
 
+        metrics.use_backend("ray")
         ns = parse_serve_argv(argv)
         self.token = load_token(ns.auth_token_file)
         self.orch = await Orchestrator.connect(server.config_from_args(ns))
         self.servicer = GeneratorServicer(self.orch)
+
+    def __serve_build_asgi_app__(self):
+        """The replica's HTTP ingress: the OpenAI-compatible API over this replica's orchestrator."""
+        from orchestrator.openai_server import build_app
+
+        return build_app(self.orch, self.token)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None):
         """Stream ``GenerateResponse``s exactly like ``specsplit serve`` does.
@@ -138,11 +152,15 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     ray_opts = {key: args.pop(key, default) for key, default in RAY_DEFAULTS.items()}
     argv = flags_to_argv(args)
     server.config_from_args(parse_serve_argv(argv))  # fail here, with the flag's name, not in every replica
+    # Serve's JSON log lines carry its request id (the X-Request-ID the HTTP API also uses).
+    logging = {"logging_config": {"encoding": "JSON"}} if args.get("log_format") == "json" else {}
     return OrchestratorReplica.options(
+        **logging,
         num_replicas=ray_opts["num_replicas"],
         max_ongoing_requests=ray_opts["max_ongoing_requests"],
         max_queued_requests=ray_opts["max_queued_requests"],
         health_check_period_s=ray_opts["health_check_period_s"],
         health_check_timeout_s=ray_opts["health_check_timeout_s"],
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         ray_actor_options={"num_cpus": ray_opts["num_cpus"]},
     ).bind(argv)

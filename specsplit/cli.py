@@ -8,6 +8,7 @@ nor ray.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import sys
@@ -19,7 +20,7 @@ class Command:
     name: str
     help: str
     module: str  # has build_parser(parser) and run(args) -> exit code (None for 0)
-    log_prefix: str | None = None  # log at --log-level with this prefix (else the module sets up its own, if any)
+    log_prefix: str | None = None  # log at --log-level/--log-format as this component (else the module sets up its own)
     quiet: bool = False  # log warnings and errors only
 
 
@@ -46,9 +47,26 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
         if only is None or only == command.name:
-            importlib.import_module(command.module).build_parser(p)
+            _module(command).build_parser(p)
         p.set_defaults(command_spec=command)
     return parser
+
+
+# What only the full specsplit distribution has (the light specsplit-client runs `specsplit generate` alone).
+_MODEL_STACK = ("torch", "ray", "transformers", "orchestrator", "draft_service", "target_service", "ray_deploy",
+                "bench", "lmkit.")
+
+
+def _module(command: Command):
+    """The subcommand's module; a clear exit where the model stack is not installed."""
+    try:
+        return importlib.import_module(command.module)
+    except ModuleNotFoundError as exc:
+        name = exc.name or ""
+        if not any(name == m or name.startswith(m if m.endswith(".") else m + ".") for m in _MODEL_STACK):
+            raise
+        sys.exit(f"specsplit {command.name}: needs the full specsplit package ({name} is not installed); "
+                 "the light specsplit-client runs `specsplit generate` only")
 
 
 def _chosen(argv: list[str]) -> str | None:
@@ -61,20 +79,24 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser(_chosen(argv) or "").parse_args(argv)
     command: Command = args.command_spec
     if command.log_prefix is not None:
-        logging.basicConfig(
-            level=args.log_level.upper(), format=f"%(asctime)s {command.log_prefix} %(levelname)s %(message)s"
-        )
+        from lmkit import logs
+
+        logs.configure(args.log_level, command.log_prefix, args.log_format)
     elif command.quiet:
         logging.basicConfig(level=logging.WARNING)
     from lmkit import errors
 
     try:
-        code = importlib.import_module(command.module).run(args)
+        code = _module(command).run(args)
     except (ValueError, FileNotFoundError, errors.SpecsplitError) as exc:
         print(f"specsplit {command.name}: error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130
+    # Leave promptly: with torch, transformers or Ray loaded, the interpreter's last garbage collection
+    # of their object graph takes seconds. Frozen objects are skipped; logs are flushed by logging's
+    # atexit hook and the std streams by the interpreter, so nothing waits on that collection.
+    gc.freeze()
     sys.exit(code or 0)
 
 

@@ -6,9 +6,12 @@
 
     with Client("127.0.0.1:50050") as client:
         print(client.complete("Hello").text)
+        answer = client.complete(messages=[("system", "Answer briefly."), ("user", "Why is the sky blue?")])
 
 Requests are plain ``GenerateRequest`` messages built by ``build_request``;
-errors are ``grpc.RpcError`` with the server's status code and message.
+errors are ``grpc.RpcError`` with the server's status code and message. It
+installs on its own, without the model stack, as the ``specsplit-client``
+distribution (``clients/python``).
 """
 
 from __future__ import annotations
@@ -41,9 +44,13 @@ def _open_sync_channel(address: str, tls: ClientTls | None) -> grpc.Channel:
     return grpc.insecure_channel(address, options=list(_BALANCED))
 
 
+Message = tuple[str, str] | dict[str, str] | pb.ChatMessage  # a conversation turn
+
+
 def build_request(
-    prompt: str,
+    prompt: str = "",
     *,
+    messages: Sequence[Message] = (),
     chat: bool = True,
     max_new_tokens: int | None = None,
     temperature: float = 0.0,
@@ -57,8 +64,17 @@ def build_request(
     return_token_ids: bool = False,
     adaptive_k: bool | None = None,
     overlap: bool | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    request_id: str = "",
+    mode: str | None = None,  # sampling verification: "token-only", "draft-probs" or "coupled"; None = server default
 ) -> pb.GenerateRequest:
-    """A ``GenerateRequest``; unset options take the server's defaults. The server validates every field."""
+    """A ``GenerateRequest`` for a prompt or a conversation (``messages``: system, user, assistant turns, rendered
+    with the model's chat template); unset options take the server's defaults. The server validates every field.
+
+    ``logprobs``: stream each token's log-probability under the target (and the ``top_logprobs`` most likely
+    tokens); ``request_id``: the id the server's log lines carry for this request.
+    """
     sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
     if top_p is not None:
         sampling.top_p = top_p
@@ -66,14 +82,37 @@ def build_request(
         sampling.seed = seed
     request = pb.GenerateRequest(
         prompt=prompt, chat=chat, sampling=sampling, stop=list(stop), draft_probs=draft_probs,
-        return_token_ids=return_token_ids,
+        return_token_ids=return_token_ids, messages=[chat_message(m) for m in messages],
+        return_logprobs=logprobs, top_logprobs=top_logprobs, request_id=request_id,
     )
     for name, value in (("max_new_tokens", max_new_tokens), ("k", k), ("adaptive_k", adaptive_k), ("overlap", overlap)):
         if value is not None:
             setattr(request, name, value)
     if drafter is not None:
         request.drafter = drafter_value(drafter)
+    if mode is not None:
+        request.mode = mode_value(mode)
     return request
+
+
+def chat_message(message: Message) -> pb.ChatMessage:
+    """A conversation turn given as (role, content), a {"role", "content"} dict or a ChatMessage."""
+    if isinstance(message, pb.ChatMessage):
+        return message
+    role, content = (message["role"], message["content"]) if isinstance(message, dict) else message
+    return pb.ChatMessage(role=role, content=content)
+SAMPLING_MODES = {
+    "token-only": pb.VERIFICATION_MODE_TOKEN_ONLY,
+    "draft-probs": pb.VERIFICATION_MODE_DRAFT_PROBS,
+    "coupled": pb.VERIFICATION_MODE_COUPLED,
+}
+
+
+def mode_value(mode: str) -> int:
+    """The wire value of a sampling verification mode named as in SAMPLING_MODES."""
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(SAMPLING_MODES)}")
+    return SAMPLING_MODES[mode]
 
 
 def drafter_value(drafter: DrafterKind | str | int) -> int:
@@ -93,16 +132,18 @@ def drafter_value(drafter: DrafterKind | str | int) -> int:
 
 @dataclass
 class Completion:
-    """A whole generation: its text, token ids (when asked for), finish reason and stats."""
+    """A whole generation: its text, token ids and logprobs (when asked for), finish reason and stats."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""  # e.g. "FINISH_REASON_LENGTH"
     stats: pb.GenerationStats | None = None
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.text += response.text
         self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(response.logprobs)
         if response.HasField("stats"):
             self.finish_reason = pb.FinishReason.Name(response.finish_reason)
             self.stats = response.stats
@@ -135,12 +176,12 @@ class AsyncClient:
         async for response in self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata):
             yield response
 
-    async def generate(self, prompt: str, **options) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream a completion of ``prompt`` (``options``: see ``build_request``)."""
+    async def generate(self, prompt: str = "", **options) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream a completion of ``prompt`` or of ``messages=[...]`` (``options``: see ``build_request``)."""
         async for response in self.stream(build_request(prompt, **options)):
             yield response
 
-    async def complete(self, prompt: str, **options) -> Completion:
+    async def complete(self, prompt: str = "", **options) -> Completion:
         done = Completion()
         async for response in self.generate(prompt, **options):
             done.add(response)
@@ -168,10 +209,10 @@ class Client:
     def stream(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
         yield from self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
 
-    def generate(self, prompt: str, **options) -> Iterator[pb.GenerateResponse]:
+    def generate(self, prompt: str = "", **options) -> Iterator[pb.GenerateResponse]:
         yield from self.stream(build_request(prompt, **options))
 
-    def complete(self, prompt: str, **options) -> Completion:
+    def complete(self, prompt: str = "", **options) -> Completion:
         done = Completion()
         for response in self.generate(prompt, **options):
             done.add(response)

@@ -12,7 +12,7 @@ import grpc
 from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.security import ClientTls
-from specsplit.client import AsyncClient, build_request, drafter_value
+from specsplit.client import SAMPLING_MODES, AsyncClient, build_request, drafter_value
 
 
 def non_negative(text: str) -> int:
@@ -43,6 +43,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--drafter", type=drafter_arg, default=None,
                         help=f"{', '.join(k.name.lower() for k in DrafterKind)}, or a drafter's number")
     parser.add_argument("--draft-probs", action="store_true", help="probability-mode verification (model drafter)")
+    parser.add_argument("--mode", choices=list(SAMPLING_MODES), default=None,
+                        help="how sampled tokens are verified (default: the server's; docs/protocol.md, Seeds)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--token", default="", help="bearer token (or SPECSPLIT_AUTH_TOKEN)")
     parser.add_argument("--tls-ca", default="", help="CA of the orchestrator's certificate (TLS)")
@@ -55,7 +57,7 @@ def to_request(args) -> pb.GenerateRequest:
     return build_request(
         args.prompt, chat=not args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, k=args.k, drafter=args.drafter,
-        draft_probs=args.draft_probs,
+        draft_probs=args.draft_probs, mode=args.mode,
     )
 
 

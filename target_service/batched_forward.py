@@ -1,14 +1,19 @@
 """Verification blocks of several sessions in one forward pass (continuous batching).
 
 Each session keeps its own KV cache and position. For a step, the sessions'
-cached keys/values are gathered into one right-padded batch:
+cached keys/values are gathered into one padded batch:
 
-    row i:  [ past_i (p_i) | pad (P - p_i) | fed_i (n_i) | pad (Q - n_i) ]
+    row i:  [ pad (P - p_i) | past_i (p_i) | fed_i (n_i) | pad (Q - n_i) ]
 
 with an attention mask that hides the pads and position ids p_i + j, so row i
 attends exactly to its own past and, causally, to its own fed tokens: the same
-computation as the session's solo step. Afterwards each session's cache gets
-its own new keys/values appended and nothing else.
+computation as the session's solo step. Pasts end where the fed tokens start,
+so distances in cache slots equal distances in positions, which is what a
+sliding-window mask measures (transformers builds masks by slot). A pad slot
+repeats its row's last position, so no position exceeds what the row itself
+reaches (learned absolute positions have a table that ends at the context).
+Afterwards each session's cache gets its own new keys/values appended and
+nothing else.
 
 Long feeds (a prompt's prefill) do not join a batch: padding every row to the
 prompt's length would cost more than it saves.
@@ -25,7 +30,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lmkit.kvcache import SessionCache
+from lmkit.kvcache import SessionCache, cache_kwargs
+from lmkit.transfer import to_device, to_host
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class _PaddedBatchLayer(DynamicLayer):
         for row, past in enumerate(self._pasts):
             if past is not None:
                 tensor = past[1] if values else past[0]
-                out[row, :, : tensor.shape[-2]] = tensor[0]
+                out[row, :, self._past_len - tensor.shape[-2] : self._past_len] = tensor[0]
         out[:, :, self._past_len :] = new
         return out
 
@@ -99,8 +105,9 @@ def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
     for row, step in enumerate(steps):
         n = len(step.feed)
         input_ids[row, :n] = torch.tensor(step.feed, dtype=torch.long)
-        positions[row] = torch.arange(step.keep, step.keep + width)
-        mask[row, : step.keep] = 1
+        positions[row, :n] = torch.arange(step.keep, step.keep + n)
+        positions[row, n:] = step.keep + n - 1  # pad slots: the row's own last position, never past it
+        mask[row, past_len - step.keep : past_len] = 1
         mask[row, past_len : past_len + n] = 1
 
     batch_cache = DynamicCache(config=model.config)
@@ -108,14 +115,14 @@ def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
         _PaddedBatchLayer([_layer_past(step.cache, layer) for step in steps], past_len) for layer in range(n_layers)
     ]
     out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions.to(device),
-        cache=batch_cache,
+        input_ids=to_device(input_ids, device),
+        attention_mask=to_device(mask, device),
+        position_ids=to_device(positions, device),
+        **cache_kwargs(model, batch_cache),
         use_cache=True,
         output_hidden_states=any(step.cache.feature_layers for step in steps),
     )
-    logits = out.logits.float().cpu()  # [batch, width, vocab]
+    logits = to_host(out.logits)  # [batch, width, vocab]
     results = []
     for row, step in enumerate(steps):
         n = len(step.feed)

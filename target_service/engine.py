@@ -6,8 +6,9 @@ No grpc here: the servicer converts protos to these calls and maps
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -16,11 +17,16 @@ from lmkit import draws, errors
 from lmkit.costs import LinearCost
 from lmkit.features import FeatureBlock
 from lmkit.kinds import VerificationMode
-from lmkit.kvcache import SessionCache
+from lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
 from lmkit.sampling import SamplingParams, logits_to_probs
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection
 from target_service.batched_forward import Step, forward_batch, split_by_width
+from target_service.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, committed_logprobs
+
+_MIN_FIT_SAMPLES = 8  # forwards before the cost fit is used
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +37,7 @@ class TargetSession:
     mode: VerificationMode
     cache: SessionCache
     rounds: int = 0
+    top_logprobs: int | None = None  # None: no logprobs; else also this many most likely tokens per position
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class Verification:
     compute_s: float
     batch: BatchShare = BatchShare()
     features: FeatureBlock | None = None  # the committed positions' hidden features, when the session asked
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token when the session asked for them
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ def check_mode(mode: VerificationMode, sampling: SamplingParams) -> None:
     if mode is VerificationMode.GREEDY and not sampling.greedy:
         raise errors.InvalidArgument(
             f"VERIFICATION_MODE_GREEDY needs temperature 0, got {sampling.temperature}; "
-            "use TOKEN_ONLY or DRAFT_PROBS for sampling"
+            "use TOKEN_ONLY, DRAFT_PROBS or COUPLED for sampling"
         )
     if mode is not VerificationMode.GREEDY and sampling.greedy:
         raise errors.InvalidArgument(f"{mode.name} samples and needs temperature > 0; use GREEDY for temperature 0")
@@ -82,6 +90,7 @@ class TargetEngine:
         new_cache: Callable[[], SessionCache] | None = None,  # tensor parallel: caches mirrored on every rank
         tp_degree: int = 1,
     ) -> None:
+        check_cache_layout(model)
         self.model = model
         self.model_id = model_id
         self.vocab_fingerprint = vocab_fingerprint
@@ -93,21 +102,25 @@ class TargetEngine:
         self.sessions: SessionTable[TargetSession] = SessionTable(limits, "target")
         self._new_cache = new_cache or (lambda: SessionCache(model))
         self.tp_degree = tp_degree
-        # Sharded caches replay each step on the other ranks one session at a time.
-        self.can_batch = new_cache is None
+        # Sharded caches replay each step on the other ranks one session at a time; a RoPE whose scaling
+        # follows the longest row of a forward would let rows change each other's positions' encoding.
+        self.can_batch = new_cache is None and rows_share_rope(model)
         self.forward_passes = 0  # verifying forwards run; rounds / forward_passes is the mean batch size
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
 
     # -- sessions -----------------------------------------------------------
     def open(
         self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode,
-        feature_layers: Sequence[int] = (),
+        top_logprobs: int | None = None, feature_layers: Sequence[int] = (),
     ):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
         check_mode(mode, sampling)
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise errors.InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
         self._check_feature_layers(feature_layers)
-        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache())
+        session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
+                                top_logprobs=top_logprobs)
         session.cache.feature_layers = tuple(feature_layers)
         return self.sessions.add(session_id, session)
 
@@ -139,8 +152,11 @@ class TargetEngine:
         logits = session.cache.logits(session.tokens, draft_tokens)  # [k+1, vocab]
         self.forward_passes += 1
         result = self._commit(session, logits, draft_tokens, draft_probs)
+        logprobs = self._logprobs(session, logits, result)
         features = committed_features(session.cache, position, result.accepted)
-        return Verification(result.accepted, result.next_token, time.perf_counter() - start, features=features)
+        return Verification(
+            result.accepted, result.next_token, time.perf_counter() - start, features=features, logprobs=logprobs
+        )
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verification | errors.SpecsplitError]:
         """Verify blocks of different sessions in shared forward passes; each result equals its solo ``verify``.
@@ -192,12 +208,19 @@ class TargetEngine:
         for i in done:
             own = results[i]
             share = BatchShare(len(done), width, committed - (own.accepted + 1))
-            results[i] = Verification(own.accepted, own.next_token, step_s, share, own.features)
+            results[i] = replace(own, compute_s=step_s, batch=share)
+
+    def cost_fit(self) -> tuple[float, float] | None:
+        """(a, s) of t(x) = a + s x over this target's verifying forwards, once measured (the load-aware
+        K choice of every orchestrator reads it); None before ``_MIN_FIT_SAMPLES`` forwards."""
+        if self.forward_cost.samples < _MIN_FIT_SAMPLES:
+            return None
+        return max(self.forward_cost.intercept(), 0.0), self.forward_cost.slope()
 
     def _split_overhead_tokens(self) -> float:
         """One more forward's fixed cost in tokens (a / s); infinite (never split) until measured."""
         slope = self.forward_cost.slope()
-        if self.forward_cost.samples < 8 or slope <= 0:
+        if self.forward_cost.samples < _MIN_FIT_SAMPLES or slope <= 0:
             return float("inf")
         return max(self.forward_cost.intercept(), 0.0) / slope
 
@@ -206,26 +229,69 @@ class TargetEngine:
             return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs)
         except errors.SpecsplitError as exc:
             return exc
+        except Exception as exc:  # noqa: BLE001 - NaN logits, OOM, a bad cache: this session's failure alone
+            return self._failed(item.session, exc)
 
-    def _verify_together(self, items: Sequence[VerifyItem], steps: Sequence[Step]) -> list[Verification]:
-        """One forward over the planned steps of checked items (``steps[i]`` belongs to ``items[i]``)."""
+    def _verify_together(
+        self, items: Sequence[VerifyItem], steps: Sequence[Step]
+    ) -> list[Verification | errors.SpecsplitError]:
+        """One forward over the planned steps of checked items (``steps[i]`` belongs to ``items[i]``).
+
+        A failure stays with its session: if the shared forward fails (a bad
+        cache, out of memory), every block is verified again alone, so only the
+        culprit fails; a session whose rows cannot be decided (NaN logits) gets
+        its error while the others commit.
+        """
         start = time.perf_counter()
         width = max(len(step.feed) for step in steps)
-        logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
+        try:
+            logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
+        except Exception as exc:  # noqa: BLE001 - find the culprit: each block alone
+            log.warning("a batched forward of %d sessions failed (%s); verifying each alone", len(steps), exc)
+            for step in steps:  # the step may have left caches half-written; they re-prefill
+                step.cache.reset()
+            return [self._verify_checked(item) for item in items]
         self.forward_passes += 1
         self.forward_cost.observe(len(steps) * width, time.perf_counter() - start)
-        decided = [
-            self._commit(item.session, rows, item.draft_tokens, item.draft_probs) for item, rows in zip(items, logits)
-        ]
+        decided = [self._commit_isolated(item, rows) for item, rows in zip(items, logits)]
+        logprobs = [self._logprobs(item.session, rows, d) if isinstance(d, rejection.Verdict) else ()
+                    for item, rows, d in zip(items, logits, decided)]
         elapsed = time.perf_counter() - start
-        committed = sum(d.accepted + 1 for d in decided)
+        done = [d for d in decided if isinstance(d, rejection.Verdict)]
+        committed = sum(d.accepted + 1 for d in done)
+        share = lambda d: BatchShare(len(done), width, committed - (d.accepted + 1))  # noqa: E731
         return [
             Verification(
-                d.accepted, d.next_token, elapsed, BatchShare(len(items), width, committed - (d.accepted + 1)),
-                committed_features(item.session.cache, item.position, d.accepted),
-            )
-            for item, d in zip(items, decided)
+                d.accepted, d.next_token, elapsed, share(d),
+                features=committed_features(item.session.cache, item.position, d.accepted), logprobs=lp,
+            ) if isinstance(d, rejection.Verdict) else d
+            for item, d, lp in zip(items, decided, logprobs)
         ]
+
+    @staticmethod
+    def _logprobs(session: TargetSession, logits, verdict: rejection.Verdict) -> tuple[TokenLogprob, ...]:
+        """The committed tokens' log-probabilities from this pass's logits, when the session asked for them."""
+        if session.top_logprobs is None:
+            return ()
+        committed = session.tokens[len(session.tokens) - verdict.accepted - 1 :]  # _commit appended them
+        return tuple(committed_logprobs(logits, committed, session.top_logprobs))
+
+    def _commit_isolated(self, item: VerifyItem, logits) -> rejection.Verdict | errors.SpecsplitError:
+        try:
+            return self._commit(item.session, logits, item.draft_tokens, item.draft_probs)
+        except errors.SpecsplitError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - NaN logits in this session's rows: its failure alone
+            return self._failed(item.session, exc)
+
+    def _failed(self, session: TargetSession, exc: Exception) -> errors.Internal:
+        """A session whose forward or decision failed: nothing committed, its cache dropped (it may be bad)."""
+        log.warning("verifying session %r failed: %s: %s", session.session_id, type(exc).__name__, exc)
+        session.cache.reset()
+        return errors.Internal(
+            f"verifying a block of session {session.session_id!r} failed ({type(exc).__name__}: {exc}); nothing was "
+            "committed and its cache was dropped: resend the block or re-open the session"
+        )
 
     def _commit(self, session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
         """Decide on the block from its logits and commit accepted + 1 tokens to the session."""
@@ -272,8 +338,11 @@ class TargetEngine:
             return rejection.verify_greedy(logits, tokens)
         target_probs = logits_to_probs(logits, session.sampling)
         # Row i decides the token at absolute position len(session.tokens) + i, with that position's draws.
-        position = len(session.tokens)
-        uniforms = draws.uniforms(session.sampling.seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
+        position, seed = len(session.tokens), session.sampling.seed
+        if session.mode is VerificationMode.COUPLED:
+            noise = lambda i, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731
+            return rejection.verify_coupled(target_probs, tokens, noise)
+        uniforms = draws.uniforms(seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
             return rejection.verify_token_only(target_probs, tokens, uniforms)
         return rejection.verify_draft_probs(target_probs, draft_probs, tokens, uniforms)

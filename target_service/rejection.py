@@ -22,6 +22,11 @@ token, i = k). The target takes them from ``lmkit.draws`` keyed by the absolute
 position of each row, so a position's verdict is a pure function of the block,
 the distributions and the seed, and no draw ever decides two positions.
 
+In coupled mode (``verify_coupled``) the draws are Gumbel noise over token ids
+per row, G_i, and the emitted token at row i is argmax(log p_i + G_i): a sample
+from p_i whatever the drafter proposed, so the output is a function of the
+draws alone; a draft token is accepted iff it equals that token.
+
 Values are checked where they are used (p(x), q(x), the row sampled from) and
 row sums once, so a verification never scans the [k+1, vocab] block twice.
 """
@@ -30,10 +35,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from lmkit.draws import ACCEPT, SAMPLE, inverse_cdf
+from lmkit.draws import ACCEPT, SAMPLE, gumbel_max, inverse_cdf
 
 # Rows of target_probs / draft_probs must sum to 1 within this; catches logits passed by mistake
 # while tolerating bf16/fp16 softmax rounding.
@@ -127,6 +133,29 @@ def verify_draft_probs(
     # min(1, p/q) = 1 at every x with q(x) > 0, so this rejection is reached with probability 0
     # (float rounding, or a broken drafter with q(x) = 0); sampling from p keeps the output exact.
     return Verdict(accepted=accepted, next_token=inverse_cdf(residual, sample_u[accepted], fallback=row))
+
+
+def verify_coupled(
+    target_probs: torch.Tensor,  # [k+1, vocab] rows sum to 1
+    draft_tokens: torch.Tensor,  # [k] int64
+    noise: Callable[[int, torch.Tensor], torch.Tensor],  # (row i, token ids [n] int64) -> Gumbel noise [n] float64
+) -> Verdict:
+    """Gumbel-max coupling: row i's token is argmax(log p_i + G_i); accept draft token i iff it equals it.
+
+    Each emitted token is argmax(log p_i + G_i), a sample from p_i, so the
+    output is exactly the target's sampling whatever the drafter proposed.
+    A drafter that proposes argmax(log q_i + G_i) with the same noise is
+    accepted often when q is close to p. Rows past the first mismatch are never
+    evaluated (their noise is not asked for).
+    """
+    tokens = _check_block("target_probs", target_probs, draft_tokens)
+    _check_row_sums("target_probs", target_probs)
+    for i in range(len(tokens) + 1):
+        row = _row("target_probs", target_probs, i)  # [vocab] float64
+        chosen = gumbel_max(row, lambda ids, i=i: noise(i, ids))
+        if i == len(tokens) or tokens[i] != chosen:
+            return Verdict(accepted=i, next_token=chosen)
+    raise AssertionError("unreachable: the loop returns at row k")
 
 
 def _check_block(name: str, target: torch.Tensor, draft_tokens: torch.Tensor) -> list[int]:

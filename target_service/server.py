@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from lmkit import models
+from lmkit import logs, models
 from lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
@@ -29,7 +29,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specsplit serve-target", description=__doc__)
     parser.add_argument("--model", default=models.DEFAULT_MODEL, help="folder, .gguf file, cached hub id or 'smollm2-135m'")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default=models.AUTO_DTYPE, choices=models.DTYPE_CHOICES,
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     parser.add_argument("--max-block", type=int, default=32, help="largest draft block accepted per verify")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
@@ -64,7 +65,7 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
 async def serve(args) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code (1 when a tensor-parallel rank was lost)."""
     compute = ComputeThread("target-compute")
-    servicer = TargetServicer(compute, tp_degree=args.tp, device=f"{args.device}/{args.dtype}", max_batch=args.max_batch)
+    servicer = TargetServicer(compute, tp_degree=args.tp, device=f"{args.device}/{models.resolve_dtype(args.device, args.dtype)}", max_batch=args.max_batch)
     servicer.session_ttl_s = args.session_ttl_s
     leaders: list[tp.Leader] = []
 
@@ -102,7 +103,7 @@ def run(args) -> int:
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s target %(levelname)s %(message)s")
+    logs.configure(args.log_level, "target", args.log_format)
     if args.tp > 1 and "RANK" not in os.environ:
         return launch_ranks(args, spec)
     models.configure_torch_threads(args.threads)
@@ -125,7 +126,7 @@ def launch_ranks(args, spec: models.ModelSpec) -> int:
     """Start --tp ranks of this same command and supervise them (target_service.ranks)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(models.resolve(args.model), local_files_only=True)
+    config = AutoConfig.from_pretrained(models.resolve(args.model, spec.dtype_name), local_files_only=True)
     tp.check_divisible(config, args.tp, args.model)
     return ranks.launch(args.tp, _service_argv(), spec.device.startswith("cuda"), args.grace_s)
 

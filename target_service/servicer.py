@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import grpc
 
-from lmkit import errors
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
-from lmkit.kinds import VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.wire import features_to_proto, probs_from_proto, sampling_from_proto
+from lmkit.wire import features_to_proto, mode_from_proto, probs_from_proto, sampling_from_proto
 from target_service.engine import TargetEngine, VerifyItem
 from target_service.scheduler import VerifyScheduler
-
-
-def mode_from_proto(value: int) -> VerificationMode:
-    try:
-        return VerificationMode(value)
-    except ValueError:
-        raise errors.InvalidArgument(
-            f"mode {value} is not a verification mode; send GREEDY (1), TOKEN_ONLY (2) or DRAFT_PROBS (3)"
-        ) from None
 
 
 class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
@@ -84,13 +73,15 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
     async def _open(self, engine: TargetEngine, msg: pb.TargetOpen):
         sampling = sampling_from_proto(msg.sampling)
         mode = mode_from_proto(msg.mode)
+        top_logprobs = msg.top_logprobs if msg.return_logprobs else None
         return await self.compute.run(
-            engine.open, msg.session_id, list(msg.tokens), sampling, mode, list(msg.feature_layers)
+            engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs, list(msg.feature_layers)
         )
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
         probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
         done = await self.scheduler.verify(VerifyItem(session, msg.position, list(msg.draft_tokens), probs))
+        base_s, per_token_s = engine.cost_fit() or (0.0, 0.0)
         result = pb.VerifyResult(
             position=msg.position,
             accepted=done.accepted,
@@ -99,6 +90,13 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             batch_size=done.batch.size,
             batch_width=done.batch.width,
             others_committed=done.batch.others_committed,
+            logprobs=[
+                pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                for lp in done.logprobs
+            ],
+            cost_base_us=base_s * 1e6,
+            cost_per_token_us=per_token_s * 1e6,
         )
         if done.features is not None:
             result.features.CopyFrom(features_to_proto(done.features))

@@ -9,13 +9,15 @@ their shard of that session's KV cache. NCCL on GPUs, gloo on CPU.
 
 Wire between ranks: an int64 header ``[op, slot, keep, n_feed, n_logits,
 n_released]`` then one int64 payload of fed tokens and released slots. No
-pickling.
+pickling. NCCL moves only CUDA tensors, so on GPUs the two live on the rank's
+device (``comm_device``); gloo keeps them on the CPU.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from typing import Sequence
 
@@ -53,6 +55,17 @@ def init_process_group(device: str, timeout_s: float) -> tuple[int, int]:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def comm_device() -> torch.device:
+    """Where the step broadcasts live: the rank's GPU under NCCL, the CPU under gloo.
+
+    The rank's GPU is LOCAL_RANK's (the current device is per thread, and rank 0
+    broadcasts from its compute thread).
+    """
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def weight_bytes(model) -> int:
@@ -95,9 +108,10 @@ class Leader:
     def announce(self, op: int, slot: int = 0, keep: int = 0, feed: Sequence[int] = (), n_logits: int = 0) -> None:
         with self._lock:
             released, self._released = self._released, []
-        header = torch.tensor([op, slot, keep, len(feed), n_logits, len(released)], dtype=torch.int64)
+        device = comm_device()
+        header = torch.tensor([op, slot, keep, len(feed), n_logits, len(released)], dtype=torch.int64, device=device)
         dist.broadcast(header, src=0)
-        payload = torch.tensor([*feed, *released], dtype=torch.int64)
+        payload = torch.tensor([*feed, *released], dtype=torch.int64, device=device)
         if payload.numel():
             dist.broadcast(payload, src=0)
 
@@ -130,11 +144,12 @@ class ShardedSessionCache(SessionCache):
 def follow(model) -> None:
     """Ranks > 0: replay rank 0's steps until it announces shutdown (or the group breaks)."""
     caches: dict[int, SessionCache] = {}
+    device = comm_device()
     while True:
-        header = torch.empty(_HEADER, dtype=torch.int64)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
         dist.broadcast(header, src=0)
         op, slot, keep, n_feed, n_logits, n_released = header.tolist()
-        payload = torch.empty(n_feed + n_released, dtype=torch.int64)
+        payload = torch.empty(n_feed + n_released, dtype=torch.int64, device=device)
         if payload.numel():
             dist.broadcast(payload, src=0)
         values = payload.tolist()

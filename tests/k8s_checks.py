@@ -356,3 +356,36 @@ def check_network_policies(docs: list[dict]) -> None:
                     admitted_orchestrator = True
             if name == "grpc":
                 assert admitted_orchestrator, f"{pod.owner}: no NetworkPolicy admits the orchestrator to port {port}"
+
+
+# ---- monitoring ------------------------------------------------------------------------------------
+
+
+def check_pod_monitor(docs: list[dict]) -> None:
+    """The PodMonitor selects every specsplit pod with a metrics port, and only ports those pods name."""
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    selector = monitor["spec"]["selector"]
+    pods = [pod for pod in pod_specs(docs) if selector_matches(selector, pod.labels)]
+    named = {p["name"] for pod in pods for c in pod.spec["containers"] for p in c.get("ports", []) if "name" in p}
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert endpoint["port"] in named, f"PodMonitor/{monitor['metadata']['name']}: no selected pod names a port " \
+                                          f"{endpoint['port']!r}"
+    scraped = {endpoint["port"] for endpoint in monitor["spec"]["podMetricsEndpoints"]}
+    for pod in pod_specs(docs):
+        ports = {p["name"] for c in pod.spec["containers"] for p in c.get("ports", []) if "name" in p}
+        if "metrics" in ports:
+            assert selector_matches(selector, pod.labels) and "metrics" in scraped, f"{pod.owner}: its metrics go unscraped"
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name specsplit exports: orchestrator metrics (with a counter's _total, a histogram's
+    _bucket/_sum/_count) and the services' collector metrics."""
+    from orchestrator import metrics
+
+    names = {"specsplit_ready", "specsplit_compute_queue", "specsplit_active_sessions", "specsplit_sessions_opened_total",
+             "specsplit_rounds_total"}  # lmkit.metrics.ServiceCollector
+    for metric in vars(metrics).values():
+        if isinstance(metric, metrics.Metric):
+            suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}[metric.kind]
+            names.update(metric.name + suffix for suffix in suffixes)
+    return names

@@ -1,27 +1,67 @@
-"""The K controller: cost fit, Leviathan's expectation, load, overlap, and the choice they drive."""
+"""The K controller: the round model, server-wide acceptance by quality, load, overlap, and the loop's use of them."""
 
 import pytest
 
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from orchestrator.adaptive_k import ALONE, AdaptiveK, CostModel, Load, expected_tokens, expected_tokens_by_position
+from orchestrator.acceptance import AcceptanceStats, StatsKey, Verification, quality_of
+from orchestrator.adaptive_k import AdaptiveK
 from orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
+from orchestrator.rate import (
+    ALONE,
+    CostModel,
+    Load,
+    best_k,
+    chain_rate,
+    expected_tokens,
+    expected_tokens_by_position,
+)
 
 pytestmark = pytest.mark.unit
 
+GREEDY = Verification.of(VerificationMode.GREEDY, 0.0)
+SAMPLED = Verification.of(VerificationMode.TOKEN_ONLY, 0.7)
+MODEL, NGRAM = DrafterKind.MODEL, DrafterKind.NGRAM
 
-def fitted(a=0.05, b=0.006, draft=0.0, widths=(1, 2, 3, 5, 9, 1, 4, 9)) -> CostModel:
+
+def fitted(a=0.05, b=0.006, draft=0.0, widths=(1, 2, 3, 5, 9, 1, 4, 9), drafter=MODEL) -> CostModel:
     """Forwards of x tokens cost a + b (x - 1): a decode step costs a."""
     costs = CostModel()
     for x in widths:
         costs.observe_verify(x, a + b * (x - 1))
-        costs.observe_draft(x - 1, draft * (x - 1))
+        costs.observe_draft(x - 1, draft * (x - 1), drafter)
     return costs
 
 
+def cpu_like() -> CostModel:
+    """A forward costs 62 ms + 20 ms per token, measured over batch sizes 1..64 (SmolLM2, one core here)."""
+    return fitted(a=0.062, b=0.02, widths=(1, 2, 5, 9, 8, 16, 32, 64, 9, 1))
+
+
+def paid(costs: CostModel, k_max=8, stats=None, **kw) -> AdaptiveK:
+    """A session whose drafter (a model) pays per token."""
+    return AdaptiveK(k_max, costs, stats or AcceptanceStats(), GREEDY, MODEL, **kw)
+
+
+def feed(controller: AdaptiveK, rounds, key=None) -> None:
+    key = key or controller.key(MODEL)
+    for drafted, accepted in rounds:
+        controller.observe(key, drafted, accepted)
+
+
+# -- the round model ---------------------------------------------------------------------------------------
 def test_cost_model_recovers_a_linear_verify_cost():
     costs = fitted(a=0.05, b=0.006)
     assert costs.verify_s(1) == pytest.approx(0.05, rel=1e-6)
     assert costs.verify_s(11) == pytest.approx(0.11, rel=1e-6)
+
+
+def test_the_targets_own_fit_replaces_the_orchestrators():
+    costs = fitted(a=0.05, b=0.006)
+    costs.observe_target_fit(0.0, 0.0)  # a target without a fit yet changes nothing
+    assert costs.verify_s(11) == pytest.approx(0.11, rel=1e-6)
+    costs.observe_target_fit(0.04, 0.01)
+    assert costs.verify_s(10) == pytest.approx(0.14)
 
 
 def test_expected_tokens_matches_leviathan():
@@ -33,147 +73,272 @@ def test_expected_tokens_matches_leviathan():
     assert expected_tokens_by_position([0.5, 1.0, 0.0], 3) == pytest.approx(1 + 0.5 + 0.5)
 
 
-def test_runs_of_acceptance_keep_blocks_long():
-    """Copy spans: a round either passes everything or fails at once. Overall acceptance is ~0.5, which
-    the i.i.d. model would answer with short blocks; given the first token passed, the rest always do."""
-    costs = fitted(a=0.07, b=0.01)
-    controller = AdaptiveK(k_max=8, costs=costs)
-    for _ in range(6):
-        controller.observe(drafted=8, accepted=8)
-        controller.observe(drafted=8, accepted=0)
-    accept = controller.acceptance()
-    assert accept[0] < 0.65 and min(accept[1:]) > 0.8
-    iid = AdaptiveK(k_max=8, costs=costs)
-    assert controller.choose() >= 4 > iid.best([controller.alpha] * 8)
-
-
-def test_high_acceptance_and_cheap_drafts_use_the_bound():
-    controller = AdaptiveK(k_max=8, costs=fitted())
-    for _ in range(10):
-        controller.observe(drafted=8, accepted=8)
-    assert controller.choose() == 8
-
-
-def test_rejections_switch_speculation_off_then_probe():
-    controller = AdaptiveK(k_max=8, costs=fitted(b=0.01), probe_every=4)
-    for _ in range(10):
-        controller.observe(drafted=4, accepted=0)
-    choices = [controller.choose() for _ in range(8)]
-    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]
-
-
-def test_expensive_draft_shortens_blocks():
-    cheap = AdaptiveK(k_max=16, costs=fitted(draft=0.0))
-    dear = AdaptiveK(k_max=16, costs=fitted(draft=0.03))
-    for c in (cheap, dear):
-        for _ in range(10):
-            c.observe(drafted=16, accepted=12)
-            c.observe(drafted=16, accepted=3)
-    assert 0 < dear.choose() < cheap.choose()
-
-
-def test_rounds_without_a_proposal_carry_no_evidence():
-    controller = AdaptiveK(k_max=8, costs=fitted())
-    before = controller.alpha
-    controller.observe(drafted=0, accepted=0)
-    assert controller.alpha == before
-
-
-def test_negative_bound_is_refused():
-    with pytest.raises(ValueError, match="k_max"):
-        AdaptiveK(k_max=-1, costs=CostModel())
-
-
-def confident(costs: CostModel, k_max: int = 8) -> AdaptiveK:
-    controller = AdaptiveK(k_max=k_max, costs=costs)
-    for _ in range(10):
-        controller.observe(drafted=4, accepted=3)
-    return controller
-
-
-def cpu_like() -> CostModel:
-    """A forward costs 62 ms + 20 ms per token, measured over batch sizes 1..64 (SmolLM2, one core here)."""
-    return fitted(a=0.062, b=0.02, widths=(1, 2, 5, 9, 8, 16, 32, 64, 9, 1))
-
-
-def n_gram_like(costs: CostModel) -> AdaptiveK:
-    """Acceptance like the n-gram drafter's on the demo prompts: runs that pass, or fail early."""
-    controller = AdaptiveK(k_max=8, costs=costs)
-    for _ in range(5):
-        for accepted in (1, 3, 0, 2, 8):
-            controller.observe(drafted=8, accepted=accepted)
-    return controller
-
-
-def test_alone_the_choice_is_leviathans():
-    controller = n_gram_like(cpu_like())
-    assert controller.choose(Load()) == controller.choose() > 0
-
-
-def test_saturated_target_turns_speculation_off_and_load_falling_brings_it_back():
-    controller = n_gram_like(cpu_like())
-    alone = controller.choose(Load())
-    saturated = Load(sessions=32, others_committed=31)
-    assert controller.choose(saturated) == 0
-    # never probe under saturation: even good drafts would not pay there
-    rounds = 3 * controller.probe_every * saturated.sessions
-    assert [controller.choose(saturated) for _ in range(rounds)] == [0] * rounds
-    assert controller.choose(Load()) == alone
-
-
-def test_one_sessions_copy_span_does_not_pad_a_busy_batch():
-    """Others decode one token each: a block must bring more than the padding costs all of them."""
-    controller = n_gram_like(cpu_like())
-    assert controller.best(controller.acceptance(), Load()) > 0  # alone it pays
-    assert controller.best(controller.acceptance(), Load(sessions=8, others_committed=7)) == 0
-
-
-def test_k_shrinks_as_load_grows():
-    controller = n_gram_like(cpu_like())
-    ks = [controller.best(controller.acceptance(), Load(b, b - 1)) for b in (1, 2, 4, 8, 32)]
-    assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
-
-
-def test_unreached_positions_follow_the_last_measured_one():
-    controller = AdaptiveK(k_max=8, costs=cpu_like())
-    for _ in range(10):
-        controller.observe(drafted=3, accepted=3)  # positions 4..8 never verified
-    accept = controller.acceptance()
-    assert accept[3:] == [accept[2]] * 5 and accept[2] > 0.9
+def test_alone_the_rate_is_leviathans_tokens_over_time():
+    costs = fitted(a=0.05, b=0.006)
+    accept = [0.8] * 4
+    assert chain_rate(4, accept, costs) == pytest.approx(expected_tokens(0.8, 4) / costs.verify_s(5))
 
 
 def test_overlap_hides_drafting():
     dear = fitted(a=0.05, b=0.002, draft=0.008)
-    controller = confident(dear, 16)
-    accept = controller.acceptance()
-    assert controller.rate(0, accept, overlap=True) == controller.rate(0, accept, overlap=False)
+    accept, draft_s = [0.75] * 16, dear.draft_s_per_token(MODEL)
+    assert chain_rate(0, accept, dear, overlap=True, draft_s_per_token=draft_s) == chain_rate(0, accept, dear)
     for k in range(1, 6):  # drafting k + 1 ahead (8 ms each) fits within one verification (>= 50 ms)
-        assert controller.rate(k, accept, overlap=True) > controller.rate(k, accept, overlap=False)
+        assert (chain_rate(k, accept, dear, overlap=True, draft_s_per_token=draft_s)
+                > chain_rate(k, accept, dear, overlap=False, draft_s_per_token=draft_s))
     # a draft slower than the verification is waited for, and on a miss paid again: overlap can lose then
-    assert controller.rate(16, accept, overlap=True) < controller.rate(16, accept, overlap=False)
-    assert controller.choose(overlap=True) > 0
+    assert (chain_rate(16, accept, dear, overlap=True, draft_s_per_token=draft_s)
+            < chain_rate(16, accept, dear, overlap=False, draft_s_per_token=draft_s))
+
+
+def test_k_shrinks_as_load_grows():
+    accept = [0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]
+    ks = [best_k(accept, 8, cpu_like(), Load(b, b - 1)) for b in (1, 2, 4, 8, 32)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
+
+
+# -- acceptance statistics ------------------------------------------------------------------------------------
+def test_a_key_without_evidence_leans_on_its_pool_and_the_pool_on_the_prior():
+    stats = AcceptanceStats(prior=0.5)
+    key = StatsKey(NGRAM, GREEDY, quality_of(12, 1))
+    assert stats.acceptance(key, 4) == pytest.approx([0.5] * 4)
+    for _ in range(50):  # blocks of another quality fill the pool
+        stats.observe(StatsKey(NGRAM, GREEDY, quality_of(3, 1)), 4, 2)
+    pool = stats.acceptance(key.pool, 4)
+    assert pool[0] > 0.9 and pool[2] < 0.1  # two of four pass, every time
+    assert stats.acceptance(key, 4) == pytest.approx(pool)
+
+
+def test_a_keys_own_evidence_overrides_its_pool():
+    stats = AcceptanceStats()
+    good, poor = StatsKey(NGRAM, GREEDY, quality_of(20, 1)), StatsKey(NGRAM, GREEDY, quality_of(1, 3))
+    for _ in range(40):
+        stats.observe(good, 8, 8)
+        stats.observe(poor, 8, 0)
+    assert min(stats.acceptance(good, 8)) > 0.9
+    assert stats.acceptance(poor, 8)[0] < 0.1
+
+
+def test_unreached_positions_follow_the_last_measured_one():
+    stats = AcceptanceStats()
+    key = StatsKey(MODEL, GREEDY)
+    for _ in range(30):
+        stats.observe(key, 3, 3)  # positions 4..8 never verified
+    accept = stats.acceptance(key, 8)
+    assert accept[3:] == pytest.approx([accept[2]] * 5) and accept[2] > 0.9
+
+
+def test_greedy_and_sampled_verification_are_kept_apart():
+    stats = AcceptanceStats()
+    quality = quality_of(6, 1)
+    for _ in range(30):
+        stats.observe(StatsKey(NGRAM, GREEDY, quality), 4, 4)
+    assert stats.acceptance(StatsKey(NGRAM, SAMPLED, quality), 4) == pytest.approx([stats.prior] * 4)
+    assert Verification.of(VerificationMode.TOKEN_ONLY, 0.71) == SAMPLED  # temperatures to 0.1
+    assert Verification.of(VerificationMode.GREEDY, 0.7) == GREEDY
+
+
+def test_quality_buckets_order_match_lengths_and_occurrences():
+    lengths = [quality_of(n, 1).length for n in (1, 2, 3, 4, 5, 6, 11, 12, 32)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+    assert quality_of(4, 1) == quality_of(5, 1) != quality_of(6, 1)
+    assert quality_of(4, 1) != quality_of(4, 2) == quality_of(4, 9)
+
+
+def test_empty_blocks_carry_no_evidence_and_bad_counts_are_refused():
+    stats = AcceptanceStats()
+    key = StatsKey(MODEL, GREEDY)
+    stats.observe(key, 0, 0)
+    assert stats.blocks(key) == 0.0
+    with pytest.raises(ValueError, match="accepted"):
+        stats.observe(key, 2, 3)
+    with pytest.raises(ValueError, match="prior"):
+        AcceptanceStats(prior=1.0)
+
+
+# -- ask: a drafter that pays per token ------------------------------------------------------------------------
+def test_runs_of_acceptance_keep_blocks_long():
+    """Copy spans: a round either passes everything or fails at once. Overall acceptance is ~0.5, which
+    the i.i.d. model would answer with short blocks; given the first token passed, the rest always do."""
+    costs = fitted(a=0.07, b=0.01)
+    controller = paid(costs)
+    feed(controller, [(8, 8), (8, 0)] * 6)
+    accept = controller.acceptance()
+    assert accept[0] < 0.65 and min(accept[1:]) > 0.8
+    assert controller.ask(8) >= 4 > best_k([accept[0]] * 8, 8, costs)
+
+
+def test_high_acceptance_and_cheap_drafts_use_the_bound():
+    controller = paid(fitted())
+    feed(controller, [(8, 8)] * 10)
+    assert controller.ask(8) == 8
+    assert controller.ask(3) == 3  # the round's own limit (budget, context) caps it
+
+
+def test_rejections_switch_speculation_off_then_probe():
+    controller = paid(fitted(b=0.01), probe_every=4)
+    feed(controller, [(4, 0)] * 10)
+    assert [controller.ask(8) for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def test_expensive_draft_shortens_blocks():
+    cheap, dear = paid(fitted(draft=0.0), 16), paid(fitted(draft=0.03), 16)
+    for c in (cheap, dear):
+        feed(c, [(16, 12), (16, 3)] * 10)
+    assert 0 < dear.ask(16) < cheap.ask(16)
+
+
+def test_a_new_session_starts_from_what_other_sessions_measured():
+    stats, costs = AcceptanceStats(), fitted(b=0.01)
+    veteran = paid(costs, stats=stats)
+    feed(veteran, [(4, 0)] * 30)  # this drafter's blocks fail on this server
+    newcomer = paid(costs, stats=stats)
+    assert newcomer.acceptance()[0] < 0.1 and newcomer.ask(8) == 0
+    assert paid(costs).ask(8) > 0  # a server without that record would draft
+    feed(newcomer, [(8, 8)] * 10)  # its own rounds take over
+    assert newcomer.ask(8) > 0
+
+
+def test_a_session_without_a_paid_drafter_asks_for_nothing():
+    controller = AdaptiveK(8, fitted(), AcceptanceStats(), GREEDY, paid=None)
+    assert controller.ask(8) == 0
+
+
+def test_negative_bound_is_refused():
+    with pytest.raises(ValueError, match="k_max"):
+        AdaptiveK(-1, CostModel(), AcceptanceStats(), GREEDY)
+
+
+# -- cut: a block drafted for free -----------------------------------------------------------------------------
+def free(costs: CostModel, stats: AcceptanceStats, verification=GREEDY, k_max=8, **kw) -> AdaptiveK:
+    return AdaptiveK(k_max, costs, stats, verification, paid=None, **kw)
+
+
+def copy_traffic(stats: AcceptanceStats, verification=GREEDY, rounds=40) -> tuple[StatsKey, StatsKey]:
+    """Earlier sessions' blocks: long matches pass in runs, one-token matches rarely pass."""
+    long_match = StatsKey(NGRAM, verification, quality_of(16, 1))
+    short_match = StatsKey(NGRAM, verification, quality_of(1, 3))
+    for i in range(rounds):
+        stats.observe(long_match, 8, 8 if i % 5 else 2)
+        stats.observe(short_match, 4, 1 if i % 8 == 0 else 0)
+    return long_match, short_match
+
+
+def test_a_new_session_cuts_by_quality_as_well_as_a_warm_one():
+    stats, costs = AcceptanceStats(), cpu_like()
+    long_match, short_match = copy_traffic(stats)
+    new = free(costs, stats)
+    assert new.cut(long_match, 8) == 8  # no history of its own: the server's record of that quality decides
+    assert new.cut(short_match, 8) == 0
+    assert new.cut(long_match, 3) == 3  # never more than the block holds
+    assert new.cut(long_match, 8, Load(32, 31)) == 0  # under saturation even good copies do not pay
+
+
+def test_on_a_cheap_verify_a_fair_match_is_worth_one_token():
+    """On this CPU a decode step costs ~50 ms and each extra token ~6 ms: a first token passing 1 time in 4
+    already pays, deeper ones (1 in 4 times 1 in 4) do not."""
+    stats = AcceptanceStats()
+    key = StatsKey(NGRAM, GREEDY, quality_of(1, 1))
+    for i in range(40):
+        stats.observe(key, 4, 1 if i % 4 == 0 else 0)
+    assert free(fitted(a=0.05, b=0.006), stats).cut(key, 8) == 1
+
+
+def test_sampled_verification_stops_where_it_does_not_pay():
+    """The same copies, verified by sampling (accepted with p(x), here rarely), are not drafted, while greedy
+    keeps drafting them: speculation never makes sampled traffic slower."""
+    stats, costs = AcceptanceStats(), cpu_like()
+    long_match, _ = copy_traffic(stats, GREEDY)
+    sampled = StatsKey(NGRAM, SAMPLED, long_match.quality)
+    for _ in range(40):
+        stats.observe(sampled, 8, 0)
+    assert free(costs, stats, GREEDY).cut(long_match, 8) == 8
+    assert free(costs, stats, SAMPLED).cut(sampled, 8) == 0
+
+
+def test_a_quality_cut_to_nothing_is_probed_now_and_then_server_wide():
+    stats, costs = AcceptanceStats(), fitted(b=0.01)
+    _, short_match = copy_traffic(stats)
+    one, other = free(costs, stats, probe_every=4), free(costs, stats, probe_every=4)
+    cuts = [c.cut(short_match, 8) for c in (one, other) * 4]  # two sessions share the count
+    assert cuts == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert [one.cut(short_match, 8, Load(32, 31)) for _ in range(200)] == [0] * 200  # not where it cannot pay
+
+
+# -- the loop's use of them ----------------------------------------------------------------------------------
+def loop_with(controller, free_drafters=frozenset({NGRAM}), drafter=NGRAM) -> _Loop:
+    cfg = LoopConfig(k=8, max_new_tokens=100, eos_ids=frozenset(), max_context=1000, drafter=drafter,
+                     free_drafters=free_drafters)
+    return _Loop([1, 2, 3], cfg, None, LoopStats(), controller, controller.costs if controller else None)
+
+
+def reply(tokens, length=0, occurrences=1, drafter=0) -> pb.DraftBlock:
+    block = pb.DraftBlock(tokens=tokens, drafter=drafter)
+    if length:
+        block.quality.CopyFrom(pb.MatchQuality(length=length, occurrences=occurrences))
+    return block
+
+
+def test_a_free_block_is_cut_by_its_quality_and_recorded_under_it():
+    stats, costs = AcceptanceStats(), cpu_like()
+    long_match, short_match = copy_traffic(stats)
+    loop = loop_with(free(costs, stats))
+    assert loop.choose(8) == (0, 8)  # nothing asked of a paid drafter, up to 8 of the free one
+    block = loop.finish_block(reply(list(range(10, 18)), length=16), k=0)
+    assert block.tokens == list(range(10, 18)) and block.key == long_match and block.proposed == 8
+    block = loop.finish_block(reply(list(range(10, 18)), length=1, occurrences=3), k=0)
+    assert block.tokens == [] and block.key == short_match
+    before = stats.blocks(long_match)
+    loop.commit(loop.finish_block(reply([5, 6, 7], length=16), 0), pb.VerifyResult(accepted=2, next_token=9))
+    assert stats.blocks(long_match) > before and loop.committed[-3:] == [5, 6, 9]
+
+
+def test_a_block_drafted_ahead_is_one_token_better_matched_after_its_guess():
+    stats = AcceptanceStats()
+    loop = loop_with(free(cpu_like(), stats))
+    block = loop.finish_block(reply([4, 5, 6, 7], length=5), k=0, skip=1)
+    assert block.key.quality == quality_of(6, 1) and block.tokens[:1] == [5]
+
+
+def test_blocks_of_paid_drafters_and_fixed_k_sessions_are_not_cut():
+    stats, costs = AcceptanceStats(), cpu_like()
+    copy_traffic(stats)
+    model_loop = loop_with(paid(costs, stats=stats), free_drafters=frozenset(), drafter=MODEL)
+    block = model_loop.finish_block(reply([1, 2, 3, 4]), k=4)
+    assert block.tokens == [1, 2, 3, 4] and block.key == StatsKey(MODEL, GREEDY)
+    # a chain's n-gram member is cut even though the session's drafter is a chain
+    chain_loop = loop_with(paid(costs, stats=stats), drafter=DrafterKind.CHAIN)
+    block = chain_loop.finish_block(reply([1, 2, 3, 4], length=1, occurrences=3, drafter=NGRAM.value), k=4)
+    assert block.tokens == [] and block.key.drafter is NGRAM
+    fixed = loop_with(None)
+    assert fixed.choose(8) == (8, 0)
+    assert fixed.finish_block(reply([1, 2], length=1, occurrences=3), 8).tokens == [1, 2]
 
 
 def test_a_session_joining_a_busy_target_starts_from_its_load():
     """The load comes from decode rounds, shared through the target's cost model: a new session does not
     size its first blocks for a target of its own, and its prefill (a forward alone) does not reset it."""
-    costs = cpu_like()
-    config = LoopConfig(k=8, max_new_tokens=100, eos_ids=frozenset(), max_context=1000)
+    stats, costs = AcceptanceStats(), cpu_like()
+    long_match, _ = copy_traffic(stats)
 
     def round_in(loop: _Loop, sessions: int) -> None:
+        forward_us = int((0.062 + 0.02 * (sessions - 1)) * 1e6)  # as cpu_like() predicts
         loop.commit(_Block([], k=0), pb.VerifyResult(accepted=0, next_token=7, batch_size=sessions,
-                                                     others_committed=sessions - 1))
+                                                     others_committed=sessions - 1, compute_us=forward_us))
+
+    def cut(loop: _Loop) -> int:
+        return len(loop.finish_block(reply(list(range(10, 18)), length=5), k=0).tokens)
 
     busy = Load(sessions=8, others_committed=7)
-    running = _Loop([1, 2, 3], config, None, LoopStats(), n_gram_like(costs), costs)
+    running = loop_with(free(costs, stats))
     round_in(running, 1)  # its prefill
     round_in(running, 8)  # a decode round among 8 sessions
     assert running.load == costs.load == busy
 
-    joining = _Loop([4, 5, 6], config, None, LoopStats(), n_gram_like(costs), costs)
-    assert joining.choose(joining.limit()) == 0  # alone this controller drafts (test above); here it would pad 7 rows
+    joining = loop_with(free(costs, stats))
+    assert cut(joining) == 0  # alone this block would be verified (below); here it would pad 7 rows
     round_in(joining, 1)  # its prefill ran alone
-    assert joining.load == busy and joining.choose(joining.limit()) == 0
+    assert joining.load == busy and cut(joining) == 0
     assert joining.stats.batch_sizes == [1]  # the stats still record the forward it ran in
     round_in(joining, 1)  # the others finished: its decode round ran alone
-    assert joining.load == costs.load == ALONE and joining.choose(joining.limit()) > 0
+    assert joining.load == costs.load == ALONE and cut(joining) > 0

@@ -108,12 +108,13 @@ def draft_open(drafter=pb.DRAFTER_KIND_NGRAM, tokens=(1, 2, 3), sid="d1", **kw):
     return pb.DraftRequest(open=pb.DraftOpen(session_id=sid, tokens=list(tokens), sampling=GREEDY, drafter=drafter, **kw))
 
 
-def propose(position, tokens=(), k=4):
-    return pb.DraftRequest(propose=pb.ProposeRequest(position=position, tokens=list(tokens), k=k))
+def propose(position, tokens=(), k=4, free_k=0):
+    return pb.DraftRequest(propose=pb.ProposeRequest(position=position, tokens=list(tokens), k=k, free_k=free_k))
 
 
 DRAFT_CASES = {
     "k too large": ([draft_open(), propose(3, [], 33)], grpc.StatusCode.INVALID_ARGUMENT, ["max block 32"]),
+    "free_k too large": ([draft_open(), propose(3, [], 4, 33)], grpc.StatusCode.INVALID_ARGUMENT, ["free_k", "32"]),
     "position past context": ([draft_open(), propose(9, [1])], grpc.StatusCode.FAILED_PRECONDITION, ["holds 3 tokens"]),
     "token outside vocabulary": ([draft_open(drafter=pb.DRAFTER_KIND_MODEL, tokens=[VOCAB])], grpc.StatusCode.INVALID_ARGUMENT, ["outside"]),
     "unknown drafter": ([draft_open(drafter=42)], grpc.StatusCode.INVALID_ARGUMENT, ["drafter kind"]),
@@ -157,6 +158,13 @@ PUBLIC_CASES = {
     "empty stop string": (pb.GenerateRequest(prompt="hi", stop=[""]), ["stop"]),
     "probs without a model drafter": (
         pb.GenerateRequest(prompt="hi", draft_probs=True, drafter=pb.DRAFTER_KIND_NGRAM), ["draft_probs needs"]),
+    "a sampling mode with temperature 0": (
+        pb.GenerateRequest(prompt="hi", mode=pb.VERIFICATION_MODE_COUPLED), ["temperature 0 is greedy"]),
+    "draft_probs with another mode": (
+        pb.GenerateRequest(prompt="hi", draft_probs=True, mode=pb.VERIFICATION_MODE_COUPLED,
+                           sampling=pb.SamplingParams(temperature=1)), ["draft_probs asks for DRAFT_PROBS"]),
+    "an unknown mode": (
+        pb.GenerateRequest(prompt="hi", mode=99, sampling=pb.SamplingParams(temperature=1)), ["not a verification mode"]),
 }
 
 

@@ -49,6 +49,13 @@ def test_adaptive_modes_are_held_to_the_best_fixed_k_bound():
     assert f["leviathan_bound"] == pytest.approx(max(theoretical_speedup(alpha, k, 0.0) for k in range(1, 9)), abs=1e-3)
 
 
+def args_for(**extra) -> argparse.Namespace:
+    base = dict(model="m", drafter="ngram", draft_model="", prompt_set="demo", max_new_tokens=20, k=4,
+                target_cpus="1", draft_cpus="0", target_threads=1, draft_threads=1, concurrency_max_new_tokens=16,
+                concurrency_repeats=1, ngram_min=1, ngram_max=4, fixed_k=False, no_overlap=False, tp=1, chain="")
+    return argparse.Namespace(**{**base, **extra})
+
+
 def test_report_and_plot(tmp_path):
     baseline = [run(20, 2.0, rounds=20, target_s=1.0)]
     mode_runs = {
@@ -67,22 +74,23 @@ def test_report_and_plot(tmp_path):
     concurrency = [{"sessions": n, "speculative": [level(n, 10.0 * n ** 0.6)], "no_speculation": [level(n, 9.0 * n ** 0.6)]}
                    for n in (1, 2, 8)]
     hf = {"generate_tokens_per_s": 10.0, "assisted_tokens_per_s": 12.0, "outputs": {"assisted": [list(range(20))]}}
-    args = argparse.Namespace(model="m", drafter="ngram", draft_model="", prompt_set="demo", max_new_tokens=20, k=4,
-                              target_cpus="1", draft_cpus="0", target_threads=1, concurrency_max_new_tokens=16,
-                              concurrency_repeats=1)
-    report = speed._report(args, baseline, mode_runs, sweep, concurrency, hf)
+    measured = {"modes": (baseline, mode_runs, sweep), "concurrency": concurrency}
+    report = speed._report(args_for(), measured, hf)
     json.dumps(report)  # serialisable as is
+    modes = report["single_stream"]["modes"]
     for name in ("sync-adaptive", "overlap-adaptive"):
-        assert {"speedup_vs_target_only", "speedup_vs_hf_assisted", "efficiency_vs_bound"} <= set(report["modes"][name])
+        assert {"speedup_vs_target_only", "speedup_vs_hf_assisted", "efficiency_vs_bound"} <= set(modes[name])
     assert report["goals"]["overlap_beats_sync"] is True
     assert report["goals"]["speculation_ge_0_95_no_speculation_at_every_level"] is True
     at8 = report["concurrency"][-1]
     assert at8["no_speculation_vs_one_session"] == pytest.approx(8**0.6, abs=1e-3)
     assert report["goals"]["throughput_8_sessions_ge_3x_one"] is (8**0.6 >= 3.0)
-    assert report["hf"]["assisted_identical_to_specsplit"] == "1/1"
+    assert report["single_stream"]["hf"]["assisted_identical_to_specsplit"] == "1/1"
     png = tmp_path / "speed.png"
-    speed.plot(report, png)
+    assert speed.plot(report, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    only_concurrency = speed._report(args_for(), {"concurrency": concurrency}, None)
+    assert "single_stream" not in only_concurrency and speed.plot(only_concurrency, tmp_path / "c.png")
 
 
 def test_concurrency_rows_are_medians_of_paired_repeats():

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from orchestrator.detok import IncrementalDetokenizer, StopMatcher
+from orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
 
 pytestmark = pytest.mark.unit
 
@@ -219,3 +219,73 @@ def test_streamed_stop_matching_equals_truncation(seed):
         assert not any(s in "".join(emitted) for s in stops)  # nothing sent contains a stop string
     tail = "" if stopped else matcher.flush()
     assert ("".join(emitted) + tail, stopped) == reference_truncation(text, stops)
+
+
+# --- TokenTextAlignment: ids in step with the text -------------------------------
+
+
+def stream_ids_and_text(tokenizer, prompt_ids, ids, stops) -> tuple[str, list[int]]:
+    """What the orchestrator sends: text cut at the first stop string, and the ids that text covers."""
+    detok, matcher, aligned = IncrementalDetokenizer(tokenizer, prompt_ids), StopMatcher(stops), TokenTextAlignment()
+    text, sent_ids = "", []
+    for token in ids:
+        piece = detok.add([token])
+        aligned.add(token, piece)
+        out, stopped = matcher.feed(piece)
+        text += out
+        sent_ids += aligned.release(len(text))
+        if stopped:
+            return text, sent_ids
+    tail = detok.flush()
+    aligned.add_text(tail)
+    out, stopped = matcher.feed(tail)
+    text += out if stopped else out + matcher.flush()
+    return text, sent_ids + (aligned.release(len(text)) if stopped else aligned.release_all())
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_stop_with_the_text_at_a_token_boundary(tokenizer, prompt_ids, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    whole = tokenizer.decode(ids)
+
+    def stop_at(cut: int) -> str | None:  # a 3-character stop starting at the cut, if it first completes there
+        head = tokenizer.decode(ids[:cut])
+        stop = whole[len(head) : len(head) + 3]
+        whole_chars = whole.startswith(head)
+        return stop if whole_chars and len(stop) == 3 and stop not in head + stop[:-1] else None
+
+    cut = next(c for c in range(len(ids) // 2, len(ids)) if stop_at(c))
+    head, stop = tokenizer.decode(ids[:cut]), stop_at(cut)
+    sent_text, sent_ids = stream_ids_and_text(tokenizer, prompt_ids, ids, [stop])
+    assert sent_text == head
+    assert sent_ids == ids[:cut]
+    assert tokenizer.decode(sent_ids) == sent_text
+
+
+def test_a_stop_inside_a_token_sends_that_token_last(tokenizer, prompt_ids):
+    ids = tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
+    text = tokenizer.decode(ids)
+    stop = "amm"  # inside " gamma"
+    sent_text, sent_ids = stream_ids_and_text(tokenizer, prompt_ids, ids, [stop])
+    assert sent_text == text[: text.index(stop)]
+    assert tokenizer.decode(sent_ids).startswith(sent_text)
+    assert tokenizer.decode(sent_ids[:-1]) == sent_text[: len(tokenizer.decode(sent_ids[:-1]))]
+    assert len(tokenizer.decode(sent_ids[:-1])) < len(sent_text)  # the last id holds the cut
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_without_a_stop_every_id_is_sent(tokenizer, prompt_ids, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    sent_text, sent_ids = stream_ids_and_text(tokenizer, prompt_ids, ids, ["\x00never"])
+    assert sent_ids == ids and sent_text == tokenizer.decode(ids)
+
+
+def test_ids_of_held_text_wait_for_it():
+    aligned = TokenTextAlignment()
+    aligned.add(1, "ab")
+    aligned.add(2, "")  # part of a character still arriving
+    aligned.add(3, "c")
+    assert aligned.release(1) == [1]
+    assert aligned.release(2) == []  # token 2's text (none yet, then "c") starts at 2
+    assert aligned.release(3) == [2, 3]
+    assert aligned.release_all() == []

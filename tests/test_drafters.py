@@ -218,6 +218,21 @@ def test_chain_uses_the_first_member_that_proposes(target_model, derived):
     assert drafter.blocks_by_kind == {DrafterKind.NGRAM: 1, DrafterKind.LAYERSKIP: 0}
 
 
+def test_a_chains_free_member_drafts_up_to_the_free_bound_and_its_model_member_k(target_model, derived):
+    chain = (DrafterKind.NGRAM, DrafterKind.LAYERSKIP)
+    repeats = [8, 9, 10, 11, 12, 13, 8, 9]
+    drafter = build(DrafterKind.CHAIN, target_model, derived, repeats, chain)
+    block = drafter.propose_within(2, 5)  # the model would be asked for 2; the free lookup drafts 5
+    assert block.tokens == [10, 11, 12, 13, 8]
+    assert block.drafter is DrafterKind.NGRAM and block.quality is not None and block.quality.length == 2
+    assert len(drafter.propose_within(0, 5).tokens) == 5  # nothing asked of the model: the lookup still drafts
+    no_match = [11, 300, 4000, 27, 9]
+    drafter = build(DrafterKind.CHAIN, target_model, derived, no_match, chain)
+    block = drafter.propose_within(2, 5)
+    assert len(block.tokens) == 2 and block.drafter is DrafterKind.LAYERSKIP and block.quality is None
+    assert drafter.propose_within(0, 5).tokens == []  # the model member is asked for nothing
+
+
 def test_chain_members_stay_in_sync_after_rounds_they_sat_out(target_model, derived):
     """A model member skipped for rounds (n-gram answered) must catch up on what was committed meanwhile."""
     chain = (DrafterKind.NGRAM, DrafterKind.QUANTIZED)

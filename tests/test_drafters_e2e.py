@@ -126,14 +126,16 @@ async def _info(address):
         return await pb_grpc.DraftServiceStub(channel).Info(pb.InfoRequest())
 
 
-async def sample_many(services, target_dir, runs, k, drafter, chain, draft_probs, sampling, max_new, seed0=0):
+async def sample_many(services, target_dir, runs, k, drafter, chain, draft_probs, sampling, max_new, seed0=0,
+                      sampling_mode=None):
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir))
     orch = await Orchestrator.connect(config)
     limit = asyncio.Semaphore(CONCURRENT)
 
     async def one(seed: int) -> tuple[int, ...]:
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
-        request = GenerationRequest("", False, max_new, params, (), k, drafter, draft_probs, False, chain)
+        request = GenerationRequest("", False, max_new, params, (), k, drafter, draft_probs, False, chain,
+                                    sampling_mode=sampling_mode)
         async with limit:
             return tuple([t async for event in orch.generate(request, PROMPT) for t in event.token_ids])
 

@@ -243,14 +243,14 @@ def test_the_target_returns_the_committed_positions_features_solo_and_batched(ti
     engine = TargetEngine(tiny, model_id="tiny", vocab_fingerprint="", limits=SessionLimits())
     greedy = SamplingParams()
     prompt = SEQUENCE[:6]
-    solo = engine.open("a", prompt, greedy, VerificationMode.GREEDY, LAYERS)
+    solo = engine.open("a", prompt, greedy, VerificationMode.GREEDY, feature_layers=LAYERS)
     first = engine.verify(solo, 6, [1, 2], None)
     assert first.features.position == 0 and first.features.rows == 6 + first.accepted  # the prompt's, and accepted
     committed = prompt + [1, 2][: first.accepted] + [first.next_token]
     expected = target_features(tiny, committed)
     assert torch.allclose(first.features.values, expected[: first.features.rows], atol=1e-5)
     # Batched: two sessions in one forward get what each would alone.
-    other = engine.open("b", SEQUENCE[:9], greedy, VerificationMode.GREEDY, LAYERS)
+    other = engine.open("b", SEQUENCE[:9], greedy, VerificationMode.GREEDY, feature_layers=LAYERS)
     engine.verify(other, 9, [], None)
     block = [committed[-1], 5]
     results = engine.verify_batch([
@@ -267,4 +267,4 @@ def test_the_target_returns_the_committed_positions_features_solo_and_batched(ti
 def test_the_target_refuses_layers_it_does_not_have(tiny):
     engine = TargetEngine(tiny, model_id="tiny", vocab_fingerprint="", limits=SessionLimits())
     with pytest.raises(errors.InvalidArgument, match=r"outside \[0, 2\]"):
-        engine.open("a", [1, 2], SamplingParams(), VerificationMode.GREEDY, (1, 3))
+        engine.open("a", [1, 2], SamplingParams(), VerificationMode.GREEDY, feature_layers=(1, 3))

@@ -17,8 +17,9 @@ import torch
 
 from draft_service import eagle_head
 from draft_service.engine import DraftEngine
+from draft_service.ngram import NgramConfig
 from lmkit import errors, models
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits
@@ -134,19 +135,60 @@ def test_info_names_the_layers_and_width_the_head_reads(eagle_services):
 
 
 SAMPLING_CASES = [
-    pytest.param(EA, (), True, id="eagle-draft-probs"),
-    pytest.param(EA, (), False, id="eagle-token-only"),
+    pytest.param(EA, (), VerificationMode.DRAFT_PROBS, id="eagle-draft-probs"),
+    pytest.param(EA, (), VerificationMode.TOKEN_ONLY, id="eagle-token-only"),
 ]
 
 
-@pytest.mark.parametrize("drafter,chain,draft_probs", SAMPLING_CASES)
-def test_output_distribution_is_the_targets(eagle_services, tiny_target_dir, drafter, chain, draft_probs):
+@pytest.mark.parametrize("drafter,chain,mode", SAMPLING_CASES)
+def test_output_distribution_is_the_targets(eagle_services, tiny_target_dir, drafter, chain, mode):
     sampling = SamplingParams(temperature=4.0, top_k=3)
     exact = exact_first_two(tiny_target_dir, sampling)
     samples = run_async(
-        sample_many(eagle_services, tiny_target_dir, 500, 2, drafter, chain, draft_probs, sampling, 2)
+        sample_many(eagle_services, tiny_target_dir, 500, 2, drafter, chain, mode is VerificationMode.DRAFT_PROBS,
+                    sampling, 2, sampling_mode=mode)
     )
     assert_distributed_as(samples, exact)
+
+
+def test_coupled_tokens_are_the_target_only_tokens_of_the_seed(eagle_services, tiny_target_dir, tiny_reference):
+    """COUPLED (the default for sampled requests): the EAGLE drafter proposes with the target's Gumbel noise, so
+    every seed's tokens are exactly those of target-only decoding with that seed, and its drafts are accepted."""
+    prompt = tiny_reference[0][0]
+
+    async def go():
+        config = OrchestratorConfig(eagle_services.target_address, eagle_services.draft_address, str(tiny_target_dir))
+        orch = await Orchestrator.connect(config)
+        try:
+            runs = {}
+            for seed in (3, 4, 5):
+                for k, drafter in ((0, NG), (4, EA)):
+                    sampling = SamplingParams(temperature=4.0, top_k=3, seed=seed)
+                    request = GenerationRequest("", False, 24, sampling, (), k, drafter, False)
+                    events = [e async for e in orch.generate(request, prompt)]
+                    runs[seed, k] = [t for e in events for t in e.token_ids], events[-1].stats
+            return runs
+        finally:
+            await orch.close()
+
+    runs = run_async(go())
+    accepted = 0
+    for seed in (3, 4, 5):
+        (alone, _), (eagle, stats) = runs[seed, 0], runs[seed, 4]
+        assert stats.mode == VerificationMode.COUPLED.value and stats.drafter == EA.value
+        assert eagle == alone, f"seed {seed}: EAGLE in COUPLED mode changed the tokens"
+        accepted += stats.accepted_tokens
+    assert len({tuple(runs[seed, 0][0]) for seed in (3, 4, 5)}) > 1  # the seed matters
+    assert accepted > 0  # the head drafted with the target's noise and was accepted
+
+
+def test_coupled_eagle_refuses_draft_probabilities(eagle_services):
+    """COUPLED sends token ids only: a draft session that also asks for q is refused."""
+    with pytest.raises(errors.InvalidArgument, match="COUPLED"):
+        eagle_services.draft_engine.open(
+            "coupled-probs", [1, 2, 3], SamplingParams(temperature=0.7, seed=1), EA, True, NgramConfig(),
+            coupled=True, feature_width=192,
+        )
 
 
 def test_seeded_sampling_is_reproducible(eagle_services, tiny_target_dir):

@@ -100,9 +100,10 @@ def test_kubernetes_validate_strict(manifest_dir):
     )
     lines = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
     assert run.returncode == 0 and not [line for line in lines if not line.startswith("WARN")], "\n".join(lines)
-    # A missing schema is only a warning; accept it for the RayService CRD alone
-    # (its pod templates were validated as Pods above).
-    unexpected = [line for line in lines if "kind RayService with api version ray.io/v1" not in line]
+    # A missing schema is only a warning; accept it for the CRDs alone: the RayService (its pod templates
+    # were validated as Pods above) and the PodMonitor (checked by test_pod_monitor_scrapes_every_metrics_port).
+    crds = ("kind RayService with api version ray.io/v1", "kind PodMonitor with api version monitoring.coreos.com/v1")
+    unexpected = [line for line in lines if not any(crd in line for crd in crds)]
     assert not unexpected, "\n".join(unexpected)
 
 
@@ -203,15 +204,34 @@ def test_ray_service_app_args_build_an_orchestrator_config(rendered):
     (servicer,) = serve["grpc_options"]["grpc_servicer_functions"]
     assert servicer == "lmkit.proto.specsplit.v1.specsplit_pb2_grpc.add_GeneratorServicer_to_server"
     assert hasattr(stubs, "add_GeneratorServicer_to_server")
-    port = serve["grpc_options"]["port"]
-    assert [p["port"] for p in spec["serveService"]["spec"]["ports"]] == [port]
+    # ... and Serve's HTTP proxy the OpenAI-compatible API; the client Service exposes both.
+    port, http_port = serve["grpc_options"]["port"], serve["http_options"]["port"]
+    assert [p["port"] for p in spec["serveService"]["spec"]["ports"]] == [port, http_port]
+    assert app["route_prefix"] == "/"
     for _, template in checks.ray_templates({"metadata": {"name": "x"}, "spec": spec}):
         (container,) = template["spec"]["containers"]
         assert {"name": "generate", "containerPort": port} in container["ports"]
+        assert {"name": "http", "containerPort": http_port} in container["ports"]
     # One Ray version on the cluster and in the image (pyproject pins ray[serve] for both).
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     pins = [re.split(r"==", d)[1] for d in deps if re.match(r"ray(\[[^\]]*\])?==", d)]
     assert pins in ([], [spec["rayClusterConfig"]["rayVersion"]]), f"rayVersion vs pyproject's ray pin {pins}"
+
+
+def test_pod_monitor_scrapes_every_metrics_port(rendered):
+    checks.check_pod_monitor(rendered["gpu-prod"])
+
+
+def test_grafana_dashboard_queries_only_metrics_specsplit_exports(rendered):
+    """Every metric a panel queries is declared in orchestrator/metrics.py or lmkit/metrics.py."""
+    dashboard = json.loads(checks.find(rendered["gpu-prod"], "ConfigMap", "specsplit-grafana-dashboard")["data"][
+        "specsplit-dashboard.json"])
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert len(exprs) >= 15
+    queried = {name for expr in exprs for name in re.findall(r"\b(specsplit_[a-z0-9_]+)", expr)}
+    assert queried <= checks.exported_metric_names(), sorted(queried - checks.exported_metric_names())
+    for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "request_queue_time"):
+        assert f"specsplit_{name}_seconds_bucket" in queried, name
 
 
 # ---- negative controls: the same checks catch broken manifests --------------------------------------
@@ -258,6 +278,14 @@ def test_negative_control_grace_shorter_than_drain(rendered):
     target["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 30
     with pytest.raises(AssertionError, match="terminationGracePeriodSeconds 30"):
         checks.check_grace_covers_drain(docs)
+
+
+def test_negative_control_pod_monitor_on_a_port_name_no_pod_has(rendered):
+    docs, monitor = _broken(rendered["gpu-prod"], "PodMonitor", "specsplit")
+    monitor["spec"]["podMetricsEndpoints"][0]["port"] = "prometheus"
+    with pytest.raises(AssertionError, match="no selected pod names a port 'prometheus'"):
+        checks.check_pod_monitor(docs)
+    assert "specsplit_no_such_metric_total" not in checks.exported_metric_names()
 
 
 def test_negative_control_clusterip_service(rendered):

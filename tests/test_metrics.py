@@ -30,11 +30,16 @@ def eventually(name: str, expected: float, **labels) -> float:
     return value(name, **labels)
 
 
-def test_orchestrator_counts_requests_tokens_and_acceptance(public_api):
-    before = {n: value(n) for n in ("specsplit_generated_tokens_total", "specsplit_drafted_tokens_total",
-                                    "specsplit_accepted_tokens_total")}
+def test_orchestrator_counts_requests_tokens_acceptance_and_latencies(public_api):
+    names = ("specsplit_generation_tokens_total", "specsplit_prompt_tokens_total",
+             "specsplit_spec_decode_num_draft_tokens_total", "specsplit_spec_decode_num_accepted_tokens_total",
+             "specsplit_spec_decode_num_drafts_total", "specsplit_time_to_first_token_seconds_count",
+             "specsplit_e2e_request_latency_seconds_count", "specsplit_request_queue_time_seconds_count",
+             "specsplit_inter_token_latency_seconds_count")
+    before = {n: value(n) for n in names}
     ok_before = value("specsplit_requests_total", code="OK")
     bad_before = value("specsplit_requests_total", code="INVALID_ARGUMENT")
+    length_before = value("specsplit_request_success_total", finished_reason="length")
 
     async def go():
         async with grpc.aio.insecure_channel(public_api) as channel:
@@ -47,14 +52,22 @@ def test_orchestrator_counts_requests_tokens_and_acceptance(public_api):
             return replies[-1].stats
 
     stats = run_async(go())
+    delta = {n: value(n) - before[n] for n in names}
     assert eventually("specsplit_requests_total", ok_before + 1, code="OK") == ok_before + 1
     assert eventually("specsplit_requests_total", bad_before + 1, code="INVALID_ARGUMENT") == bad_before + 1
-    assert value("specsplit_generated_tokens_total") - before["specsplit_generated_tokens_total"] == stats.new_tokens
-    assert value("specsplit_drafted_tokens_total") - before["specsplit_drafted_tokens_total"] == stats.drafted_tokens
-    assert value("specsplit_accepted_tokens_total") - before["specsplit_accepted_tokens_total"] == stats.accepted_tokens
-    first_drafted = value("specsplit_position_drafted_total", position="0")
-    assert first_drafted >= value("specsplit_position_accepted_total", position="0")
-    assert value("specsplit_active_generations") == 0
+    assert value("specsplit_request_success_total", finished_reason="length") == length_before + 1
+    assert delta["specsplit_generation_tokens_total"] == stats.new_tokens == 30
+    assert delta["specsplit_prompt_tokens_total"] == stats.prompt_tokens
+    assert delta["specsplit_spec_decode_num_draft_tokens_total"] == stats.drafted_tokens
+    assert delta["specsplit_spec_decode_num_accepted_tokens_total"] == stats.accepted_tokens
+    assert 0 < delta["specsplit_spec_decode_num_drafts_total"] <= stats.rounds
+    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert delta[f"specsplit_{histogram}_seconds_count"] == 1, histogram
+    # one gap per round after the first (each round commits at least one token)
+    assert delta["specsplit_inter_token_latency_seconds_count"] == stats.rounds - 1
+    first_drafted = value("specsplit_spec_decode_num_draft_tokens_per_pos_total", position="0")
+    assert first_drafted >= value("specsplit_spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    assert value("specsplit_num_requests_running") == 0
 
 
 def test_service_exports_sessions_over_http(tmp_path, tiny_target_dir):

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from draft_service.drafter import Drafter
-from draft_service.ngram import MAX_NGRAM, NgramConfig, NgramDrafter
+from draft_service.drafter import Drafter, MatchQuality
+from draft_service.ngram import MAX_MATCH, MAX_NGRAM, NgramConfig, NgramDrafter
 
 pytestmark = pytest.mark.unit
 
@@ -22,6 +22,20 @@ def reference_proposal(context: list[int], config: NgramConfig, k: int) -> list[
             if context[end - n : end] == suffix:
                 return context[end : end + k]
     return []
+
+
+def reference_quality(context: list[int], config: NgramConfig) -> MatchQuality | None:
+    """The quality of the proposal above, the slow way: the longest n, its latest earlier occurrence."""
+    length = len(context)
+    for n in range(min(config.max_n, length), config.min_n - 1, -1):
+        suffix = context[length - n :]
+        ends = [end for end in range(n, length) if context[end - n : end] == suffix]
+        if ends:
+            start, match = ends[-1], n
+            while match < min(MAX_MATCH, start) and context[start - match - 1] == context[length - match - 1]:
+                match += 1
+            return MatchQuality(match, len(ends))
+    return None
 
 
 def proposal(context: list[int], k: int, **config) -> list[int]:
@@ -96,6 +110,36 @@ def test_context_shorter_than_min_n_proposes_nothing():
 def test_proposal_stops_at_the_end_of_the_context():
     # (7, 7) ends at 2 and at 3; only one token follows the earlier one.
     assert proposal([7, 7, 7], 5, max_n=2) == [7]
+
+
+def test_quality_counts_the_match_past_the_ngram_and_the_earlier_occurrences():
+    # suffix (1, 2) occurred twice before; the latest one is preceded by 9, 8, like the context's end
+    context = [1, 2, 5, 9, 8, 1, 2, 6, 0, 9, 8, 1, 2]
+    block = NgramDrafter(NgramConfig(1, 2), context).propose(3)
+    assert block.tokens == [6, 0, 9]
+    assert block.quality == MatchQuality(length=4, occurrences=2)
+    assert NgramDrafter(NgramConfig(1, 2), [1, 2, 3, 4]).propose(3).quality is None  # no match, no quality
+
+
+def test_quality_is_capped():
+    span = list(range(100, 100 + MAX_MATCH + 10))
+    block = NgramDrafter(NgramConfig(), [*span, 7, *span]).propose(2)
+    assert block.tokens == [7, 100] and block.quality == MatchQuality(MAX_MATCH, 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_quality_matches_the_reference_on_random_contexts(seed):
+    rng = random.Random(seed)
+    config = NgramConfig(min_n=rng.randint(1, 2), max_n=rng.randint(2, 5))
+    context = [rng.randint(0, 4) for _ in range(rng.randint(1, 80))]
+    assert NgramDrafter(config, context).propose(4).quality == reference_quality(context, config)
+
+
+def test_is_free_so_it_may_draft_up_to_the_free_bound():
+    drafter = NgramDrafter(NgramConfig(), [1, 2, 3, 4, 5, 6, 1, 2])
+    assert drafter.free
+    assert drafter.propose_within(2, 0).tokens == [3, 4]
+    assert drafter.propose_within(0, 5).tokens == [3, 4, 5, 6, 1]
 
 
 def test_probs_are_always_none():

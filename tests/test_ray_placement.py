@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -75,23 +76,61 @@ def test_up_serves_the_targets_greedy_output(up, tiny_target_dir):
     assert got == expected[0, len(ids):].tolist()
 
 
-def test_unplaceable_service_is_a_cli_error(ray_cluster):
+def test_what_no_node_can_hold_is_a_cli_error_for_up_serve_and_batch(ray_cluster, tmp_path):
+    """Each command checks its requests against the cluster before it starts anything (run at once, in parallel)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    cluster = ["--ray-address", ray_cluster.address]
+    peers = ["--target", "127.0.0.1:1", "--draft", ""]  # never dialled: the refusal comes first
+    commands = {
+        "up": ["up", *cluster, "--target-resources", '{"nowhere": 1}', "--port", "0"],
+        "serve --ray": ["serve", "--ray", *cluster, *peers, "--ray-num-cpus", "64", "--port", "0"],
+        "batch": ["batch", *cluster, *peers, "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+                  "--workers", "1", "--worker-cpus", "64"],
+    }
+    running = {name: subprocess.Popen([sys.executable, "-m", "specsplit.cli", *argv], text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for name, argv in commands.items()}
+    errors = {name: process.communicate(timeout=120)[1] for name, process in running.items()}
+    for name, process in running.items():
+        assert process.returncode == 2, (name, errors[name])
+        assert f"cannot run what `specsplit {name}` asks for" in errors[name] and "Traceback" not in errors[name]
+        assert "the Ray cluster has CPU 4" in errors[name] and "in all over 3 node(s)" in errors[name], errors[name]
+    assert "the target asks for CPU 1, nowhere 1, more than any node of the cluster has" in errors["up"]
+    assert "--target-resources" in errors["up"]
+    assert "orchestrator replica asks for CPU 64" in errors["serve --ray"] and "--ray-num-cpus" in errors["serve --ray"]
+    assert "batch worker asks for CPU 64" in errors["batch"] and "--worker-cpus" in errors["batch"]
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
+
+
+def test_service_whose_resources_are_taken_fails_within_the_schedule_timeout(up, ray_cluster):
+    """The cluster has one `target_node`, and the running `up` holds it: a second target waits 2 s, then fails."""
+    import ray
+
+    began = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", ray_cluster.address,
-         "--target-resources", '{"nowhere": 1}', "--port", "0"],
+        [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", ray_cluster.address, "--ray-app-name", "other",
+         "--target-resources", '{"target_node": 1}', "--target-num-cpus", "0", "--no-draft", "--ray-num-cpus", "0",
+         "--ray-schedule-timeout-s", "2", "--port", "0"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2, result.stderr
-    assert "no node of the Ray cluster offers" in result.stderr and "nowhere" in result.stderr
+    assert "could not schedule these within 2 s (--ray-schedule-timeout-s)" in result.stderr
+    assert "target_node 1 in all" in result.stderr and "target_node 0 free now" in result.stderr
     assert "Traceback" not in result.stderr
+    assert time.monotonic() - began < 60
+    with pytest.raises(ValueError):
+        ray.get_actor("other-target", namespace="specsplit")
+    states = [group["state"] for group in ray.util.placement_group_table().values()]
+    assert "PENDING" not in states, states
 
 
 def test_placement_flags():
     assert target_argv("--model /m --device cuda", 4) == ["--model", "/m", "--device", "cuda", "--tp", "4"]
     assert target_argv("--model /m --tp 2", 4)[-2:] == ["--tp", "2"]  # an explicit --tp wins
     assert model_in(["--device", "cuda", "--model", "/m"]) == "/m" and model_in(["--model=/x"]) == "/x"
-    assert Placement(num_gpus=2).fits({"CPU": 4, "GPU": 2}) and not Placement(num_gpus=2).fits({"CPU": 4})
-    assert Placement(resources={"draft": 1}).fits({"CPU": 1, "draft": 1})
+    assert Placement(1.0, 2, {"draft": 1.0}).ask("draft").bundle() == {"CPU": 1.0, "GPU": 2, "draft": 1.0}
+    assert Placement(0.0).ask("target").bundle() == {}  # asks for nothing: runs anywhere, at once
     assert parse_resources('{"draft": 1}', "--draft-resources") == {"draft": 1.0}
     with pytest.raises(ValueError, match="--draft-resources must be a JSON object"):
         parse_resources("draft=1", "--draft-resources")

@@ -14,6 +14,7 @@ import torch
 from lmkit.kinds import VerificationMode
 from target_service.rejection import (
     Verdict,
+    verify_coupled,
     verify_draft_probs,
     verify_greedy,
     verify_token_only,
@@ -39,7 +40,7 @@ def drawn(seed: int, k: int) -> torch.Tensor:  # [k+1, 2] float64: the draws of 
 
 
 def test_modes_are_distinct_enum_members():
-    assert {mode.value for mode in VerificationMode} == {1, 2, 3}
+    assert {mode.value for mode in VerificationMode} == {1, 2, 3, 4}
 
 
 # --- 1. hand-built cases: greedy ------------------------------------------------
@@ -157,6 +158,43 @@ def test_draft_probs_with_no_draft_samples_the_bonus_from_row_zero():
     assert result == Verdict(accepted=0, next_token=1)
 
 
+# --- 1. hand-built cases: coupled (Gumbel-max) -----------------------------------
+
+
+def fixed_noise(rows: list[list[float]], asked: list[int] | None = None):
+    """Gumbel noise given per row over the whole vocabulary; records which rows were asked for."""
+    table = torch.tensor(rows, dtype=torch.float64)
+
+    def noise(i: int, ids: torch.Tensor) -> torch.Tensor:
+        if asked is not None:
+            asked.append(i)
+        return table[i, ids]
+
+    return noise
+
+
+def test_coupled_emits_argmax_of_log_p_plus_noise_and_accepts_only_that_token():
+    target = probs([0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.6, 0.4, 0.0])
+    noise = fixed_noise([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
+    # Row 0: log .5 + 0 < log .3 + 1, so token 1. Row 1: argmax p = 2. Row 2: token 2 has p = 0, never chosen.
+    assert verify_coupled(target, tokens(1, 2), noise) == Verdict(accepted=2, next_token=0)
+    assert verify_coupled(target, tokens(0, 2), noise) == Verdict(accepted=0, next_token=1)
+    assert verify_coupled(target, tokens(1, 0), noise) == Verdict(accepted=1, next_token=2)
+    assert verify_coupled(target[:1], tokens(), noise) == Verdict(accepted=0, next_token=1)
+
+
+def test_coupled_never_looks_past_the_first_mismatch():
+    target = probs([0.5, 0.5], [0.5, 0.5], [0.5, 0.5])
+    asked: list[int] = []
+    verify_coupled(target, tokens(1, 1), fixed_noise([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]], asked))
+    assert asked == [0]
+
+
+def test_coupled_ties_go_to_the_lowest_token_id():
+    target = probs([0.0, 0.5, 0.5])
+    assert verify_coupled(target, tokens(), fixed_noise([[0.0, 0.0, 0.0]])) == Verdict(0, 1)
+
+
 # --- 1. entry checks ------------------------------------------------------------
 
 P3 = probs([0.2, 0.8], [0.5, 0.5], [1.0, 0.0])
@@ -186,6 +224,8 @@ U2 = drawn(0, 2)
         (lambda: verify_draft_probs(P3, Q2.long(), tokens(0, 1), U2), "floating"),
         (lambda: verify_draft_probs(P3, Q2 * 2, tokens(0, 1), U2), "draft_probs row 0 sums to 2.0"),
         (lambda: verify_draft_probs(P3, probs([1.5, -0.5], [0.5, 0.5]), tokens(1, 0), U2), "negative"),
+        (lambda: verify_coupled(P3 * 2, tokens(0, 1), fixed_noise([[0, 0]] * 3)), "row 0 sums to 2.0"),
+        (lambda: verify_coupled(P3[:2], tokens(0, 1), fixed_noise([[0, 0]] * 3)), r"\[k\+1, vocab\]"),
     ],
 )
 def test_bad_inputs_are_refused_with_a_message(call, message):

@@ -20,6 +20,7 @@ from lmkit.draws import SAMPLE, inverse_cdf
 from lmkit.probs_codec import decode_probs, encode_probs, quantize_probs
 from target_service.rejection import (
     Verdict,
+    verify_coupled,
     verify_draft_probs,
     verify_token_only,
 )
@@ -65,9 +66,18 @@ def exact_joint(table: torch.Tensor) -> np.ndarray:  # -> [VOCAB, VOCAB, VOCAB] 
     return p[START][:, None, None] * p[:, :, None] * p[None, :, :]
 
 
-Drafter = Callable[[np.ndarray, np.random.Generator], np.ndarray]  # last tokens [m] -> draft blocks [m, K]
-# (target_probs [K+1, VOCAB], draft block [K], context id into ALL_CONTEXTS, uniforms [K+1, 2]) -> result
-Verifier = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], Verdict]
+@dataclass(frozen=True)
+class BlockDraws:
+    """The draws of one block, never reused: what the target service takes from lmkit.draws by position."""
+
+    uniforms: torch.Tensor  # [K+1, 2] float64: per row, the accept test and the sample
+    gumbel: torch.Tensor | None  # [K+1, VOCAB] float64 Gumbel noise of the block's positions (coupled runs)
+
+
+# (last tokens [m], rng, Gumbel noise of the block's draft positions [m, K, VOCAB] or None) -> draft blocks [m, K]
+Drafter = Callable[[np.ndarray, np.random.Generator, np.ndarray | None], np.ndarray]
+# (target_probs [K+1, VOCAB], draft block [K], context id into ALL_CONTEXTS, the block's draws) -> result
+Verifier = Callable[[torch.Tensor, torch.Tensor, int, BlockDraws], Verdict]
 
 
 def sampling_drafter(table: torch.Tensor) -> Drafter:
@@ -75,7 +85,7 @@ def sampling_drafter(table: torch.Tensor) -> Drafter:
     cdf = np.cumsum(table.double().numpy(), axis=1)
     cdf /= cdf[:, -1:]  # the last token with mass gets exactly 1.0, so u < 1 never lands past it
 
-    def draft(last: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def draft(last: np.ndarray, rng: np.random.Generator, gumbel) -> np.ndarray:
         block, prev = np.empty((len(last), K), dtype=np.int64), last
         for i in range(K):
             prev = (cdf[prev] <= rng.random(len(last))[:, None]).sum(axis=1)
@@ -89,10 +99,25 @@ def argmax_drafter(table: torch.Tensor) -> Drafter:
     """A deterministic drafter (like n-gram lookup): the block is a fixed function of the context."""
     best = table.argmax(dim=1).numpy()
 
-    def draft(last: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def draft(last: np.ndarray, rng: np.random.Generator, gumbel) -> np.ndarray:
         block, prev = np.empty((len(last), K), dtype=np.int64), last
         for i in range(K):
             prev = best[prev]
+            block[:, i] = prev
+        return block
+
+    return draft
+
+
+def coupled_drafter(table: torch.Tensor) -> Drafter:
+    """A model drafter in coupled mode: argmax(log q + G) with the target's noise at each position."""
+    with np.errstate(divide="ignore"):
+        log_q = np.log(table.double().numpy())
+
+    def draft(last: np.ndarray, rng: np.random.Generator, gumbel: np.ndarray) -> np.ndarray:
+        block, prev = np.empty((len(last), K), dtype=np.int64), last
+        for i in range(K):
+            prev = (log_q[prev] + gumbel[:, i]).argmax(axis=1)
             block[:, i] = prev
         return block
 
@@ -105,24 +130,36 @@ TARGET_BLOCKS = list(TARGET[ALL_CONTEXTS])  # [K+1, VOCAB] per context: row i is
 DRAFT_BLOCKS = list(ALL_CONTEXTS[:, 1:])  # [K] int64 per context: the drafted tokens
 
 
-def speculative_samples(drafter: Drafter, verify: Verifier, seed: int) -> np.ndarray:  # -> [TRIALS, EMITTED]
-    """Runs TRIALS independent sessions from START until each has emitted EMITTED tokens.
+def speculative_samples(
+    drafter: Drafter, verify: Verifier, seed: int, trials: int = TRIALS, noise: str = "none"
+) -> np.ndarray:  # -> [trials, EMITTED]
+    """Runs ``trials`` independent sessions from START until each has emitted EMITTED tokens.
 
     Trials advance in lockstep so drafting is vectorised; every verification
-    is one real call on one trial's block.
+    is one real call on one trial's block. ``noise``: "position" gives every
+    (trial, position) its own Gumbel noise over the vocabulary, shared by
+    drafter and verifier (coupled mode); "replayed" gives every position of a
+    trial the same noise (a negative control); "none" makes none.
     """
     rng, generator = np.random.default_rng(seed), seeded(seed)
-    emitted = np.full((TRIALS, EMITTED), -1, dtype=np.int64)
-    filled = np.zeros(TRIALS, dtype=np.int64)
-    last = np.full(TRIALS, START, dtype=np.int64)
+    gumbel = None
+    if noise != "none":
+        gumbel = rng.gumbel(size=(trials, 1 if noise == "replayed" else EMITTED + K, VOCAB))
+        gumbel = np.broadcast_to(gumbel, (trials, EMITTED + K, VOCAB))
+    emitted = np.full((trials, EMITTED), -1, dtype=np.int64)
+    filled = np.zeros(trials, dtype=np.int64)
+    last = np.full(trials, START, dtype=np.int64)
     while (active := np.flatnonzero(filled < EMITTED)).size:
-        blocks = drafter(last[active], rng)  # [m, K]
+        # [m, K+1, VOCAB]: the noise of each active trial's block positions
+        block_noise = None if gumbel is None else gumbel[active[:, None], filled[active, None] + np.arange(K + 1)]
+        blocks = drafter(last[active], rng, None if block_noise is None else block_noise[:, :K])  # [m, K]
         contexts = np.concatenate([last[active, None], blocks], axis=1)  # [m, K+1]: the token before each row
         context_ids = np.ravel_multi_index(contexts.T, (VOCAB,) * (K + 1)).tolist()
         fresh = torch.rand(len(context_ids), K + 1, 2, dtype=torch.float64, generator=generator)  # never reused
-        for trial, context_id, uniforms in zip(active.tolist(), context_ids, fresh):
+        for j, (trial, context_id, uniforms) in enumerate(zip(active.tolist(), context_ids, fresh)):
             block = DRAFT_BLOCKS[context_id]
-            result = verify(TARGET_BLOCKS[context_id], block, context_id, uniforms)
+            draws = BlockDraws(uniforms, None if block_noise is None else torch.from_numpy(block_noise[j]))
+            result = verify(TARGET_BLOCKS[context_id], block, context_id, draws)
             new = block[: result.accepted].tolist() + [result.next_token]
             start = filled[trial]
             take = new[: EMITTED - start]
@@ -162,8 +199,12 @@ def _chisquare_merged(observed: np.ndarray, expected: np.ndarray) -> float:
     return float(chisquare(observed[keep], expected).pvalue)
 
 
-def token_only(target_probs, block, context_id, uniforms) -> Verdict:
-    return verify_token_only(target_probs, block, uniforms)
+def token_only(target_probs, block, context_id, draws: BlockDraws) -> Verdict:
+    return verify_token_only(target_probs, block, draws.uniforms)
+
+
+def coupled(target_probs, block, context_id, draws: BlockDraws) -> Verdict:
+    return verify_coupled(target_probs, block, lambda i, ids: draws.gumbel[i, ids])
 
 
 QUANTIZED_DRAFT = quantize_probs(DRAFT)  # the draft samples from what the wire carries exactly
@@ -173,12 +214,12 @@ def draft_probs_over_the_wire() -> Verifier:
     """Probability mode with q sent through the codec; each distinct block is encoded and decoded once."""
     decoded: dict[int, torch.Tensor] = {}
 
-    def verify(target_probs, block, context_id, uniforms) -> Verdict:
+    def verify(target_probs, block, context_id, draws: BlockDraws) -> Verdict:
         if context_id not in decoded:
             sent = QUANTIZED_DRAFT[ALL_CONTEXTS[context_id, :K]]  # [K, VOCAB]: q(. | token before position i)
             decoded[context_id] = decode_probs(encode_probs(sent))
             assert torch.equal(decoded[context_id], sent)
-        return verify_draft_probs(target_probs, decoded[context_id], block, uniforms)
+        return verify_draft_probs(target_probs, decoded[context_id], block, draws.uniforms)
 
     return verify
 
@@ -189,11 +230,11 @@ def recovering_from_p(verify: Verifier) -> Verifier:
     For TOKEN_ONLY that forgets to remove x; for DRAFT_PROBS it ignores max(0, p - q).
     """
 
-    def wrong(target_probs, block, context_id, uniforms) -> Verdict:
-        result = verify(target_probs, block, context_id, uniforms)
+    def wrong(target_probs, block, context_id, draws: BlockDraws) -> Verdict:
+        result = verify(target_probs, block, context_id, draws)
         if result.accepted == len(block):
             return result
-        token = inverse_cdf(target_probs[result.accepted].double(), float(uniforms[result.accepted, SAMPLE]))
+        token = inverse_cdf(target_probs[result.accepted].double(), float(draws.uniforms[result.accepted, SAMPLE]))
         return Verdict(accepted=result.accepted, next_token=token)
 
     return wrong
@@ -230,5 +271,23 @@ def test_speculative_output_is_distributed_as_the_target(drafter, verify):
 )
 def test_negative_control_a_wrong_sampler_is_caught(drafter, verify):
     fit = fit_to_target(speculative_samples(drafter, verify, seed=2023))
+    assert fit.pvalue < 1e-6, fit
+    assert fit.tv > fit.tv_bound, fit
+
+
+COUPLED_TRIALS = 40_000  # a coupled round costs a Gumbel argmax per reached row; the fit's bounds scale with n
+
+
+@pytest.mark.parametrize("drafter", [coupled_drafter(DRAFT), argmax_drafter(DRAFT)], ids=["model_draft", "deterministic_draft"])
+def test_coupled_output_is_distributed_as_the_target(drafter):
+    samples = speculative_samples(drafter, coupled, seed=2024, trials=COUPLED_TRIALS, noise="position")
+    fit = fit_to_target(samples)
+    assert fit.pvalue > 1e-3, fit
+    assert fit.tv < fit.tv_bound, fit
+
+
+def test_negative_control_coupled_noise_replayed_across_positions_is_caught():
+    samples = speculative_samples(coupled_drafter(DRAFT), coupled, seed=2024, trials=COUPLED_TRIALS, noise="replayed")
+    fit = fit_to_target(samples)
     assert fit.pvalue < 1e-6, fit
     assert fit.tv > fit.tv_bound, fit

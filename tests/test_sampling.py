@@ -192,3 +192,30 @@ def test_banned_tokens_get_zero_probability_and_vocab_of_one_works():
 def test_bad_logits_are_refused(logits, message):
     with pytest.raises(ValueError, match=message):
         logits_to_probs(logits, SamplingParams(temperature=1.0))
+
+
+# --- top-p found among candidates equals the full sort ----------------------------
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0, 6.0])  # flat rows (wide nucleus: the full sort) to peaked ones
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999])
+def test_nucleus_from_candidates_equals_the_full_sort(monkeypatch, scale, top_p):
+    from lmkit import sampling
+
+    generator = torch.Generator().manual_seed(int(scale * 10) + int(top_p * 1000))
+    scaled = torch.randn(12, 5000, generator=generator) * scale
+    scaled[3] = scaled[3].round()  # many exact ties, some straddling the cut
+    scaled[5, :4000] = -math.inf  # banned tokens
+    fast = sampling._nucleus_mask(scaled, top_p)
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", ())  # every row sorted whole
+    assert torch.equal(fast, sampling._nucleus_mask(scaled, top_p))
+    probs = torch.softmax(scaled, dim=-1).tolist()
+    for row, kept_ids in zip(probs, kept(fast.float())):
+        assert abs(len(kept_ids) - len(reference_nucleus(row, top_p))) <= 1  # float rounding at the cut only
+
+
+def test_a_tie_across_the_cut_keeps_the_lower_ids_whichever_path():
+    scaled = torch.full((1, 3000), -20.0)
+    scaled[0, [7, 400, 2999]] = 1.0  # three equal top tokens, each ~1/3: top_p 0.5 keeps two of them
+    probs = logits_to_probs(scaled, SamplingParams(temperature=1.0, top_p=0.5))
+    assert kept(probs) == [[7, 400]]

@@ -4,20 +4,27 @@ Every draw is keyed by (seed, stream, absolute position, index) (``lmkit.draws``
 so a lost target session re-opened from the committed tokens decides each
 position with the same draws it would have used had nothing happened: the
 output of a seed does not depend on how often the target loses its sessions.
+
+In COUPLED mode the output is a function of the seed alone: the same tokens
+whatever k (0, 1, 4, 8, adaptive), drafter, overlap, concurrency (batched
+verification) or target reopen; a draft running the target's own weights is
+accepted every time, which shows draft and target use the same noise.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from lmkit import errors
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
 from orchestrator.links import LinkPolicy
 from target_service.engine import TargetEngine
-from tests.conftest import Services, run_async
+from tests.conftest import Services, make_engines, run_async
 
 pytestmark = pytest.mark.services
 
@@ -53,7 +60,9 @@ async def collect(orch: Orchestrator, request: GenerationRequest) -> tuple[list[
     return ids, stats
 
 
-async def generate_on_each(services_list, tokenizer_dir, requests) -> list[list[tuple[list[int], object]]]:
+async def generate_on_each(
+    services_list, tokenizer_dir, requests, concurrent: bool = False
+) -> list[list[tuple[list[int], object]]]:
     """Every request through an orchestrator on each of ``services_list``: results[service][request]."""
     results = []
     for services in services_list:
@@ -61,7 +70,10 @@ async def generate_on_each(services_list, tokenizer_dir, requests) -> list[list[
                                     link_policy=LinkPolicy(target_retry_s=0.01))
         orch = await Orchestrator.connect(config)
         try:
-            results.append([await collect(orch, request) for request in requests])
+            if concurrent:
+                results.append(list(await asyncio.gather(*(collect(orch, request) for request in requests))))
+            else:
+                results.append([await collect(orch, request) for request in requests])
         finally:
             await orch.close()
     return results
@@ -83,3 +95,68 @@ def test_a_target_losing_every_session_gives_the_same_tokens_for_a_seed(
     steady, lost = run_async(generate_on_each([tiny_services, forgetful_target], tiny_target_dir, requests))
     assert all(stats.target_reopens >= 2 for _, stats in lost)  # the sessions really were lost
     assert [ids for ids, _ in lost] == [ids for ids, _ in steady]
+
+
+def coupled(seed: int, k: int, drafter=DrafterKind.MODEL, *, adaptive=False, overlap=False) -> GenerationRequest:
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
+    return GenerationRequest("", False, NEW, sampling, (), k, drafter, False, adaptive, (), overlap,
+                             VerificationMode.COUPLED)
+
+
+SETTINGS = [  # (k, drafter, adaptive, overlap): every way a seed's run may be scheduled
+    (1, DrafterKind.MODEL, False, False),
+    (4, DrafterKind.MODEL, False, True),
+    (8, DrafterKind.MODEL, False, False),
+    (8, DrafterKind.MODEL, True, True),
+    (4, DrafterKind.NGRAM, False, True),
+    (8, DrafterKind.NGRAM, True, False),
+]
+SEEDS = (5, 6)
+
+
+@pytest.fixture(scope="module")
+def target_only_tokens(tiny_services, tiny_target_dir):
+    """Coupled sampling at k = 0, per seed: what every other schedule must reproduce."""
+    (results,) = run_async(generate_on_each([tiny_services], tiny_target_dir, [coupled(s, 0) for s in SEEDS]))
+    tokens = [ids for ids, _ in results]
+    assert len(set(map(tuple, tokens))) == len(SEEDS)  # the seed matters
+    return dict(zip(SEEDS, tokens))
+
+
+def test_coupled_tokens_depend_on_the_seed_alone(tiny_services, tiny_target_dir, target_only_tokens):
+    requests = [coupled(seed, k, d, adaptive=a, overlap=o) for seed in SEEDS for k, d, a, o in SETTINGS]
+    (results,) = run_async(generate_on_each([tiny_services], tiny_target_dir, requests))
+    for request, (ids, stats) in zip(requests, results):
+        assert stats.mode == VerificationMode.COUPLED.value
+        assert ids == target_only_tokens[request.sampling.seed], request
+
+
+def test_coupled_tokens_survive_a_target_that_loses_every_session(forgetful_target, tiny_target_dir, target_only_tokens):
+    requests = [coupled(seed, 4) for seed in SEEDS] + [coupled(seed, 0) for seed in SEEDS]
+    (results,) = run_async(generate_on_each([forgetful_target], tiny_target_dir, requests))
+    for request, (ids, stats) in zip(requests, results):
+        assert stats.target_reopens >= 2
+        assert ids == target_only_tokens[request.sampling.seed], request
+
+
+def test_coupled_tokens_are_the_same_in_eight_concurrent_sessions(tiny_services, tiny_target_dir):
+    seeds = range(20, 28)
+    alone = run_async(generate_on_each([tiny_services], tiny_target_dir, [coupled(s, 4) for s in seeds]))[0]
+    together = run_async(generate_on_each(
+        [tiny_services], tiny_target_dir, [coupled(s, 4, overlap=True) for s in seeds], concurrent=True))[0]
+    assert [ids for ids, _ in together] == [ids for ids, _ in alone]
+    assert max(stats.mean_batch_size for _, stats in together) > 1  # they did share forwards
+
+
+@pytest.fixture(scope="module")
+def self_draft(background_loop, tiny_target_dir):
+    target, draft = make_engines(str(tiny_target_dir), str(tiny_target_dir))
+    services = Services(background_loop, target, draft)
+    yield services
+    services.stop()
+
+
+def test_a_draft_with_the_targets_weights_is_always_accepted_in_coupled_mode(self_draft, tiny_target_dir):
+    (results,) = run_async(generate_on_each([self_draft], tiny_target_dir, [coupled(s, 4) for s in SEEDS]))
+    for _, stats in results:
+        assert stats.drafted_tokens > 0 and stats.accepted_tokens == stats.drafted_tokens

@@ -129,16 +129,7 @@ PROMPT = [504, 2365, 6354]
 
 def exact_joint(model, sampling: SamplingParams, n: int) -> dict[tuple[int, ...], float]:
     """The target's own distribution of its first n sampled tokens."""
-    joint = {(): 1.0}
-    with torch.inference_mode():
-        for _ in range(n):
-            grown = {}
-            for prefix, p in joint.items():
-                probs = logits_to_probs(model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:], sampling)[0]
-                for t in torch.nonzero(probs).flatten().tolist():
-                    grown[(*prefix, t)] = p * float(probs[t])
-            joint = grown
-    return joint
+    return exact_joint_after(model, PROMPT, sampling, n)
 
 
 def test_overlapped_sampling_is_lossless(self_draft_services, tiny_target_dir):
@@ -175,3 +166,81 @@ def test_overlapped_sampling_is_lossless(self_draft_services, tiny_target_dir):
     wrong = exact_joint(model, SamplingParams(temperature=3.0, top_k=3), 4)
     with pytest.raises(AssertionError):
         assert_distributed_as(samples, wrong)
+
+
+# -- free drafts: prompt lookup asked up to the bound, cut by its reported match quality ---------------------
+@pytest.mark.parametrize("overlap", [False, True])
+def test_free_drafts_are_cut_by_quality_and_keep_greedy_output(tiny_services, tiny_target_dir, tiny_reference,
+                                                               overlap):
+    """The draft reports each block's match quality over gRPC; the orchestrator records acceptance per quality
+    for every session and cuts blocks by it. Outputs stay the target's own."""
+    prompts_ids, expected = tiny_reference
+
+    async def go():
+        orch = await Orchestrator.connect(
+            OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir)))
+        try:
+            out = [await collect(orch, request(8, DrafterKind.NGRAM, adaptive=True, overlap=overlap), ids)
+                   for ids in prompts_ids]
+            return out, orch.acceptance
+        finally:
+            await orch.close()
+
+    results, acceptance = run_async(go())
+    for prompt, want, (have, stats) in zip(TINY_PROMPTS, expected, results):
+        assert have == want, f"free drafts (overlap={overlap}) diverged on {prompt!r}"
+        assert stats.draft_fallback_rounds == 0
+    assert sum(stats.drafted_tokens for _, stats in results) > 0
+    keys = [key for key in acceptance._counts if key.quality is not None]
+    assert keys and all(key.drafter is DrafterKind.NGRAM for key in keys)
+    assert sum(acceptance.blocks(key) for key in keys) > 0
+
+
+def test_free_drafts_cut_by_quality_keep_sampling_lossless(tiny_services, tiny_target_dir):
+    """Token-only verification of prompt-lookup blocks whose length the controller chooses from server-wide
+    statistics (which change as the sessions, two at a time, report): the cut depends on the block's quality, never
+    on its draws, so the output is the target's distribution; a nearby distribution is rejected."""
+    from lmkit import models
+
+    prompt = [504, 2365, 504, 2365, 504, 2365, 504]  # the lookup always finds a match to copy
+    sampling = SamplingParams(temperature=4.0, top_k=3)
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+
+    def joint(params):
+        return exact_joint_after(model, prompt, params, 3)
+
+    async def sample(runs, concurrent=2):
+        orch = await Orchestrator.connect(
+            OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir)))
+        out, drafted = [], 0
+        try:
+            for start in range(0, runs, concurrent):
+                jobs = [collect(orch, request(4, DrafterKind.NGRAM, adaptive=True, max_new=3,
+                                              sampling=SamplingParams(4.0, 3, 1.0, seed)), prompt)
+                        for seed in range(start, start + concurrent)]
+                for ids, stats in await asyncio.gather(*jobs):
+                    out.append(tuple(ids))
+                    drafted += stats.drafted_tokens
+        finally:
+            await orch.close()
+        return out, drafted
+
+    samples, drafted = run_async(sample(1200))
+    assert drafted > 150  # blocks were verified, not all cut away
+    assert_distributed_as(samples, joint(sampling))
+    with pytest.raises(AssertionError):
+        assert_distributed_as(samples, joint(SamplingParams(temperature=3.0, top_k=3)))
+
+
+def exact_joint_after(model, prompt: list[int], sampling: SamplingParams, n: int) -> dict[tuple[int, ...], float]:
+    """The target's own distribution of its first n sampled tokens after ``prompt``."""
+    joint = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(n):
+            grown = {}
+            for prefix, p in joint.items():
+                probs = logits_to_probs(model(torch.tensor([prompt + list(prefix)])).logits[0, -1:], sampling)[0]
+                for t in torch.nonzero(probs).flatten().tolist():
+                    grown[(*prefix, t)] = p * float(probs[t])
+            joint = grown
+    return joint

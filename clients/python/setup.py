@@ -1,0 +1,38 @@
+"""Build specsplit-client from the repository's sources: the light client and what it imports, nothing else.
+
+The modules are the ones ``specsplit/client.py`` and ``specsplit generate`` load (tests/test_cli.py checks
+that they pull in neither torch nor ray); the generated stubs come whole.
+"""
+
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+BUILD = Path(__file__).resolve().parent / "build"
+
+PACKAGES = ["specsplit", "lmkit", "lmkit.proto", "lmkit.proto.specsplit", "lmkit.proto.specsplit.v1"]
+MODULES = {
+    "specsplit": {"__init__", "cli", "client", "generate"},
+    "lmkit": {"__init__", "errors", "kinds", "security"},
+}
+
+
+class LightModules(build_py):
+    """Only the listed modules of ``specsplit`` and ``lmkit`` (their other modules need the model stack)."""
+
+    def find_package_modules(self, package, package_dir):
+        modules = super().find_package_modules(package, package_dir)
+        keep = MODULES.get(package)
+        return modules if keep is None else [m for m in modules if m[1] in keep]
+
+
+shutil.rmtree(BUILD / "lib", ignore_errors=True)  # no module of an earlier selection lingers in the wheel
+BUILD.mkdir(exist_ok=True)
+setup(
+    packages=PACKAGES,
+    options={"egg_info": {"egg_base": "build"}},  # not into the repository root (package-dir)
+    package_data={"lmkit.proto.specsplit.v1": ["*.pyi"]},
+    cmdclass={"build_py": LightModules},
+)

@@ -1,0 +1,370 @@
+"""The OpenAI API's request and response shapes, and their translation to and from ``specsplit.v1``.
+
+Requests are validated strictly (JSON types as the API documents them; an
+unknown parameter is refused rather than ignored) and become the same
+``GenerateRequest`` the gRPC API takes, so both APIs share one validation
+(``orchestrator.requests``). Parameters that specsplit cannot honour
+(penalties, logit bias, tools, ``n > 1``...) are refused with a 400 naming
+them, never silently ignored.
+
+Extensions, in the body (``extra_body`` in the openai SDK): ``top_k`` (as
+vLLM), and specsplit's ``k``, ``drafter``, ``adaptive_k``, ``overlap``,
+``draft_probs``. Responses carry the speculative stats in ``usage.speculative``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lmkit.kinds import DrafterKind, VerificationMode
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from orchestrator.config import OrchestratorConfig
+from orchestrator.loop import Finish
+from specsplit.client import drafter_value
+
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+_FINISH = {Finish.LENGTH: "length", Finish.CONTEXT: "length", Finish.EOS: "stop", Finish.STOP_STRING: "stop"}
+
+
+class RequestError(Exception):
+    """A request the API refuses, in OpenAI's error shape."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.error_type, self.code = message, param, status, error_type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatTurn(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # accepted; chat templates of the supported models have no use for it
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    """Parameters both endpoints take; specsplit's extensions last."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None  # unset: 1.0, as OpenAI
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = None  # vLLM's: -1 or 0 disables
+    k: int | None = None  # draft block size (0 = no speculation)
+    drafter: str | None = None
+    adaptive_k: bool | None = None
+    overlap: bool | None = None
+    draft_probs: bool | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatTurn] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def validate(model_cls: type[_Common], body: Any) -> _Common:
+    """Parse a JSON body; the first problem becomes a RequestError naming the parameter."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        path = [str(part) for part in error["loc"]]
+        # A union reports each alternative's failure ("stop.str"): name the parameter, not the alternative.
+        param = ".".join(p for p in path if p not in ("str", "list[str]", "list[TextPart]", "int", "float"))
+        if error["type"] == "extra_forbidden":
+            raise RequestError(f"unrecognized request argument supplied: {param}", param) from None
+        if error["type"] == "missing":
+            raise RequestError(f"missing required parameter: {param}", param) from None
+        raise RequestError(f"invalid value for {param}: {error['msg']} (got {error.get('input')!r})", param) from None
+
+
+def to_generate_request(req: _Common, config: OrchestratorConfig, request_id: str) -> pb.GenerateRequest:
+    """The ``GenerateRequest`` an OpenAI request stands for; refuses what cannot be honoured."""
+    _refuse_unsupported(req)
+    sampling = _sampling(req)
+    msg = pb.GenerateRequest(sampling=sampling, stop=_stop(req.stop), request_id=request_id)
+    if isinstance(req, ChatCompletionRequest):
+        msg.messages.extend(
+            pb.ChatMessage(role="system" if t.role == "developer" else t.role, content=t.text()) for t in req.messages
+        )
+        max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(req, max_name)
+        _chat_logprobs(req, msg)
+    else:
+        msg.prompt = _one_prompt(req.prompt)
+        max_tokens, max_name = req.max_tokens, "max_tokens"
+        _completion_logprobs(req, msg)
+    if max_tokens is not None:
+        if not 1 <= max_tokens <= config.max_new_tokens_limit:
+            raise RequestError(f"{max_name} must be in [1, {config.max_new_tokens_limit}], got {max_tokens}", max_name)
+        msg.max_new_tokens = max_tokens
+    _extensions(req, msg)
+    return msg
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    if req.n is not None and req.n != 1:
+        raise RequestError(
+            f"n = {req.n} is not supported: specsplit returns one choice per request; send {req.n} requests "
+            "(with different seeds to sample different answers)", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise RequestError(f"{name} is not supported; send 0 (or leave it out)", name)
+    if req.logit_bias:
+        raise RequestError("logit_bias is not supported", "logit_bias")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise RequestError("tools are not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise RequestError("response_format other than {\"type\": \"text\"} is not supported", "response_format")
+    else:
+        if req.echo:
+            raise RequestError("echo is not supported", "echo")
+        if req.suffix:
+            raise RequestError("suffix is not supported", "suffix")
+        if req.best_of not in (None, 1):
+            raise RequestError("best_of > 1 is not supported", "best_of")
+
+
+def _sampling(req: _Common) -> pb.SamplingParams:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise RequestError(f"temperature must be a number >= 0 (0 is greedy), got {temperature}", "temperature")
+    sampling = pb.SamplingParams(temperature=temperature)
+    if req.top_p is not None:
+        if not 0 < req.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+        sampling.top_p = req.top_p
+    if req.top_k is not None:
+        if req.top_k < -1:
+            raise RequestError(f"top_k must be >= 0 (0 or -1 disable it), got {req.top_k}", "top_k")
+        sampling.top_k = max(req.top_k, 0)
+    if req.seed is not None:
+        if not 0 <= req.seed < 2**63:
+            raise RequestError(f"seed must be in [0, 2**63), got {req.seed}", "seed")
+        sampling.seed = req.seed
+    return sampling
+
+
+def _stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _one_prompt(prompt: str | list[str]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) != 1:
+        raise RequestError(f"prompt lists {len(prompt)} prompts; send one prompt per request", "prompt")
+    return prompt[0]
+
+
+def _chat_logprobs(req: ChatCompletionRequest, msg: pb.GenerateRequest) -> None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    if req.logprobs:
+        if not 0 <= (req.top_logprobs or 0) <= 20:
+            raise RequestError(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
+        msg.return_logprobs = True
+        msg.top_logprobs = req.top_logprobs or 0
+
+
+def _completion_logprobs(req: CompletionRequest, msg: pb.GenerateRequest) -> None:
+    if req.logprobs is not None:
+        if not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}", "logprobs")
+        msg.return_logprobs = True
+        msg.top_logprobs = req.logprobs
+
+
+def _extensions(req: _Common, msg: pb.GenerateRequest) -> None:
+    if req.k is not None:
+        if req.k < 0:
+            raise RequestError(f"k must be >= 0 (0 = no speculation), got {req.k}", "k")
+        msg.k = req.k
+    if req.drafter is not None:
+        try:
+            msg.drafter = drafter_value(req.drafter)
+        except ValueError as exc:
+            raise RequestError(str(exc), "drafter") from None
+    for name in ("adaptive_k", "overlap"):
+        if getattr(req, name) is not None:
+            setattr(msg, name, getattr(req, name))
+    msg.draft_probs = bool(req.draft_probs)
+
+
+# -- responses ----------------------------------------------------------------------------------------------
+
+
+def finish_reason(value: int) -> str:
+    return _FINISH[Finish(value)]
+
+
+def usage(stats: pb.GenerationStats) -> dict:
+    """OpenAI's token counts, plus the speculative stats of the generation under ``speculative``."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "speculative": {
+            "drafter": DrafterKind(stats.drafter).name.lower() if stats.drafter else None,
+            "verification": VerificationMode(stats.mode).name.lower() if stats.mode else None,
+            "k": stats.k,
+            "adaptive_k": stats.adaptive_k,
+            "mean_k": round(stats.mean_k, 3),
+            "rounds": stats.rounds,
+            "drafted_tokens": stats.drafted_tokens,
+            "accepted_tokens": stats.accepted_tokens,
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "mean_accepted_length": round(stats.mean_accepted_length, 4),
+            "overlap_hits": stats.overlap_hits,
+            "draft_fallback_rounds": stats.draft_fallback_rounds,
+            "target_reopens": stats.target_reopens,
+            "tokens_per_s": round(stats.tokens_per_s, 3),
+            "wall_s": round(stats.wall_s, 4),
+            "seed": stats.seed,
+        },
+    }
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(items) -> dict:
+    """``choices[].logprobs`` of the chat API for a run of ``pb.TokenLogprob``."""
+    return {"content": [
+        {**_entry(lp.token, lp.logprob), "top_logprobs": [_entry(t.token, t.logprob) for t in lp.top]} for lp in items
+    ]}
+
+
+def completion_logprobs(items, text_offset: int) -> dict:
+    """``choices[].logprobs`` of the completions API; offsets count from the start of the completion."""
+    tokens, offsets = [], []
+    for lp in items:
+        offsets.append(text_offset)
+        tokens.append(lp.token)
+        text_offset += len(lp.token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items],
+        "text_offset": offsets,
+    }
+
+
+class ResponseShape:
+    """One request's response objects, whole or as stream chunks (the subclasses: one per endpoint)."""
+
+    whole_object = ""
+    chunk_object = ""
+
+    def __init__(self, response_id: str, model: str, logprobs: bool) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.logprobs = logprobs
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def opening(self) -> list[dict]:
+        """Chunks sent before the first text."""
+        return []
+
+    def chunk(self, text: str, logprobs, finish: str | None) -> dict:
+        return self._envelope(self.chunk_object, [self._choice(text, logprobs, finish, delta=True)])
+
+    def usage_chunk(self, stats: pb.GenerationStats) -> dict:
+        return {**self._envelope(self.chunk_object, []), "usage": usage(stats)}
+
+    def whole(self, text: str, logprobs, finish: str, stats: pb.GenerationStats) -> dict:
+        return {**self._envelope(self.whole_object, [self._choice(text, logprobs, finish, delta=False)]),
+                "usage": usage(stats)}
+
+    def _choice(self, text: str, logprobs, finish: str | None, delta: bool) -> dict:
+        raise NotImplementedError
+
+
+class ChatShape(ResponseShape):
+    whole_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def opening(self) -> list[dict]:
+        return [self._envelope(self.chunk_object, [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ])]
+
+    def _choice(self, text: str, logprobs, finish: str | None, delta: bool) -> dict:
+        content = ({"content": text} if text or not finish else {}) if delta else {"role": "assistant",
+                                                                                   "content": text}
+        return {"index": 0, "delta" if delta else "message": content,
+                "logprobs": chat_logprobs(logprobs) if self.logprobs else None, "finish_reason": finish}
+
+
+class CompletionShape(ResponseShape):
+    whole_object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, response_id: str, model: str, logprobs: bool) -> None:
+        super().__init__(response_id, model, logprobs)
+        self.text_offset = 0
+
+    def _choice(self, text: str, logprobs, finish: str | None, delta: bool) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.logprobs:
+            choice["logprobs"] = completion_logprobs(logprobs, self.text_offset)
+            self.text_offset += sum(len(lp.token) for lp in logprobs)
+        return choice

@@ -1,0 +1,160 @@
+"""The round model: what a speculative round costs, what it brings, and the block size that pays best.
+
+Leviathan et al. 2023 (sec. 3.3-3.4): with per-token acceptance rate alpha, a
+block of k draft tokens yields on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+committed tokens per target pass. With acceptance measured per position
+(p_i: position i passes given all before it did), E(k) = 1 + sum_i prod_{j<=i} p_j,
+which is Leviathan's E(k) when every p_i = alpha. A target forward over x
+tokens costs t(x) = a + s x (the target's own fit of every forward it ran, or
+the orchestrator's fit of the times it reported; on CPUs s matters: verifying
+8 tokens costs ~2 decode steps there).
+
+Load (continuous batching): the target reports the forward that verified the
+last block: B sessions, and the tokens G_o the other sessions committed from
+it. Rows are padded to the longest, so a block of k makes every row k + 1
+wide: the forward costs t(B (k + 1)). A round's rate is the tokens everyone
+gets per unit time,
+
+    (G_o + E(k)) / round_seconds,    round_seconds = t(B (k + 1)) + drafting not hidden.
+
+Alone (B = 1, G_o = 0) this is Leviathan's E(k) / T(k). Under load a block
+must pay for the padding it puts on every other row: when the target is
+saturated (s x >> a) speculation stops unless drafts pass nearly always, so
+it never makes everyone slower, and it returns when the load falls.
+
+Overlap: when drafting runs during verification, drafting the next block is
+hidden unless it takes longer than the verification, and paid in full only
+when the speculation misses (the block is not accepted whole, or the bonus
+token was guessed wrong: probability 1 - prod p_i over the k + 1 positions).
+
+Other shapes (token trees, links with round-trip times) reuse the same parts:
+``expected_tokens_by_position`` for a path, ``CostModel.verify_s`` for a
+forward of any size, ``round_seconds`` for a round (one function: a link's
+cost is one more term there) and ``rate``. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from lmkit.costs import LinearCost
+
+
+@dataclass(frozen=True)
+class Load:
+    """The target's forward that verified a session's last block (``VerifyResult.batch_size``)."""
+
+    sessions: int = 1
+    others_committed: float = 0.0  # tokens the other sessions committed from that forward
+
+    def tokens(self, k: int) -> int:
+        """Tokens in the forward when this session's block of k sets the (padded) row width."""
+        return max(self.sessions, 1) * (k + 1)
+
+
+ALONE = Load()
+
+
+@dataclass
+class CostModel:
+    """The target's forward cost t(x) = a + s x over x tokens, each drafter's time per token, and the
+    target's latest load. One per target, shared by the sessions on it."""
+
+    decay: float = 0.98  # forget old samples slowly: load and context length drift
+    verify: LinearCost = field(default_factory=LinearCost)
+    load: Load = ALONE  # the target's last decode forward as any session saw it; where new sessions start
+    reported: tuple[float, float] | None = None  # (a, s) as the target last reported its own fit
+    _draft_s: dict = field(default_factory=dict)  # drafter -> decayed seconds
+    _draft_tokens: dict = field(default_factory=dict)  # drafter -> decayed tokens
+
+    def __post_init__(self) -> None:
+        self.verify.decay = self.decay
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        """A target forward over ``tokens`` tokens (all rows of a batch, padding included) took ``seconds``."""
+        self.verify.observe(tokens, seconds)
+
+    def observe_target_fit(self, base_s: float, per_token_s: float) -> None:
+        """The target's own fit of t(x) (``VerifyResult.cost_base_us``, ``cost_per_token_us``); 0, 0 = none yet."""
+        if base_s > 0 or per_token_s > 0:
+            self.reported = (max(base_s, 0.0), max(per_token_s, 0.0))
+
+    def observe_draft(self, tokens: int, seconds: float, drafter: object = None) -> None:
+        """``drafter`` drafted ``tokens`` tokens in ``seconds``."""
+        if tokens > 0:
+            self._draft_s[drafter] = self._draft_s.get(drafter, 0.0) * self.decay + seconds
+            self._draft_tokens[drafter] = self._draft_tokens.get(drafter, 0.0) * self.decay + tokens
+
+    def verify_s(self, tokens: int) -> float:
+        """Predicted time of a target forward over ``tokens`` tokens: a + s x, the target's fit when it sent one."""
+        if self.reported is not None:
+            base, slope = self.reported
+            return max(base + slope * tokens, 1e-6)
+        return self.verify.predict(tokens)
+
+    def draft_s_per_token(self, drafter: object = None) -> float:
+        tokens = self._draft_tokens.get(drafter, 0.0)
+        return self._draft_s.get(drafter, 0.0) / tokens if tokens else 0.0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(k): committed tokens per target pass for i.i.d. acceptance alpha (Leviathan eq. 1)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_tokens_by_position(accept: Sequence[float], k: int) -> float:
+    """E(k) when position i is accepted with probability accept[i-1] given all before it were:
+    1 + sum_{i<=k} prod_{j<=i} accept[j-1]. Equal to ``expected_tokens`` when every entry is alpha."""
+    total, run = 1.0, 1.0
+    for p in accept[:k]:
+        run *= p
+        total += run
+    return total
+
+
+def whole_probability(accept: Sequence[float], n: int) -> float:
+    """P(the first n positions all pass); positions past the list repeat its last entry."""
+    whole = 1.0
+    for i in range(n):
+        whole *= accept[min(i, len(accept) - 1)] if accept else 0.0
+    return whole
+
+
+def round_seconds(costs: CostModel, forward_tokens: int, draft_s_per_token: float, k: int, overlap: bool,
+                  hit: float) -> float:
+    """Seconds of a round whose forward holds ``forward_tokens`` tokens and whose block has k drafted tokens.
+
+    Sync: drafting k tokens, then the forward. Overlap: the next block (k + 1
+    tokens with the bonus guess) is drafted during the forward, so only the part
+    longer than the forward shows, plus a fresh block when the speculation
+    misses (probability 1 - ``hit``).
+    """
+    verify = costs.verify_s(forward_tokens)
+    if k == 0:
+        return verify
+    if overlap:
+        return verify + max(0.0, (k + 1) * draft_s_per_token - verify) + (1.0 - hit) * k * draft_s_per_token
+    return verify + k * draft_s_per_token
+
+
+def rate(expected: float, seconds: float, load: Load = ALONE) -> float:
+    """Committed tokens per second over every session in the forward."""
+    return (load.others_committed + expected) / seconds
+
+
+def chain_rate(k: int, accept: Sequence[float], costs: CostModel, load: Load = ALONE, overlap: bool = False,
+               draft_s_per_token: float = 0.0) -> float:
+    """The rate of a chain block of k tokens with per-position acceptance ``accept``."""
+    hit = whole_probability(accept, k + 1)
+    seconds = round_seconds(costs, load.tokens(k), draft_s_per_token, k, overlap, hit)
+    return rate(expected_tokens_by_position(accept, k), seconds, load)
+
+
+def best_k(accept: Sequence[float], k_max: int, costs: CostModel, load: Load = ALONE, overlap: bool = False,
+           draft_s_per_token: float = 0.0) -> int:
+    """The block size in [0, k_max] with the highest rate (ties: the smaller)."""
+    rates = [chain_rate(k, accept, costs, load, overlap, draft_s_per_token) for k in range(k_max + 1)]
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))

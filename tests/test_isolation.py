@@ -1,0 +1,106 @@
+"""One session's failure stays its own in a batched verification.
+
+Eight sessions share a forward; one has a bad cache. NaN keys make its logits
+NaN: its rows cannot be decided, so it gets INTERNAL with nothing committed and
+its cache dropped (its next block, re-prefilled, succeeds), while the other
+seven commit exactly what they would have alone. Keys of the wrong shape make
+the shared forward itself fail: every block is then verified alone from a
+fresh cache, and all eight get their solo results.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmkit import errors, models
+from lmkit.kinds import VerificationMode
+from lmkit.sampling import SamplingParams
+from lmkit.sessions import SessionLimits
+from target_service.engine import TargetEngine, Verification, VerifyItem
+from tests.conftest import TINY_PROMPTS
+
+pytestmark = pytest.mark.unit
+
+SESSIONS = 8
+BAD = 3  # in the middle: on the old code the sessions before it were committed, then the whole batch failed
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target_dir):
+    return models.load_model(models.ModelSpec(str(tiny_target_dir)))
+
+
+def new_engine(model) -> TargetEngine:
+    return TargetEngine(model, model_id="tiny", vocab_fingerprint="", limits=SessionLimits(max_block=8))
+
+
+def opened(engine: TargetEngine, gguf_tokenizer) -> list:
+    """Eight greedy sessions, each past its prefill (one round each, alone)."""
+    sessions = []
+    for i in range(SESSIONS):
+        ids = gguf_tokenizer.encode(TINY_PROMPTS[i % len(TINY_PROMPTS)]) + [i + 10]
+        session = engine.open(f"s{i}", ids, SamplingParams(), VerificationMode.GREEDY)
+        engine.verify(session, len(session.tokens), [], None)
+        sessions.append(session)
+    return sessions
+
+
+def blocks(sessions) -> list[list[int]]:
+    return [[(t * 7 + j) % 49152 for j in range(1 + i % 4)] for i, t in enumerate(s.tokens[-1] for s in sessions)]
+
+
+def solo_results(model, gguf_tokenizer) -> list[tuple[int, int]]:
+    engine = new_engine(model)
+    sessions = opened(engine, gguf_tokenizer)
+    return [
+        (lambda v: (v.accepted, v.next_token))(engine.verify(s, len(s.tokens), b, None))
+        for s, b in zip(sessions, blocks(sessions))
+    ]
+
+
+def poison_with_nan(session) -> None:
+    for layer in session.cache.cache.layers:
+        layer.keys = torch.full_like(layer.keys, math.nan)
+
+
+def poison_with_bad_shape(session) -> None:
+    layer = session.cache.cache.layers[0]
+    layer.keys = layer.keys[..., :-1]  # one fewer head dimension: no forward can use it
+
+
+@pytest.mark.parametrize("poison", [poison_with_nan, poison_with_bad_shape], ids=["nan-logits", "forward-fails"])
+def test_a_bad_session_fails_alone_and_the_others_commit_their_solo_results(model, gguf_tokenizer, poison):
+    expected = solo_results(model, gguf_tokenizer)
+    engine = new_engine(model)
+    sessions = opened(engine, gguf_tokenizer)
+    committed = [len(s.tokens) for s in sessions]
+    poison(sessions[BAD])
+    sent = blocks(sessions)
+    items = [VerifyItem(s, len(s.tokens), b, None) for s, b in zip(sessions, sent)]
+    results = engine.verify_batch(items)
+    for i, (result, session) in enumerate(zip(results, sessions)):
+        if i == BAD and poison is poison_with_nan:
+            assert isinstance(result, errors.Internal), result
+            assert len(session.tokens) == committed[i]  # nothing committed
+            assert len(session.cache) == 0  # the bad cache was dropped
+        else:
+            assert isinstance(result, Verification), result
+            assert (result.accepted, result.next_token) == expected[i]
+            assert len(session.tokens) == committed[i] + result.accepted + 1
+    if poison is poison_with_nan:
+        assert all(r.batch.size == SESSIONS - 1 for i, r in enumerate(results) if i != BAD)  # one shared forward
+        # The culprit's block, sent again, is verified from a fresh prefill and gives its solo result.
+        bad = sessions[BAD]
+        again = engine.verify(bad, len(bad.tokens), sent[BAD], None)
+        assert (again.accepted, again.next_token) == expected[BAD]
+
+
+def test_an_internal_error_is_the_internal_status():
+    import grpc
+
+    from lmkit.grpc_server import status_for
+
+    assert status_for(errors.Internal("x")) == grpc.StatusCode.INTERNAL

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client (sync, async, streaming) and raw HTTP.
+
+A real orchestrator over the tiny draft and target services serves the API with
+uvicorn on 127.0.0.1; greedy text equals the target model's own `generate`,
+logprobs equal the target's log-softmax, and bad requests get OpenAI's error
+shape with the right status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import time
+
+import openai
+import pytest
+import torch
+
+from lmkit import models
+from orchestrator import openai_server
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import Orchestrator
+from tests.conftest import run_async
+
+pytestmark = pytest.mark.services
+
+MODEL = "tiny-llama"
+TOKEN = "s3cret-token"
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one word."},
+    {"role": "user", "content": "What colour is the sky?"},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "And grass?"},
+]
+
+
+@pytest.fixture(scope="module")
+def api(tiny_services, tiny_target_dir, background_loop):
+    """(base url, orchestrator): the HTTP API over the tiny services; a second app on the same orchestrator
+    requires a bearer token (``api.token_url``)."""
+    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir),
+                                served_model_names=(MODEL,), max_new_tokens_limit=600)
+    orch = background_loop.run(Orchestrator.connect(config))
+    open_app = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch), "127.0.0.1", 0))
+    locked = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch, TOKEN), "127.0.0.1", 0))
+    yield Api(f"http://127.0.0.1:{open_app.port}/v1", f"http://127.0.0.1:{locked.port}/v1", open_app.port, orch)
+    background_loop.run(open_app.stop())
+    background_loop.run(locked.stop())
+    background_loop.run(orch.close())
+
+
+class Api:
+    def __init__(self, url: str, token_url: str, port: int, orch) -> None:
+        self.url, self.token_url, self.port, self.orch = url, token_url, port, orch
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target_dir):
+    """The tiny target's own greedy continuation and per-position log-softmax (teacher-forced)."""
+    tokenizer = models.load_tokenizer(str(tiny_target_dir))
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
+        return out[0, len(ids):].tolist()
+
+    def logprobs(prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:  # [len(new_ids), vocab]
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt_ids + new_ids])).logits[0]
+        return torch.log_softmax(logits[len(prompt_ids) - 1: len(prompt_ids) + len(new_ids) - 1].float(), -1)
+
+    def chat_ids(messages) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+    return Reference(tokenizer, greedy, logprobs, chat_ids)
+
+
+class Reference:
+    def __init__(self, tokenizer, greedy, logprobs, chat_ids) -> None:
+        self.tokenizer, self.greedy, self.logprobs, self.chat_ids = tokenizer, greedy, logprobs, chat_ids
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def sessions(services) -> tuple[int, int]:
+    return services.target_engine.sessions.stats()[0], services.draft_engine.sessions.stats()[0]
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# -- the openai client ------------------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_name(api):
+    with api.client() as client:
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        assert client.models.retrieve(MODEL).owned_by == "specsplit"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("gpt-4o")
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_chat_completion_of_a_conversation_is_the_targets_greedy_answer(api, reference, drafter):
+    prompt_ids = reference.chat_ids(CONVERSATION)
+    expected = reference.greedy(prompt_ids, 16)
+    with api.client() as client:
+        response = client.chat.completions.create(
+            model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=16, extra_body={"k": 4, "drafter": drafter})
+    choice = response.choices[0]
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant"
+    assert choice.message.content == reference.text(expected)
+    assert choice.finish_reason == ("stop" if 2 in expected else "length")
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert response.usage.completion_tokens == len(expected)
+    speculative = response.usage.speculative
+    assert speculative["drafter"] == drafter and speculative["k"] == 4
+    assert speculative["rounds"] >= 1 and 0 <= speculative["accepted_tokens"] <= speculative["drafted_tokens"]
+
+
+def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(api, reference):
+    prompt_ids = reference.chat_ids(CONVERSATION)
+    expected = reference.text(reference.greedy(prompt_ids, 24))
+    with api.client() as client:
+        stream = client.chat.completions.create(model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=24,
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 1 and chunks[-2].choices[0].finish_reason == finishes[0]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 2  # it really streamed
+
+
+def test_async_client_completions_whole_and_streamed(api, reference, gguf_tokenizer):
+    prompt = "def fibonacci(n):"
+    expected = reference.text(reference.greedy(list(gguf_tokenizer.encode(prompt)), 20))
+
+    async def go():
+        async with api.async_client() as client:
+            whole = await client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20)
+            stream = await client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20,
+                                                     stream=True)
+            parts = [chunk async for chunk in stream]
+            many = await asyncio.gather(*[
+                client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20) for _ in range(3)
+            ])
+            return whole, parts, many
+
+    whole, parts, many = run_async(go())
+    assert whole.object == "text_completion" and whole.choices[0].text == expected
+    assert "".join(p.choices[0].text for p in parts) == expected
+    assert parts[-1].choices[0].finish_reason in ("length", "stop")
+    assert [m.choices[0].text for m in many] == [expected] * 3
+
+
+def test_chat_logprobs_are_the_targets_log_softmax(api, reference):
+    messages = [{"role": "user", "content": "Count: 1, 2, 3,"}]
+    prompt_ids = reference.chat_ids(messages)
+    with api.client() as client:
+        response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12,
+                                                  logprobs=True, top_logprobs=3, extra_body={"k": 4})
+    content = response.choices[0].logprobs.content
+    ids = reference.greedy(prompt_ids, 12)
+    expected = reference.logprobs(prompt_ids, ids)  # [12, vocab]
+    assert len(content) == len(ids)
+    for position, (item, token_id) in enumerate(zip(content, ids)):
+        assert item.token == reference.tokenizer.decode([token_id])
+        assert item.bytes == list(item.token.encode())
+        assert item.logprob == pytest.approx(expected[position, token_id].item(), abs=1e-4)
+        top_values, top_ids = expected[position].topk(3)
+        assert [t.token for t in item.top_logprobs] == [reference.tokenizer.decode([i]) for i in top_ids.tolist()]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(top_values.tolist(), abs=1e-4)
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-6)  # greedy takes the argmax
+
+
+def test_completion_logprobs_in_the_legacy_shape_streamed(api, reference, gguf_tokenizer):
+    prompt = "a b a b a b"
+    with api.client() as client:
+        stream = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=10, logprobs=2,
+                                           stream=True, extra_body={"k": 3, "drafter": "ngram"})
+        chunks = [c for c in stream if c.choices]
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    top = [d for c in chunks for d in c.choices[0].logprobs.top_logprobs]
+    assert len(tokens) == 10 and len(top) == 10 and all(len(d) <= 2 for d in top)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(10)]
+    ids = reference.greedy(list(gguf_tokenizer.encode(prompt)), 10)
+    assert tokens == [reference.tokenizer.decode([i]) for i in ids]
+
+
+def test_seed_reproduces_a_sample_and_stop_ends_the_text(api, reference):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    with api.client() as client:
+        def sample(seed):
+            return client.chat.completions.create(model=MODEL, messages=messages, temperature=0.9, top_p=0.95,
+                                                  seed=seed, max_tokens=20).choices[0].message.content
+        first, again, other = sample(7), sample(7), sample(8)
+        assert first == again and first != other
+        greedy = reference.text(reference.greedy(reference.chat_ids(messages), 20))
+        stop = greedy[len(greedy) // 2: len(greedy) // 2 + 3]
+        stopped = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20,
+                                                 stop=[stop])
+    assert stop and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == greedy[: greedy.index(stop)]
+
+
+# -- errors ----------------------------------------------------------------------------------------------
+
+
+def raw(api, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, parsed JSON body) of one plain HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers={"content-type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_bad_requests_get_openai_errors_with_the_right_status(api):
+    with api.client() as client:
+        with pytest.raises(openai.NotFoundError) as info:
+            client.chat.completions.create(model="gpt-4o", messages=CONVERSATION)
+        assert info.value.code == "model_not_found" and MODEL in info.value.message
+        cases = {
+            "temperature": {"temperature": "hot"},
+            "max_tokens": {"max_tokens": 10_000},
+            "n": {"n": 2},
+            "frequency_penalty": {"frequency_penalty": 0.5},
+            "top_logprobs": {"logprobs": True, "top_logprobs": 25},
+            "stop": {"stop": 3},
+            "k": {"extra_body": {"k": 1000}},
+        }
+        for param, extra in cases.items():
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model=MODEL, messages=CONVERSATION, **{"max_tokens": 4, **extra})
+            assert info.value.status_code == 400 and param in info.value.message, (param, info.value.message)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
+        assert info.value.param.startswith("messages")
+        with pytest.raises(openai.BadRequestError) as info:  # about 1000 tokens; the tiny target's context is 512
+            client.completions.create(model=MODEL, prompt="word " * 1000, max_tokens=4)
+        assert "context" in info.value.message
+
+
+def test_malformed_json_unknown_fields_and_routes_are_refused_in_the_error_shape(api):
+    status, body = raw(api, "POST", "/v1/chat/completions", b'{"model": "tiny-llama", "messages": [')
+    assert status == 400 and "not valid JSON" in body["error"]["message"] and body["error"]["type"]
+    status, body = raw(api, "POST", "/v1/chat/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    request = {"model": MODEL, "messages": CONVERSATION, "temprature": 0}
+    status, body = raw(api, "POST", "/v1/chat/completions", json.dumps(request).encode())
+    assert status == 400 and body["error"]["param"] == "temprature"
+    status, body = raw(api, "POST", "/v1/chat/completions", json.dumps({"model": MODEL}).encode())
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, body = raw(api, "GET", "/v1/nothing-here")
+    assert status == 404 and "error" in body
+    status, body = raw(api, "GET", "/v1/chat/completions")
+    assert status == 405 and "error" in body
+    assert raw(api, "GET", "/health") == (200, {"status": "ok"})
+
+
+def test_bearer_token_is_required_when_set(api):
+    with openai.OpenAI(base_url=api.token_url, api_key="wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError) as info:
+            client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=2)
+        assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+    with openai.OpenAI(base_url=api.token_url, api_key=TOKEN, max_retries=0) as client:
+        assert client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=2).choices
+
+
+# -- disconnects ------------------------------------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_mid_stream_ends_the_generation(api, tiny_services):
+    rounds_before = tiny_services.target_engine.sessions.stats()[2]
+    with api.client() as client:
+        stream = client.chat.completions.create(model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=500,
+                                                stream=True, extra_body={"k": 0})
+        for received, _ in enumerate(stream):
+            if received == 3:
+                break
+        stream.close()
+    assert wait_until(lambda: sessions(tiny_services) == (0, 0)), sessions(tiny_services)
+    assert tiny_services.target_engine.sessions.stats()[2] - rounds_before < 250  # k = 0: one round per token
+
+
+def test_a_client_that_disconnects_before_a_whole_answer_ends_the_generation(api, tiny_services):
+    rounds_before = tiny_services.target_engine.sessions.stats()[2]
+    body = json.dumps({"model": MODEL, "messages": CONVERSATION, "max_tokens": 500, "temperature": 0, "k": 0}).encode()
+    with socket.create_connection(("127.0.0.1", api.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert wait_until(lambda: sessions(tiny_services)[0] == 1)
+        time.sleep(0.3)
+    assert wait_until(lambda: sessions(tiny_services) == (0, 0)), sessions(tiny_services)
+    assert tiny_services.target_engine.sessions.stats()[2] - rounds_before < 250
+    assert api.orch.active == 0

@@ -1,0 +1,139 @@
+"""OpenAI requests become the GenerateRequests they stand for; responses take OpenAI's shapes; log lines name requests."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from lmkit import logs
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from orchestrator.config import OrchestratorConfig
+from orchestrator.openai_schema import (
+    ChatCompletionRequest,
+    ChatShape,
+    CompletionRequest,
+    CompletionShape,
+    RequestError,
+    to_generate_request,
+    validate,
+)
+
+pytestmark = pytest.mark.unit
+
+CONFIG = OrchestratorConfig("127.0.0.1:1", max_new_tokens_limit=256)
+
+
+def chat(**fields) -> pb.GenerateRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return to_generate_request(validate(ChatCompletionRequest, body), CONFIG, "rid-1")
+
+
+def test_a_chat_request_maps_field_by_field():
+    msg = chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text",
+                                                                                            "text": "brief."}]},
+                         {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}],
+               max_tokens=9, max_completion_tokens=7, top_p=0.5, seed=3, stop="END", logprobs=True, top_logprobs=2,
+               top_k=-1, k=0, drafter="ngram", adaptive_k=False)
+    assert [(m.role, m.content) for m in msg.messages] == [("system", "Be brief."), ("user", "hi"), ("assistant", "")]
+    assert msg.max_new_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
+    assert msg.sampling.temperature == 1.0 and msg.sampling.top_p == 0.5 and msg.sampling.seed == 3
+    assert msg.sampling.top_k == 0 and list(msg.stop) == ["END"] and msg.request_id == "rid-1"
+    assert msg.return_logprobs and msg.top_logprobs == 2
+    assert msg.k == 0 and msg.drafter == pb.DRAFTER_KIND_NGRAM and msg.HasField("adaptive_k") and not msg.adaptive_k
+    assert not msg.HasField("overlap") and not msg.prompt
+
+
+def test_unset_options_stay_unset_for_the_servers_defaults():
+    msg = chat(temperature=0)
+    assert not msg.HasField("max_new_tokens") and not msg.HasField("k") and not msg.sampling.HasField("seed")
+    assert msg.sampling.temperature == 0 and not msg.return_logprobs
+
+
+def test_a_completion_request_takes_one_prompt_and_legacy_logprobs():
+    msg = to_generate_request(validate(CompletionRequest, {"model": "m", "prompt": ["once"], "logprobs": 3}),
+                              CONFIG, "rid-2")
+    assert msg.prompt == "once" and not msg.messages and msg.return_logprobs and msg.top_logprobs == 3
+
+
+@pytest.mark.parametrize("fields, param, fragment", [
+    ({"temperature": "0.5"}, "temperature", "valid number"),
+    ({"temperature": -1}, "temperature", ">= 0"),
+    ({"max_tokens": 0}, "max_tokens", "[1, 256]"),
+    ({"max_completion_tokens": 300}, "max_completion_tokens", "[1, 256]"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"seed": -4}, "seed", "[0, 2**63)"),
+    ({"n": 3}, "n", "send 3 requests"),
+    ({"presence_penalty": 0.1}, "presence_penalty", "not supported"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
+    ({"stop": ["a", 5]}, "stop", "valid string"),
+    ({"drafter": "psychic"}, "drafter", "unknown drafter"),
+    ({"k": -2}, "k", ">= 0"),
+    ({"messages": []}, "messages", "at least 1"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "Input should be"),
+    ({"stream": "yes"}, "stream", "valid boolean"),
+    ({"temprature": 0}, "temprature", "unrecognized request argument"),
+])
+def test_bad_parameters_are_refused_naming_them(fields, param, fragment):
+    with pytest.raises(RequestError) as info:
+        chat(**fields)
+    assert info.value.status == 400 and info.value.param == param and fragment in info.value.message
+    assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_missing_and_non_object_bodies():
+    with pytest.raises(RequestError, match="missing required parameter: model"):
+        validate(ChatCompletionRequest, {"messages": []})
+    with pytest.raises(RequestError, match="JSON object, got list"):
+        validate(ChatCompletionRequest, [1])
+    with pytest.raises(RequestError, match="one prompt per request"):
+        to_generate_request(validate(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}), CONFIG, "r")
+
+
+def logprob(token: str, value: float, *top) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token=token, logprob=value, top=[pb.TopLogprob(token=t, logprob=v) for t, v in top])
+
+
+def test_shapes_of_chunks_and_whole_responses():
+    stats = pb.GenerationStats(prompt_tokens=5, new_tokens=2, rounds=1, drafted_tokens=3, accepted_tokens=1, k=3,
+                               drafter=pb.DRAFTER_KIND_NGRAM, mode=pb.VERIFICATION_MODE_GREEDY)
+    shape = ChatShape("chatcmpl-x", "m", logprobs=True)
+    (opening,) = shape.opening()
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    chunk = shape.chunk("Hé", [logprob("H", -0.5, ("H", -0.5), ("A", -2.0)), logprob("é", -1.0)], None)
+    content = chunk["choices"][0]["logprobs"]["content"]
+    assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {"content": "Hé"}
+    assert content[1]["bytes"] == [195, 169] and [t["token"] for t in content[0]["top_logprobs"]] == ["H", "A"]
+    assert shape.chunk("", [], "stop")["choices"][0]["delta"] == {}
+    whole = shape.whole("Hé", [], "length", stats)
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {"role": "assistant",
+                                                                                    "content": "Hé"}
+    assert whole["usage"]["total_tokens"] == 7 and whole["usage"]["speculative"]["drafter"] == "ngram"
+    assert shape.usage_chunk(stats)["choices"] == []
+    legacy = CompletionShape("cmpl-x", "m", logprobs=True)
+    first = legacy.chunk("ab", [logprob("a", -1.0, ("a", -1.0)), logprob("b", -2.0)], None)["choices"][0]
+    second = legacy.chunk("c", [logprob("c", -3.0)], "stop")["choices"][0]
+    assert first["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0],
+                                 "top_logprobs": [{"a": -1.0}, {}], "text_offset": [0, 1]}
+    assert second["logprobs"]["text_offset"] == [2] and second["finish_reason"] == "stop"
+
+
+def test_log_lines_carry_the_request_id_of_their_task(capsys):
+    logs.configure("INFO", "orchestrator", "json")
+    log = logging.getLogger("orchestrator.test")
+    with logs.request_context("req-7"):
+        log.info("inside")
+    log.info("outside")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(line["message"], line.get("request_id")) for line in lines] == [("inside", "req-7"), ("outside", None)]
+    assert lines[0]["component"] == "orchestrator" and lines[0]["logger"] == "orchestrator.test"
+    logs.configure("INFO", "orchestrator", "text")
+    with logs.request_context("req-8"):
+        log.warning("tagged")
+    assert "orchestrator WARNING [req=req-8] tagged" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--log-format"):
+        logs.configure("INFO", "x", "xml")
