@@ -39,8 +39,10 @@ DRAFTER ?= ngram
 demo: install
 	$(VENV)/bin/specsplit demo --drafter $(DRAFTER)
 
+# Two workers (CI has two cores); the Ray tests share one of them (tests/conftest.py). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: install k8s-tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The fast tier: pure algorithms and small pieces; no service process, no Ray, no k8s linters.
 test-unit: install

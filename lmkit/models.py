@@ -29,6 +29,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +144,12 @@ def convert_gguf(gguf: Path, dtype: str = "float32") -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "specsplit_source.json").write_text(json.dumps({"gguf": str(gguf)}))
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process (a draft and a target starting together) converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (out / "config.json").is_file():
+                raise
     return out
 
 

@@ -31,6 +31,10 @@ def pytest_collection_modifyitems(config, items):
     })
     if wrong:
         raise pytest.UsageError(f"give each test exactly one tier marker of {TIERS} (pytestmark): {wrong}")
+    # Under `pytest -n N --dist loadgroup` (make test) the Ray tests run on one worker: one cluster at a time.
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 VOCAB = 49152  # SmolLM2's vocabulary: tiny models share it, so any of them drafts for the real target
