@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from draft_service import abandon
 from draft_service.drafter import DraftBlock, Drafter
 from draft_service.ngram import NgramConfig
 from draft_service.registry import DRAFTERS, DraftRequestContext
@@ -24,6 +25,7 @@ class DraftSession:
     drafter: Drafter
     rounds: int = 0
     feature_width: int = 0  # values per position of the target's features (feature drafters), else 0
+    closed: bool = False  # set by DraftEngine.close (event loop); a running proposal then stops (abandon.py)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class DraftEngine:
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) if model is not None else 0
         self.limits = limits
         self.sessions: SessionTable[DraftSession] = SessionTable(limits, "draft")
+        abandon.watch([model, *derived.values()])  # a closed session's proposal stops at the next layer
 
     @property
     def drafters(self) -> list[DrafterKind]:
@@ -170,10 +173,11 @@ class DraftEngine:
         check_tokens(tokens, self.vocab_size, "tokens")
         self._check_features_block(session, position + len(tokens), features)
         start = time.perf_counter()
-        session.drafter.commit(position, tokens)
-        if features is not None:
-            session.drafter.add_features(features)
-        block = session.drafter.propose_within(k, free_k)
+        with abandon.proposing(lambda: session.closed):
+            session.drafter.commit(position, tokens)
+            if features is not None:
+                session.drafter.add_features(features)
+            block = session.drafter.propose_within(k, free_k)
         session.rounds += 1
         self.sessions.count_round()
         return Proposed(block, time.perf_counter() - start)
@@ -196,4 +200,5 @@ class DraftEngine:
     def close(self, session_id: str) -> None:
         session = self.sessions.remove(session_id)
         if session is not None:
+            session.closed = True
             session.drafter.close()
