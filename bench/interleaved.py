@@ -171,7 +171,8 @@ def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> 
                              "rounds": results[e.label][i].speculative.rounds,
                              "drafted": results[e.label][i].speculative.drafted,
                              "accepted": results[e.label][i].speculative.accepted,
-                             "identical": results[e.label][i].identical} for e in entries},
+                             "identical": results[e.label][i].identical,
+                             "drafted_per_round": results[e.label][i].speculative.drafted_per_round} for e in entries},
             }
             for i, c in enumerate(first)
         ],
