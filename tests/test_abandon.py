@@ -61,8 +61,8 @@ def test_a_closed_sessions_proposal_stops_and_the_eagle_session_is_served(tiny, 
         try:
             stalled = asyncio.ensure_future(compute.run(engine.propose, slow, len(PROMPT), [], 3))
             await asyncio.to_thread(entered.wait, 30)
-            queued = asyncio.ensure_future(
-                compute.run(engine.propose, eagle, len(PROMPT), [], 3, 0, FeatureBlock(0, features)))
+            queued = asyncio.ensure_future(compute.run(
+                lambda: engine.propose(eagle, len(PROMPT), [], 3, features=FeatureBlock(0, features))))
             engine.close("int8")  # the orchestrator gave up on it: the servicer closes the session
             release.set()
             return await asyncio.gather(stalled, queued, return_exceptions=True)
