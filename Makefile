@@ -10,7 +10,7 @@ K8S_VENV := .venv-k8s
 K8S_REQS := k8s/requirements-tools.txt
 K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_REQS) | sha256sum | cut -c1-12)
 
-.PHONY: install k8s-tools demo test test-unit bench bench-speed protos check-protos clean
+.PHONY: install k8s-tools demo test test-unit bench bench-speed bench-network protos check-protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,14 @@ bench: install
 bench-speed: install
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(VENV)/bin/specsplit bench --suite speed --json bench/results/speed.json --target-cpus 1 --draft-cpus 0 --target-threads 1
+
+# Speedup vs the links' round trip (emulated: bench/netem.py relays), sync/overlap x fixed/adaptive K,
+# n-gram and the quantized self-draft on its own core: a JSON + PNG per drafter (each run < 15 min here).
+NETWORK_FLAGS := --suite network --target-cpus 1 --draft-cpus 0 --target-threads 1 --max-new-tokens 48
+bench-network: install
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(VENV)/bin/specsplit bench $(NETWORK_FLAGS) --network-drafters ngram --json bench/results/network-ngram.json
+	$(VENV)/bin/specsplit bench $(NETWORK_FLAGS) --network-drafters quantized --network-prompts 4 --json bench/results/network-quantized.json
 
 protos: install
 	$(PY) protos/generate.py

@@ -47,10 +47,11 @@ class Comparison:
 async def run_one(
     orch: Orchestrator, prompt: DemoPrompt, k: int, drafter: DrafterKind, max_new_tokens: int,
     sampling: SamplingParams, draft_probs: bool = False, adaptive_k: bool = False, overlap: bool = False,
-    chain: tuple[DrafterKind, ...] = (),
+    chain: tuple[DrafterKind, ...] = (), tree_branches: int = 1,
 ) -> RunResult:
     request = GenerationRequest(
-        prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k, chain, overlap
+        prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k, chain, overlap,
+        tree_branches=tree_branches,
     )
     prompt_ids = chat_ids(orch.tokenizer, prompt)
     text, ids = [], []

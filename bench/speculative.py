@@ -6,6 +6,8 @@ generates every prompt, interleaved (``bench/traffic.py``), greedy and/or
 sampling. Services are started as separate processes on loopback;
 ``--target-cpus``/``--draft-cpus`` pin them to different cores (they stand for
 separate devices); the HF anchors run in this process with the target's threads.
+``--suite network`` measures the speedup against emulated links' round trips
+(``bench/network.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import asyncio
 import time
 
-from bench import demo, interleaved, runs, speed, traffic
+from bench import demo, interleaved, network, runs, speed, traffic
 from bench.prompts import PROMPT_SETS
 from lmkit.processes import local_services
 from orchestrator.config import OrchestratorConfig
@@ -25,12 +27,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     demo.build_parser(parser)
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument(
-        "--suite", default="compare", choices=["compare", "speed", "interleaved"],
+        "--suite", default="compare", choices=["compare", "speed", "interleaved", "network"],
         help="compare: contenders per kind on a prompt set; speed: the same on both decodings, concurrency, plot; "
-             "interleaved: several --drafters against target-only, prompt by prompt, in one run",
+             "interleaved: several --drafters against target-only, prompt by prompt, in one run; "
+             "network: speedup vs emulated link round trip, sync/overlap, fixed/adaptive K, plot",
     )
     speed.add_flags(parser)
     interleaved.add_flags(parser)
+    network.add_flags(parser)
     parser.add_argument("--target-cpus", default="", help="pin the target to these CPUs, e.g. '0,1'")
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
     parser.add_argument(
@@ -64,6 +68,8 @@ def run(args) -> int:
         return speed.run(args)
     if args.suite == "interleaved":
         return interleaved.run(args)
+    if args.suite == "network":
+        return network.run(args)
     started = time.time()
     model = None if args.no_hf else runs.load_anchor_model(args)
     with local_services(*runs.service_args(args)) as (target, draft):

@@ -61,16 +61,29 @@ class ChainDrafter(Drafter):
     def propose_within(self, k: int, free_k: int) -> DraftBlock:
         if k < 0 or free_k < 0:
             raise ValueError(f"k and free_k must be >= 0, got {k}, {free_k}")
+        return self._first(lambda drafter: drafter.propose(max(k, free_k) if drafter.free else k))
+
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+        return self.propose_tree_within(k, 0, max_branches, max_nodes)
+
+    def propose_tree_within(self, k: int, free_k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+        """The first member's non-empty proposal (a free member's up to ``free_k`` deep when larger), as a tree
+        when that member drafts trees."""
+        if k < 0 or free_k < 0:
+            raise ValueError(f"k and free_k must be >= 0, got {k}, {free_k}")
+        return self._first(lambda drafter: drafter.propose_tree_within(k, free_k, max_branches, max_nodes))
+
+    def _first(self, ask) -> DraftBlock:
         self.last_kind = None
         for kind, drafter in self.members:
-            limit = max(k, free_k) if drafter.free else k
-            if limit == 0:
-                continue
-            block = drafter.propose(limit)
+            block = ask(drafter)
             if block.tokens:
                 self.last_kind = kind
                 self.blocks_by_kind[kind] += 1
-                return DraftBlock(tokens=list(block.tokens), quality=block.quality, drafter=kind)
+                return DraftBlock(
+                    tokens=list(block.tokens), parents=block.parents, branch=block.branch,
+                    quality=block.quality, drafter=kind,
+                )
         return DraftBlock(tokens=[])
 
     def close(self) -> None:

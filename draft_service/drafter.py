@@ -7,7 +7,9 @@ one drafter per session and drives it with two calls per round:
 * ``commit(position, tokens)`` — the orchestrator's committed tokens from
   ``position`` on; anything the drafter held beyond ``position`` (its own
   speculative tokens) is rolled back first.
-* ``propose(k)`` — up to ``k`` draft tokens continuing the committed context.
+* ``propose(k)`` — up to ``k`` draft tokens continuing the committed context;
+  ``propose_tree(k, max_branches, max_nodes)`` — several continuations merged
+  into a token tree (``lmkit.token_tree``); by default the chain of ``propose``.
 
 A feature drafter (``needs_features``, e.g. EAGLE) also takes the target's
 hidden features of committed positions between the two (``add_features``).
@@ -48,11 +50,17 @@ class DraftBlock:
     ``tokens`` may be shorter than the ``k`` asked for (an n-gram drafter with
     no match proposes nothing). ``probs`` is set only when the drafter sampled
     the tokens and was asked for its distributions (probability mode): row i is
-    the distribution token i was drawn from.
+    the distribution token i was drawn from. ``parents`` is set for a token
+    tree (``lmkit.token_tree``), None for a chain. ``branch`` (chains only) is
+    the drafter's second guess where it is least sure: (index into ``tokens``,
+    the token it would put there instead); the orchestrator may draft past that
+    outcome too.
     """
 
     tokens: list[int]  # [k']
     probs: torch.Tensor | None = None  # [k', vocab] float32, rows sum to 1
+    parents: list[int] | None = None  # [k'] parent index of each token, -1 = the context
+    branch: tuple[int, int] | None = None  # (index < k', runner-up token)
     quality: MatchQuality | None = None  # set by drafters that copy from the context
     drafter: DrafterKind | None = None  # the member that drafted it, in a chain
 
@@ -83,6 +91,17 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def propose(self, k: int) -> DraftBlock:
         """Propose up to ``k`` tokens that continue the committed context."""
+
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+        """Up to ``max_branches`` continuations of up to ``k`` tokens, at most ``max_nodes`` tokens in all.
+
+        Drafters with alternatives override it; the default is the chain of ``propose(k)``.
+        """
+        return self.propose(min(k, max_nodes))
+
+    def propose_tree_within(self, k: int, free_k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+        """``propose_tree`` up to ``k`` tokens deep, or up to ``free_k`` (when larger) for a free drafter."""
+        return self.propose_tree(max(k, free_k) if self.free else k, max_branches, max_nodes)
 
     def commit(self, position: int, tokens: Sequence[int]) -> None:
         """Roll back to ``position``, then append ``tokens`` (the committed ones)."""

@@ -17,6 +17,8 @@ from lmkit.kvcache import check_cache_layout
 from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
+MAX_BRANCHES = 64  # continuations per token tree
+
 
 @dataclass
 class DraftSession:
@@ -152,11 +154,15 @@ class DraftEngine:
         return 0
 
     def propose(
-        self, session: DraftSession, position: int, tokens: Sequence[int], k: int, free_k: int = 0,
-        features: FeatureBlock | None = None,
+        self, session: DraftSession, position: int, tokens: Sequence[int], k: int,
+        free_k: int = 0, max_branches: int = 1, features: FeatureBlock | None = None,
     ) -> Proposed:
-        """Take the committed tokens from ``position`` on, then draft up to ``k`` (a free drafter up to
-        ``free_k`` when larger)."""
+        """Take the committed tokens (and a feature drafter's features) from ``position`` on, then draft up to ``k``.
+
+        A free drafter may draft up to ``free_k`` when larger. ``max_branches``
+        > 1: up to that many continuations as a token tree (each as deep as a
+        chain would be long), at most max_block tokens in all.
+        """
         held = session.drafter.position
         if position > held:
             raise errors.FailedPrecondition(
@@ -168,6 +174,8 @@ class DraftEngine:
         if free_k > self.limits.max_block:
             raise errors.InvalidArgument(
                 f"free_k = {free_k} is larger than this draft's max block {self.limits.max_block}")
+        if max_branches > MAX_BRANCHES:
+            raise errors.InvalidArgument(f"max_branches = {max_branches}; send at most {MAX_BRANCHES}")
         if position + len(tokens) == 0:
             raise errors.InvalidArgument("propose would leave the context empty; send the committed tokens")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -177,7 +185,10 @@ class DraftEngine:
             session.drafter.commit(position, tokens)
             if features is not None:
                 session.drafter.add_features(features)
-            block = session.drafter.propose_within(k, free_k)
+            if max_branches > 1:
+                block = session.drafter.propose_tree_within(k, free_k, max_branches, self.limits.max_block)
+            else:
+                block = session.drafter.propose_within(k, free_k)
         session.rounds += 1
         self.sessions.count_round()
         return Proposed(block, time.perf_counter() - start)

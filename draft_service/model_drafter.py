@@ -9,6 +9,12 @@ the same noise. Rolled-back tokens are dropped
 lazily: the session cache keeps the longest prefix shared with the committed
 context and crops the rest on the next proposal. ``SamplingDrafter`` is what it
 shares with the EAGLE drafter: the committed context and drawing one token.
+
+Greedy token trees (``propose_tree``): the chain as ``propose`` drafts it,
+plus, at the positions where the draft was least sure (the largest
+second-best probability), its second choice as a leaf beside its first
+(the top-2 branching of EAGLE-2, Li et al. 2024, kept to leaves so that a
+tree costs no extra draft forward).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Sequence
 import torch
 
 from draft_service.drafter import DraftBlock, Drafter
-from lmkit import draws
+from lmkit import draws, token_tree
 from lmkit.kvcache import SessionCache
 from lmkit.probs_codec import quantize_probs
 from lmkit.sampling import SamplingParams, logits_to_probs
@@ -80,15 +86,61 @@ class ModelDrafter(SamplingDrafter):
         return len(self._cache)
 
     def propose(self, k: int) -> DraftBlock:
+        return self._draft(k, None)
+
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+        """Greedy: the chain plus up to max_branches - 1 second choices as leaves; sampling: the chain."""
+        if not self._sampling.greedy or max_branches <= 1:
+            return self.propose(min(k, max_nodes))
+        k = min(k, max_nodes)
+        runners_up: list[tuple[float, int, int]] = []  # (probability, position, token) of each second choice
+        block = self._draft(k, runners_up)
+        leaves = sorted(runners_up, reverse=True)[: min(max_branches - 1, max_nodes - len(block.tokens))]
+        if not leaves:
+            return block
+        by_position = {position: token for _, position, token in leaves}
+        tokens, parents = [], []
+        for position, token in enumerate(block.tokens):
+            parent = len(tokens) - 1 - (position - 1 in by_position) if position else token_tree.ROOT
+            tokens.append(token)
+            parents.append(parent)
+            if position in by_position:
+                tokens.append(by_position[position])
+                parents.append(parent)
+        return DraftBlock(tokens=tokens, parents=parents)
+
+    def _draft(self, k: int, runners_up: list | None) -> DraftBlock:
+        """The chain; with ``runners_up`` (greedy), also the second choice at each position."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
-        for _ in range(k):
+        margins: list[tuple[float, int]] = []  # (how sure, runner-up) per drafted position
+        for position in range(k):
             logits = self._cache.logits([*self._tokens, *drafted], [])  # [1, vocab]
             token, probs = self._next(logits, len(self._tokens) + len(drafted))
+            margins.append(_margin(logits[0], token))
             drafted.append(token)
             if probs is not None:
                 rows.append(probs)
+            if runners_up is not None:
+                top = torch.softmax(logits[0], dim=-1).topk(2)
+                runners_up.append((float(top.values[1]), position, int(top.indices[1])))
         probs = torch.cat(rows) if self._return_probs and rows else None
-        return DraftBlock(tokens=drafted, probs=probs)
+        branch = None
+        if margins:
+            index = min(range(len(margins)), key=lambda i: margins[i][0])
+            branch = (index, margins[index][1])
+        return DraftBlock(tokens=drafted, probs=probs, branch=branch)
+
+
+def _margin(logits: torch.Tensor, token: int) -> tuple[float, int]:
+    """How sure the draft is of ``token`` (its logit minus the best other one's) and that other token.
+
+    logits: [vocab]. The position with the smallest margin is where the target
+    most likely rejects the block, and the runner-up its most likely correction.
+    """
+    top = torch.topk(logits, 2)
+    first, second = int(top.indices[0]), int(top.indices[1])
+    other = second if first == token else first
+    return float(logits[token] - logits[other]), other

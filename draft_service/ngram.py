@@ -26,10 +26,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from draft_service.drafter import DraftBlock, Drafter, MatchQuality
+from lmkit import token_tree
 
 # Longer suffixes rarely match and each extra n costs one tuple per token in the index.
 MAX_NGRAM = 32
+_BRANCH_CANDIDATES = 4  # earlier occurrences per suffix length looked at for a second guess
 MAX_MATCH = 32  # a match length is counted up to this many tokens
+# Earlier occurrences looked at per suffix length for a tree (a frequent 1-gram can have thousands).
+_SCAN_PER_N = 64
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,42 @@ class NgramDrafter(Drafter):
             if ends is not None and len(ends) >= 2:
                 start = ends[-2]
                 quality = MatchQuality(self._match_length(start, n), len(ends) - 1)
-                return DraftBlock(tokens=self._tokens[start : start + k], quality=quality)
+                tokens = self._tokens[start : start + k]
+                return DraftBlock(tokens=tokens, quality=quality, branch=self._branch(start, tokens, n))
         return DraftBlock(tokens=[])
+
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+        """The continuations of several earlier matches, merged into a token tree.
+
+        Matches are taken in ``propose``'s order of preference: longest suffix
+        first, then most recent, so the tree's primary chain is ``propose(k)``
+        and every other branch departs from it where an older or shorter match
+        continued differently. At most ``max_branches`` continuations and
+        ``max_nodes`` tokens; a single continuation is sent as ``propose``
+        sends it. The block carries the primary match's quality.
+        """
+        if k < 0 or max_branches < 1 or max_nodes < 0:
+            raise ValueError(f"propose_tree needs k >= 0, max_branches >= 1, max_nodes >= 0; got {k}, {max_branches}, {max_nodes}")
+        first = self.propose(min(k, max_nodes))
+        sequences = self._continuations(min(k, max_nodes), max_branches) if k and max_nodes else []
+        tokens, parents = token_tree.merge(sequences)
+        tokens, parents = tokens[:max_nodes], parents[:max_nodes]  # parents come first: a prefix is a tree
+        if token_tree.is_chain(parents):
+            return first if first.tokens == tokens else DraftBlock(tokens=tokens, quality=first.quality)
+        return DraftBlock(tokens=tokens, parents=parents, quality=first.quality)
+
+    def _continuations(self, k: int, limit: int) -> list[list[int]]:
+        length = len(self._tokens)
+        found: list[list[int]] = []
+        for n in range(min(self._config.max_n, length), self._config.min_n - 1, -1):
+            ends = self._ends[n].get(tuple(self._tokens[length - n :]), [])
+            for start in reversed(ends[-1 - _SCAN_PER_N : -1]):  # most recent first; the suffix itself excluded
+                continuation = self._tokens[start : start + k]
+                if continuation and continuation not in found:
+                    found.append(continuation)
+                    if len(found) == limit:
+                        return found
+        return found
 
     def _match_length(self, start: int, n: int) -> int:
         """Tokens before ``start`` equal to the context's last ones (at least the matched ``n``)."""
@@ -131,3 +169,15 @@ class NgramDrafter(Drafter):
         while length < MAX_MATCH and length < start and tokens[start - length - 1] == tokens[end - length - 1]:
             length += 1
         return length
+
+    def _branch(self, start: int, tokens: list[int], n: int) -> tuple[int, int] | None:
+        """Where the next most recent earlier occurrence (of this suffix, or of a shorter one) goes on
+        differently from ``tokens``: the first index at which the two copies differ, and its token."""
+        length = len(self._tokens)
+        for m in range(n, self._config.min_n - 1, -1):
+            earlier = self._ends[m].get(tuple(self._tokens[length - m :]), [])[:-1]
+            for other in [e for e in reversed(earlier) if e != start][:_BRANCH_CANDIDATES]:
+                for i, token in enumerate(tokens[: length - other]):
+                    if self._tokens[other + i] != token:
+                        return i, self._tokens[other + i]
+        return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from draft_service.engine import DraftEngine
@@ -60,6 +62,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             ],
             tp_degree=1,
             device=self.device,
+            token_trees=True,
         )
 
     async def Session(self, request_iterator, context):
@@ -99,16 +102,18 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         )
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
+        received = time.perf_counter()
         features = None
         if msg.HasField("features"):
             features = features_from_proto(msg.features, session.feature_width or msg.features.width)
         done = await self.compute.run(
-            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k, features
+            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches, features
         )
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.block.tokens,
             compute_us=int(done.compute_s * 1e6),
+            parents=done.block.parents or [],
             drafter=done.block.drafter.value if done.block.drafter is not None else 0,
         )
         if done.block.quality is not None:
@@ -116,5 +121,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
                 length=done.block.quality.length, occurrences=done.block.quality.occurrences))
         if done.block.probs is not None:
             block.probs.CopyFrom(probs_to_proto(done.block.probs))
+        if done.block.branch is not None:
+            block.branch.index, block.branch.token = done.block.branch
+        block.service_us = int((time.perf_counter() - received) * 1e6)
         return block
 

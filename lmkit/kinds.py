@@ -33,6 +33,10 @@ class VerificationMode(enum.Enum):
         return self is not VerificationMode.GREEDY
 
 
+# The modes a target verifies token trees in (target_service.tree_verify); the others take chains.
+TREE_MODES = frozenset({VerificationMode.GREEDY, VerificationMode.TOKEN_ONLY})
+
+
 class _KindRegistry(type):
     """Enum-like class access over the registered drafter kinds: ``DrafterKind["NGRAM"]``, iteration."""
 

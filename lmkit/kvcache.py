@@ -16,6 +16,11 @@ rejected draft token past the window could not be rolled back. Memory is
 O(context) per layer instead of O(window). Layer types with other state
 (linear attention, chunked attention, shared KV) are refused at start-up
 (``check_cache_layout``).
+
+A model with the packed-rows forward installed (``lmkit.packed_rows``) keeps
+its keys/values in a ``KVBuffer`` instead (written in place, cropped by
+length) and runs its steps through ``forward_rows``; any other model keeps a
+``DynamicCache`` and its stock forward.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from lmkit import packed_rows, token_tree
+from lmkit.kv_buffer import KVBuffer
 from lmkit.transfer import to_device, to_host
 
 
@@ -54,6 +61,8 @@ def _cache_kwarg(model_class: type) -> str:
 def cache_kwargs(model, cache) -> dict:
     """``{name: cache}`` for ``model(...)``, whichever transformers 5.x runs (GPU images may hold an older one)."""
     return {_cache_kwarg(type(model)): cache}
+
+
 # Attention layer types whose whole state is keys and values per position (what SessionCache keeps).
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # RoPE variants whose frequencies depend on the longest position in the forward: rows of a batch would
@@ -95,7 +104,10 @@ class SessionCache:
     def __init__(self, model) -> None:
         self._model = model
         self._device = next(model.parameters()).device
-        self.cache = DynamicCache()  # full layers only: a sliding window is the mask's job (module docstring)
+        packed = packed_rows.installed(model)
+        self.kv = KVBuffer(int(model.config.num_hidden_layers)) if packed else None
+        # full layers only: a sliding window is the mask's job (module docstring)
+        self.cache = None if packed else DynamicCache()
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache
         # Feature drafters (EAGLE): hidden states to keep from each forward, as indices into the
         # model's hidden states (0 = embeddings, i = input of decoder layer i); empty = none.
@@ -106,15 +118,24 @@ class SessionCache:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def logits(self, context: Sequence[int], block: Sequence[int]) -> torch.Tensor:
+    @property
+    def supports_trees(self) -> bool:
+        """Token-tree blocks need the packed-rows forward (a tree mask, positions by depth)."""
+        return self.kv is not None
+
+    def logits(
+        self, context: Sequence[int], block: Sequence[int], parents: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Logits after ``context[-1]`` and after each token of ``block``.
 
         Returns [len(block) + 1, vocab] float32 on the CPU: row i predicts the
         token at position len(context) + i. Afterwards the cache holds
-        context + block.
+        context + block. With ``parents`` the block is a token tree
+        (``lmkit.token_tree``): row i + 1 follows node i's root path, and the
+        cache holds context + every node until ``keep_path``.
         """
         keep, feed = self.plan(context, block)
-        return self.apply(keep, feed, len(block) + 1)
+        return self.apply(keep, feed, len(block) + 1, parents)
 
     def plan(self, context: Sequence[int], block: Sequence[int]) -> tuple[int, list[int]]:
         """How many cached positions to keep, and which tokens to feed after them."""
@@ -125,22 +146,46 @@ class SessionCache:
         keep = min(common_prefix(self.tokens, seq), len(context) - 1)
         return keep, seq[keep:]
 
+    def row_step(
+        self, keep: int, feed: Sequence[int], n_logits: int, parents: Sequence[int] | None = None
+    ) -> packed_rows.RowStep:
+        """This cache's share of a packed forward; ``parents``: the last len(parents) fed tokens form a tree."""
+        rows = range(len(feed) - n_logits, len(feed))
+        if parents is None:
+            return packed_rows.RowStep(self.kv, keep, list(feed), rows, feature_layers=self.feature_layers)
+        positions, mask = token_tree.step_layout(keep, len(feed) - len(parents), parents)
+        return packed_rows.RowStep(self.kv, keep, list(feed), rows, positions, mask, self.feature_layers)
+
     @torch.inference_mode()
-    def apply(self, keep: int, feed: Sequence[int], n_logits: int) -> torch.Tensor:
+    def apply(
+        self, keep: int, feed: Sequence[int], n_logits: int, parents: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Crop to ``keep`` positions, feed ``feed``, return the last ``n_logits`` rows [n_logits, vocab]."""
+        if parents is not None and not self.supports_trees:
+            raise ValueError("this model runs its stock forward, which cannot verify token trees")
         self.crop(keep)
-        ids = to_device(torch.tensor([list(feed)], dtype=torch.long), self._device)
-        out = self._model(
-            input_ids=ids, **cache_kwargs(self._model, self.cache), use_cache=True, logits_to_keep=n_logits,
-            output_hidden_states=bool(self.feature_layers),
-        )
-        self.keep_features(out.hidden_states, 0, keep, len(feed))
+        if self.kv is not None:
+            step = self.row_step(keep, feed, n_logits, parents)
+            logits, features = packed_rows.forward_rows_with_features(self._model, [step])
+            if self.feature_layers:
+                self.features, self.features_from = features[0], keep
+        else:
+            ids = to_device(torch.tensor([list(feed)], dtype=torch.long), self._device)
+            out = self._model(
+                input_ids=ids, **cache_kwargs(self._model, self.cache), use_cache=True, logits_to_keep=n_logits,
+                output_hidden_states=bool(self.feature_layers),
+            )
+            self.keep_features(out.hidden_states, 0, keep, len(feed))
+            logits = [to_host(out.logits[0])]  # small: [n_logits, vocab]; verification runs on the CPU
         self.tokens = [*self.tokens, *feed]
-        return to_host(out.logits[0])  # small: [n_logits, vocab]; verification runs on the CPU
+        return logits[0]
 
     def reset(self) -> None:
         """Forget every cached position (a failed step may have left the cache half-written)."""
-        self.cache = DynamicCache()
+        if self.kv is not None:
+            self.kv = KVBuffer(int(self._model.config.num_hidden_layers))
+        else:
+            self.cache = DynamicCache()
         self.tokens = []
         self.features = None
 
@@ -154,9 +199,18 @@ class SessionCache:
     def release(self) -> None:  # noqa: B027 - a hook; the plain cache is freed by the GC
         """Called once when the session ends (a sharded cache tells the other ranks)."""
 
+    def keep_path(self, length: int, path: Sequence[int]) -> None:
+        """After a tree step: keep ``length`` positions, then the tree nodes ``path`` (root first) after them."""
+        nodes = self.tokens[length:]
+        self.kv.keep_path(length, path)
+        self.tokens = [*self.tokens[:length], *(nodes[i] for i in path)]
+
     def crop(self, length: int) -> None:
         """Drop cached positions at index >= ``length``."""
         extra = len(self.tokens) - length
         if extra > 0:
-            self.cache.crop(-extra)
+            if self.kv is not None:
+                self.kv.crop(length)
+            else:
+                self.cache.crop(-extra)
             self.tokens = self.tokens[:length]

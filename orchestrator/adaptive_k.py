@@ -23,6 +23,11 @@ on a CPU target, costs ever fewer probes), and a quality cut to nothing is
 verified for one token after ``probe_every`` such blocks server-wide; neither
 probes where even drafts passing ``probe_alpha`` of the time would not pay.
 
+Overlap: ``ahead_pays`` says whether drafting the next block during the
+verification beats drafting it after, from the same round model with the
+links' round trips and jitter (``CostModel.links``): a long draft round trip
+favours overlap, a draft slower than the verification does not.
+
 Pure: no I/O. The loop feeds it the services' reports.
 """
 
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 
 from lmkit.kinds import DrafterKind
 from orchestrator.acceptance import AcceptanceStats, StatsKey, Verification
-from orchestrator.rate import ALONE, CostModel, Load, best_k
+from orchestrator.rate import ALONE, CostModel, Load, best_k, chain_rate
 
 
 @dataclass
@@ -93,17 +98,30 @@ class AdaptiveK:
             return 1
         return 0
 
+    def ahead_pays(self, load: Load = ALONE) -> bool:
+        """Whether drafting the next block during verification beats drafting it after (overlap depth 1 vs 0).
+        Free drafters cost nothing to draft ahead: a session with no paid drafter always does."""
+        if self.paid is None:
+            return True
+        accept, draft_s = self.acceptance(), self.costs.draft_s_per_token(self.paid)
+        ahead = best_k(accept, self.k_max, self.costs, load, True, draft_s)
+        return ahead > 0 and chain_rate(ahead, accept, self.costs, load, True, draft_s) >= max(
+            chain_rate(k, accept, self.costs, load, False, draft_s) for k in range(self.k_max + 1))
+
     # -- a block drafted for free -----------------------------------------------------------------------
     def cut(self, key: StatsKey, available: int, load: Load = ALONE) -> int:
-        """Tokens to verify of a free block of ``key`` with ``available`` tokens, in [0, available]."""
+        """Tokens to verify of a free block of ``key`` with ``available`` tokens, in [0, available].
+
+        The block is in hand: the draft's round trip is paid whatever the cut, so only the target's forward
+        weighs against the tokens it may add."""
         available = min(available, self.k_max)
         if available <= 0:
             return 0
-        k = best_k(self.stats.acceptance(key, available), available, self.costs, load)
+        k = best_k(self.stats.acceptance(key, available), available, self.costs, load, in_hand=True)
         if k > 0:
             return k
         due = self.stats.skip(key) >= self.probe_every * max(load.sessions, 1)
-        if due and best_k([self.probe_alpha] * available, available, self.costs, load) > 0:
+        if due and best_k([self.probe_alpha] * available, available, self.costs, load, in_hand=True) > 0:
             self.stats.probe(key)
             return 1
         return 0

@@ -14,6 +14,8 @@ from orchestrator.links import LinkPolicy
 # input-grounded tasks, while proposing nothing (plain decoding) on open prose.
 DEFAULT_DRAFTER = DrafterKind.NGRAM
 DEFAULT_K = 8
+DEFAULT_TREE_BRANCHES = 4  # continuations a round may verify together; tree_shape keeps those that pay
+MAX_TREE_BRANCHES = 16
 # How sampled requests are verified unless they ask (docs/protocol.md, "Seeds"): chosen from the
 # acceptance figures of bench/coupling.py (bench/results/coupling.json).
 DEFAULT_SAMPLING_MODE = VerificationMode.COUPLED
@@ -28,6 +30,7 @@ class OrchestratorConfig:
     default_drafter: DrafterKind = DEFAULT_DRAFTER
     default_adaptive_k: bool = True
     default_overlap: bool = True  # draft the next block while the target verifies this one
+    default_tree_branches: int = DEFAULT_TREE_BRANCHES  # 1 = chains only
     default_sampling_mode: VerificationMode = DEFAULT_SAMPLING_MODE  # for sampled requests that name none
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096  # the most a request may ask for (--max-new-tokens-limit)
@@ -53,6 +56,8 @@ class OrchestratorConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
+        if not 1 <= self.default_tree_branches <= MAX_TREE_BRANCHES:
+            raise ValueError(f"--tree-branches must be in [1, {MAX_TREE_BRANCHES}], got {self.default_tree_branches}")
         if self.max_concurrent < 1:
             raise ValueError(f"--max-concurrent must be >= 1, got {self.max_concurrent}")
         if self.default_sampling_mode not in (VerificationMode.TOKEN_ONLY, VerificationMode.COUPLED):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
 
 from lmkit import errors, logs, models
-from lmkit.kinds import DrafterKind, DrafterTraits, VerificationMode, default_chain
+from lmkit.kinds import TREE_MODES, DrafterKind, DrafterTraits, VerificationMode, default_chain
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.wire import sampling_to_proto
@@ -28,6 +28,7 @@ from orchestrator.links import DraftLink, TargetLink
 from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from orchestrator.peers import ServiceClient, draft_client, target_client
 from orchestrator.rate import CostModel
+from orchestrator.tree_shape import BranchStats
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,14 @@ class GenerationRequest:
     adaptive_k: bool = False  # k is then the per-round upper bound
     chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
     overlap: bool = False  # draft block i+1 while the target verifies block i
+    branch: bool = True  # with overlap, also draft past the drafter's second guess where that is free
     messages: tuple[tuple[str, str], ...] = ()  # (role, content) turns for the chat template; prompt is then ""
     top_logprobs: int | None = None  # None: no logprobs; else each token's and this many alternatives
     request_id: str = ""  # in every log line of the generation
     # How sampled blocks are verified (TOKEN_ONLY, DRAFT_PROBS, COUPLED); None: DRAFT_PROBS when
     # draft_probs is set, else the server's default sampling mode. Greedy requests verify GREEDY.
     sampling_mode: VerificationMode | None = None
+    tree_branches: int = 1  # continuations a round may verify as a token tree; 1 = chains only
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,10 @@ class Orchestrator:
         self.drafter_traits: dict[DrafterKind, DrafterTraits] = {
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())
         }
-        self.costs = CostModel()  # one target: its measured costs serve every session
+        self.costs = CostModel()  # one target and one draft: their measured costs and links serve every session
         self.active = 0  # generations in flight, over every API; bounded by config.max_concurrent
         self.acceptance = AcceptanceStats()  # per drafter, verification and match quality, from every session
+        self.branch_stats: dict[DrafterKind, BranchStats] = {}  # token-tree branches' acceptance, per drafter
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -193,10 +197,12 @@ class Orchestrator:
                 top_logprobs=request.top_logprobs or 0, feature_layers=layers,
             ),
             policy,
+            self.costs.links.target,
         )
         draft = None
         if speculating:
-            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy)
+            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy,
+                              self.costs, request.drafter)
         with logs.request_context(request.request_id):
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
             try:
@@ -204,13 +210,14 @@ class Orchestrator:
                     await draft.open(prompt_ids)  # a draft that is down only means no speculation for now
                 await target.try_open(prompt_ids)
                 timer.opened()
-                async for event in self._stream(request, prompt_ids, target, draft, stats):
+                async for event in self._stream(request, mode, prompt_ids, target, draft, stats):
                     timer.committed(len(event.token_ids))
                     if event.finish is not None:
                         event = replace(
                             event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft), loop=stats
                         )
                         self._record(event, timer, len(prompt_ids), draft, target)
+                        metrics.record_links(self.costs.links)
                     yield event
             finally:
                 await target.close()
@@ -228,7 +235,7 @@ class Orchestrator:
             stats.rounds, stats.acceptance_rate,
         )
 
-    async def _stream(self, request, prompt_ids, target, draft, stats) -> AsyncIterator[GenerationEvent]:
+    async def _stream(self, request, mode, prompt_ids, target, draft, stats) -> AsyncIterator[GenerationEvent]:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         stops = StopMatcher(request.stop)
         members = self._chain(request) or (request.drafter,)
@@ -242,16 +249,18 @@ class Orchestrator:
             max_context=self.target.info.max_context or 1 << 30,
             overlap=request.overlap and draft is not None,
             ahead_max=min(request.k, self.draft.info.max_block - 1) if draft is not None else 0,
+            branch=request.branch,
             drafter=request.drafter,
             free_drafters=free,
+            tree_branches=self.tree_branches(request, mode) if draft is not None else 1,
         )
         controller = None
         if request.adaptive_k and config.k > 0:
             paid = next((m for m in members if m not in free), None)
-            mode = verification_mode(request, self.config.default_sampling_mode)
             verification = Verification.of(mode, request.sampling.temperature)
             controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid)
-        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs)
+        branches = self.branch_stats.setdefault(request.drafter, BranchStats())
+        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs, branches)
         pending: list[pb.TokenLogprob] = []  # the logprobs of committed ids not sent yet (ids wait for their text)
         last = None
         # A stop string ends the generation here: the loop (and the proposal it drafts ahead) is closed
@@ -283,6 +292,14 @@ class Orchestrator:
                 yield GenerationEvent(text, ids, finish, logprobs=sent)
         if last is not None:
             yield last
+
+    def tree_branches(self, request: GenerationRequest, mode: VerificationMode) -> int:
+        """The request's tree width where draft and target both take trees and its mode verifies them
+        (GREEDY, TOKEN_ONLY: not COUPLED, the default for sampled requests), else 1. A feature drafter's
+        (EAGLE, alone or in a chain) rounds are chains: 1."""
+        both = self.target.info.token_trees and self.draft is not None and self.draft.info.token_trees
+        chains_only = self.feature_traits(request).needs_features
+        return request.tree_branches if both and mode in TREE_MODES and not chains_only else 1
 
     def _with_text(self, logprob: pb.TokenLogprob) -> pb.TokenLogprob:
         """The target's TokenLogprob with each token's text filled in."""
@@ -370,6 +387,9 @@ class Orchestrator:
             mean_batch_size=stats.mean_batch_size,
             feature_bytes=stats.feature_bytes,
             feature_bytes_per_round=stats.feature_bytes / stats.rounds if stats.rounds else 0.0,
+            tree_rounds=stats.tree_rounds,
+            tree_nodes=stats.tree_nodes,
+            branch_accepted=stats.branch_accepted,
             request_id=request.request_id,
         )
 

@@ -3,10 +3,12 @@
 Services hold caches, never truth: the orchestrator's committed tokens are the
 truth, so a lost session is rebuilt by opening a new one with them.
 
-* ``DraftLink``: a draft that fails, stalls past its deadline or is
-  unreachable is dropped for the round (the target decodes on its own, k = 0)
-  and re-attached, re-prefilled from the committed tokens, once it answers
-  again. Speculation is an optimisation; its loss never fails a generation.
+* ``DraftLink``: a draft block late past its round's deadline is not waited
+  for (the target steps alone, k = 0; the block is dropped when it comes). A
+  draft that fails, stays silent past ``draft_timeout_s`` or is unreachable is
+  dropped and re-attached in the background, re-prefilled from the committed
+  tokens, once it answers again. Speculation is an optimisation; its loss
+  never fails a generation, and a slow draft costs a round at most its deadline.
 * ``TargetLink``: a target that restarts or drops the session is re-opened
   from the committed tokens and the same block is verified again; only a
   target that stays down past its deadline fails the generation (UNAVAILABLE).
@@ -29,9 +31,12 @@ from typing import Callable, Sequence
 
 import grpc
 
+from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import join_features
+from orchestrator.link_cost import RttEstimator
 from orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
+from orchestrator.rate import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,7 @@ _RETRYABLE = {
 @dataclass(frozen=True)
 class LinkPolicy:
     draft_timeout_s: float = 5.0  # one propose; past it the draft is dropped for now
+    draft_deadline_s: float = 0.0  # how long a round waits for a draft block; 0: from the link's RTT and costs
     draft_retry_s: float = 1.0  # wait between re-attach attempts
     target_timeout_s: float = 120.0  # one verify (a long prompt's prefill on a CPU is slow)
     target_deadline_s: float = 30.0  # how long a target may stay down before the client hears UNAVAILABLE
@@ -59,6 +65,8 @@ class LinkPolicy:
         for name in ("draft_timeout_s", "draft_retry_s", "target_timeout_s", "target_deadline_s", "target_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.draft_deadline_s < 0:
+            raise ValueError("--draft-deadline-s must be >= 0 (0: adaptive)")
 
 
 def _new_id() -> str:
@@ -83,10 +91,11 @@ class _SessionLink:
 
 class TargetLink(_SessionLink):
     def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
-                 policy: LinkPolicy) -> None:
+                 policy: LinkPolicy, rtt: RttEstimator | None = None) -> None:
         super().__init__(client, open_msg, policy)
         self._stream: TargetStream | None = None
         self._opened = 0
+        self._rtt = rtt if rtt is not None else RttEstimator()  # this target's link, shared by its sessions
         self._verified = 0  # verifications on the current session
         self.last_prefilled = False  # the last verify ran on a fresh session: its time includes a prefill
 
@@ -117,16 +126,23 @@ class TargetLink(_SessionLink):
             return False
         return True
 
-    async def verify(self, committed: Sequence[int], tokens: Sequence[int], probs) -> pb.VerifyResult:
-        """Verify a block at len(committed), re-opening the session until the deadline if the target fails."""
+    async def verify(
+        self, committed: Sequence[int], tokens: Sequence[int], probs, parents: Sequence[int] = ()
+    ) -> pb.VerifyResult:
+        """Verify a block at len(committed), re-opening the session until the deadline if the target fails.
+
+        ``parents``: the block is a token tree (empty: a chain).
+        """
         deadline = time.monotonic() + self._policy.target_deadline_s
         while True:
             try:
                 if self._stream is None:
                     await self.open(committed)
-                call = self._stream.verify(len(committed), tokens, probs)
+                call = self._stream.verify(len(committed), tokens, probs, parents)
+                start = time.perf_counter()
                 async with asyncio.timeout(self._policy.target_timeout_s):
                     result = await call
+                self._rtt.observe(time.perf_counter() - start - (result.service_us or result.compute_us) / 1e6)
                 self._verified += 1
                 self.last_prefilled = self._verified == 1  # a session's first block carries its prefill
                 return result
@@ -150,22 +166,60 @@ class TargetLink(_SessionLink):
             stream.abort()
 
 
+def drafter_of(reply: pb.DraftBlock, session_drafter: DrafterKind | None) -> DrafterKind | None:
+    """The drafter that drafted a reply: the chain member it names, else the session's."""
+    try:
+        return DrafterKind(reply.drafter) if reply.drafter else session_drafter
+    except ValueError:  # a kind the draft did not announce: count it as the session's
+        return session_drafter
+
+
+@dataclass
+class DraftCall:
+    """A proposal on its way: the reply, the loop time by which a round waits for it, where its block starts."""
+
+    task: asyncio.Task
+    deadline: float  # loop.time(); past it the round goes on without this block
+    position: int  # committed + assumed tokens it continues: the reply's block must start here
+
+
 class DraftLink(_SessionLink):
+    """The draft session of one generation: requests in order on one stream, each with a deadline.
+
+    A request sent while another is on its way is written once that one is
+    answered (the draft serves a session's requests in order). A reply that
+    misses its deadline is not waited for: the round goes on without it (the
+    target steps alone), it is dropped when it comes, and until then the link
+    takes no new request. A request unanswered after ``draft_timeout_s`` drops
+    the stream; re-attaching runs in the background. No round ever waits for
+    the draft past a request's deadline.
+    """
+
     def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
-                 policy: LinkPolicy) -> None:
+                 policy: LinkPolicy, costs: CostModel | None = None, drafter: DrafterKind | None = None) -> None:
         super().__init__(client, open_msg, policy)
         self._stream: DraftStream | None = None
+        self._costs = costs if costs is not None else CostModel()
+        self.drafter = drafter  # the session's drafter: whose costs a reply reports unless it names a chain member
         self._synced = 0  # the draft holds committed[:_synced]
         self._down_since: float | None = None
-        self._proposed = 0  # proposals on the current session
-        self.last_prefilled = False  # the last plain propose ran on a fresh session: its time includes a prefill
+        self._tail: DraftCall | None = None  # the last request sent (or the re-attaching open)
+        self._pending: set[asyncio.Task] = set()
+        self._cold = True  # the first proposal after an open carries the draft's prefill of the context
         self.fallback_rounds = 0  # rounds decoded without a draft because it was down
+        self.busy_rounds = 0  # rounds decoded without a draft because a late reply was still due
+        self.late_blocks = 0  # replies that missed their deadline (dropped when they came)
+        self.compute_s = 0.0  # drafting time of every reply, used or not
         self.reattached = 0
         self._features: pb.HiddenFeatures | None = None  # the target's features not yet forwarded (feature drafters)
 
     @property
     def up(self) -> bool:
         return self._stream is not None
+
+    @property
+    def busy(self) -> bool:
+        return self._tail is not None and not self._tail.task.done()
 
     async def open(self, committed: Sequence[int]) -> bool:
         stream = DraftStream(self._client.stub.Session())
@@ -176,45 +230,73 @@ class DraftLink(_SessionLink):
             stream.abort()
             self._mark_down(exc)
             return False
-        self._stream, self._synced, self._down_since = stream, len(committed), None
-        self._proposed = 0
+        self._stream, self._synced, self._down_since, self._cold = stream, len(committed), None, True
         return True
 
     def add_features(self, features: pb.HiddenFeatures) -> None:
         """Hold the target's features of committed positions until the next proposal carries them."""
         self._features = join_features(self._features, features)
 
-    async def propose(self, committed: Sequence[int], k: int, free_k: int = 0) -> pb.DraftBlock | None:
-        """A block of up to k tokens (a free drafter: up to free_k), or None when the draft is down (this
-        round decodes without it)."""
-        block = await self._propose(committed, (), k, free_k)
-        if block is None:
+    def send(
+        self, committed: Sequence[int], assumed: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1
+    ) -> DraftCall | None:
+        """Ask for up to k tokens (a free drafter: up to free_k; a token tree of up to ``max_branches``
+        continuations when > 1) continuing ``committed`` + ``assumed`` (tokens not committed yet: a block in
+        verification, drafted past as if its outcome were ``assumed``). None when the draft cannot take a
+        request now (down, or a late reply still due): this round goes on without it."""
+        if self._stream is None:
+            self._reattach_later(committed)
             self.fallback_rounds += 1
-        else:
-            self.last_prefilled = self._proposed == 1  # a model drafter reads the whole context on its first
+            return None
+        loop = asyncio.get_running_loop()
+        now, before = loop.time(), self._tail if self.busy else None
+        if before is not None and now > before.deadline:
+            self.busy_rounds += 1
+            return None
+        cold, self._cold = self._cold, False
+        budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
+        task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
+        self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget,
+                               len(committed) + len(assumed))
+        return self._tail
+
+    async def receive(self, call: DraftCall) -> pb.DraftBlock | None:
+        """The call's block if it comes by its deadline and starts where it must; else None (late, failed, stale)."""
+        remaining = call.deadline - asyncio.get_running_loop().time()
+        done, _ = await asyncio.wait({call.task}, timeout=max(remaining, 0.0))
+        if not done:
+            self.late_blocks += 1
+            return None
+        block = call.task.result()
+        if block is None or block.position != call.position:
+            return None
         return block
 
-    async def propose_ahead(self, committed: Sequence[int], block: Sequence[int], k: int,
-                            free_k: int = 0) -> pb.DraftBlock | None:
-        """Draft past ``block`` as if the target will accept it whole: up to k + 1 tokens (a free drafter:
-        free_k + 1), the first being the guess for the target's bonus token. Runs while the target verifies
-        ``block``.
+    def _deadline_s(self, k: int) -> float:
+        if not self._costs.draft_measured:  # a draft's cost is unknown until it has answered once
+            return self._policy.draft_timeout_s
+        draft_s = self._costs.draft_s_per_token(self.drafter)
+        deadline = self._policy.draft_deadline_s or self._costs.links.draft_deadline_s(k, draft_s)
+        return min(deadline, self._policy.draft_timeout_s)
 
-        The draft treats ``block`` as committed for now; the next propose starts
-        at the last truly committed position, so it rolls all of this back.
-        """
-        if self._stream is None:  # re-attaching is the next plain propose's job
-            return None
-        return await self._propose(committed, block, k + 1, free_k + 1 if free_k else 0)
+    def _track(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
 
-    async def _propose(self, committed: Sequence[int], assumed: Sequence[int], k: int,
-                       free_k: int) -> pb.DraftBlock | None:
-        if self._stream is None and not await self._try_reattach(committed):
+    async def _propose(self, committed: list[int], assumed: list[int], k: int, free_k: int, max_branches: int,
+                       cold: bool, before: DraftCall | None) -> pb.DraftBlock | None:
+        if before is not None:
+            await asyncio.wait({before.task})  # its reply comes first on the stream
+        if self._stream is None:  # it failed and dropped the stream
             return None
-        synced = len(committed)  # read now: a proposal drafted ahead runs while ``committed`` grows
+        start = time.perf_counter()
         features, self._features = self._features, None  # a new session starts from whichever features come next
         try:
-            call = self._stream.propose(self._synced, [*committed[self._synced :], *assumed], k, free_k, features)
+            call = self._stream.propose(
+                self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches, features
+            )
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 block = await call
         except (PeerError, asyncio.TimeoutError) as exc:
@@ -222,20 +304,42 @@ class DraftLink(_SessionLink):
             stream.abort()
             self._mark_down(exc)
             return None
-        self._synced = synced  # ``assumed`` is not committed: it is re-sent or rolled back next time
-        self._proposed += 1
+        self._synced = len(committed)  # ``assumed`` is not committed: it is re-sent or rolled back next time
+        # Waiting behind other sessions' proposals on the draft's one compute thread counts as link time
+        # here: no load model covers the draft, and a deadline must allow for it.
+        self._costs.links.draft.observe(time.perf_counter() - start - block.compute_us / 1e6)
+        self.compute_s += block.compute_us / 1e6
+        if not cold:  # a cold proposal's compute is mostly the prefill of the context
+            self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6, drafter_of(block, self.drafter))
         return block
 
-    async def _try_reattach(self, committed: Sequence[int]) -> bool:
+    def _reattach_later(self, committed: Sequence[int]) -> None:
+        """Re-open the session in the background, at most once per ``draft_retry_s``."""
+        if self.busy:
+            return
         if self._down_since is not None and time.monotonic() - self._down_since < self._policy.draft_retry_s:
-            return False
+            return
+        task = self._track(self._reattach(list(committed)))
+        self._tail = DraftCall(task, asyncio.get_running_loop().time() + self._policy.draft_timeout_s, -1)
+
+    async def _reattach(self, committed: list[int]) -> None:
         if await self.open(committed):
             self.reattached += 1
             log.info("draft re-attached at position %d", len(committed))
-            return True
-        return False
 
     def _mark_down(self, exc: BaseException) -> None:
         if self._down_since is None:
             log.warning("draft unavailable (%s); continuing with target-only decoding", exc)
         self._down_since = time.monotonic()
+
+    async def close(self) -> None:
+        """End the session; requests still on their way are cancelled and the stream dropped."""
+        if self._pending:
+            pending = list(self._pending)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            if self._stream is not None:
+                stream, self._stream = self._stream, None
+                stream.abort()
+        await super().close()

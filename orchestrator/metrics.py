@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import prometheus_client
 
+from orchestrator.link_cost import LinkCosts
 from orchestrator.loop import LoopStats
 
 MAX_POSITION = 32  # per-position acceptance is kept for the first 32 draft positions
@@ -148,6 +149,22 @@ FALLBACKS = Metric("counter", "specsplit_draft_fallback_rounds", "rounds decoded
 REOPENS = Metric("counter", "specsplit_target_reopens", "target sessions rebuilt from committed tokens")
 ACCEPTANCE = Metric("gauge", "specsplit_acceptance_rate_last", "acceptance rate of the last finished generation")
 
+# -- links (issue 16) -----------------------------------------------------------------------------------
+LATE_BLOCKS = Metric("counter", "specsplit_draft_late_blocks",
+                     "draft blocks that missed their round's deadline (the target stepped alone)")
+OVERLAP_HITS = Metric("counter", "specsplit_overlap_hits", "blocks drafted during a verification that were used")
+OVERLAP_STARTED = Metric("counter", "specsplit_overlap_started", "blocks drafted during a verification")
+LINK_RTT = Metric("gauge", "specsplit_link_rtt_seconds", "smoothed round trip of a link (RFC 6298 srtt)", ("link",))
+LINK_RTTVAR = Metric("gauge", "specsplit_link_rttvar_seconds", "mean deviation of a link's round trip (rttvar)",
+                     ("link",))
+
+
+def record_links(links: LinkCosts) -> None:
+    for name, rtt in (("draft", links.draft), ("target", links.target)):
+        if rtt.samples:
+            LINK_RTT.set(rtt.srtt, link=name)
+            LINK_RTTVAR.set(rtt.rttvar, link=name)
+
 
 class RequestTimer:
     """One generation's timeline, from its arrival: queue time, first token, gaps between rounds, end to end."""
@@ -185,6 +202,9 @@ def record_generation(stats: LoopStats, prompt_tokens: int, fallback_rounds: int
     ROUNDS.inc(stats.rounds)
     FALLBACKS.inc(fallback_rounds)
     REOPENS.inc(reopens)
+    LATE_BLOCKS.inc(stats.late_blocks)
+    OVERLAP_HITS.inc(stats.overlap_hits)
+    OVERLAP_STARTED.inc(stats.ahead_started)
     if stats.drafted:
         ACCEPTANCE.set(stats.acceptance_rate)
     drafted_at = [0] * MAX_POSITION

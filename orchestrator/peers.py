@@ -90,8 +90,11 @@ class TargetStream(_Stream):
     async def open(self, open_msg: pb.TargetOpen) -> None:
         await self._ask(pb.TargetRequest(open=open_msg))
 
-    async def verify(self, position: int, draft_tokens: Sequence[int], draft_probs: pb.DraftProbs | None):
-        msg = pb.VerifyRequest(position=position, draft_tokens=draft_tokens)
+    async def verify(
+        self, position: int, draft_tokens: Sequence[int], draft_probs: pb.DraftProbs | None,
+        parents: Sequence[int] = (),
+    ):
+        msg = pb.VerifyRequest(position=position, draft_tokens=draft_tokens, parents=parents)
         if draft_probs is not None:
             msg.draft_probs.CopyFrom(draft_probs)
         return (await self._ask(pb.TargetRequest(verify=msg))).result
@@ -104,10 +107,10 @@ class DraftStream(_Stream):
         await self._ask(pb.DraftRequest(open=open_msg))
 
     async def propose(
-        self, position: int, tokens: Sequence[int], k: int, free_k: int = 0,
+        self, position: int, tokens: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1,
         features: pb.HiddenFeatures | None = None,
     ) -> pb.DraftBlock:
-        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k)
+        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k, max_branches=max_branches)
         if features is not None:
             msg.features.CopyFrom(features)
         return (await self._ask(pb.DraftRequest(propose=msg))).block

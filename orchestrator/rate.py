@@ -27,10 +27,15 @@ hidden unless it takes longer than the verification, and paid in full only
 when the speculation misses (the block is not accepted whole, or the bonus
 token was guessed wrong: probability 1 - prod p_i over the k + 1 positions).
 
-Other shapes (token trees, links with round-trip times) reuse the same parts:
-``expected_tokens_by_position`` for a path, ``CostModel.verify_s`` for a
-forward of any size, ``round_seconds`` for a round (one function: a link's
-cost is one more term there) and ``rate``. Pure: no I/O.
+Links: a round also pays the draft's and the target's round trips, measured
+per link with their jitter (``CostModel.links``, ``orchestrator.link_cost``,
+which gives the time of a round); a long target round trip favours longer
+blocks, a long draft round trip favours overlap, and where neither pays the
+choice is k = 0. With no samples the links cost nothing.
+
+Other shapes (token trees) reuse the same parts: ``expected_tokens_by_position``
+for a path, ``CostModel.verify_s`` for a forward of any size, ``round_seconds``
+for a round and ``rate``. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from lmkit.costs import LinearCost
+from orchestrator.link_cost import LinkCosts
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class CostModel:
     verify: LinearCost = field(default_factory=LinearCost)
     load: Load = ALONE  # the target's last decode forward as any session saw it; where new sessions start
     reported: tuple[float, float] | None = None  # (a, s) as the target last reported its own fit
+    links: LinkCosts = field(default_factory=LinkCosts)  # the draft and target links' round trips
     _draft_s: dict = field(default_factory=dict)  # drafter -> decayed seconds
     _draft_tokens: dict = field(default_factory=dict)  # drafter -> decayed tokens
 
@@ -92,6 +99,11 @@ class CostModel:
             base, slope = self.reported
             return max(base + slope * tokens, 1e-6)
         return self.verify.predict(tokens)
+
+    @property
+    def draft_measured(self) -> bool:
+        """Whether any drafter has reported its cost yet."""
+        return any(t > 0 for t in self._draft_tokens.values())
 
     def draft_s_per_token(self, drafter: object = None) -> float:
         tokens = self._draft_tokens.get(drafter, 0.0)
@@ -124,20 +136,17 @@ def whole_probability(accept: Sequence[float], n: int) -> float:
 
 
 def round_seconds(costs: CostModel, forward_tokens: int, draft_s_per_token: float, k: int, overlap: bool,
-                  hit: float) -> float:
+                  hit: float, in_hand: bool = False) -> float:
     """Seconds of a round whose forward holds ``forward_tokens`` tokens and whose block has k drafted tokens.
 
     Sync: drafting k tokens, then the forward. Overlap: the next block (k + 1
     tokens with the bonus guess) is drafted during the forward, so only the part
     longer than the forward shows, plus a fresh block when the speculation
-    misses (probability 1 - ``hit``).
+    misses (probability 1 - ``hit``). Both include the links' round trips
+    (``LinkCosts.round_s``; nothing before a link has samples). ``in_hand``: the
+    block is drafted already (a free block being cut), its draft round trip paid.
     """
-    verify = costs.verify_s(forward_tokens)
-    if k == 0:
-        return verify
-    if overlap:
-        return verify + max(0.0, (k + 1) * draft_s_per_token - verify) + (1.0 - hit) * k * draft_s_per_token
-    return verify + k * draft_s_per_token
+    return costs.links.round_s(k, costs.verify_s(forward_tokens), draft_s_per_token, hit, overlap, in_hand)
 
 
 def rate(expected: float, seconds: float, load: Load = ALONE) -> float:
@@ -146,15 +155,16 @@ def rate(expected: float, seconds: float, load: Load = ALONE) -> float:
 
 
 def chain_rate(k: int, accept: Sequence[float], costs: CostModel, load: Load = ALONE, overlap: bool = False,
-               draft_s_per_token: float = 0.0) -> float:
+               draft_s_per_token: float = 0.0, in_hand: bool = False) -> float:
     """The rate of a chain block of k tokens with per-position acceptance ``accept``."""
     hit = whole_probability(accept, k + 1)
-    seconds = round_seconds(costs, load.tokens(k), draft_s_per_token, k, overlap, hit)
+    seconds = round_seconds(costs, load.tokens(k), draft_s_per_token, k, overlap, hit, in_hand)
     return rate(expected_tokens_by_position(accept, k), seconds, load)
 
 
 def best_k(accept: Sequence[float], k_max: int, costs: CostModel, load: Load = ALONE, overlap: bool = False,
-           draft_s_per_token: float = 0.0) -> int:
-    """The block size in [0, k_max] with the highest rate (ties: the smaller)."""
-    rates = [chain_rate(k, accept, costs, load, overlap, draft_s_per_token) for k in range(k_max + 1)]
+           draft_s_per_token: float = 0.0, in_hand: bool = False) -> int:
+    """The block size in [0, k_max] with the highest rate (ties: the smaller); ``in_hand``: of a block drafted
+    already, whose draft round trip every k pays alike."""
+    rates = [chain_rate(k, accept, costs, load, overlap, draft_s_per_token, in_hand) for k in range(k_max + 1)]
     return max(range(len(rates)), key=lambda k: (rates[k], -k))

@@ -14,6 +14,7 @@ from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.wire import MAX_TOP_LOGPROBS, mode_from_proto, sampling_from_proto
+from orchestrator.config import MAX_TREE_BRANCHES
 from orchestrator.generation import GenerationRequest, Orchestrator
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -60,9 +61,13 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
         )
     adaptive = msg.adaptive_k if msg.HasField("adaptive_k") else config.default_adaptive_k
     overlap = msg.overlap if msg.HasField("overlap") else config.default_overlap
+    branches = msg.tree_branches if msg.HasField("tree_branches") else config.default_tree_branches
+    if not 1 <= branches <= MAX_TREE_BRANCHES:
+        raise errors.InvalidArgument(f"tree_branches must be in [1, {MAX_TREE_BRANCHES}] (1 = chains only), got {branches}")
     request = GenerationRequest(
         msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap,
         messages=messages, top_logprobs=top_logprobs, request_id=request_id, sampling_mode=sampling_mode,
+        tree_branches=branches,
     )
     if k > 0 and orch.draft is not None:
         orch.check_features(request)

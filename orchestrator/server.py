@@ -22,7 +22,13 @@ from lmkit.metrics import serve_metrics
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.security import BearerTokenInterceptor, ClientTls, load_token
-from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, DEFAULT_SAMPLING_MODE, OrchestratorConfig
+from orchestrator.config import (
+    DEFAULT_DRAFTER,
+    DEFAULT_K,
+    DEFAULT_SAMPLING_MODE,
+    DEFAULT_TREE_BRANCHES,
+    OrchestratorConfig,
+)
 from orchestrator.generation import Orchestrator
 from orchestrator.links import LinkPolicy
 from orchestrator.servicer import GeneratorServicer
@@ -50,6 +56,11 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
         help="draft and verify in turn instead of drafting block i+1 while the target verifies block i",
     )
     parser.add_argument(
+        "--tree-branches", type=int, default=DEFAULT_TREE_BRANCHES,
+        help="continuations a round may verify together as a token tree (kept where they pay; GREEDY and "
+        "TOKEN_ONLY rounds only); 1 = chains only",
+    )
+    parser.add_argument(
         "--sampling-mode", default=DEFAULT_SAMPLING_MODE.name.lower().replace("_", "-"), choices=["coupled", "token-only"],
         help="how sampled requests that name no mode are verified (docs/protocol.md, Seeds)",
     )
@@ -64,6 +75,9 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent", type=int, default=64,
                         help="generations in flight at most; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--draft-timeout-s", type=float, default=5.0, help="a propose slower than this drops the draft")
+    parser.add_argument("--draft-deadline-s", type=float, default=0.0,
+                        help="how long a round waits for a draft block before the target steps alone "
+                             "(0: from the draft link's measured round trip, jitter and cost)")
     parser.add_argument("--target-deadline-s", type=float, default=30.0,
                         help="a target down this long fails in-flight generations with UNAVAILABLE")
 
@@ -77,6 +91,7 @@ def config_from_args(args) -> OrchestratorConfig:
         default_drafter=DrafterKind[args.drafter.upper()],
         default_adaptive_k=not args.fixed_k,
         default_overlap=not args.no_overlap,
+        default_tree_branches=args.tree_branches,
         default_sampling_mode=VerificationMode[args.sampling_mode.upper().replace("-", "_")],
         default_max_new_tokens=args.max_new_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit,
@@ -86,7 +101,8 @@ def config_from_args(args) -> OrchestratorConfig:
         connect_timeout_s=args.connect_timeout_s,
         max_concurrent=args.max_concurrent,
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
-        link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, target_deadline_s=args.target_deadline_s),
+        link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,
+                               target_deadline_s=args.target_deadline_s),
     )
 
 

@@ -18,6 +18,11 @@ nothing else.
 Long feeds (a prompt's prefill) do not join a batch: padding every row to the
 prompt's length would cost more than it saves.
 
+That padded gather is the path for models the packed forward does not run
+(``lmkit.packed_rows``: sliding windows, linear attention, a sharded model).
+A model with it installed packs the rows end to end instead, with no padding
+and no copy of any past: each row attends to its own cache in place.
+
 No grpc here.
 """
 
@@ -30,18 +35,23 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from lmkit import packed_rows
 from lmkit.kvcache import SessionCache, cache_kwargs
 from lmkit.transfer import to_device, to_host
 
 
 @dataclass(frozen=True)
 class Step:
-    """One session's share of a forward: crop its cache to ``keep``, feed ``feed``, return ``n_logits`` rows."""
+    """One session's share of a forward: crop its cache to ``keep``, feed ``feed``, return ``n_logits`` rows.
+
+    ``parents``: the last len(parents) fed tokens are a token tree (packed forward only).
+    """
 
     cache: SessionCache
     keep: int
     feed: list[int]
     n_logits: int
+    parents: tuple[int, ...] | None = None
 
 
 class _PaddedBatchLayer(DynamicLayer):
@@ -92,6 +102,10 @@ def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
     """
     if not steps:
         return []
+    if all(step.cache.kv is not None for step in steps):
+        return _forward_packed(model, steps)
+    if any(step.parents is not None for step in steps):
+        raise ValueError("token trees need the packed forward")
     device = next(model.parameters()).device
     for step in steps:
         step.cache.crop(step.keep)
@@ -129,6 +143,23 @@ def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
         step.cache.keep_features(out.hidden_states, row, step.keep, n)
         _append(step, batch_cache, row)
         results.append(logits[row, n - step.n_logits : n])
+    return results
+
+
+def padded_tokens(model, widths: Sequence[int]) -> int:
+    """Tokens a forward over rows of these widths computes: their sum when packed, else every row at the widest."""
+    return sum(widths) if packed_rows.installed(model) else len(widths) * max(widths)
+
+
+def _forward_packed(model, steps: Sequence[Step]) -> list[torch.Tensor]:
+    rows = [step.cache.row_step(step.keep, step.feed, step.n_logits, step.parents) for step in steps]
+    for step in steps:
+        step.cache.crop(step.keep)
+    results, features = packed_rows.forward_rows_with_features(model, rows)
+    for step, kept in zip(steps, features):
+        step.cache.tokens = [*step.cache.tokens, *step.feed]
+        if kept is not None:
+            step.cache.features, step.cache.features_from = kept, step.keep
     return results
 
 

@@ -13,20 +13,24 @@ from typing import Callable, Sequence
 
 import torch
 
-from lmkit import draws, errors
+from lmkit import draws, errors, packed_rows, token_tree
 from lmkit.costs import LinearCost
 from lmkit.features import FeatureBlock
-from lmkit.kinds import VerificationMode
+from lmkit.kinds import TREE_MODES, VerificationMode
 from lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
+from lmkit.packed_linear import pack_linears
 from lmkit.sampling import SamplingParams, logits_to_probs
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
-from target_service import rejection
-from target_service.batched_forward import Step, forward_batch, split_by_width
+from target_service import rejection, tree_verify
+from target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
 from target_service.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, committed_logprobs
 
 _MIN_FIT_SAMPLES = 8  # forwards before the cost fit is used
 
 log = logging.getLogger(__name__)
+
+# A decided block: a chain's verdict, or a tree's (accepted nodes in ``path``).
+Decided = rejection.Verdict | tree_verify.TreeVerdict
 
 
 @dataclass
@@ -45,7 +49,7 @@ class BatchShare:
     """The forward pass a block was verified in, as the load signal for the orchestrator's choice of k."""
 
     size: int = 1  # sessions in the forward
-    width: int = 1  # tokens per row (blocks are padded to the longest)
+    width: int = 1  # tokens per row: the longest block when rows are padded, the mean (rounded up) when packed
     others_committed: int = 0  # tokens the other sessions committed from the same forward
 
 
@@ -56,6 +60,7 @@ class Verification:
     compute_s: float
     batch: BatchShare = BatchShare()
     features: FeatureBlock | None = None  # the committed positions' hidden features, when the session asked
+    path: tuple[int, ...] = ()  # a tree block's accepted nodes, root first; empty for a chain
     logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token when the session asked for them
 
 
@@ -65,6 +70,19 @@ class VerifyItem:
     position: int
     draft_tokens: Sequence[int]  # [k]
     draft_probs: torch.Tensor | None  # [k, vocab] in DRAFT_PROBS mode, else None
+    parents: Sequence[int] | None = None  # [k] a token tree (lmkit.token_tree); None or a chain's: a chain
+
+
+def tree_of(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
+    """A block's parents as the engine keeps them: None for a chain (however it was sent).
+
+    Raises InvalidArgument unless non-empty parents hold one entry per draft token.
+    """
+    if not parents:
+        return None
+    if len(parents) != n:
+        raise errors.InvalidArgument(f"parents has {len(parents)} entries for {n} tokens; send one parent index per token")
+    return None if token_tree.is_chain(parents) else tuple(parents)
 
 
 def check_mode(mode: VerificationMode, sampling: SamplingParams) -> None:
@@ -89,8 +107,15 @@ class TargetEngine:
         limits: SessionLimits,
         new_cache: Callable[[], SessionCache] | None = None,  # tensor parallel: caches mirrored on every rank
         tp_degree: int = 1,
+        fast_forward: bool = True,
     ) -> None:
+        """``fast_forward``: pack the linear layers for oneDNN (fp32 CPU) and run verify steps through the
+        packed-rows forward (``lmkit.packed_rows``) where the model allows (full attention only: a
+        sliding-window model keeps the stock forward); off, the model's stock forward."""
         check_cache_layout(model)
+        if fast_forward and new_cache is None and next(model.parameters()).device.type == "cpu":
+            pack_linears(model)
+            packed_rows.install(model)
         self.model = model
         self.model_id = model_id
         self.vocab_fingerprint = vocab_fingerprint
@@ -145,17 +170,20 @@ class TargetEngine:
         position: int,
         draft_tokens: Sequence[int],  # [k]
         draft_probs: torch.Tensor | None,  # [k, vocab] in DRAFT_PROBS mode, else None
+        parents: Sequence[int] | None = None,  # [k] a token tree; None: a chain
     ) -> Verification:
         """Run the block through the target in one forward pass and commit accepted + 1 tokens."""
-        self._check_block(session, position, draft_tokens, draft_probs)
+        parents = tree_of(parents, len(draft_tokens))
+        self._check_block(session, position, draft_tokens, draft_probs, parents)
         start = time.perf_counter()
-        logits = session.cache.logits(session.tokens, draft_tokens)  # [k+1, vocab]
+        logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
         self.forward_passes += 1
-        result = self._commit(session, logits, draft_tokens, draft_probs)
+        result = self._commit(session, logits, draft_tokens, draft_probs, parents)
         logprobs = self._logprobs(session, logits, result)
-        features = committed_features(session.cache, position, result.accepted)
+        path = _tree_path(result, parents)
         return Verification(
-            result.accepted, result.next_token, time.perf_counter() - start, features=features, logprobs=logprobs
+            result.accepted, result.next_token, time.perf_counter() - start, path=path,
+            features=committed_features(session.cache, position, result.accepted, path), logprobs=logprobs,
         )
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verification | errors.SpecsplitError]:
@@ -171,18 +199,21 @@ class TargetEngine:
         steps: list[Step] = []  # one per batched row
         for i, item in enumerate(items):
             try:
-                self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs)
+                parents = tree_of(item.parents, len(item.draft_tokens))
+                self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs, parents)
             except errors.SpecsplitError as exc:
                 results[i] = exc
                 continue
             keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
             if self.can_batch and len(feed) <= self.limits.max_block + 1:
                 batch.append(i)
-                steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1))
+                steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1, parents))
             else:
                 results[i] = self._verify_checked(item)
         widths = [len(step.feed) for step in steps]
-        groups = split_by_width(widths, self._split_overhead_tokens()) if len(batch) > 1 else [list(range(len(batch)))]
+        # Packed rows carry no padding: nothing to save by splitting.
+        split = len(batch) > 1 and not packed_rows.installed(self.model)
+        groups = split_by_width(widths, self._split_overhead_tokens()) if split else [list(range(len(batch)))]
         step_start = time.perf_counter()
         for group in groups:
             rows = [batch[g] for g in group]
@@ -195,7 +226,7 @@ class TargetEngine:
                 for i, verified in zip(rows, together):
                     results[i] = verified
         if len(groups) > 1:  # the load signal is the whole step, whichever forward a block ran in
-            tokens = sum(len(g) * max(widths[j] for j in g) for g in groups)
+            tokens = sum(padded_tokens(self.model, [widths[j] for j in g]) for g in groups)
             self._share_step(results, batch, tokens, time.perf_counter() - step_start)
         return results
 
@@ -226,7 +257,7 @@ class TargetEngine:
 
     def _verify_checked(self, item: VerifyItem) -> Verification | errors.SpecsplitError:
         try:
-            return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs)
+            return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs, item.parents)
         except errors.SpecsplitError as exc:
             return exc
         except Exception as exc:  # noqa: BLE001 - NaN logits, OOM, a bad cache: this session's failure alone
@@ -243,7 +274,8 @@ class TargetEngine:
         its error while the others commit.
         """
         start = time.perf_counter()
-        width = max(len(step.feed) for step in steps)
+        tokens = padded_tokens(self.model, [len(step.feed) for step in steps])
+        width = -(-tokens // len(steps))  # per row, rounded up
         try:
             logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
         except Exception as exc:  # noqa: BLE001 - find the culprit: each block alone
@@ -252,33 +284,44 @@ class TargetEngine:
                 step.cache.reset()
             return [self._verify_checked(item) for item in items]
         self.forward_passes += 1
-        self.forward_cost.observe(len(steps) * width, time.perf_counter() - start)
-        decided = [self._commit_isolated(item, rows) for item, rows in zip(items, logits)]
-        logprobs = [self._logprobs(item.session, rows, d) if isinstance(d, rejection.Verdict) else ()
+        self.forward_cost.observe(tokens, time.perf_counter() - start)
+        decided = [
+            self._commit_isolated(item, rows, step.parents) for item, rows, step in zip(items, logits, steps)
+        ]
+        logprobs = [self._logprobs(item.session, rows, d) if not isinstance(d, errors.SpecsplitError) else ()
                     for item, rows, d in zip(items, logits, decided)]
         elapsed = time.perf_counter() - start
-        done = [d for d in decided if isinstance(d, rejection.Verdict)]
+        done = [d for d in decided if not isinstance(d, errors.SpecsplitError)]
         committed = sum(d.accepted + 1 for d in done)
         share = lambda d: BatchShare(len(done), width, committed - (d.accepted + 1))  # noqa: E731
         return [
-            Verification(
-                d.accepted, d.next_token, elapsed, share(d),
-                features=committed_features(item.session.cache, item.position, d.accepted), logprobs=lp,
-            ) if isinstance(d, rejection.Verdict) else d
-            for item, d, lp in zip(items, decided, logprobs)
+            d if isinstance(d, errors.SpecsplitError) else self._verified(item, d, elapsed, share(d), step.parents, lp)
+            for item, d, lp, step in zip(items, decided, logprobs, steps)
         ]
 
     @staticmethod
-    def _logprobs(session: TargetSession, logits, verdict: rejection.Verdict) -> tuple[TokenLogprob, ...]:
-        """The committed tokens' log-probabilities from this pass's logits, when the session asked for them."""
+    def _verified(item: VerifyItem, d: Decided, elapsed: float, batch: BatchShare, parents, logprobs) -> Verification:
+        path = _tree_path(d, parents)
+        features = committed_features(item.session.cache, item.position, d.accepted, path)
+        return Verification(d.accepted, d.next_token, elapsed, batch, features, path, logprobs)
+
+    @staticmethod
+    def _logprobs(session: TargetSession, logits, verdict: Decided) -> tuple[TokenLogprob, ...]:
+        """The committed tokens' log-probabilities from this pass's logits, when the session asked for them.
+
+        A tree's logits rows are per node: the committed tokens follow the root
+        row, then the accepted nodes' rows.
+        """
         if session.top_logprobs is None:
             return ()
         committed = session.tokens[len(session.tokens) - verdict.accepted - 1 :]  # _commit appended them
+        if isinstance(verdict, tree_verify.TreeVerdict):
+            logits = logits[[0, *(node + 1 for node in verdict.path)]]
         return tuple(committed_logprobs(logits, committed, session.top_logprobs))
 
-    def _commit_isolated(self, item: VerifyItem, logits) -> rejection.Verdict | errors.SpecsplitError:
+    def _commit_isolated(self, item: VerifyItem, logits, parents) -> Decided | errors.SpecsplitError:
         try:
-            return self._commit(item.session, logits, item.draft_tokens, item.draft_probs)
+            return self._commit(item.session, logits, item.draft_tokens, item.draft_probs, parents)
         except errors.SpecsplitError as exc:
             return exc
         except Exception as exc:  # noqa: BLE001 - NaN logits in this session's rows: its failure alone
@@ -293,16 +336,22 @@ class TargetEngine:
             "committed and its cache was dropped: resend the block or re-open the session"
         )
 
-    def _commit(self, session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
-        """Decide on the block from its logits and commit accepted + 1 tokens to the session."""
-        result = self._decide(session, logits, draft_tokens, draft_probs)
-        session.tokens.extend(draft_tokens[: result.accepted])
-        session.tokens.append(result.next_token)
+    def _commit(self, session, logits, draft_tokens, draft_probs, parents) -> Decided:
+        """Decide on the block from its logits and commit the accepted tokens + 1 to the session."""
+        if parents is None:
+            verdict = self._decide(session, logits, draft_tokens, draft_probs)
+            path = range(verdict.accepted)
+        else:
+            verdict = self._decide_tree(session, logits, draft_tokens, list(parents))
+            path = verdict.path
+            session.cache.keep_path(len(session.tokens), path)  # the rejected branches leave nothing behind
+        session.tokens.extend(draft_tokens[i] for i in path)
+        session.tokens.append(verdict.next_token)
         session.rounds += 1
         self.sessions.count_round()
-        return result
+        return verdict
 
-    def _check_block(self, session, position, draft_tokens, draft_probs) -> None:
+    def _check_block(self, session, position, draft_tokens, draft_probs, parents=None) -> None:
         committed = len(session.tokens)
         if position != committed:
             raise errors.FailedPrecondition(
@@ -319,6 +368,8 @@ class TargetEngine:
                 f"{self.max_context}; send at most {room} draft tokens"
             )
         check_tokens(draft_tokens, self.vocab_size, "draft_tokens")
+        if parents is not None:
+            self._check_tree(session, draft_tokens, parents)
         if session.mode is VerificationMode.DRAFT_PROBS:
             if draft_probs is None and k > 0:
                 raise errors.InvalidArgument("DRAFT_PROBS mode needs draft_probs with one row per draft token")
@@ -330,6 +381,38 @@ class TargetEngine:
             raise errors.InvalidArgument(
                 f"draft_probs sent in {session.mode.name} mode; open the session with DRAFT_PROBS to use them"
             )
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Token-tree blocks are verified (``ModelInfo.token_trees``): the packed forward runs the model."""
+        return packed_rows.installed(self.model)
+
+    def _check_tree(self, session, draft_tokens, parents) -> None:
+        if not session.cache.supports_trees:
+            raise errors.InvalidArgument("this target does not verify token trees (ModelInfo.token_trees is false); send chains")
+        try:
+            token_tree.check_parents(parents, len(draft_tokens))
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
+        kids = token_tree.children(parents)
+        if any(len({draft_tokens[i] for i in siblings}) != len(siblings) for siblings in kids):
+            raise errors.InvalidArgument("two siblings in the token tree carry the same token; merge them")
+        if session.mode not in TREE_MODES:
+            raise errors.InvalidArgument(
+                f"token trees are verified in GREEDY and TOKEN_ONLY modes; {session.mode.name} takes chains"
+            )
+
+    @staticmethod
+    def _decide_tree(session, logits, draft_tokens, parents: list[int]) -> tree_verify.TreeVerdict:
+        tokens = torch.tensor(list(draft_tokens), dtype=torch.long)
+        if session.mode is VerificationMode.GREEDY:
+            return tree_verify.verify_tree_greedy(logits, tokens, parents)
+        target_probs = logits_to_probs(logits, session.sampling)
+        # The walk decides one node per depth: depth d's draws are those of absolute position len(tokens) + d.
+        position, depth = len(session.tokens), max(token_tree.depths(parents)) + 2
+        columns = tree_verify.uniform_columns(parents)
+        uniforms = draws.uniforms(session.sampling.seed, draws.Stream.TARGET, range(position, position + depth), columns)
+        return tree_verify.verify_tree_token_only(target_probs, tokens, parents, uniforms)
 
     @staticmethod
     def _decide(session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
@@ -348,14 +431,21 @@ class TargetEngine:
         return rejection.verify_draft_probs(target_probs, draft_probs, tokens, uniforms)
 
 
-def committed_features(cache, position: int, accepted: int) -> FeatureBlock | None:
+def committed_features(cache, position: int, accepted: int, path: Sequence[int] = ()) -> FeatureBlock | None:
     """The hidden features of the positions a forward fed that are now committed, when the session asked.
 
     The forward fed positions from ``cache.features_from`` on; those through the
-    last accepted draft token (``position + accepted - 1``) are committed. The
-    new next token has none yet. A long prefill keeps only its last rows.
+    last accepted draft token (``position + accepted - 1``) are committed: for a
+    token tree, the context's tail and the accepted nodes (``path``). The new
+    next token has none yet. A long prefill keeps only its last rows.
     """
     if not cache.feature_layers or cache.features is None:
         return None
-    rows = position + accepted - cache.features_from
-    return FeatureBlock(cache.features_from, cache.features[:rows]).last_rows()
+    tail = position - cache.features_from  # fed rows of the context before the block
+    if path:
+        return FeatureBlock(cache.features_from, cache.features[[*range(tail), *(tail + i for i in path)]]).last_rows()
+    return FeatureBlock(cache.features_from, cache.features[: tail + accepted]).last_rows()
+
+
+def _tree_path(verdict: Decided, parents: Sequence[int] | None) -> tuple[int, ...]:
+    return () if parents is None else tuple(verdict.path)

@@ -38,6 +38,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="blocks of concurrent sessions verified in one forward at most (1 = no batching)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun; gloo on CPU, NCCL on GPU)")
     parser.add_argument("--tp-timeout-s", type=float, default=60.0, help="a collective stuck this long fails the group")
+    parser.add_argument(
+        "--stock-forward", action="store_true",
+        help="run transformers' own forward (DynamicCache, MKL linears, padded batches) instead of the fast "
+        "one (oneDNN linears on fp32 CPU, KV buffers, packed rows, token trees); for comparisons",
+    )
     add_common_flags(parser, DEFAULT_PORT)
     return parser
 
@@ -56,6 +61,7 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
         limits=limits,
         new_cache=leader.new_cache if leader else None,
         tp_degree=args.tp,
+        fast_forward=not args.stock_forward,
     )
     rank = int(os.environ.get("RANK", "0"))
     log.info("rank %d holds %.1f MB of weights (tp=%d)", rank, tp.weight_bytes(model) / 1e6, args.tp)

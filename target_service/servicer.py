@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
@@ -43,6 +45,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             device=self.device,
             hidden_size=e.hidden_size,
             num_layers=e.num_layers,
+            token_trees=e.verifies_trees,
         )
 
     async def Session(self, request_iterator, context):
@@ -79,8 +82,10 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         )
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
+        received = time.perf_counter()
         probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
-        done = await self.scheduler.verify(VerifyItem(session, msg.position, list(msg.draft_tokens), probs))
+        item = VerifyItem(session, msg.position, list(msg.draft_tokens), probs, list(msg.parents) or None)
+        done = await self.scheduler.verify(item)
         base_s, per_token_s = engine.cost_fit() or (0.0, 0.0)
         result = pb.VerifyResult(
             position=msg.position,
@@ -90,6 +95,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             batch_size=done.batch.size,
             batch_width=done.batch.width,
             others_committed=done.batch.others_committed,
+            path=done.path,
+            service_us=int((time.perf_counter() - received) * 1e6),
             logprobs=[
                 pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                 top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 VOCAB = 49152  # SmolLM2's vocabulary: tiny models share it, so any of them drafts for the real target

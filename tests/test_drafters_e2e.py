@@ -19,7 +19,7 @@ from draft_service import self_draft
 from draft_service.engine import DraftEngine
 from draft_service.registry import DRAFTERS
 from lmkit import models
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits
@@ -135,7 +135,8 @@ async def sample_many(services, target_dir, runs, k, drafter, chain, draft_probs
     async def one(seed: int) -> tuple[int, ...]:
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
         request = GenerationRequest("", False, max_new, params, (), k, drafter, draft_probs, False, chain,
-                                    sampling_mode=sampling_mode)
+                                    sampling_mode=sampling_mode or (
+                                        VerificationMode.DRAFT_PROBS if draft_probs else VerificationMode.TOKEN_ONLY))
         async with limit:
             return tuple([t async for event in orch.generate(request, PROMPT) for t in event.token_ids])
 

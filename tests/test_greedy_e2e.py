@@ -19,21 +19,33 @@ from tests.conftest import TINY_PROMPTS, Services, make_engines, reference_greed
 pytestmark = pytest.mark.services
 
 
-async def generate_ids(orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, adaptive=False) -> list[int]:
-    request = GenerationRequest("", False, max_new_tokens, SamplingParams(), (), k, drafter, False, adaptive)
+async def generate_ids(
+    orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, adaptive=False, branches=1, tree_rounds=None,
+    overlap=False,
+) -> list[int]:
+    request = GenerationRequest(
+        "", False, max_new_tokens, SamplingParams(), (), k, drafter, False, adaptive, overlap=overlap,
+        tree_branches=branches,
+    )
     ids: list[int] = []
     async for event in orch.generate(request, prompt_ids):
         ids.extend(event.token_ids)
+        if event.stats is not None and tree_rounds is not None:
+            tree_rounds.append((event.stats.tree_rounds, event.stats.branch_accepted))
     return ids
 
 
 async def generate_all(
-    services: Services, tokenizer_ref, prompts_ids, k, drafter, max_new_tokens, adaptive=False
+    services: Services, tokenizer_ref, prompts_ids, k, drafter, max_new_tokens, adaptive=False, branches=1,
+    tree_rounds=None, overlap=False,
 ) -> list[list[int]]:
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=tokenizer_ref)
     orch = await Orchestrator.connect(config)
     try:
-        return [await generate_ids(orch, ids, k, drafter, max_new_tokens, adaptive) for ids in prompts_ids]
+        return [
+            await generate_ids(orch, ids, k, drafter, max_new_tokens, adaptive, branches, tree_rounds, overlap)
+            for ids in prompts_ids
+        ]
     finally:
         await orch.close()
 
@@ -53,6 +65,25 @@ def test_tiny_greedy_with_adaptive_k_equals_generate(tiny_services, tiny_target_
     prompts_ids, expected = tiny_reference
     got = run_async(generate_all(tiny_services, str(tiny_target_dir), prompts_ids, 8, drafter, 24, adaptive=True))
     assert got == expected
+
+
+@pytest.mark.parametrize("adaptive, overlap", [(False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("drafter", [DrafterKind.MODEL, DrafterKind.NGRAM])
+def test_tiny_greedy_with_token_trees_equals_generate(
+    tiny_services, tiny_target_dir, tiny_reference, drafter, adaptive, overlap
+):
+    """Rounds verify token trees (older n-gram matches; the model's second choices) and output stays the target's;
+    with overlap, trees are drafted ahead too (several guesses of the bonus token) and used below the right one."""
+    prompts_ids, expected = tiny_reference
+    trees: list[tuple[int, int]] = []
+    got = run_async(
+        generate_all(tiny_services, str(tiny_target_dir), prompts_ids, 6, drafter, 24, adaptive, 4, trees, overlap)
+    )
+    assert got == expected
+    if not adaptive and drafter is DrafterKind.MODEL:  # a fixed K sends every tree the drafter offers
+        # The model's second choices make a tree every round; n-gram trees need earlier matches that
+        # continued differently, which these outputs may not hold (test_sampling_e2e builds a prompt for them).
+        assert sum(rounds for rounds, _ in trees) > 0
 
 
 def test_tiny_drafts_are_accepted_and_rejected(tiny_services, tiny_target_dir, tiny_reference):
@@ -86,21 +117,34 @@ def smollm2_services(background_loop):
     services.stop()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_smollm2_greedy_equals_generate_with_default_drafter(smollm2_services, k):
-    """The real default target with the default (n-gram) drafter, 8 demo prompts, chat template."""
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    """The demo prompts (chat template) and the stock model's own greedy continuations: transformers' own
+    forward, not the target's fast one (oneDNN linears, KV buffers, packed rows)."""
     from lmkit import models
 
-    services = smollm2_services
     tokenizer = models.load_tokenizer("smollm2-135m")
     prompts_ids = [
         list(tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True)["input_ids"])
         for p in DEMO_PROMPTS
     ]
-    model = services.target_engine.model
-    expected = [reference_greedy(model, ids, 32) for ids in prompts_ids]
-    got = run_async(generate_all(services, "smollm2-135m", prompts_ids, k, DrafterKind.NGRAM, 32))
+    model = models.load_model(models.ModelSpec("smollm2-135m"))
+    return prompts_ids, [reference_greedy(model, ids, 32) for ids in prompts_ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k, branches", [(1, 1), (4, 1), (8, 1), (8, 4)])
+def test_smollm2_greedy_equals_generate_with_default_drafter(smollm2_services, smollm2_reference, k, branches):
+    """The real default target with the default (n-gram) drafter, 8 demo prompts, chat template; chains and
+    token trees of up to 4 branches."""
+    services = smollm2_services
+    prompts_ids, expected = smollm2_reference
+    trees: list[tuple[int, int]] = []
+    got = run_async(
+        generate_all(services, "smollm2-135m", prompts_ids, k, DrafterKind.NGRAM, 32, branches=branches, tree_rounds=trees)
+    )
     for prompt, want, have in zip(DEMO_PROMPTS, expected, got):
-        assert have == want, f"k={k} diverged on {prompt.name}"
+        assert have == want, f"k={k} branches={branches} diverged on {prompt.name}"
     assert services.target_engine.sessions.stats()[0] == 0
+    if branches > 1:
+        assert sum(rounds for rounds, _ in trees) > 0

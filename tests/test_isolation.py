@@ -29,12 +29,19 @@ BAD = 3  # in the middle: on the old code the sessions before it were committed,
 
 
 @pytest.fixture(scope="module")
-def model(tiny_target_dir):
+def model(tiny_target_dir, fast_forward):  # one model per forward: the packed one is changed in place
     return models.load_model(models.ModelSpec(str(tiny_target_dir)))
 
 
-def new_engine(model) -> TargetEngine:
-    return TargetEngine(model, model_id="tiny", vocab_fingerprint="", limits=SessionLimits(max_block=8))
+@pytest.fixture(scope="module", params=[True, False], ids=["packed-rows", "stock-forward"])
+def fast_forward(request) -> bool:
+    return request.param
+
+
+def new_engine(model, fast_forward: bool = True) -> TargetEngine:
+    return TargetEngine(
+        model, model_id="tiny", vocab_fingerprint="", limits=SessionLimits(max_block=8), fast_forward=fast_forward
+    )
 
 
 def opened(engine: TargetEngine, gguf_tokenizer) -> list:
@@ -52,8 +59,8 @@ def blocks(sessions) -> list[list[int]]:
     return [[(t * 7 + j) % 49152 for j in range(1 + i % 4)] for i, t in enumerate(s.tokens[-1] for s in sessions)]
 
 
-def solo_results(model, gguf_tokenizer) -> list[tuple[int, int]]:
-    engine = new_engine(model)
+def solo_results(model, gguf_tokenizer, fast_forward: bool) -> list[tuple[int, int]]:
+    engine = new_engine(model, fast_forward)
     sessions = opened(engine, gguf_tokenizer)
     return [
         (lambda v: (v.accepted, v.next_token))(engine.verify(s, len(s.tokens), b, None))
@@ -62,19 +69,29 @@ def solo_results(model, gguf_tokenizer) -> list[tuple[int, int]]:
 
 
 def poison_with_nan(session) -> None:
+    kv = session.cache.kv
+    if kv is not None:  # the packed-rows forward's buffer
+        kv.keys = [torch.full_like(keys, math.nan) for keys in kv.keys]
+        return
     for layer in session.cache.cache.layers:
         layer.keys = torch.full_like(layer.keys, math.nan)
 
 
 def poison_with_bad_shape(session) -> None:
+    kv = session.cache.kv
+    if kv is not None:
+        kv.keys[0] = kv.keys[0][..., :-1]  # one fewer head dimension: no forward can use it
+        return
     layer = session.cache.cache.layers[0]
-    layer.keys = layer.keys[..., :-1]  # one fewer head dimension: no forward can use it
+    layer.keys = layer.keys[..., :-1]
 
 
 @pytest.mark.parametrize("poison", [poison_with_nan, poison_with_bad_shape], ids=["nan-logits", "forward-fails"])
-def test_a_bad_session_fails_alone_and_the_others_commit_their_solo_results(model, gguf_tokenizer, poison):
-    expected = solo_results(model, gguf_tokenizer)
-    engine = new_engine(model)
+def test_a_bad_session_fails_alone_and_the_others_commit_their_solo_results(
+    model, gguf_tokenizer, fast_forward, poison
+):
+    expected = solo_results(model, gguf_tokenizer, fast_forward)
+    engine = new_engine(model, fast_forward)
     sessions = opened(engine, gguf_tokenizer)
     committed = [len(s.tokens) for s in sessions]
     poison(sessions[BAD])

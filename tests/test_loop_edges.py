@@ -31,9 +31,9 @@ PROMPT = "Once upon a time"
 class SlowDraft(DraftEngine):
     """Proposes like the tiny draft, 0.2 s late: a proposal drafted ahead is still running when a round ends."""
 
-    def propose(self, session, position, tokens, k, free_k=0):
+    def propose(self, session, position, tokens, k, free_k=0, max_branches=1):
         time.sleep(0.2)
-        return super().propose(session, position, tokens, k, free_k)
+        return super().propose(session, position, tokens, k, free_k, max_branches)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def slow_draft(background_loop, tiny_services):
 
 
 def pending_look_aheads() -> list[asyncio.Task]:
-    return [t for t in asyncio.all_tasks() if not t.done() and "propose_ahead" in t.get_coro().__qualname__]
+    return [t for t in asyncio.all_tasks() if not t.done() and t.get_coro().__qualname__ == "DraftLink._propose"]
 
 
 def test_the_look_ahead_stops_before_the_last_event_of_a_stopped_generation(slow_draft, tiny_target_dir, gguf_tokenizer):

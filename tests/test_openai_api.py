@@ -22,7 +22,7 @@ from lmkit import models
 from orchestrator import openai_server
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Orchestrator
-from tests.conftest import run_async
+from tests.conftest import run_async, wait_until
 
 pytestmark = pytest.mark.services
 
@@ -94,15 +94,6 @@ class Reference:
 
 def sessions(services) -> tuple[int, int]:
     return services.target_engine.sessions.stats()[0], services.draft_engine.sessions.stats()[0]
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # -- the openai client ------------------------------------------------------------------------------------

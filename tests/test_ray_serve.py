@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from ray_deploy import options
-from tests.conftest import run_async
+from tests.conftest import run_async, wait_until
 from tests.ray_fixtures import start_cli
 
 pytestmark = pytest.mark.ray
@@ -53,15 +53,6 @@ async def generate(address: str, request: pb.GenerateRequest,
         except grpc.aio.AioRpcError as exc:
             return exc.details(), ids, exc.code().name
     return "".join(text), ids, "OK"
-
-
-def wait_for(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def request(prompt: str, max_new_tokens: int, **fields) -> pb.GenerateRequest:
@@ -124,7 +115,7 @@ def test_requests_beyond_replicas_and_queue_are_resource_exhausted(ray_front, ti
     assert "--ray-max-queued-requests" in refusal and "retry" in refusal
     assert all(0 < len(ids) <= long for _, ids, _ in admitted)
     assert run_async(generate(ray_front.address, request("after the burst", 4)))[2] == "OK"
-    assert wait_for(lambda: tiny_services.target_engine.sessions.stats()[0] == 0)  # no session left behind
+    assert wait_until(lambda: tiny_services.target_engine.sessions.stats()[0] == 0)  # no session left behind
 
 
 def test_cancelled_call_stops_the_replicas_generation(ray_front, tiny_services):
@@ -143,7 +134,7 @@ def test_cancelled_call_stops_the_replicas_generation(ray_front, tiny_services):
                     return
 
     run_async(hang_up_early())
-    assert wait_for(lambda: engine.sessions.stats()[0] == 0)
+    assert wait_until(lambda: engine.sessions.stats()[0] == 0)
     assert engine.sessions.stats()[2] - rounds_before < 200  # k = 0: one round per token; 400 if never cancelled
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
-from lmkit.kinds import DrafterKind
+from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.sampling import SamplingParams, logits_to_probs
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
@@ -24,61 +24,91 @@ pytestmark = pytest.mark.services
 PROMPT = [504, 2365, 6354]  # a few SmolLM2 token ids
 
 
-async def sample_many(services, target_dir, runs, k, drafter, draft_probs, sampling, max_new_tokens, seed0=0):
+async def sample_many(
+    services, target_dir, runs, k, drafter, mode, sampling, max_new_tokens, seed0=0, prompt=PROMPT,
+    tree_branches=1, tree_rounds=None,
+):
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir))
     orch = await Orchestrator.connect(config)
     outputs = []
     try:
         for i in range(runs):
             params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed0 + i)
-            request = GenerationRequest("", False, max_new_tokens, params, (), k, drafter, draft_probs)
+            request = GenerationRequest(
+                "", False, max_new_tokens, params, (), k, drafter, mode is VerificationMode.DRAFT_PROBS,
+                sampling_mode=mode, tree_branches=tree_branches,
+            )
             ids: list[int] = []
-            async for event in orch.generate(request, PROMPT):
+            async for event in orch.generate(request, prompt):
                 ids.extend(event.token_ids)
+                if event.stats is not None and tree_rounds is not None:
+                    tree_rounds.append(event.stats.tree_rounds)
             outputs.append(tuple(ids))
     finally:
         await orch.close()
     return outputs
 
 
-MODES = [
-    pytest.param(DrafterKind.MODEL, True, id="draft-probs"),
-    pytest.param(DrafterKind.MODEL, False, id="token-only-model"),
-    pytest.param(DrafterKind.NGRAM, False, id="token-only-ngram"),
+MODES = [  # each sampling verification mode named explicitly (a request that names none gets the server's default)
+    pytest.param(DrafterKind.MODEL, VerificationMode.DRAFT_PROBS, id="draft-probs"),
+    pytest.param(DrafterKind.MODEL, VerificationMode.TOKEN_ONLY, id="token-only-model"),
+    pytest.param(DrafterKind.NGRAM, VerificationMode.COUPLED, id="coupled-ngram"),
 ]
 
 
-@pytest.mark.parametrize("drafter,draft_probs", MODES)
-def test_seeded_sampling_is_reproducible(tiny_services, tiny_target_dir, drafter, draft_probs):
+@pytest.mark.parametrize("drafter,mode", MODES)
+def test_seeded_sampling_is_reproducible(tiny_services, tiny_target_dir, drafter, mode):
     sampling = SamplingParams(temperature=1.5, top_k=50, top_p=0.95)
-    first = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, draft_probs, sampling, 20))
-    again = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, draft_probs, sampling, 20))
-    other = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, draft_probs, sampling, 20, seed0=100))
+    first = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, mode, sampling, 20))
+    again = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, mode, sampling, 20))
+    other = run_async(sample_many(tiny_services, tiny_target_dir, 4, 4, drafter, mode, sampling, 20, seed0=100))
     assert first == again
     assert first != other
 
 
-def exact_first_two(model_dir, sampling: SamplingParams) -> dict[tuple[int, int], float]:
+def exact_first_two(model_dir, sampling: SamplingParams, prompt=PROMPT) -> dict[tuple[int, int], float]:
     """The target's own joint distribution of the first two sampled tokens."""
     from lmkit import models
 
     model = models.load_model(models.ModelSpec(str(model_dir)))
     with torch.inference_mode():
-        p1 = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0]
+        p1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1:], sampling)[0]
         joint = {}
         for t1 in torch.nonzero(p1).flatten().tolist():
-            p2 = logits_to_probs(model(torch.tensor([PROMPT + [t1]])).logits[0, -1:], sampling)[0]
+            p2 = logits_to_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1:], sampling)[0]
             for t2 in torch.nonzero(p2).flatten().tolist():
                 joint[(t1, t2)] = float(p1[t1] * p2[t2])
     return joint
 
 
-@pytest.mark.parametrize("drafter,draft_probs", MODES[:2])
-def test_system_output_distribution_is_the_targets(tiny_services, tiny_target_dir, drafter, draft_probs):
+@pytest.mark.parametrize("drafter,mode", MODES[:2])
+def test_system_output_distribution_is_the_targets(tiny_services, tiny_target_dir, drafter, mode):
     sampling = SamplingParams(temperature=4.0, top_k=3)
     exact = exact_first_two(tiny_target_dir, sampling)
     runs = 1500
-    samples = run_async(sample_many(tiny_services, tiny_target_dir, runs, 2, drafter, draft_probs, sampling, 2))
+    samples = run_async(sample_many(tiny_services, tiny_target_dir, runs, 2, drafter, mode, sampling, 2))
+    assert_distributed_as(samples, exact)
+
+
+def test_token_trees_keep_system_sampling_lossless(tiny_services, tiny_target_dir):
+    """n-gram trees (the suffix 5 6 occurred twice before, with different continuations) in TOKEN_ONLY mode.
+
+    COUPLED (the default for sampled requests) verifies chains only: its rounds send no tree.
+    """
+    prompt = [5, 6, 7, 9, 5, 6, 8, 9, 5, 6]
+    sampling = SamplingParams(temperature=4.0, top_k=3)
+    coupled: list[int] = []
+    run_async(sample_many(tiny_services, tiny_target_dir, 4, 2, DrafterKind.NGRAM, VerificationMode.COUPLED, sampling, 2,
+                          prompt=prompt, tree_branches=4, tree_rounds=coupled))
+    assert coupled == [0] * 4
+    exact = exact_first_two(tiny_target_dir, sampling, prompt)
+    trees: list[int] = []
+    runs = 800  # ~89 expected per cell on average over the 9 (t1, t2) pairs
+    samples = run_async(
+        sample_many(tiny_services, tiny_target_dir, runs, 2, DrafterKind.NGRAM, VerificationMode.TOKEN_ONLY, sampling, 2,
+                    prompt=prompt, tree_branches=4, tree_rounds=trees)
+    )
+    assert sum(trees) >= runs  # every first round verified a tree
     assert_distributed_as(samples, exact)
 
 

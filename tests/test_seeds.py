@@ -100,7 +100,7 @@ def test_a_target_losing_every_session_gives_the_same_tokens_for_a_seed(
 def coupled(seed: int, k: int, drafter=DrafterKind.MODEL, *, adaptive=False, overlap=False) -> GenerationRequest:
     sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
     return GenerationRequest("", False, NEW, sampling, (), k, drafter, False, adaptive, (), overlap,
-                             VerificationMode.COUPLED)
+                             sampling_mode=VerificationMode.COUPLED)
 
 
 SETTINGS = [  # (k, drafter, adaptive, overlap): every way a seed's run may be scheduled

@@ -19,6 +19,7 @@ from lmkit.kinds import DrafterKind
 from lmkit.sampling import SamplingParams, logits_to_probs
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
+from orchestrator.links import LinkPolicy
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_sampling_e2e import assert_distributed_as
 
@@ -147,8 +148,11 @@ def test_overlapped_sampling_is_lossless(self_draft_services, tiny_target_dir):
         return await collect(orch, request(1, DrafterKind.MODEL, sampling=params, max_new=4, draft_probs=True), PROMPT)
 
     async def sample(runs, concurrent=16):  # concurrent sessions: their blocks are also verified in batches
+        # A fixed draft deadline: 16 sessions queue on the draft's one compute thread, and blocks an adaptive
+        # deadline drops (the target steps alone) would thin out the overlapped path this test is about.
         orch = await Orchestrator.connect(OrchestratorConfig(
-            self_draft_services.target_address, self_draft_services.draft_address, str(tiny_target_dir)))
+            self_draft_services.target_address, self_draft_services.draft_address, str(tiny_target_dir),
+            link_policy=LinkPolicy(draft_deadline_s=5.0)))
         out, hits = [], 0
         try:
             for start in range(0, runs, concurrent):

@@ -79,7 +79,7 @@ class DraftProbs(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sparse: _Optional[bool] = ..., values: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "max_context", "max_block", "drafters", "tp_degree", "device", "drafter_info", "hidden_size", "num_layers")
+    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "max_context", "max_block", "drafters", "tp_degree", "device", "drafter_info", "hidden_size", "num_layers", "token_trees")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class ModelInfo(_message.Message):
     DRAFTER_INFO_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TREES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     vocab_fingerprint: str
@@ -102,7 +103,8 @@ class ModelInfo(_message.Message):
     drafter_info: _containers.RepeatedCompositeFieldContainer[DrafterInfo]
     hidden_size: int
     num_layers: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    token_trees: bool
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., token_trees: _Optional[bool] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
     __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width")
@@ -225,18 +227,20 @@ class DraftOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., feature_width: _Optional[int] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("position", "tokens", "k", "features", "free_k")
+    __slots__ = ("position", "tokens", "k", "features", "max_branches", "free_k")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     FREE_K_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
     features: HiddenFeatures
+    max_branches: int
     free_k: int
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., free_k: _Optional[int] = ...) -> None: ...
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., max_branches: _Optional[int] = ..., free_k: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "propose")
@@ -247,20 +251,26 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("position", "tokens", "probs", "compute_us", "drafter", "quality")
+    __slots__ = ("position", "tokens", "probs", "compute_us", "parents", "drafter", "quality", "service_us", "branch")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_US_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
     compute_us: int
+    parents: _containers.RepeatedScalarFieldContainer[int]
     drafter: DrafterKind
     quality: MatchQuality
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ...) -> None: ...
+    service_us: int
+    branch: DraftBranch
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ..., service_us: _Optional[int] = ..., branch: _Optional[_Union[DraftBranch, _Mapping]] = ...) -> None: ...
 
 class MatchQuality(_message.Message):
     __slots__ = ("length", "occurrences")
@@ -269,6 +279,14 @@ class MatchQuality(_message.Message):
     length: int
     occurrences: int
     def __init__(self, length: _Optional[int] = ..., occurrences: _Optional[int] = ...) -> None: ...
+
+class DraftBranch(_message.Message):
+    __slots__ = ("index", "token")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token: int
+    def __init__(self, index: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("opened", "block")
@@ -297,14 +315,16 @@ class TargetOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("position", "draft_tokens", "draft_probs")
+    __slots__ = ("position", "draft_tokens", "draft_probs", "parents")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     position: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: DraftProbs
-    def __init__(self, position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
     __slots__ = ("open", "verify")
@@ -315,7 +335,7 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "features", "logprobs", "cost_base_us", "cost_per_token_us")
+    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "features", "path", "logprobs", "cost_base_us", "cost_per_token_us", "service_us")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -324,9 +344,11 @@ class VerifyResult(_message.Message):
     BATCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
     OTHERS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COST_BASE_US_FIELD_NUMBER: _ClassVar[int]
     COST_PER_TOKEN_US_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_US_FIELD_NUMBER: _ClassVar[int]
     position: int
     accepted: int
     next_token: int
@@ -335,10 +357,12 @@ class VerifyResult(_message.Message):
     batch_width: int
     others_committed: int
     features: HiddenFeatures
+    path: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     cost_base_us: float
     cost_per_token_us: float
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ...) -> None: ...
+    service_us: int
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ..., service_us: _Optional[int] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
@@ -349,7 +373,7 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain", "overlap", "messages", "return_logprobs", "top_logprobs", "request_id", "mode")
+    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain", "overlap", "tree_branches", "messages", "return_logprobs", "top_logprobs", "request_id", "mode")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +386,7 @@ class GenerateRequest(_message.Message):
     ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    TREE_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -379,15 +404,16 @@ class GenerateRequest(_message.Message):
     adaptive_k: bool
     chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
     overlap: bool
+    tree_branches: int
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     return_logprobs: bool
     top_logprobs: int
     request_id: str
     mode: VerificationMode
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size", "feature_bytes", "feature_bytes_per_round", "request_id")
+    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size", "feature_bytes", "feature_bytes_per_round", "tree_rounds", "tree_nodes", "branch_accepted", "request_id")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +439,9 @@ class GenerationStats(_message.Message):
     MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     new_tokens: int
@@ -439,8 +468,11 @@ class GenerationStats(_message.Message):
     mean_batch_size: float
     feature_bytes: int
     feature_bytes_per_round: float
+    tree_rounds: int
+    tree_nodes: int
+    branch_accepted: int
     request_id: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., feature_bytes_per_round: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., feature_bytes_per_round: _Optional[float] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branch_accepted: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs")

@@ -1,0 +1,67 @@
+"""Linear layers with oneDNN-packed weights, for fp32 models on the CPU.
+
+torch's fp32 ``nn.Linear`` on the CPU goes to MKL's sgemm. For the shapes of a
+verify pass (a handful of rows against a large weight) that path is far from
+the memory bound: on this machine a 2..9-row product with the 49152 x 576 LM
+head costs 2.5-4x a 1-row one, and a 9-token SmolLM2 forward costs about 2x a
+1-token one. oneDNN's matmul over a weight reordered once at load
+(``torch.ops.mkldnn._reorder_linear_weight``) streams the weight once whatever
+the row count, so verifying a block costs little more than decoding a token
+(``bench/verify_width.py``).
+
+The products are the same fp32 products, summed in a different order:
+logits move by ~1e-5 relative, as between any two BLAS kernels (torch's own
+path already switches kernels between 1 and 2 rows).
+
+The packed weight replaces the original, so weight memory does not grow;
+a tied LM head gets its own packed copy (the embedding keeps the original).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PackedLinear(torch.nn.Module):
+    """``y = x W^T + b`` through oneDNN with ``W`` reordered once; same input and output shapes as ``nn.Linear``."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        # An opaque oneDNN layout, not a [out, in] matrix: only _linear_pointwise reads it.
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_pack(model) -> bool:
+    """True for an fp32 model on the CPU with plain (unsharded) weights, where oneDNN is built in."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    params = list(model.parameters())
+    return bool(params) and all(
+        type(p.data) is torch.Tensor and p.device.type == "cpu" and p.dtype == torch.float32 for p in params
+    )
+
+
+@torch.no_grad()
+def pack_linears(model) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many were replaced.
+
+    A model that ``can_pack`` refuses is left as it is (returns 0).
+    """
+    if not can_pack(model):
+        return 0
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(module, name, PackedLinear(child))
+                replaced += 1
+    return replaced

@@ -1,0 +1,229 @@
+"""Several sessions' tokens in one forward, packed into one sequence, each row attending to its own cache.
+
+A step feeds some tokens of one session (a row): the tail of its context that
+is not cached yet, then its draft block or token tree. All rows of a forward
+are packed end to end into one sequence of T tokens, with no padding:
+
+    packed:  [ row 0 (n_0 tokens) | row 1 (n_1) | ... ]      input_ids, position_ids: [1, T]
+
+The linear layers see T tokens whatever the rows are. Attention runs per row
+(``_attention``, registered with transformers' ``AttentionInterface``): row
+i's queries attend to its own session's cached keys/values (a ``KVBuffer``, no
+copy) plus its new ones, written there in place by the cache adapter before
+attention reads them, under the row's mask (causal, or a token tree's
+ancestor mask). Each row therefore computes what its solo step computes, and
+a wide row costs the forward its own tokens only. Only the positions whose
+logits are needed go through the LM head (``logits_to_keep``).
+
+Grouped-query attention runs through ``enable_gqa`` instead of repeating the
+keys/values per query head (the same numbers, without the copy).
+
+A model whose layers are not all full attention (sliding windows, linear
+attention) or that does not dispatch attention through ``AttentionInterface``
+is not installed and keeps its stock forward and ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from lmkit.kv_buffer import KVBuffer
+from lmkit.transfer import to_host
+
+ATTENTION = "specsplit_packed_rows"
+_INSTALLED = "_specsplit_packed_rows"
+# A 4D attention mask is passed through transformers untouched: in a packed forward the masks are per row.
+_NO_MODEL_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class RowStep:
+    """One session's share of a packed forward.
+
+    The buffer is cropped to ``start`` positions, ``tokens`` are fed at
+    ``positions`` (default start, start + 1, ...) under ``mask`` (default
+    causal), and the logits of ``logit_rows`` (indices into ``tokens``) are
+    returned. Afterwards the buffer holds start + len(tokens) positions.
+    """
+
+    kv: KVBuffer
+    start: int
+    tokens: Sequence[int]  # [n]
+    logit_rows: Sequence[int]  # [m], indices into tokens
+    positions: Sequence[int] | None = None  # [n]; None: start .. start + n - 1
+    mask: torch.Tensor | None = None  # [n, start + n] bool, True = attends; None: causal
+    # Hidden states to return for every fed token (a feature drafter's, EAGLE): indices into the model's
+    # hidden states (0 = embeddings, i = input of decoder layer i); empty = none.
+    feature_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Row:
+    kv: KVBuffer
+    start: int
+    width: int
+    offset: int  # where the row's tokens start in the packed sequence
+    mask: torch.Tensor | None  # [width, start + width] bool, or None: every cached and fed position
+
+
+def supports(model) -> bool:
+    """Whether the packed forward can run ``model``: every layer full attention, attention dispatched by name."""
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if any(kind != "full_attention" for kind in layer_types) or getattr(config, "sliding_window", None):
+        return False
+    if not getattr(config, "is_causal", True) or not getattr(model, "_can_set_attn_implementation", lambda: False)():
+        return False
+    return config._attn_implementation in ("sdpa", "eager", ATTENTION)
+
+
+def install(model) -> bool:
+    """Route ``model``'s attention through the packed-rows function; returns whether it could.
+
+    Outside a packed forward (e.g. ``model.generate``) the installed model
+    still runs transformers' own SDPA attention and masks.
+    """
+    if not supports(model):
+        return False
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+    setattr(model, _INSTALLED, True)
+    return True
+
+
+def installed(model) -> bool:
+    return bool(getattr(model, _INSTALLED, False))
+
+
+def _cache_kwargs(model, cache) -> dict:
+    from lmkit.kvcache import cache_kwargs  # lmkit.kvcache imports this module
+
+    return cache_kwargs(model, cache)
+
+
+def causal_mask(start: int, width: int, device=None) -> torch.Tensor:  # -> [width, start + width] bool
+    """Fed token i attends to every cached position and to fed tokens 0..i."""
+    return torch.ones(width, start + width, dtype=torch.bool, device=device).tril(diagonal=start)
+
+
+def forward_rows(model, steps: Sequence[RowStep]) -> list[torch.Tensor]:
+    """Run every step in one packed forward; returns per step the logits of its ``logit_rows`` [m, vocab] (float32, CPU)."""
+    return forward_rows_with_features(model, steps)[0]
+
+
+@torch.inference_mode()
+def forward_rows_with_features(
+    model, steps: Sequence[RowStep]
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """``forward_rows``, and per step the hidden states of its ``feature_layers`` for every fed token,
+    concatenated: [n, len(feature_layers) * hidden] float32 on the CPU (None for a step that asks for none)."""
+    if not steps:
+        return [], []
+    device = next(model.parameters()).device
+    rows, ids, positions, keep = [], [], [], []
+    offset = 0
+    for step in steps:
+        width = len(step.tokens)
+        if width == 0:
+            raise ValueError("a packed step must feed at least one token")
+        step.kv.crop(step.start)
+        mask = step.mask
+        if mask is None and width > 1:
+            mask = causal_mask(step.start, width)
+        if mask is not None and tuple(mask.shape) != (width, step.start + width):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {(width, step.start + width)}")
+        rows.append(_Row(step.kv, step.start, width, offset, None if mask is None else mask.to(device)))
+        ids.extend(step.tokens)
+        positions.extend(range(step.start, step.start + width) if step.positions is None else step.positions)
+        keep.extend(offset + i for i in step.logit_rows)
+        offset += width
+    n_layers = int(model.config.num_hidden_layers)
+    out = model(
+        input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+        position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+        attention_mask=_NO_MODEL_MASK.to(device),
+        **_cache_kwargs(model, _RowsCache(rows, n_layers)),
+        use_cache=True,
+        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+        output_hidden_states=any(step.feature_layers for step in steps),
+        specsplit_rows=rows,
+    )
+    logits = to_host(out.logits[0])  # [len(keep), vocab]
+    results, features, first = [], [], 0
+    for step, row in zip(steps, rows):
+        step.kv.length = row.start + row.width
+        results.append(logits[first : first + len(step.logit_rows)])
+        first += len(step.logit_rows)
+        fed = slice(row.offset, row.offset + row.width)  # each hidden state: [1, T, hidden]
+        features.append(
+            torch.cat([out.hidden_states[i][0, fed] for i in step.feature_layers], dim=-1).float().cpu()
+            if step.feature_layers else None
+        )
+    return results, features
+
+
+class _RowsLayer(CacheLayerMixin):
+    """A layer of the packed forward's cache: writes each row's new keys/values into its session's buffer."""
+
+    is_sliding = False
+
+    def __init__(self, layer: int, rows: Sequence[_Row]) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rows = rows
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # nothing to allocate
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # [1, kv_heads, T, head_dim] each; attention reads the rows' buffers, not this return value
+        for row in self.rows:
+            fed = slice(row.offset, row.offset + row.width)
+            row.kv.write(self.layer, row.start, key_states[:, :, fed], value_states[:, :, fed])
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _RowsCache(Cache):
+    def __init__(self, rows: Sequence[_Row], n_layers: int) -> None:
+        super().__init__(layers=[_RowsLayer(layer, rows) for layer in range(n_layers)])
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Per-row attention of a packed forward; anything else goes to transformers' SDPA attention.
+
+    query: [1, heads, T, head_dim]. Returns [1, T, heads, head_dim], as the
+    attention interface expects.
+    """
+    rows = kwargs.pop("specsplit_rows", None)
+    if rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer = module.layer_idx
+    gqa = query.shape[1] != key.shape[1]
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    for row in rows:
+        keys, values = row.kv.view(layer, row.start + row.width)
+        fed = slice(row.offset, row.offset + row.width)
+        attended = F.scaled_dot_product_attention(
+            query[:, :, fed], keys, values, attn_mask=row.mask, scale=scaling, enable_gqa=gqa
+        )  # [1, heads, width, head_dim]
+        out[:, fed] = attended.transpose(1, 2)
+    return out, None

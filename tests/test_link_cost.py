@@ -1,0 +1,115 @@
+"""The link-cost model: RTT estimation (RFC 6298), E[max] of two legs (Clark), round times and deadlines,
+and how the K controller's choices follow from each link's round trip."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from lmkit.kinds import DrafterKind, VerificationMode
+from orchestrator.acceptance import AcceptanceStats, Verification
+from orchestrator.adaptive_k import AdaptiveK
+from orchestrator.link_cost import DEADLINE_FLOOR_S, LinkCosts, RttEstimator, expected_max
+from orchestrator.rate import CostModel
+
+pytestmark = pytest.mark.unit
+
+
+def test_rtt_estimator_follows_rfc_6298():
+    rtt = RttEstimator()
+    rtt.observe(0.010)
+    assert (rtt.srtt, rtt.rttvar) == (0.010, 0.005)  # first sample: srtt = r, rttvar = r / 2
+    rtt.observe(0.018)
+    assert rtt.rttvar == pytest.approx(0.75 * 0.005 + 0.25 * 0.008)
+    assert rtt.srtt == pytest.approx(0.875 * 0.010 + 0.125 * 0.018)
+
+
+def test_rtt_estimator_converges_to_the_mean_and_the_spread_of_its_samples():
+    rng = random.Random(0)
+    rtt = RttEstimator()
+    samples = [0.020 + rng.gauss(0, 0.002) for _ in range(4000)]
+    sigmas = []
+    for s in samples:
+        rtt.observe(s)
+        sigmas.append(rtt.sigma)
+    assert rtt.srtt == pytest.approx(0.020, abs=0.0015)
+    # rttvar follows the last few samples; over time it reads as the spread (sigma of a normal)
+    assert statistics.fmean(sigmas[1000:]) == pytest.approx(statistics.stdev(samples), rel=0.15)
+
+
+def test_expected_max_of_two_normals_matches_sampling():
+    rng = random.Random(1)
+    for mean_a, sigma_a, mean_b, sigma_b in [(1.0, 0.2, 1.1, 0.3), (1.0, 0.0, 0.5, 0.0), (2.0, 0.5, 0.0, 0.1)]:
+        sampled = statistics.fmean(max(rng.gauss(mean_a, sigma_a), rng.gauss(mean_b, sigma_b)) for _ in range(40000))
+        assert expected_max(mean_a, sigma_a, mean_b, sigma_b) == pytest.approx(sampled, abs=0.01)
+    assert expected_max(1.0, 0.0, 0.5, 0.0) == 1.0  # no jitter: the slower leg
+
+
+def links(draft_s: float, target_s: float, jitter_s: float = 0.0, n: int = 50) -> LinkCosts:
+    out = LinkCosts()
+    rng = random.Random(2)
+    for _ in range(n):
+        out.draft.observe(draft_s + rng.gauss(0, jitter_s) if jitter_s else draft_s)
+        out.target.observe(target_s + rng.gauss(0, jitter_s) if jitter_s else target_s)
+    return out
+
+
+def test_round_time_adds_each_link_where_it_is_paid():
+    lk = links(draft_s=0.010, target_s=0.020)
+    verify, c = 0.050, 0.004
+    assert lk.round_s(0, verify, c, hit=0.5, overlap=False) == pytest.approx(0.070)  # no draft call
+    assert lk.round_s(3, verify, c, hit=0.5, overlap=False) == pytest.approx(0.070 + 0.010 + 0.012)
+    # overlap: drafting ahead (10 + 16 ms) hides behind the target leg (70 ms); a miss pays the draft again
+    assert lk.round_s(3, verify, c, hit=0.5, overlap=True) == pytest.approx(0.070 + 0.5 * (0.010 + 0.012))
+    # no links measured: the loopback model the controller had before links
+    assert LinkCosts().round_s(3, verify, c, 0.5, True) == pytest.approx(verify + 0.5 * 3 * c)
+    # a block in hand (a free block being cut): its draft round trip is paid whatever k is
+    for overlap in (False, True):
+        assert lk.round_s(3, verify, 0.0, 0.5, overlap, in_hand=True) == pytest.approx(0.070)
+
+
+def test_jitter_makes_two_parallel_legs_slower_on_average():
+    calm, jittery = links(0.030, 0.030), links(0.030, 0.030, jitter_s=0.010, n=400)
+    assert jittery.round_s(2, 0.0, 0.0, 1.0, overlap=True) > calm.round_s(2, 0.0, 0.0, 1.0, overlap=True) + 0.003
+
+
+def test_draft_deadline_is_its_expected_time_plus_four_deviations_with_a_floor():
+    lk = links(draft_s=0.020, target_s=0.0, jitter_s=0.002, n=200)
+    expected = 4 * 0.005
+    assert lk.draft_deadline_s(4, 0.005) == pytest.approx(lk.draft.srtt + 1.5 * expected + 4 * lk.draft.rttvar)
+    assert LinkCosts().draft_deadline_s(4, 0.0) == DEADLINE_FLOOR_S
+
+
+def controller(draft_rtt: float, target_rtt: float, alpha: float, draft_token_s: float, k_max: int = 8) -> AdaptiveK:
+    """A warmed controller on a CPU-like target (t(x) = 60 ms + 5 ms x) with the given links."""
+    costs = CostModel(links=links(draft_rtt, target_rtt))
+    for x in (1, 2, 3, 5, 9, 1, 4, 9):
+        costs.observe_verify(x, 0.060 + 0.005 * x)
+    costs.observe_draft(4, 4 * draft_token_s, DrafterKind.MODEL)
+    # Acceptance alpha at every position: the server-wide prior, with no evidence to move it.
+    stats = AcceptanceStats(prior=alpha)
+    return AdaptiveK(k_max, costs, stats, Verification.of(VerificationMode.GREEDY, 0.0), DrafterKind.MODEL)
+
+
+def test_a_long_target_round_trip_lengthens_blocks():
+    near, far = controller(0.0, 0.0, 0.6, 0.0), controller(0.0, 0.100, 0.6, 0.0)
+    assert far.ask(8) > near.ask(8) >= 1
+
+
+def test_a_slow_draft_link_turns_speculation_off_in_sync_and_overlap_hides_it():
+    # Drafts that would pay on loopback (alpha 0.5, free to make) do not pay a 100 ms draft round trip in sync ...
+    assert controller(0.0, 0.0, 0.5, 0.0).ask(8, overlap=False) >= 1
+    slow = controller(0.100, 0.0, 0.5, 0.0)
+    assert slow.ask(8, overlap=False) == 0
+    # ... and with overlap neither: a miss pays the round trip again; with drafts that pass nearly always it does.
+    assert slow.ask(8, overlap=True) == 0
+    assert controller(0.100, 0.100, 0.95, 0.0).ask(8, overlap=True) >= 1
+
+
+def test_overlap_pays_only_where_drafting_ahead_is_hidden():
+    # A draft costing 40 ms a token: drafting k + 1 ahead outlasts the verification, and misses pay again.
+    assert not controller(0.0, 0.0, 0.3, 0.040).ahead_pays()
+    # Free drafts over a draft link as long as the target's: drafting ahead hides behind the verification.
+    assert controller(0.050, 0.050, 0.7, 0.0).ahead_pays()
