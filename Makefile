@@ -34,8 +34,10 @@ $(K8S_STAMP): $(K8S_REQS)
 
 k8s-tools: $(K8S_STAMP)
 
+# `make demo DRAFTER=eagle`: the bundled EAGLE head drafts (docs/drafters.md); default: n-gram.
+DRAFTER ?= ngram
 demo: install
-	$(VENV)/bin/specsplit demo
+	$(VENV)/bin/specsplit demo --drafter $(DRAFTER)
 
 # Two workers (CI has two cores); the Ray tests share one of them (tests/conftest.py). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2

@@ -11,6 +11,7 @@ import asyncio
 
 from bench.evaluation import compare, summarise
 from bench.prompts import DEMO_PROMPTS
+from draft_service.eagle_head import BUNDLED
 from lmkit import models
 from lmkit.kinds import DrafterKind
 from lmkit.processes import local_services
@@ -36,6 +37,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--layerskip-layers", type=int, default=4, help="--drafter layerskip: layers kept")
     parser.add_argument("--layerskip-adapter", default="", help="--drafter layerskip: exit adapter from distill")
     parser.add_argument("--quantize", default="int8", help="--drafter quantized: int8 or int8-weight")
+    parser.add_argument(
+        "--eagle-head", default="",
+        help=f"--drafter eagle: a head folder (default: the bundled head for {', '.join(sorted(BUNDLED))})",
+    )
     parser.add_argument(
         "--chain", default="ngram,quantized",
         help="--drafter chain: members tried in order each round (comma-separated drafter names)",
@@ -68,6 +73,11 @@ def self_draft_flags(args) -> list[str]:
         ]
     if DrafterKind.QUANTIZED in kinds:
         flags += ["--quantize", args.quantize]
+    if DrafterKind.EAGLE in kinds:
+        if not args.eagle_head and args.model not in BUNDLED:
+            raise ValueError(f"--drafter eagle: no head is bundled for {args.model}; pass --eagle-head DIR "
+                             "(train one with `specsplit distill --eagle`)")
+        flags += ["--eagle-head", args.eagle_head or args.model]  # a bundled head is named by its target
     return flags
 
 

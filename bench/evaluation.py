@@ -30,6 +30,7 @@ class RunResult:
     accepted_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
     overlap_hits: int = 0
+    feature_bytes: int = 0  # hidden features the target sent (feature drafters)
 
 
 @dataclass
@@ -46,10 +47,10 @@ class Comparison:
 async def run_one(
     orch: Orchestrator, prompt: DemoPrompt, k: int, drafter: DrafterKind, max_new_tokens: int,
     sampling: SamplingParams, draft_probs: bool = False, adaptive_k: bool = False, overlap: bool = False,
-    tree_branches: int = 1,
+    chain: tuple[DrafterKind, ...] = (), tree_branches: int = 1,
 ) -> RunResult:
     request = GenerationRequest(
-        prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k, overlap=overlap,
+        prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k, chain, overlap,
         tree_branches=tree_branches,
     )
     prompt_ids = chat_ids(orch.tokenizer, prompt)
@@ -63,6 +64,7 @@ async def run_one(
                 prompt, "".join(text), ids, s.wall_s, s.rounds, s.drafted_tokens, s.accepted_tokens,
                 s.draft_compute_s, s.target_compute_s, event.finish.name,
                 list(event.loop.accepted_per_round), list(event.loop.drafted_per_round), s.overlap_hits,
+                s.feature_bytes,
             )
     raise RuntimeError("generation ended without a finish event")
 
@@ -101,6 +103,7 @@ class Summary:
     baseline_target_compute_s: float = 0.0
     baseline_rounds: int = 0
     identical: int = 0
+    feature_bytes: int = 0
     names: list[str] = field(default_factory=list)
 
     def add(self, c: Comparison) -> None:
@@ -117,6 +120,7 @@ class Summary:
         self.baseline_target_compute_s += c.baseline.target_compute_s
         self.baseline_rounds += c.baseline.rounds
         self.identical += int(c.identical)
+        self.feature_bytes += c.speculative.feature_bytes
 
     @property
     def baseline_tokens(self) -> int:

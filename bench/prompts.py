@@ -167,11 +167,21 @@ FREE_TEXT_PROMPTS: tuple[DemoPrompt, ...] = (
 
 MIXED_PROMPTS = load_prompt_set(SETS_DIR / "mixed.jsonl")
 
+# Open prose beyond the demo's three, for the EAGLE drafter's figures (``--prompt-set mix``: the demo's
+# grounded and open prompts plus these). None is among the chat prompts `specsplit distill --eagle` trains on.
+PROSE_PROMPTS: tuple[DemoPrompt, ...] = (
+    DemoPrompt("market", "open", "Describe a walk through a busy market on a Saturday morning."),
+    DemoPrompt("future-self", "open", "Write a letter to your future self about what you hope to learn this year."),
+    DemoPrompt("fridge", "open", "Explain how a refrigerator keeps food cold."),
+    DemoPrompt("turtle", "open", "Tell a bedtime story about a turtle who wants to see the sea."),
+)
+
 PROMPT_SETS: dict[str, tuple[DemoPrompt, ...]] = {
     "mixed": MIXED_PROMPTS,
     "mixed-dev": tuple(p for p in MIXED_PROMPTS if p.split == "dev"),
     "mixed-heldout": tuple(p for p in MIXED_PROMPTS if p.split == "heldout"),
     "demo": DEMO_PROMPTS,
+    "mix": DEMO_PROMPTS + PROSE_PROMPTS,
     "drafters": CODE_EDIT_PROMPTS + FREE_TEXT_PROMPTS,
     "code-edit": CODE_EDIT_PROMPTS,
     "free-text": FREE_TEXT_PROMPTS,

@@ -16,7 +16,7 @@ import argparse
 import asyncio
 import time
 
-from bench import demo, network, runs, speed, traffic
+from bench import demo, interleaved, network, runs, speed, traffic
 from bench.prompts import PROMPT_SETS
 from lmkit.processes import local_services
 from orchestrator.config import OrchestratorConfig
@@ -27,18 +27,20 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     demo.build_parser(parser)
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument(
-        "--suite", default="compare", choices=["compare", "speed", "network"],
+        "--suite", default="compare", choices=["compare", "speed", "interleaved", "network"],
         help="compare: contenders per kind on a prompt set; speed: the same on both decodings, concurrency, plot; "
+             "interleaved: several --drafters against target-only, prompt by prompt, in one run; "
              "network: speedup vs emulated link round trip, sync/overlap, fixed/adaptive K, plot",
     )
     speed.add_flags(parser)
+    interleaved.add_flags(parser)
     network.add_flags(parser)
     parser.add_argument("--target-cpus", default="", help="pin the target to these CPUs, e.g. '0,1'")
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
     parser.add_argument(
         "--prompt-set", default="mixed", choices=sorted(PROMPT_SETS),
         help="mixed: 55 prompts of 11 kinds (mixed-dev / mixed-heldout: its two splits); demo: the 8 demo prompts; "
-             "drafters: 4 code-edit + 4 free-text prompts",
+             "drafters: 4 code-edit + 4 free-text prompts; mix: the demo prompts plus 4 more open prose prompts (EAGLE)",
     )
     parser.add_argument("--decoding", default="both", choices=sorted(traffic.DECODINGS),
                         help="both (a sampling row beside greedy), greedy, or sampling (T 0.7, top-p 0.95, a seed "
@@ -64,6 +66,8 @@ async def measure_traffic(args, target_address: str, draft_address: str, decodin
 def run(args) -> int:
     if args.suite == "speed":
         return speed.run(args)
+    if args.suite == "interleaved":
+        return interleaved.run(args)
     if args.suite == "network":
         return network.run(args)
     started = time.time()

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from draft_service.drafter import DraftBlock, Drafter
+from lmkit.features import FeatureBlock
 from lmkit.kinds import DrafterKind
 
 
@@ -31,6 +32,7 @@ class ChainDrafter(Drafter):
         self.members = list(members)
         self.last_kind: DrafterKind | None = None  # which member drafted the latest block
         self.blocks_by_kind: dict[DrafterKind, int] = {kind: 0 for kind, _ in members}
+        self.needs_features = any(drafter.needs_features for _, drafter in members)
 
     @property
     def position(self) -> int:
@@ -47,6 +49,11 @@ class ChainDrafter(Drafter):
     def extend(self, tokens: Sequence[int]) -> None:
         for _, drafter in self.members:
             drafter.extend(tokens)
+
+    def add_features(self, block: FeatureBlock) -> None:
+        for _, drafter in self.members:
+            if drafter.needs_features:
+                drafter.add_features(block)
 
     def propose(self, k: int) -> DraftBlock:
         return self.propose_within(k, 0)

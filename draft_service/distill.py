@@ -1,4 +1,4 @@
-"""``specsplit distill``: train a layer-skip exit adapter for a target by distillation.
+"""``specsplit distill``: train a layer-skip exit adapter for a target by distillation (``--eagle``: an EAGLE head).
 
 The draft is the target's own first L layers, then a small ``ExitAdapter``
 (h + W·rmsnorm(h)), then the target's final norm and LM head — all frozen but
@@ -245,34 +245,55 @@ def distill(config: DistillConfig, log=print) -> dict:
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="specsplit distill", description=__doc__.splitlines()[0])
     d = DistillConfig
+    parser.add_argument(
+        "--eagle", action="store_true",
+        help="train an EAGLE-3 head (draft_service/eagle_distill.py) instead of a layer-skip exit adapter",
+    )
     parser.add_argument("--target", default=models.DEFAULT_MODEL, help="target model reference")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers the draft keeps")
     parser.add_argument("--out", required=True, help="folder for checkpoints, the adapter and the report")
     parser.add_argument("--corpus", nargs="*", default=[], help="text files/folders; default: pydoc_data.topics")
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument("--batch", type=int, default=d.batch)
-    parser.add_argument("--seq-len", type=int, default=d.seq_len)
-    parser.add_argument("--lr", type=float, default=d.lr)
+    # Each mode has its own defaults for these (None: the mode's).
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {d.steps}; --eagle: its own)")
+    parser.add_argument("--batch", type=int, default=None, help=f"sequences per step (default {d.batch})")
+    parser.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {d.seq_len})")
+    parser.add_argument("--lr", type=float, default=None, help=f"learning rate (default {d.lr})")
     parser.add_argument("--held-out", type=float, default=d.held_out, help="fraction of tokens kept for the report")
     parser.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows in the report")
     parser.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
     parser.add_argument("--max-corpus-tokens", type=int, default=d.max_corpus_tokens)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    from draft_service import eagle_distill
+
+    eagle_distill.add_flags(parser)
     return parser
 
 
+def _given(args, name: str, default):
+    value = getattr(args, name)
+    return default if value is None else value
+
+
 def config_from_args(args) -> DistillConfig:
+    d = DistillConfig
     return DistillConfig(
-        target=args.target, layers=args.layers, out=args.out, corpus=tuple(args.corpus), steps=args.steps,
-        batch=args.batch, seq_len=args.seq_len, lr=args.lr, held_out=args.held_out,
+        target=args.target, layers=args.layers, out=args.out, corpus=tuple(args.corpus),
+        steps=_given(args, "steps", d.steps), batch=_given(args, "batch", d.batch),
+        seq_len=_given(args, "seq_len", d.seq_len), lr=_given(args, "lr", d.lr), held_out=args.held_out,
         eval_windows=args.eval_windows, save_every=args.save_every,
         max_corpus_tokens=args.max_corpus_tokens, seed=args.seed,
     )
 
 
 def run(args) -> int:
-    config = config_from_args(args)  # ValueError on bad flags, before loading anything
+    from draft_service import eagle_distill
+
+    # ValueError on bad flags, before loading anything
+    config = eagle_distill.config_from_args(args) if args.eagle else config_from_args(args)
     models.configure_torch_threads(args.threads)
-    distill(config)
+    if args.eagle:
+        eagle_distill.distill_eagle(config)
+    else:
+        distill(config)
     return 0

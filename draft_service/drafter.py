@@ -11,6 +11,9 @@ one drafter per session and drives it with two calls per round:
   ``propose_tree(k, max_branches, max_nodes)`` — several continuations merged
   into a token tree (``lmkit.token_tree``); by default the chain of ``propose``.
 
+A feature drafter (``needs_features``, e.g. EAGLE) also takes the target's
+hidden features of committed positions between the two (``add_features``).
+
 A drafter whose proposals cost nothing to make (prompt lookup) says so with
 ``free``: the draft service then lets it propose up to the orchestrator's
 ``free_k`` bound, and the orchestrator cuts the block by the ``quality`` it
@@ -28,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from lmkit.features import FeatureBlock
 from lmkit.kinds import DrafterKind
 
 
@@ -64,6 +68,7 @@ class DraftBlock:
 class Drafter(abc.ABC):
     """Per-session proposer over a committed context."""
 
+    needs_features = False  # drafts from the target's hidden features (they arrive through add_features)
     free = False  # proposals cost ~nothing to make: it may draft up to the free bound
 
     def propose_within(self, k: int, free_k: int) -> DraftBlock:
@@ -104,6 +109,10 @@ class Drafter(abc.ABC):
             raise ValueError(f"commit at position {position} is past the drafter's context ({self.position} tokens)")
         self.rollback(position)
         self.extend(tokens)
+
+    def add_features(self, block: FeatureBlock) -> None:
+        """Take the target's hidden features of committed positions (feature drafters only)."""
+        raise ValueError(f"{type(self).__name__} takes no hidden features")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release per-session resources (caches)."""

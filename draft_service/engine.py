@@ -6,10 +6,12 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from draft_service import abandon
 from draft_service.drafter import DraftBlock, Drafter
 from draft_service.ngram import NgramConfig
 from draft_service.registry import DRAFTERS, DraftRequestContext
 from lmkit import errors
+from lmkit.features import FeatureBlock
 from lmkit.kinds import DrafterKind, DrafterTraits
 from lmkit.kvcache import check_cache_layout
 from lmkit.sampling import SamplingParams
@@ -24,6 +26,8 @@ class DraftSession:
     kind: DrafterKind
     drafter: Drafter
     rounds: int = 0
+    feature_width: int = 0  # values per position of the target's features (feature drafters), else 0
+    closed: bool = False  # set by DraftEngine.close (event loop); a running proposal then stops (abandon.py)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class DraftEngine:
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) if model is not None else 0
         self.limits = limits
         self.sessions: SessionTable[DraftSession] = SessionTable(limits, "draft")
+        abandon.watch([model, *derived.values()])  # a closed session's proposal stops at the next layer
 
     @property
     def drafters(self) -> list[DrafterKind]:
@@ -68,7 +73,7 @@ class DraftEngine:
     @property
     def traits(self) -> list[DrafterTraits]:
         """What each served drafter can do, for ``ModelInfo.drafter_info``."""
-        return [DRAFTERS[kind].traits for kind in self.drafters]
+        return [DRAFTERS[kind].traits(self.derived.get(kind)) for kind in self.drafters]
 
     def _available(self, kind: DrafterKind) -> bool:
         entry = DRAFTERS.get(kind)
@@ -109,6 +114,7 @@ class DraftEngine:
         ngram: NgramConfig,
         chain: Sequence[DrafterKind] = (),
         coupled: bool = False,  # COUPLED verification: model drafters take the target's Gumbel-max noise
+        feature_width: int = 0,
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -121,16 +127,37 @@ class DraftEngine:
             raise errors.InvalidArgument(
                 "COUPLED verification samples (temperature > 0) and sends token ids only; unset return_probs"
             )
+        width = self._check_features(kind, chain, feature_width)
         context = DraftRequestContext(
             list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled
         )
-        return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context)))
+        return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context), feature_width=width))
+
+    def _check_features(self, kind: DrafterKind, chain: Sequence[DrafterKind], sent_width: int) -> int:
+        """The features width a feature drafter (alone or in the chain) reads, checked against what the target sends."""
+        for member in (kind, *chain):
+            traits = DRAFTERS[member].traits(self.derived.get(member))
+            if not traits.needs_features:
+                continue
+            if sent_width == 0:
+                raise errors.InvalidArgument(
+                    f"drafter {member.name} drafts from the target's hidden features: set DraftOpen.feature_width "
+                    f"to the values per position the target sends (layers {list(traits.feature_layers)})"
+                )
+            if sent_width != traits.feature_width:
+                raise errors.FailedPrecondition(
+                    f"drafter {member.name}'s head reads {traits.feature_width} feature values per position "
+                    f"(target layers {list(traits.feature_layers)}), but the target sends {sent_width}: the head was "
+                    "trained for another target; start serve-draft with a head for this one"
+                )
+            return sent_width
+        return 0
 
     def propose(
         self, session: DraftSession, position: int, tokens: Sequence[int], k: int,
-        free_k: int = 0, max_branches: int = 1,
+        free_k: int = 0, max_branches: int = 1, features: FeatureBlock | None = None,
     ) -> Proposed:
-        """Take the committed tokens from ``position`` on, then draft up to ``k``.
+        """Take the committed tokens (and a feature drafter's features) from ``position`` on, then draft up to ``k``.
 
         A free drafter may draft up to ``free_k`` when larger. ``max_branches``
         > 1: up to that many continuations as a token tree (each as deep as a
@@ -152,17 +179,37 @@ class DraftEngine:
         if position + len(tokens) == 0:
             raise errors.InvalidArgument("propose would leave the context empty; send the committed tokens")
         check_tokens(tokens, self.vocab_size, "tokens")
+        self._check_features_block(session, position + len(tokens), features)
         start = time.perf_counter()
-        session.drafter.commit(position, tokens)
-        if max_branches > 1:
-            block = session.drafter.propose_tree_within(k, free_k, max_branches, self.limits.max_block)
-        else:
-            block = session.drafter.propose_within(k, free_k)
+        with abandon.proposing(lambda: session.closed):
+            session.drafter.commit(position, tokens)
+            if features is not None:
+                session.drafter.add_features(features)
+            if max_branches > 1:
+                block = session.drafter.propose_tree_within(k, free_k, max_branches, self.limits.max_block)
+            else:
+                block = session.drafter.propose_within(k, free_k)
         session.rounds += 1
         self.sessions.count_round()
         return Proposed(block, time.perf_counter() - start)
 
+    @staticmethod
+    def _check_features_block(session: DraftSession, committed: int, features: FeatureBlock | None) -> None:
+        if features is None:
+            return
+        if not session.feature_width:
+            raise errors.InvalidArgument(
+                f"features sent to drafter {session.kind.name}, which does not read them; send them only to a "
+                "feature drafter (EAGLE)"
+            )
+        if features.end > committed:
+            raise errors.FailedPrecondition(
+                f"features of positions [{features.position}, {features.end}) reach past the committed context "
+                f"of session {session.session_id!r} ({committed} tokens); send features of committed positions"
+            )
+
     def close(self, session_id: str) -> None:
         session = self.sessions.remove(session_id)
         if session is not None:
+            session.closed = True
             session.drafter.close()

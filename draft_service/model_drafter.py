@@ -7,7 +7,8 @@ verification it proposes argmax(log q_n + G(seed, n)) with the target's own
 Gumbel noise at n, so it is accepted whenever q and p pick the same token under
 the same noise. Rolled-back tokens are dropped
 lazily: the session cache keeps the longest prefix shared with the committed
-context and crops the rest on the next proposal.
+context and crops the rest on the next proposal. ``SamplingDrafter`` is what it
+shares with the EAGLE drafter: the committed context and drawing one token.
 
 Greedy token trees (``propose_tree``): the chain as ``propose`` drafts it,
 plus, at the positions where the draft was least sure (the largest
@@ -29,18 +30,17 @@ from lmkit.probs_codec import quantize_probs
 from lmkit.sampling import SamplingParams, logits_to_probs
 
 
-class ModelDrafter(Drafter):
+class SamplingDrafter(Drafter):
+    """A drafter over a committed context that draws each token from logits: the argmax when greedy, else a
+    sample from q = ``logits_to_probs(logits)`` (fp16-rounded first when q travels, DRAFT_PROBS mode) with the
+    session's uniform for the token's absolute position; in coupled verification argmax(log q + G) with the
+    target's Gumbel noise at that position."""
+
     def __init__(
-        self,
-        model,
-        prompt: Sequence[int],
-        sampling: SamplingParams,
-        return_probs: bool,
-        coupled: bool = False,
+        self, prompt: Sequence[int], sampling: SamplingParams, return_probs: bool, coupled: bool = False
     ) -> None:
         if not prompt:
-            raise ValueError("the model drafter needs a non-empty context")
-        self._cache = SessionCache(model)
+            raise ValueError(f"{type(self).__name__} needs a non-empty context")
         self._tokens = list(prompt)
         self._sampling = sampling
         self._return_probs = return_probs and not sampling.greedy
@@ -50,10 +50,6 @@ class ModelDrafter(Drafter):
     def position(self) -> int:
         return len(self._tokens)
 
-    @property
-    def cached_tokens(self) -> int:
-        return len(self._cache)
-
     def rollback(self, position: int) -> None:
         if not 0 <= position <= len(self._tokens):
             raise ValueError(f"rollback to {position} is outside the context [0, {len(self._tokens)}]")
@@ -61,6 +57,33 @@ class ModelDrafter(Drafter):
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._tokens.extend(tokens)
+
+    def _next(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token at absolute ``position`` from [1, vocab] logits, and the distribution it came from."""
+        if self._sampling.greedy:
+            return int(logits[0].argmax()), None
+        q = logits_to_probs(logits, self._sampling)  # [1, vocab]
+        seed = self._sampling.seed
+        if self._coupled:
+            return draws.gumbel_max(q[0], lambda ids: draws.gumbel(seed, draws.Stream.COUPLED, position, ids)), None
+        if self._return_probs:
+            # Sample from exactly what the target will decode from the wire.
+            q = quantize_probs(q)
+        u = float(draws.uniforms(seed, draws.Stream.DRAFT, [position], 1)[0, 0])
+        token = draws.inverse_cdf(q[0].to(torch.float64), u)
+        return token, (q if self._return_probs else None)
+
+
+class ModelDrafter(SamplingDrafter):
+    def __init__(
+        self, model, prompt: Sequence[int], sampling: SamplingParams, return_probs: bool, coupled: bool = False
+    ) -> None:
+        super().__init__(prompt, sampling, return_probs, coupled)
+        self._cache = SessionCache(model)
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._cache)
 
     def propose(self, k: int) -> DraftBlock:
         return self._draft(k, None)
@@ -109,21 +132,6 @@ class ModelDrafter(Drafter):
             index = min(range(len(margins)), key=lambda i: margins[i][0])
             branch = (index, margins[index][1])
         return DraftBlock(tokens=drafted, probs=probs, branch=branch)
-
-    def _next(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
-        """The draft token at absolute ``position`` from [1, vocab] logits, and the distribution it came from."""
-        if self._sampling.greedy:
-            return int(logits[0].argmax()), None
-        q = logits_to_probs(logits, self._sampling)  # [1, vocab]
-        seed = self._sampling.seed
-        if self._coupled:
-            return draws.gumbel_max(q[0], lambda ids: draws.gumbel(seed, draws.Stream.COUPLED, position, ids)), None
-        if self._return_probs:
-            # Sample from exactly what the target will decode from the wire.
-            q = quantize_probs(q)
-        u = float(draws.uniforms(seed, draws.Stream.DRAFT, [position], 1)[0, 0])
-        token = draws.inverse_cdf(q[0].to(torch.float64), u)
-        return token, (q if self._return_probs else None)
 
 
 def _margin(logits: torch.Tensor, token: int) -> tuple[float, int]:

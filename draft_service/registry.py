@@ -7,6 +7,7 @@ from typing import Callable, Mapping, Sequence
 
 from draft_service.chain import ChainDrafter
 from draft_service.drafter import Drafter
+from draft_service.eagle import EagleDrafter
 from draft_service.model_drafter import ModelDrafter
 from draft_service.ngram import NgramConfig, NgramDrafter
 from lmkit.kinds import DrafterKind, DrafterTraits
@@ -37,10 +38,17 @@ class DrafterEntry:
     derived: bool = False  # runs a model derived from --model at start-up (needs its flag)
     enable_hint: str = ""  # how to start serve-draft so that it serves this drafter
     free: bool = False  # its proposals cost ~nothing (its Drafter class says ``free = True`` too)
+    # Drafts from the target's hidden features; its derived model says which (feature_layers, feature_width).
+    needs_features: bool = False
 
-    @property
-    def traits(self) -> DrafterTraits:
-        return DrafterTraits(self.kind, self.has_probs, self.needs_model, self.free)
+    def traits(self, derived: object | None = None) -> DrafterTraits:
+        """What it can do; a feature drafter's layers and width come from its derived model."""
+        if not self.needs_features:
+            return DrafterTraits(self.kind, self.has_probs, self.needs_model, self.free)
+        return DrafterTraits(
+            self.kind, self.has_probs, self.needs_model, self.free, needs_features=True,
+            feature_layers=tuple(derived.feature_layers), feature_width=int(derived.feature_width),
+        )
 
 
 def _model_drafter(model, c: DraftRequestContext) -> ModelDrafter:
@@ -70,3 +78,9 @@ register(DrafterEntry(DrafterKind.QUANTIZED, lambda c: _model_drafter(c.derived[
                       needs_model=True, has_probs=True, derived=True,
                       enable_hint="start serve-draft with --model TARGET --quantize int8 to enable it"))
 register(DrafterEntry(DrafterKind.CHAIN, _chain))
+register(DrafterEntry(
+    DrafterKind.EAGLE,
+    lambda c: EagleDrafter(c.derived[DrafterKind.EAGLE], c.prompt, c.sampling, c.return_probs, c.coupled),
+    needs_model=True, has_probs=True, derived=True, needs_features=True,
+    enable_hint="start serve-draft with --model TARGET --eagle-head DIR (or the bundled head's name) to enable it",
+))

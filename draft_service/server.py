@@ -1,4 +1,4 @@
-"""``specsplit serve-draft``: the drafters behind gRPC (n-gram always; model and self-drafters with --model)."""
+"""``specsplit serve-draft``: the drafters behind gRPC (n-gram always; model, self- and EAGLE drafters with --model)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import sys
 
-from draft_service import self_draft
+from draft_service import eagle_head, self_draft
 from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramConfig
 from draft_service.self_draft import QuantizeMode
@@ -45,15 +45,24 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--quantize", default="", choices=["", *(m.value for m in QuantizeMode)],
         help="enable the QUANTIZED self-drafter: --model's transformer layers in int8, LM head in fp32",
     )
+    parser.add_argument(
+        "--eagle-head", default="",
+        help="enable the EAGLE drafter: a head folder in the EAGLE-3 layout trained for --model (the target), "
+             f"or a bundled head's name ({', '.join(sorted(eagle_head.BUNDLED))})",
+    )
     add_common_flags(parser, DEFAULT_PORT)
     return parser
 
 
 def check_self_draft_flags(args) -> None:
     """Fail fast (ValueError) on self-drafting flags that cannot work, before loading anything."""
-    wants = args.layerskip_layers or args.layerskip_adapter or args.quantize
+    wants = args.layerskip_layers or args.layerskip_adapter or args.quantize or args.eagle_head
     if wants and not args.model:
-        raise ValueError("--layerskip-layers, --layerskip-adapter and --quantize derive from --model; pass --model TARGET")
+        raise ValueError(
+            "--layerskip-layers, --layerskip-adapter, --quantize and --eagle-head derive from --model; pass --model TARGET"
+        )
+    if args.eagle_head:
+        eagle_head.read_config(eagle_head.resolve_head(args.eagle_head))
     if args.layerskip_layers < 0:
         raise ValueError(f"--layerskip-layers must be >= 1 (0 = off), got {args.layerskip_layers}")
     if args.layerskip_adapter:
@@ -81,6 +90,8 @@ def derive_drafts(args, model, fingerprint: str) -> dict[DrafterKind, object]:
         derived[DrafterKind.LAYERSKIP] = self_draft.layerskip_view(model, layers, adapter)
     if args.quantize:
         derived[DrafterKind.QUANTIZED] = self_draft.quantized_view(model, QuantizeMode(args.quantize))
+    if args.eagle_head:
+        derived[DrafterKind.EAGLE] = eagle_head.load_head(args.eagle_head, model)
     return derived
 
 

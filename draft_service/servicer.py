@@ -13,7 +13,7 @@ from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.wire import mode_from_proto, probs_to_proto, sampling_from_proto
+from lmkit.wire import features_from_proto, mode_from_proto, probs_to_proto, sampling_from_proto
 
 
 def drafter_from_proto(value: int, served: list[DrafterKind]) -> DrafterKind:
@@ -53,8 +53,11 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             max_block=e.limits.max_block,
             drafters=[k.value for k in e.drafters],
             drafter_info=[
-                pb.DrafterInfo(kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model,
-                               free=t.free)
+                pb.DrafterInfo(
+                    kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model,
+                    free=t.free, needs_features=t.needs_features, feature_layers=list(t.feature_layers),
+                    feature_width=t.feature_width,
+                )
                 for t in e.traits
             ],
             tp_degree=1,
@@ -94,13 +97,17 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         chain = [drafter_from_proto(value, engine.drafters) for value in msg.chain]
         coupled = msg.mode != pb.VERIFICATION_MODE_UNSPECIFIED and mode_from_proto(msg.mode) is VerificationMode.COUPLED
         return await self.compute.run(
-            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain, coupled
+            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain, coupled,
+            msg.feature_width,
         )
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
         received = time.perf_counter()
+        features = None
+        if msg.HasField("features"):
+            features = features_from_proto(msg.features, session.feature_width or msg.features.width)
         done = await self.compute.run(
-            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches
+            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches, features
         )
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),

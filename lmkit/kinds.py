@@ -64,6 +64,7 @@ class DrafterKind(metaclass=_KindRegistry):
     LAYERSKIP: ClassVar[DrafterKind]
     QUANTIZED: ClassVar[DrafterKind]
     CHAIN: ClassVar[DrafterKind]
+    EAGLE: ClassVar[DrafterKind]
 
     value: int
     name: str
@@ -107,6 +108,7 @@ DrafterKind.NGRAM = DrafterKind(2, "NGRAM")  # prompt lookup: model-free, contin
 DrafterKind.LAYERSKIP = DrafterKind(3, "LAYERSKIP")  # the target's own first L layers + final norm + LM head
 DrafterKind.QUANTIZED = DrafterKind(4, "QUANTIZED")  # the target's own checkpoint, transformer layers in int8
 DrafterKind.CHAIN = DrafterKind(5, "CHAIN")  # an ordered list of other kinds, tried in turn each round
+DrafterKind.EAGLE = DrafterKind(6, "EAGLE")  # a feature head over the target's hidden states (EAGLE-3 layout)
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,14 @@ class DrafterTraits:
     has_probs: bool = False  # can send the distributions its tokens were sampled from (DRAFT_PROBS mode)
     needs_model: bool = False  # runs a model that must share the target's vocabulary
     free: bool = False  # proposals cost ~nothing to make: asked for up to the free bound, cut by quality
+    # Drafts from the target's hidden features: the target must send them (TargetOpen.feature_layers).
+    needs_features: bool = False
+    feature_layers: tuple[int, ...] = ()  # the target's hidden-state indices it reads, in order
+    feature_width: int = 0  # values per position it expects (the sum of those layers' hidden sizes)
 
 
 # Model-backed drafters in order of preference as the fallback behind n-gram lookup.
-_FALLBACK_ORDER = (DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED, DrafterKind.MODEL)
+_FALLBACK_ORDER = (DrafterKind.EAGLE, DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED, DrafterKind.MODEL)
 
 
 def default_chain(available) -> tuple[DrafterKind, ...]:

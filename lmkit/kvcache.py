@@ -109,6 +109,11 @@ class SessionCache:
         # full layers only: a sliding window is the mask's job (module docstring)
         self.cache = None if packed else DynamicCache()
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache
+        # Feature drafters (EAGLE): hidden states to keep from each forward, as indices into the
+        # model's hidden states (0 = embeddings, i = input of decoder layer i); empty = none.
+        self.feature_layers: tuple[int, ...] = ()
+        self.features: torch.Tensor | None = None  # [fed, width] of the last forward, row 0 at features_from
+        self.features_from = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -147,9 +152,9 @@ class SessionCache:
         """This cache's share of a packed forward; ``parents``: the last len(parents) fed tokens form a tree."""
         rows = range(len(feed) - n_logits, len(feed))
         if parents is None:
-            return packed_rows.RowStep(self.kv, keep, list(feed), rows)
+            return packed_rows.RowStep(self.kv, keep, list(feed), rows, feature_layers=self.feature_layers)
         positions, mask = token_tree.step_layout(keep, len(feed) - len(parents), parents)
-        return packed_rows.RowStep(self.kv, keep, list(feed), rows, positions, mask)
+        return packed_rows.RowStep(self.kv, keep, list(feed), rows, positions, mask, self.feature_layers)
 
     @torch.inference_mode()
     def apply(
@@ -160,15 +165,20 @@ class SessionCache:
             raise ValueError("this model runs its stock forward, which cannot verify token trees")
         self.crop(keep)
         if self.kv is not None:
-            logits = packed_rows.forward_rows(self._model, [self.row_step(keep, feed, n_logits, parents)])[0]
+            step = self.row_step(keep, feed, n_logits, parents)
+            logits, features = packed_rows.forward_rows_with_features(self._model, [step])
+            if self.feature_layers:
+                self.features, self.features_from = features[0], keep
         else:
             ids = to_device(torch.tensor([list(feed)], dtype=torch.long), self._device)
             out = self._model(
-                input_ids=ids, **cache_kwargs(self._model, self.cache), use_cache=True, logits_to_keep=n_logits
+                input_ids=ids, **cache_kwargs(self._model, self.cache), use_cache=True, logits_to_keep=n_logits,
+                output_hidden_states=bool(self.feature_layers),
             )
-            logits = to_host(out.logits[0])  # small: [n_logits, vocab]; verification runs on the CPU
+            self.keep_features(out.hidden_states, 0, keep, len(feed))
+            logits = [to_host(out.logits[0])]  # small: [n_logits, vocab]; verification runs on the CPU
         self.tokens = [*self.tokens, *feed]
-        return logits
+        return logits[0]
 
     def reset(self) -> None:
         """Forget every cached position (a failed step may have left the cache half-written)."""
@@ -177,6 +187,14 @@ class SessionCache:
         else:
             self.cache = DynamicCache()
         self.tokens = []
+        self.features = None
+
+    def keep_features(self, hidden_states, row: int, start: int, fed: int) -> None:
+        """Keep the chosen layers' hidden states of a forward's ``fed`` positions (row ``row``), from ``start`` on."""
+        if self.feature_layers:
+            # each hidden state: [batch, width of the forward, hidden]
+            self.features = torch.cat([hidden_states[i][row, :fed] for i in self.feature_layers], dim=-1).float().cpu()
+            self.features_from = start
 
     def release(self) -> None:  # noqa: B027 - a hook; the plain cache is freed by the GC
         """Called once when the session ends (a sharded cache tells the other ranks)."""

@@ -60,6 +60,9 @@ class RowStep:
     logit_rows: Sequence[int]  # [m], indices into tokens
     positions: Sequence[int] | None = None  # [n]; None: start .. start + n - 1
     mask: torch.Tensor | None = None  # [n, start + n] bool, True = attends; None: causal
+    # Hidden states to return for every fed token (a feature drafter's, EAGLE): indices into the model's
+    # hidden states (0 = embeddings, i = input of decoder layer i); empty = none.
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,11 +115,19 @@ def causal_mask(start: int, width: int, device=None) -> torch.Tensor:  # -> [wid
     return torch.ones(width, start + width, dtype=torch.bool, device=device).tril(diagonal=start)
 
 
-@torch.inference_mode()
 def forward_rows(model, steps: Sequence[RowStep]) -> list[torch.Tensor]:
     """Run every step in one packed forward; returns per step the logits of its ``logit_rows`` [m, vocab] (float32, CPU)."""
+    return forward_rows_with_features(model, steps)[0]
+
+
+@torch.inference_mode()
+def forward_rows_with_features(
+    model, steps: Sequence[RowStep]
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """``forward_rows``, and per step the hidden states of its ``feature_layers`` for every fed token,
+    concatenated: [n, len(feature_layers) * hidden] float32 on the CPU (None for a step that asks for none)."""
     if not steps:
-        return []
+        return [], []
     device = next(model.parameters()).device
     rows, ids, positions, keep = [], [], [], []
     offset = 0
@@ -143,15 +154,21 @@ def forward_rows(model, steps: Sequence[RowStep]) -> list[torch.Tensor]:
         **_cache_kwargs(model, _RowsCache(rows, n_layers)),
         use_cache=True,
         logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+        output_hidden_states=any(step.feature_layers for step in steps),
         specsplit_rows=rows,
     )
     logits = to_host(out.logits[0])  # [len(keep), vocab]
-    results, first = [], 0
+    results, features, first = [], [], 0
     for step, row in zip(steps, rows):
         step.kv.length = row.start + row.width
         results.append(logits[first : first + len(step.logit_rows)])
         first += len(step.logit_rows)
-    return results
+        fed = slice(row.offset, row.offset + row.width)  # each hidden state: [1, T, hidden]
+        features.append(
+            torch.cat([out.hidden_states[i][0, fed] for i in step.feature_layers], dim=-1).float().cpu()
+            if step.feature_layers else None
+        )
+    return results, features
 
 
 class _RowsLayer(CacheLayerMixin):

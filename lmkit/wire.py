@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lmkit import errors
+from lmkit.features import FeatureBlock, decode_features, encode_features
 from lmkit.kinds import VerificationMode
 from lmkit.probs_codec import EncodedProbs, decode_probs, encode_probs
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
@@ -80,3 +81,37 @@ def drop_leading_rows(msg: pb.DraftProbs, n: int) -> pb.DraftProbs:
             values=msg.values[2 * nnz :], indices=msg.indices[4 * nnz :], row_nnz=list(msg.row_nnz[n:]),
         )
     return pb.DraftProbs(rows=msg.rows - n, vocab_size=msg.vocab_size, values=msg.values[2 * n * msg.vocab_size :])
+
+
+def features_to_proto(block: FeatureBlock) -> pb.HiddenFeatures:
+    """Features of committed positions -> fp16 message."""
+    return pb.HiddenFeatures(
+        position=block.position, rows=block.rows, width=block.width, values=encode_features(block.values)
+    )
+
+
+def features_from_proto(msg: pb.HiddenFeatures, width: int) -> FeatureBlock:
+    """Decode untrusted features; ``width`` is what the receiver expects per row."""
+    if msg.width != width:
+        raise errors.InvalidArgument(f"features.width is {msg.width}; this session expects {width} values per position")
+    try:
+        return FeatureBlock(msg.position, decode_features(msg.values, msg.rows, msg.width))
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"features: {exc}") from None
+
+
+def join_features(held: pb.HiddenFeatures | None, new: pb.HiddenFeatures) -> pb.HiddenFeatures:
+    """Features not yet forwarded, followed by newer ones (byte slicing; nothing is re-encoded).
+
+    ``new`` wins where the two overlap; a gap between them (or a change of
+    width) drops ``held``: the draft then restarts its context at ``new``.
+    """
+    if held is None or held.rows == 0 or held.width != new.width or new.position > held.position + held.rows:
+        return new
+    if new.position <= held.position:
+        return new
+    keep = new.position - held.position  # rows of ``held`` before ``new`` starts
+    return pb.HiddenFeatures(
+        position=held.position, rows=keep + new.rows, width=new.width,
+        values=held.values[: 2 * keep * held.width] + new.values,
+    )

@@ -16,7 +16,10 @@ Two choices, both maximising the round model's rate (``orchestrator.rate``):
 
 A choice of 0 stops measuring what it skips. A drafter asked for nothing is
 asked for one token after ``probe_every`` such rounds (times the batch size: a
-probe widens every row of a batched forward), and a quality cut to nothing is
+probe widens every row of a batched forward; the interval doubles after each
+probe that leaves the choice at 0, up to ``probe_backoff`` times, and is reset
+when drafting pays again: a drafter that never pays here, such as an EAGLE head
+on a CPU target, costs ever fewer probes), and a quality cut to nothing is
 verified for one token after ``probe_every`` such blocks server-wide; neither
 probes where even drafts passing ``probe_alpha`` of the time would not pay.
 
@@ -50,15 +53,18 @@ class AdaptiveK:
     decay: float = 0.8  # this session's own record: recent rounds dominate (acceptance comes in runs)
     probe_every: int = 8
     probe_alpha: float = 0.9  # probe only where drafts this good would pay
+    probe_backoff: int = 8  # the probe interval grows to at most this many times probe_every
     _passed: list[float] = field(default_factory=list, init=False)
     _reached: list[float] = field(default_factory=list, init=False)
     _rounds_at_zero: int = field(default=0, init=False)
+    _probe_interval: int = field(default=0, init=False)  # rounds at 0 before the next probe (probe_every first)
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {self.k_max}")
         self._passed = [0.0] * self.k_max
         self._reached = [0.0] * self.k_max
+        self._probe_interval = self.probe_every
 
     def key(self, drafter: DrafterKind, quality=None) -> StatsKey:
         return StatsKey(drafter, self.verification, quality)
@@ -82,12 +88,13 @@ class AdaptiveK:
         draft_s = self.costs.draft_s_per_token(self.paid)
         k = best_k(accept, limit, self.costs, load, overlap, draft_s)
         if k > 0:
-            self._rounds_at_zero = 0
+            self._rounds_at_zero, self._probe_interval = 0, self.probe_every
             return k
         self._rounds_at_zero += 1
-        due = self._rounds_at_zero >= self.probe_every * max(load.sessions, 1)
+        due = self._rounds_at_zero >= self._probe_interval * max(load.sessions, 1)
         if due and best_k([self.probe_alpha] * limit, limit, self.costs, load, overlap, draft_s) > 0:
             self._rounds_at_zero = 0
+            self._probe_interval = min(2 * self._probe_interval, self.probe_backoff * self.probe_every)
             return 1
         return 0
 

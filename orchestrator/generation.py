@@ -187,17 +187,20 @@ class Orchestrator:
         sampling = sampling_to_proto(request.sampling)
         policy = self.config.link_policy
         logprobs = request.top_logprobs is not None
+        speculating = request.k > 0 and self.draft is not None
+        # A feature drafter (EAGLE) reads the target's hidden states of these layers, sent with each result.
+        layers = self.feature_traits(request).feature_layers if speculating else ()
         target = TargetLink(
             self.target,
             lambda sid, tokens: pb.TargetOpen(
                 session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value, return_logprobs=logprobs,
-                top_logprobs=request.top_logprobs or 0,
+                top_logprobs=request.top_logprobs or 0, feature_layers=layers,
             ),
             policy,
             self.costs.links.target,
         )
         draft = None
-        if request.k > 0 and self.draft is not None:
+        if speculating:
             draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy,
                               self.costs, request.drafter)
         with logs.request_context(request.request_id):
@@ -292,9 +295,11 @@ class Orchestrator:
 
     def tree_branches(self, request: GenerationRequest, mode: VerificationMode) -> int:
         """The request's tree width where draft and target both take trees and its mode verifies them
-        (GREEDY, TOKEN_ONLY: not COUPLED, the default for sampled requests), else 1."""
+        (GREEDY, TOKEN_ONLY: not COUPLED, the default for sampled requests), else 1. A feature drafter's
+        (EAGLE, alone or in a chain) rounds are chains: 1."""
         both = self.target.info.token_trees and self.draft is not None and self.draft.info.token_trees
-        return request.tree_branches if both and mode in TREE_MODES else 1
+        chains_only = self.feature_traits(request).needs_features
+        return request.tree_branches if both and mode in TREE_MODES and not chains_only else 1
 
     def _with_text(self, logprob: pb.TokenLogprob) -> pb.TokenLogprob:
         """The target's TokenLogprob with each token's text filled in."""
@@ -321,7 +326,32 @@ class Orchestrator:
             ngram_max=self.config.ngram_max,
             chain=[kind.value for kind in self._chain(request)],
             mode=mode.value,
+            feature_width=len(self.feature_traits(request).feature_layers) * self.target.info.hidden_size,
         )
+
+    def feature_traits(self, request: GenerationRequest) -> DrafterTraits:
+        """The traits of the request's feature drafter (alone or in its chain); empty traits when it has none."""
+        for kind in (request.drafter, *self._chain(request)):
+            traits = self.drafter_traits.get(kind)
+            if traits is not None and traits.needs_features:
+                return traits
+        return DrafterTraits(request.drafter)
+
+    def check_features(self, request: GenerationRequest) -> None:
+        """Refuse a feature drafter whose head does not fit the target's hidden states."""
+        traits = self.feature_traits(request)
+        if not traits.needs_features:
+            return
+        info = self.target.info
+        sends = len(traits.feature_layers) * info.hidden_size
+        out_of_range = [layer for layer in traits.feature_layers if layer > info.num_layers]
+        if out_of_range or sends != traits.feature_width:
+            raise errors.FailedPrecondition(
+                f"drafter {traits.kind.name}'s head reads {traits.feature_width} feature values per position from "
+                f"target layers {list(traits.feature_layers)}, but target {info.model_id} has {info.num_layers} "
+                f"layers of hidden size {info.hidden_size} (it would send {sends}): the head was trained for another "
+                "target; start serve-draft with a head for this one"
+            )
 
     def _chain(self, request: GenerationRequest) -> tuple[DrafterKind, ...]:
         if request.drafter is not DrafterKind.CHAIN:
@@ -355,6 +385,8 @@ class Orchestrator:
             overlap=request.overlap,
             overlap_hits=stats.overlap_hits,
             mean_batch_size=stats.mean_batch_size,
+            feature_bytes=stats.feature_bytes,
+            feature_bytes_per_round=stats.feature_bytes / stats.rounds if stats.rounds else 0.0,
             tree_rounds=stats.tree_rounds,
             tree_nodes=stats.tree_nodes,
             branch_accepted=stats.branch_accepted,
@@ -364,7 +396,13 @@ class Orchestrator:
 
 def drafter_traits(info: pb.ModelInfo) -> list[DrafterTraits]:
     """A draft service's drafters, registering the kinds it defines beyond the built-in ones."""
-    return [DrafterTraits(DrafterKind(d.kind, d.name), d.has_probs, d.needs_model, d.free) for d in info.drafter_info]
+    return [
+        DrafterTraits(
+            DrafterKind(d.kind, d.name), d.has_probs, d.needs_model, d.free, needs_features=d.needs_features,
+            feature_layers=tuple(d.feature_layers), feature_width=d.feature_width,
+        )
+        for d in info.drafter_info
+    ]
 
 
 def check_pair(a_name: str, a_model: str, a_fingerprint: str, b_name: str, b_info: pb.ModelInfo) -> None:

@@ -33,6 +33,7 @@ import grpc
 
 from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from lmkit.wire import join_features
 from orchestrator.link_cost import RttEstimator
 from orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
 from orchestrator.rate import CostModel
@@ -210,6 +211,7 @@ class DraftLink(_SessionLink):
         self.late_blocks = 0  # replies that missed their deadline (dropped when they came)
         self.compute_s = 0.0  # drafting time of every reply, used or not
         self.reattached = 0
+        self._features: pb.HiddenFeatures | None = None  # the target's features not yet forwarded (feature drafters)
 
     @property
     def up(self) -> bool:
@@ -230,6 +232,10 @@ class DraftLink(_SessionLink):
             return False
         self._stream, self._synced, self._down_since, self._cold = stream, len(committed), None, True
         return True
+
+    def add_features(self, features: pb.HiddenFeatures) -> None:
+        """Hold the target's features of committed positions until the next proposal carries them."""
+        self._features = join_features(self._features, features)
 
     def send(
         self, committed: Sequence[int], assumed: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1
@@ -286,9 +292,10 @@ class DraftLink(_SessionLink):
         if self._stream is None:  # it failed and dropped the stream
             return None
         start = time.perf_counter()
+        features, self._features = self._features, None  # a new session starts from whichever features come next
         try:
             call = self._stream.propose(
-                self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches
+                self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches, features
             )
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 block = await call

@@ -89,6 +89,7 @@ class LoopStats:
     branch_hits: int = 0  # ... that were used (counted in overlap_hits too)
     late_blocks: int = 0  # draft replies that missed their round's deadline (the target stepped alone)
     busy_rounds: int = 0  # rounds without a draft because a late reply was still due
+    feature_bytes: int = 0  # hidden features the target sent for a feature drafter
     batch_sizes: list[int] = field(default_factory=list)  # sessions in each verifying forward
     tree_rounds: int = 0  # rounds that verified a token tree
     tree_nodes: int = 0  # draft tokens those trees carried
@@ -400,6 +401,10 @@ class _Loop:
             if self.costs is not None:  # the draft link reports the draft's costs itself (late blocks too)
                 self.costs.load = load
                 self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
+        if result.HasField("features"):
+            stats.feature_bytes += len(result.features.values)
+            if self.draft is not None:
+                self.draft.add_features(result.features)
         new, finish = cut_at_finish([*accepted, result.next_token], self.config.eos_ids, budget)
         self.committed.extend(new)
         stats.rounds += 1

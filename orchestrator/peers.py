@@ -107,9 +107,12 @@ class DraftStream(_Stream):
         await self._ask(pb.DraftRequest(open=open_msg))
 
     async def propose(
-        self, position: int, tokens: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1
+        self, position: int, tokens: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1,
+        features: pb.HiddenFeatures | None = None,
     ) -> pb.DraftBlock:
         msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k, max_branches=max_branches)
+        if features is not None:
+            msg.features.CopyFrom(features)
         return (await self._ask(pb.DraftRequest(propose=msg))).block
 
 

@@ -69,6 +69,8 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
         messages=messages, top_logprobs=top_logprobs, request_id=request_id, sampling_mode=sampling_mode,
         tree_branches=branches,
     )
+    if k > 0 and orch.draft is not None:
+        orch.check_features(request)
     return request, prompt_ids
 
 

@@ -134,11 +134,13 @@ def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
         position_ids=to_device(positions, device),
         **cache_kwargs(model, batch_cache),
         use_cache=True,
+        output_hidden_states=any(step.cache.feature_layers for step in steps),
     )
     logits = to_host(out.logits)  # [batch, width, vocab]
     results = []
     for row, step in enumerate(steps):
         n = len(step.feed)
+        step.cache.keep_features(out.hidden_states, row, step.keep, n)
         _append(step, batch_cache, row)
         results.append(logits[row, n - step.n_logits : n])
     return results
@@ -153,9 +155,11 @@ def _forward_packed(model, steps: Sequence[Step]) -> list[torch.Tensor]:
     rows = [step.cache.row_step(step.keep, step.feed, step.n_logits, step.parents) for step in steps]
     for step in steps:
         step.cache.crop(step.keep)
-    results = packed_rows.forward_rows(model, rows)
-    for step in steps:
+    results, features = packed_rows.forward_rows_with_features(model, rows)
+    for step, kept in zip(steps, features):
         step.cache.tokens = [*step.cache.tokens, *step.feed]
+        if kept is not None:
+            step.cache.features, step.cache.features_from = kept, step.keep
     return results
 
 

@@ -15,6 +15,7 @@ import torch
 
 from lmkit import draws, errors, packed_rows, token_tree
 from lmkit.costs import LinearCost
+from lmkit.features import FeatureBlock
 from lmkit.kinds import TREE_MODES, VerificationMode
 from lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
 from lmkit.packed_linear import pack_linears
@@ -58,6 +59,7 @@ class Verification:
     next_token: int
     compute_s: float
     batch: BatchShare = BatchShare()
+    features: FeatureBlock | None = None  # the committed positions' hidden features, when the session asked
     path: tuple[int, ...] = ()  # a tree block's accepted nodes, root first; empty for a chain
     logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token when the session asked for them
 
@@ -120,6 +122,8 @@ class TargetEngine:
         self.limits = limits
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
+        self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
         self.sessions: SessionTable[TargetSession] = SessionTable(limits, "target")
         self._new_cache = new_cache or (lambda: SessionCache(model))
         self.tp_degree = tp_degree
@@ -130,16 +134,29 @@ class TargetEngine:
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
 
     # -- sessions -----------------------------------------------------------
-    def open(self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode,
-             top_logprobs: int | None = None):
+    def open(
+        self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode,
+        top_logprobs: int | None = None, feature_layers: Sequence[int] = (),
+    ):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
         check_mode(mode, sampling)
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise errors.InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        self._check_feature_layers(feature_layers)
         session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
                                 top_logprobs=top_logprobs)
+        session.cache.feature_layers = tuple(feature_layers)
         return self.sessions.add(session_id, session)
+
+    def _check_feature_layers(self, layers: Sequence[int]) -> None:
+        bad = [layer for layer in layers if not 0 <= layer <= self.num_layers]
+        if bad:
+            raise errors.InvalidArgument(
+                f"feature_layers {bad} are outside [0, {self.num_layers}]: this target has {self.num_layers} "
+                "decoder layers (0 = the embeddings, i = the input of layer i); the draft's head was trained "
+                "for another target"
+            )
 
     def close(self, session_id: str) -> None:
         session = self.sessions.remove(session_id)
@@ -163,9 +180,10 @@ class TargetEngine:
         self.forward_passes += 1
         result = self._commit(session, logits, draft_tokens, draft_probs, parents)
         logprobs = self._logprobs(session, logits, result)
+        path = _tree_path(result, parents)
         return Verification(
-            result.accepted, result.next_token, time.perf_counter() - start,
-            path=_tree_path(result, parents), logprobs=logprobs,
+            result.accepted, result.next_token, time.perf_counter() - start, path=path,
+            features=committed_features(session.cache, position, result.accepted, path), logprobs=logprobs,
         )
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verification | errors.SpecsplitError]:
@@ -277,10 +295,15 @@ class TargetEngine:
         committed = sum(d.accepted + 1 for d in done)
         share = lambda d: BatchShare(len(done), width, committed - (d.accepted + 1))  # noqa: E731
         return [
-            d if isinstance(d, errors.SpecsplitError)
-            else Verification(d.accepted, d.next_token, elapsed, share(d), _tree_path(d, step.parents), lp)
-            for d, lp, step in zip(decided, logprobs, steps)
+            d if isinstance(d, errors.SpecsplitError) else self._verified(item, d, elapsed, share(d), step.parents, lp)
+            for item, d, lp, step in zip(items, decided, logprobs, steps)
         ]
+
+    @staticmethod
+    def _verified(item: VerifyItem, d: Decided, elapsed: float, batch: BatchShare, parents, logprobs) -> Verification:
+        path = _tree_path(d, parents)
+        features = committed_features(item.session.cache, item.position, d.accepted, path)
+        return Verification(d.accepted, d.next_token, elapsed, batch, features, path, logprobs)
 
     @staticmethod
     def _logprobs(session: TargetSession, logits, verdict: Decided) -> tuple[TokenLogprob, ...]:
@@ -406,6 +429,22 @@ class TargetEngine:
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
             return rejection.verify_token_only(target_probs, tokens, uniforms)
         return rejection.verify_draft_probs(target_probs, draft_probs, tokens, uniforms)
+
+
+def committed_features(cache, position: int, accepted: int, path: Sequence[int] = ()) -> FeatureBlock | None:
+    """The hidden features of the positions a forward fed that are now committed, when the session asked.
+
+    The forward fed positions from ``cache.features_from`` on; those through the
+    last accepted draft token (``position + accepted - 1``) are committed: for a
+    token tree, the context's tail and the accepted nodes (``path``). The new
+    next token has none yet. A long prefill keeps only its last rows.
+    """
+    if not cache.feature_layers or cache.features is None:
+        return None
+    tail = position - cache.features_from  # fed rows of the context before the block
+    if path:
+        return FeatureBlock(cache.features_from, cache.features[[*range(tail), *(tail + i for i in path)]]).last_rows()
+    return FeatureBlock(cache.features_from, cache.features[: tail + accepted]).last_rows()
 
 
 def _tree_path(verdict: Decided, parents: Sequence[int] | None) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ import grpc
 from lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.wire import mode_from_proto, probs_from_proto, sampling_from_proto
+from lmkit.wire import features_to_proto, mode_from_proto, probs_from_proto, sampling_from_proto
 from target_service.engine import TargetEngine, VerifyItem
 from target_service.scheduler import VerifyScheduler
 
@@ -43,6 +43,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             max_block=e.limits.max_block,
             tp_degree=self.tp_degree,
             device=self.device,
+            hidden_size=e.hidden_size,
+            num_layers=e.num_layers,
             token_trees=e.verifies_trees,
         )
 
@@ -75,7 +77,9 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         sampling = sampling_from_proto(msg.sampling)
         mode = mode_from_proto(msg.mode)
         top_logprobs = msg.top_logprobs if msg.return_logprobs else None
-        return await self.compute.run(engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs)
+        return await self.compute.run(
+            engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs, list(msg.feature_layers)
+        )
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
         received = time.perf_counter()
@@ -83,7 +87,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         item = VerifyItem(session, msg.position, list(msg.draft_tokens), probs, list(msg.parents) or None)
         done = await self.scheduler.verify(item)
         base_s, per_token_s = engine.cost_fit() or (0.0, 0.0)
-        return pb.VerifyResult(
+        result = pb.VerifyResult(
             position=msg.position,
             accepted=done.accepted,
             next_token=done.next_token,
@@ -101,3 +105,6 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             cost_base_us=base_s * 1e6,
             cost_per_token_us=per_token_s * 1e6,
         )
+        if done.features is not None:
+            result.features.CopyFrom(features_to_proto(done.features))
+        return result

@@ -175,10 +175,24 @@ def test_high_acceptance_and_cheap_drafts_use_the_bound():
     assert controller.ask(3) == 3  # the round's own limit (budget, context) caps it
 
 
-def test_rejections_switch_speculation_off_then_probe():
+def test_rejections_switch_speculation_off_then_probe_ever_less_often():
+    controller = paid(fitted(b=0.01), probe_every=4, probe_backoff=4)
+    feed(controller, [(4, 0)] * 10)
+    asked = [controller.ask(8) for _ in range(4 + 8 + 16 + 16 + 16)]
+    assert [i + 1 for i, k in enumerate(asked) if k] == [4, 12, 28, 44, 60]  # 4, 8, 16, then 16 apart (4 × 4)
+    assert set(asked) == {0, 1}
+
+
+def test_the_probe_interval_resets_when_drafting_pays_again():
     controller = paid(fitted(b=0.01), probe_every=4)
     feed(controller, [(4, 0)] * 10)
-    assert [controller.ask(8) for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
+    asked = [controller.ask(8) for _ in range(12)]
+    assert [i + 1 for i, k in enumerate(asked) if k] == [4, 12]
+    feed(controller, [(8, 8)] * 10)  # its drafts pass now
+    assert controller.ask(8) > 0
+    feed(controller, [(4, 0)] * 60)  # and fail again: probes start over at probe_every
+    asked = [controller.ask(8) for _ in range(4)]
+    assert asked == [0, 0, 0, 1]
 
 
 def test_expensive_draft_shortens_blocks():

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from draft_service import distill, self_draft
+from draft_service import distill, eagle_distill, eagle_head, self_draft
 from draft_service.server import build_parser as draft_parser
 from draft_service.server import check_self_draft_flags, derive_drafts
 from lmkit import models
@@ -127,3 +127,37 @@ def test_distill_cli_bad_input_is_a_clear_error(tmp_path, argv, fragment):
     )
     assert result.returncode == 2, result.stderr
     assert fragment in result.stderr and "Traceback" not in result.stderr
+
+
+def eagle_args_for(target, out, corpus, steps, **extra):
+    argv = ["--eagle", "--target", str(target), "--out", str(out), "--corpus", str(corpus), "--steps", str(steps),
+            "--corpus-tokens", "256", "--prompts", "4", "--held-out-prompts", "2", "--answer-tokens", "12",
+            "--draft-vocab", "64", "--batch", "2", "--seq-len", "32", "--save-every", "2", "--gen-batch", "4"]
+    for key, value in extra.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return eagle_distill.config_from_args(distill.build_parser(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_eagle_distill_stops_on_time_resumes_and_writes_a_servable_head(tiny_target_dir, corpus, tmp_path):
+    out = tmp_path / "head"
+    # --max-minutes: the first step already runs past a microsecond, so training stops there, checkpointed.
+    stopped = eagle_distill.distill_eagle(eagle_args_for(tiny_target_dir, out, corpus, 4, max_minutes=1e-8))
+    assert stopped == {"stopped_at": 1}
+    assert torch.load(out / eagle_distill.CHECKPOINT, weights_only=False)["step"] == 1
+    assert not (out / eagle_distill.REPORT).exists()
+    data_files = sorted(p.name for p in (out / "data").glob("*.pt"))
+    # The rerun reuses the data and the checkpoint and finishes.
+    report = eagle_distill.distill_eagle(eagle_args_for(tiny_target_dir, out, corpus, 4))
+    assert report["resumed_at"] == 1 and sorted(p.name for p in (out / "data").glob("*.pt")) == data_files
+    assert json.loads((out / eagle_distill.REPORT).read_text()) == json.loads(json.dumps(report))
+    held = report["held_out_answers"]
+    assert held["rows"] > 0 and 0.0 <= held["top1_agreement"] <= 1.0
+    assert sorted(int(k) for k in held["alpha_at_k"]) == [1, 2, 3, 4]
+    assert report["feature_layers"] == [2, 1, 0] and report["training_positions"] > report["corpus_positions"] > 0
+    # serve-draft's loader takes the folder for this target (the tiny target's own embedding).
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    head = eagle_head.load_head(str(out), model)
+    assert head.config.draft_vocab_size == 64 and head.config.feature_layers == (2, 1, 0)
+    # Other settings on the same folder are refused rather than mixed in.
+    with pytest.raises(ValueError, match="other settings"):
+        eagle_distill.distill_eagle(eagle_args_for(tiny_target_dir, out, corpus, 4, draft_vocab=32))

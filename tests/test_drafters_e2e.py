@@ -58,13 +58,16 @@ def self_draft_services(background_loop, tiny_target_dir):
     services.stop()
 
 
-async def run_greedy(services, tokenizer, prompts_ids, k, drafter, chain, adaptive=False):
+async def run_greedy(services, tokenizer, prompts_ids, k, drafter, chain, adaptive=False, overlap=False,
+                     max_new_tokens=24):
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=tokenizer)
     orch = await Orchestrator.connect(config)
     outputs, drafted, accepted = [], 0, 0
     try:
         for ids in prompts_ids:
-            request = GenerationRequest("", False, 24, SamplingParams(), (), k, drafter, False, adaptive, chain)
+            request = GenerationRequest(
+                "", False, max_new_tokens, SamplingParams(), (), k, drafter, False, adaptive, chain, overlap
+            )
             out: list[int] = []
             async for event in orch.generate(request, ids):
                 out.extend(event.token_ids)
@@ -112,7 +115,8 @@ def test_greedy_k8_is_exact_and_hits_both_paths(self_draft_services, tiny_target
 
 def test_info_lists_every_drafter(self_draft_services):
     info = run_async(_info(self_draft_services.draft_address))
-    assert sorted(info.drafters) == sorted(k.value for k in DRAFTERS)  # built in: served with --model and both flags
+    # Built in: served with --model and both self-draft flags (EAGLE needs --eagle-head: tests/test_eagle_e2e.py).
+    assert sorted(info.drafters) == sorted(k.value for k in DRAFTERS if k is not DrafterKind.EAGLE)
 
 
 async def _info(address):
@@ -122,7 +126,8 @@ async def _info(address):
         return await pb_grpc.DraftServiceStub(channel).Info(pb.InfoRequest())
 
 
-async def sample_many(services, target_dir, runs, k, drafter, chain, draft_probs, sampling, max_new, seed0=0):
+async def sample_many(services, target_dir, runs, k, drafter, chain, draft_probs, sampling, max_new, seed0=0,
+                      sampling_mode=None):
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir))
     orch = await Orchestrator.connect(config)
     limit = asyncio.Semaphore(CONCURRENT)
@@ -130,7 +135,8 @@ async def sample_many(services, target_dir, runs, k, drafter, chain, draft_probs
     async def one(seed: int) -> tuple[int, ...]:
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
         request = GenerationRequest("", False, max_new, params, (), k, drafter, draft_probs, False, chain,
-                                    sampling_mode=VerificationMode.DRAFT_PROBS if draft_probs else VerificationMode.TOKEN_ONLY)
+                                    sampling_mode=sampling_mode or (
+                                        VerificationMode.DRAFT_PROBS if draft_probs else VerificationMode.TOKEN_ONLY))
         async with limit:
             return tuple([t async for event in orch.generate(request, PROMPT) for t in event.token_ids])
 

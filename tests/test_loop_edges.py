@@ -31,9 +31,9 @@ PROMPT = "Once upon a time"
 class SlowDraft(DraftEngine):
     """Proposes like the tiny draft, 0.2 s late: a proposal drafted ahead is still running when a round ends."""
 
-    def propose(self, session, position, tokens, k, free_k=0, max_branches=1):
+    def propose(self, session, position, tokens, k, free_k=0, max_branches=1, features=None):
         time.sleep(0.2)
-        return super().propose(session, position, tokens, k, free_k, max_branches)
+        return super().propose(session, position, tokens, k, free_k, max_branches, features)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_KIND_LAYERSKIP: _ClassVar[DrafterKind]
     DRAFTER_KIND_QUANTIZED: _ClassVar[DrafterKind]
     DRAFTER_KIND_CHAIN: _ClassVar[DrafterKind]
+    DRAFTER_KIND_EAGLE: _ClassVar[DrafterKind]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ DRAFTER_KIND_NGRAM: DrafterKind
 DRAFTER_KIND_LAYERSKIP: DrafterKind
 DRAFTER_KIND_QUANTIZED: DrafterKind
 DRAFTER_KIND_CHAIN: DrafterKind
+DRAFTER_KIND_EAGLE: DrafterKind
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -77,7 +79,7 @@ class DraftProbs(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sparse: _Optional[bool] = ..., values: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "max_context", "max_block", "drafters", "tp_degree", "device", "drafter_info", "token_trees")
+    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "max_context", "max_block", "drafters", "tp_degree", "device", "drafter_info", "hidden_size", "num_layers", "token_trees")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +89,8 @@ class ModelInfo(_message.Message):
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_INFO_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TREES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
@@ -97,22 +101,42 @@ class ModelInfo(_message.Message):
     tp_degree: int
     device: str
     drafter_info: _containers.RepeatedCompositeFieldContainer[DrafterInfo]
+    hidden_size: int
+    num_layers: int
     token_trees: bool
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., token_trees: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., token_trees: _Optional[bool] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("kind", "name", "has_probs", "needs_model", "free")
+    __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HAS_PROBS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_MODEL_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     kind: DrafterKind
     name: str
     has_probs: bool
     needs_model: bool
     free: bool
-    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ..., free: _Optional[bool] = ...) -> None: ...
+    needs_features: bool
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    feature_width: int
+    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ..., free: _Optional[bool] = ..., needs_features: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ...) -> None: ...
+
+class HiddenFeatures(_message.Message):
+    __slots__ = ("position", "rows", "width", "values")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    rows: int
+    width: int
+    values: bytes
+    def __init__(self, position: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -179,7 +203,7 @@ class SessionState(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "drafter", "return_probs", "ngram_min", "ngram_max", "chain", "mode")
+    __slots__ = ("session_id", "tokens", "sampling", "drafter", "return_probs", "ngram_min", "ngram_max", "chain", "feature_width", "mode")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +212,7 @@ class DraftOpen(_message.Message):
     NGRAM_MIN_FIELD_NUMBER: _ClassVar[int]
     NGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -197,22 +222,25 @@ class DraftOpen(_message.Message):
     ngram_min: int
     ngram_max: int
     chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
+    feature_width: int
     mode: VerificationMode
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., feature_width: _Optional[int] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("position", "tokens", "k", "max_branches", "free_k")
+    __slots__ = ("position", "tokens", "k", "features", "max_branches", "free_k")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     FREE_K_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
+    features: HiddenFeatures
     max_branches: int
     free_k: int
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., max_branches: _Optional[int] = ..., free_k: _Optional[int] = ...) -> None: ...
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., max_branches: _Optional[int] = ..., free_k: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "propose")
@@ -269,20 +297,22 @@ class DraftResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "mode", "return_logprobs", "top_logprobs")
+    __slots__ = ("session_id", "tokens", "sampling", "mode", "feature_layers", "return_logprobs", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     mode: VerificationMode
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
     return_logprobs: bool
     top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("position", "draft_tokens", "draft_probs", "parents")
@@ -305,7 +335,7 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "path", "logprobs", "cost_base_us", "cost_per_token_us", "service_us")
+    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "features", "path", "logprobs", "cost_base_us", "cost_per_token_us", "service_us")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +343,7 @@ class VerifyResult(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
     OTHERS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COST_BASE_US_FIELD_NUMBER: _ClassVar[int]
@@ -325,12 +356,13 @@ class VerifyResult(_message.Message):
     batch_size: int
     batch_width: int
     others_committed: int
+    features: HiddenFeatures
     path: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     cost_base_us: float
     cost_per_token_us: float
     service_us: int
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ..., service_us: _Optional[int] = ...) -> None: ...
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ..., service_us: _Optional[int] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
@@ -381,7 +413,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size", "tree_rounds", "tree_nodes", "branch_accepted", "request_id")
+    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size", "feature_bytes", "feature_bytes_per_round", "tree_rounds", "tree_nodes", "branch_accepted", "request_id")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +437,8 @@ class GenerationStats(_message.Message):
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
     MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -432,11 +466,13 @@ class GenerationStats(_message.Message):
     overlap: bool
     overlap_hits: int
     mean_batch_size: float
+    feature_bytes: int
+    feature_bytes_per_round: float
     tree_rounds: int
     tree_nodes: int
     branch_accepted: int
     request_id: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branch_accepted: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., feature_bytes_per_round: _Optional[float] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branch_accepted: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs")

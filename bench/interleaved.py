@@ -1,0 +1,202 @@
+"""``specsplit bench --suite interleaved``: several drafters on one prompt set, in one run, prompt by prompt.
+
+    specsplit bench --suite interleaved --drafters ngram,eagle,ngram+eagle,quantized --prompt-set mix \\
+        --json bench/results/drafters-mix.json --target-cpus 1 --draft-cpus 0 --target-threads 1
+
+One target service and one draft service (serving every drafter named) stay up
+for the whole run. For each prompt, target-only decoding (k = 0) runs first,
+then each drafter in turn, so slow drift of a shared machine touches every
+column alike; ratios are read within the run. Each drafter (and target-only)
+drives its own orchestrator, so adaptive K's cost model learns that drafter's
+draft cost alone. ``a+b`` names a chain (``ngram+eagle``: n-gram first, eagle
+where it finds nothing); ``name@k`` drafts exactly k tokens a round (else K is
+adaptive up to ``--k``, or fixed with ``--fixed-k``). Greedy; every output is
+compared with target-only's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench import demo, runs
+from bench.evaluation import Comparison, Summary, run_one, summarise, theoretical_speedup
+from bench.prompts import PROMPT_SETS
+from lmkit.kinds import DrafterKind
+from lmkit.processes import local_services
+from lmkit.sampling import SamplingParams
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import Orchestrator
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One column of the comparison: a drafter, or a chain of them."""
+
+    label: str
+    drafter: DrafterKind
+    chain: tuple[DrafterKind, ...] = ()
+    fixed_k: int = 0  # 0: the run's --k and --fixed-k
+
+
+def add_flags(parser) -> None:
+    parser.add_argument(
+        "--drafters", default="ngram,eagle,ngram+eagle",
+        help="--suite interleaved: drafters compared, comma-separated; a+b is a chain (n-gram first), "
+             "name@k a fixed k",
+    )
+
+
+def parse_entries(spec: str) -> list[Entry]:
+    """``ngram,eagle@3,ngram+eagle`` -> entries; unknown names, bad k and repeats are refused."""
+    entries = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        names, _, k = item.partition("@")
+        if k and (not k.isdigit() or int(k) < 1):
+            raise ValueError(f"--drafters: {item!r}: write a fixed k as name@K with K >= 1")
+        try:
+            kinds = tuple(DrafterKind[name.strip().upper()] for name in names.split("+"))
+        except KeyError as exc:
+            raise ValueError(f"--drafters: unknown drafter {exc}; use {[k.name.lower() for k in DrafterKind]}") from None
+        if DrafterKind.CHAIN in kinds:
+            raise ValueError("--drafters: write a chain as its members joined by '+', e.g. ngram+eagle")
+        chain = kinds if len(kinds) > 1 else ()
+        entries.append(Entry(item, DrafterKind.CHAIN if chain else kinds[0], chain, int(k or 0)))
+    if not entries or len({e.label for e in entries}) != len(entries):
+        raise ValueError(f"--drafters {spec!r}: name at least one drafter, each once")
+    return entries
+
+
+def draft_flags(args, entries: list[Entry]) -> list[str]:
+    """serve-draft flags for every self-drafter the entries use (each flag once)."""
+    kinds = {k for e in entries for k in (e.chain or (e.drafter,))}
+    flags: list[str] = []
+    for kind in sorted(kinds, key=lambda k: k.value):
+        one = demo.self_draft_flags(argparse.Namespace(**{**vars(args), "drafter": kind.name.lower()}))
+        for flag, value in zip(one[::2], one[1::2]):
+            if flag not in flags:
+                flags += [flag, value]
+    return flags
+
+
+async def _measure(args, entries: list[Entry], target_address: str, draft_address: str) -> dict[str, list[Comparison]]:
+    config = OrchestratorConfig(target_address=target_address, draft_address=draft_address, tokenizer=args.model)
+    greedy = SamplingParams()
+    overlap = not args.no_overlap
+    k_of = {e.label: (e.fixed_k or args.k, not (e.fixed_k or args.fixed_k)) for e in entries}  # (k, adaptive)
+    prompts = PROMPT_SETS[args.prompt_set]
+    baseline_orch = await Orchestrator.connect(config)
+    orchs = {e.label: await Orchestrator.connect(config) for e in entries}
+    try:
+        await run_one(baseline_orch, prompts[0], 0, DrafterKind.NGRAM, 8, greedy)
+        for e in entries:  # first calls pay one-off allocation costs and seed each cost model
+            k, adaptive = k_of[e.label]
+            await run_one(orchs[e.label], prompts[0], k, e.drafter, 16, greedy, adaptive_k=adaptive,
+                          overlap=overlap, chain=e.chain)
+        results: dict[str, list[Comparison]] = {e.label: [] for e in entries}
+        for prompt in prompts:
+            baseline = await run_one(baseline_orch, prompt, 0, DrafterKind.NGRAM, args.max_new_tokens, greedy)
+            for e in entries:
+                k, adaptive = k_of[e.label]
+                run = await run_one(orchs[e.label], prompt, k, e.drafter, args.max_new_tokens, greedy,
+                                    adaptive_k=adaptive, overlap=overlap, chain=e.chain)
+                results[e.label].append(Comparison(prompt, baseline, run))
+            print(f"{prompt.name}: " + "  ".join(
+                f"{e.label} {results[e.label][-1].baseline.wall_s / results[e.label][-1].speculative.wall_s:.2f}x"
+                for e in entries), flush=True)
+    finally:
+        for orch in (baseline_orch, *orchs.values()):
+            await orch.close()
+    return results
+
+
+def figures(g: Summary, k: int) -> dict:
+    """One drafter's figures over a group of prompts."""
+    c = g.draft_cost_ratio
+    return {
+        "prompts": g.prompts,
+        "prompt_names": g.names,
+        "new_tokens": g.new_tokens,
+        "tokens_per_s_target_only": round(g.tokens_per_s_target_only, 3),
+        "tokens_per_s_speculative": round(g.tokens_per_s_speculative, 3),
+        "speedup": round(g.speedup, 3),
+        "acceptance_rate": round(g.acceptance_rate, 4),
+        "mean_accepted_length": round(g.mean_accepted_length, 3),
+        "draft_cost_ratio": round(c, 4),
+        "theoretical_speedup": round(theoretical_speedup(g.acceptance_rate, k, c), 3),
+        "rounds": g.rounds,
+        "drafted_tokens": g.drafted,
+        "mean_drafted_per_round": round(g.drafted / g.rounds, 3) if g.rounds else 0.0,
+        "accepted_tokens": g.accepted,
+        "identical_to_target_only": g.identical,
+        "feature_bytes_per_round": round(g.feature_bytes / g.rounds, 1) if g.rounds else 0.0,
+    }
+
+
+def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> dict:
+    drafters = {}
+    for e in entries:
+        groups = summarise(results[e.label])
+        k = e.fixed_k or args.k
+        drafters[e.label] = {"k": k, "adaptive_k": not (e.fixed_k or args.fixed_k), **figures(groups["all"], k),
+                             "by_kind": {n: figures(g, k) for n, g in groups.items() if n != "all"}}
+    first = results[entries[0].label]
+    return {
+        "benchmark": "drafters_interleaved",
+        "target": args.model,
+        "drafters": [e.label for e in entries],
+        "eagle_head": args.eagle_head or (args.model if any(
+            DrafterKind.EAGLE in (e.chain or (e.drafter,)) for e in entries) else None),
+        "prompt_set": args.prompt_set,
+        "decoding": "greedy",
+        "k": args.k, "adaptive_k": not args.fixed_k, "overlap": not args.no_overlap,
+        "max_new_tokens": args.max_new_tokens,
+        "target_threads": args.target_threads, "draft_threads": args.draft_threads,
+        "target_cpus": args.target_cpus or "unpinned", "draft_cpus": args.draft_cpus or "unpinned",
+        "results": drafters,
+        "per_prompt": [
+            {
+                "name": c.prompt.name, "kind": c.prompt.kind, "target_only_s": round(c.baseline.wall_s, 4),
+                **{e.label: {"s": round(results[e.label][i].speculative.wall_s, 4),
+                             "rounds": results[e.label][i].speculative.rounds,
+                             "drafted": results[e.label][i].speculative.drafted,
+                             "accepted": results[e.label][i].speculative.accepted,
+                             "identical": results[e.label][i].identical,
+                             "drafted_per_round": results[e.label][i].speculative.drafted_per_round} for e in entries},
+            }
+            for i, c in enumerate(first)
+        ],
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+    }
+
+
+def run(args) -> int:
+    entries = parse_entries(args.drafters)
+    target_args, draft_args = runs.service_args(argparse.Namespace(**{**vars(args), "drafter": "ngram"}))
+    flags = draft_flags(args, entries)
+    if flags:
+        draft_args += ["--model", args.model, *flags]
+    started = time.time()
+    with local_services(target_args, draft_args) as (target, draft):
+        results = asyncio.run(_measure(args, entries, target.address, draft.address))
+    out = {**report(args, entries, results), "duration_s": round(time.time() - started, 1)}
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    for label, r in out["results"].items():
+        kinds = "  ".join(f"{n} {g['speedup']:.2f}x a={g['acceptance_rate']:.2f}" for n, g in r["by_kind"].items())
+        print(f"{label:14s} all {r['speedup']:.2f}x  alpha {r['acceptance_rate']:.2f}  "
+              f"drafted/round {r['mean_drafted_per_round']:.2f}  c {r['draft_cost_ratio']:.3f}  "
+              f"identical {r['identical_to_target_only']}/{r['prompts']}  |  {kinds}")
+    print(f"-> {path}")
+    return 0 if all(r["identical_to_target_only"] == r["prompts"] for r in out["results"].values()) else 1

@@ -1,0 +1,42 @@
+"""``specsplit bench --suite interleaved``: the --drafters list and the draft service flags it implies."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import interleaved
+from bench.speculative import build_parser
+from lmkit.kinds import DrafterKind
+
+pytestmark = pytest.mark.unit
+
+
+def test_drafters_chains_and_fixed_k_are_parsed():
+    entries = interleaved.parse_entries("ngram, eagle@2,ngram+eagle")
+    assert [(e.label, e.drafter, e.chain, e.fixed_k) for e in entries] == [
+        ("ngram", DrafterKind.NGRAM, (), 0),
+        ("eagle@2", DrafterKind.EAGLE, (), 2),
+        ("ngram+eagle", DrafterKind.CHAIN, (DrafterKind.NGRAM, DrafterKind.EAGLE), 0),
+    ]
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    ("nope", "unknown drafter"),
+    ("chain", "members joined by"),
+    ("eagle@0", "name@K with K >= 1"),
+    ("eagle@x", "name@K with K >= 1"),
+    ("eagle,eagle", "each once"),
+    (" , ", "at least one"),
+])
+def test_bad_drafter_lists_are_refused(spec, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        interleaved.parse_entries(spec)
+
+
+def test_the_draft_service_gets_each_self_draft_flag_once():
+    args = build_parser(argparse.ArgumentParser()).parse_args(["--json", "x.json", "--suite", "interleaved"])
+    flags = interleaved.draft_flags(args, interleaved.parse_entries("ngram,eagle,ngram+eagle,quantized"))
+    assert flags == ["--quantize", "int8", "--eagle-head", "smollm2-135m"]
+    assert interleaved.draft_flags(args, interleaved.parse_entries("ngram")) == []
