@@ -29,7 +29,12 @@ contributes its tokens up to and including the first differing one. Writes JSON:
 
     python -m bench.bf16_flips --json bench/results/bf16-flips.json
 
-It counts tokens, not seconds, so it is valid on a shared machine.
+``--paths default batch-invariant`` also decodes the batched sessions on a
+target built with ``batch_invariant=True`` (``--batch-invariant``: each
+session's rows verified alone), chunk by chunk interleaved with the default
+path, and reports both paths' flips and batched tokens/s; the tokens/s ratio
+is only meaningful under ``/work/bin/cpu-exclusive``. Without it the bench
+counts tokens, not seconds, so it is valid on a shared machine.
 """
 
 from __future__ import annotations
@@ -78,8 +83,12 @@ def compare(solo: Sequence[Sequence[int]], batched: Sequence[Sequence[int]]) -> 
     }
 
 
-def new_engine(model) -> TargetEngine:
-    return TargetEngine(model, model_id="smollm2-135m", vocab_fingerprint="", limits=SessionLimits(max_block=8))
+PATHS = {"default": False, "batch-invariant": True}  # --paths name: TargetEngine(batch_invariant=...)
+
+
+def new_engine(model, batch_invariant: bool = False) -> TargetEngine:
+    return TargetEngine(model, model_id="smollm2-135m", vocab_fingerprint="", limits=SessionLimits(max_block=8),
+                        batch_invariant=batch_invariant)
 
 
 def decode(engine: TargetEngine, prompts: Sequence[list[int]], new_tokens: int, k: int,
@@ -116,25 +125,38 @@ def decode(engine: TargetEngine, prompts: Sequence[list[int]], new_tokens: int, 
 
 
 def run_dtype(model, prompts: list[list[int]], args) -> dict:
-    engine = new_engine(model)
+    engines = {path: new_engine(model, PATHS[path]) for path in args.paths}
+    solo_engine = engines[args.paths[0]]  # alone, both paths run the same forward
     results = {}
-    reference = [decode(engine, [ids], args.new_tokens, 0, None)[0] for ids in prompts]  # solo, k = 0
+    reference = [decode(solo_engine, [ids], args.new_tokens, 0, None)[0] for ids in prompts]  # solo, k = 0
     for k in args.blocks:
         start = time.perf_counter()
-        solo = reference if k == 0 else [decode(engine, [ids], args.new_tokens, k, [ref])[0]
+        solo = reference if k == 0 else [decode(solo_engine, [ids], args.new_tokens, k, [ref])[0]
                                          for ids, ref in zip(prompts, reference)]
-        batched = []
-        for lo in range(0, len(prompts), args.batch):
+        batched = {path: [] for path in args.paths}
+        seconds = dict.fromkeys(args.paths, 0.0)
+        for lo in range(0, len(prompts), args.batch):  # the paths take turns chunk by chunk
             chunk = slice(lo, lo + args.batch)
-            batched += decode(engine, prompts[chunk], args.new_tokens, k, reference[chunk] if k else None)
-        row = compare(solo, batched)
+            for path in args.paths:
+                began = time.perf_counter()
+                batched[path] += decode(engines[path], prompts[chunk], args.new_tokens, k,
+                                        reference[chunk] if k else None)
+                seconds[path] += time.perf_counter() - began
+        row = compare(solo, batched[args.paths[0]])
         if k:
             row["solo_vs_solo_k0"] = compare(reference, solo)  # block width alone changes a token?
+        row["batched_tokens_per_s"] = round(len(prompts) * args.new_tokens / seconds[args.paths[0]], 1)
+        for path in args.paths[1:]:
+            row[path] = {**compare(solo, batched[path]),
+                         "batched_tokens_per_s": round(len(prompts) * args.new_tokens / seconds[path], 1)}
         row["seconds"] = round(time.perf_counter() - start, 1)
         results[f"k={k}"] = row
-        print(f"  k={k}: {row['sessions_differing']}/{row['sessions']} sessions differ, "
-              f"first divergences {row['first_divergence_positions']}, "
-              f"{row['tokens_compared']} tokens compared, flip rate {row['flip_rate_per_token']:.4f}", flush=True)
+        for path in args.paths:
+            figures = row if path == args.paths[0] else row[path]
+            print(f"  k={k} {path}: {figures['sessions_differing']}/{figures['sessions']} sessions differ, "
+                  f"first divergences {figures['first_divergence_positions']}, "
+                  f"{figures['tokens_compared']} tokens compared, flip rate {figures['flip_rate_per_token']:.4f}, "
+                  f"batched {figures['batched_tokens_per_s']} tokens/s", flush=True)
     return results
 
 
@@ -149,6 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", type=int, nargs="+", default=[0, 4], help="draft tokens per block (k)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--paths", nargs="+", default=["default"], choices=list(PATHS),
+                        help="target paths to decode the batched sessions on; the first one's figures are the row's")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tokenizer = models.load_tokenizer(models.DEFAULT_MODEL)
@@ -177,10 +201,11 @@ def write_report(args, prompt_set, results: dict, seconds: float) -> None:
         "new_tokens": args.new_tokens,
         "batch": args.batch,
         "blocks": args.blocks,
+        "paths": args.paths,
         "threads": args.threads,
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
-        "note": "counts tokens, not time: run under cpu-shared",
+        "note": "counts tokens; batched_tokens_per_s compares paths only within one run (cpu-exclusive)",
         "seconds": round(seconds, 1),
         "results": results,
     }

@@ -108,6 +108,7 @@ class TargetEngine:
         new_cache: Callable[[], SessionCache] | None = None,  # tensor parallel: caches mirrored on every rank
         tp_degree: int = 1,
         fast_forward: bool = True,
+        batch_invariant: bool = False,  # never share a forward between sessions (docs/protocol.md)
     ) -> None:
         """``fast_forward``: pack the linear layers for oneDNN (fp32 CPU) and run verify steps through the
         packed-rows forward (``lmkit.packed_rows``) where the model allows (full attention only: a
@@ -129,7 +130,10 @@ class TargetEngine:
         self.tp_degree = tp_degree
         # Sharded caches replay each step on the other ranks one session at a time; a RoPE whose scaling
         # follows the longest row of a forward would let rows change each other's positions' encoding.
-        self.can_batch = new_cache is None and rows_share_rope(model)
+        # batch_invariant: each session's rows run with the shapes they would have alone, so a session's
+        # greedy tokens do not depend on which sessions arrive with it (a bf16 near-tie cannot flip).
+        self.batch_invariant = batch_invariant
+        self.can_batch = not batch_invariant and new_cache is None and rows_share_rope(model)
         self.forward_passes = 0  # verifying forwards run; rounds / forward_passes is the mean batch size
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
 

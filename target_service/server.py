@@ -36,6 +36,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="blocks of concurrent sessions verified in one forward at most (1 = no batching)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="verify every session alone (never in a shared forward): its greedy tokens do not "
+                             "depend on other sessions in bfloat16 either; costs the batching speed-up")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun; gloo on CPU, NCCL on GPU)")
     parser.add_argument("--tp-timeout-s", type=float, default=60.0, help="a collective stuck this long fails the group")
     parser.add_argument(
@@ -62,6 +65,7 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
         new_cache=leader.new_cache if leader else None,
         tp_degree=args.tp,
         fast_forward=not args.stock_forward,
+        batch_invariant=args.batch_invariant,
     )
     rank = int(os.environ.get("RANK", "0"))
     log.info("rank %d holds %.1f MB of weights (tp=%d)", rank, tp.weight_bytes(model) / 1e6, args.tp)

@@ -51,3 +51,51 @@ def test_one_wide_block_is_split_from_many_narrow_rows():
 def test_similar_widths_or_a_dear_forward_keep_one_batch():
     assert split_by_width([9, 9, 8, 9], overhead_tokens=6.0) == [[2, 0, 1, 3]]
     assert split_by_width([1] * 15 + [9], overhead_tokens=float("inf")) == [list(range(16))]
+
+
+def greedy_rounds(engine, contexts, blocks, together: bool) -> tuple[list[list[int]], list[int]]:
+    """Sessions over ``contexts`` verify ``blocks`` round by round, all in one ``verify_batch`` or each alone;
+    returns each session's tokens and the verifying forwards each round ran."""
+    from lmkit.kinds import VerificationMode
+    from lmkit.sampling import SamplingParams
+    from target_service.engine import VerifyItem
+
+    sessions = [engine.open(f"s{i}", c, SamplingParams(), VerificationMode.GREEDY) for i, c in enumerate(contexts)]
+    for session in sessions:  # prefills run alone on every path
+        engine.verify(session, len(session.tokens), [], None)
+    forwards = []
+    for round_blocks in blocks:
+        before = engine.forward_passes
+        items = [VerifyItem(s, len(s.tokens), b, None) for s, b in zip(sessions, round_blocks)]
+        if together:
+            assert all(not isinstance(r, Exception) for r in engine.verify_batch(items))
+        else:
+            for item in items:
+                engine.verify(item.session, item.position, item.draft_tokens, None)
+        forwards.append(engine.forward_passes - before)
+    tokens = [list(s.tokens) for s in sessions]
+    for i in range(len(sessions)):
+        engine.close(f"s{i}")
+    return tokens, forwards
+
+
+def test_a_batch_invariant_target_verifies_every_session_alone_in_bf16(tiny_target_dir):
+    """``batch_invariant=True`` never shares a forward: each session's bf16 greedy tokens are its solo ones."""
+    from lmkit.sessions import SessionLimits
+    from target_service.engine import TargetEngine
+
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir), dtype="bfloat16"))
+    gen = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (6, 19, 11, 30)]
+    blocks = [[torch.randint(0, 49152, (k,), generator=gen).tolist() for k in ks] for ks in ((3, 0, 5, 1), (2, 4, 0, 3))]
+
+    def engine(batch_invariant: bool) -> TargetEngine:
+        return TargetEngine(model, model_id="tiny", vocab_fingerprint="", limits=SessionLimits(max_block=8),
+                            batch_invariant=batch_invariant)
+
+    solo, _ = greedy_rounds(engine(False), contexts, blocks, together=False)
+    invariant, forwards = greedy_rounds(engine(True), contexts, blocks, together=True)
+    assert invariant == solo
+    assert forwards == [len(contexts)] * len(blocks)  # one forward per session: the shapes it has alone
+    _, shared = greedy_rounds(engine(False), contexts, blocks, together=True)
+    assert shared == [1] * len(blocks)  # the default path shares one forward per round
