@@ -66,10 +66,13 @@ def implementation(sampling_module, rejection_module) -> Callable:
     """The decision over one block's logits, as the target engine makes it with these two modules."""
 
     def decide(mode, params, position, logits, tokens, draft_probs):
-        target = sampling_module.logits_to_probs(logits, params)
         if mode is VerificationMode.COUPLED:
             noise = lambda i, ids: draws.gumbel(params.seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731
-            return rejection_module.verify_coupled(target, tokens, noise)
+            if hasattr(rejection_module, "verify_coupled_rows"):  # the engine's path: rows made when reached
+                row = lambda i: sampling_module.logits_to_probs(logits[i : i + 1], params)[0]  # noqa: E731
+                return rejection_module.verify_coupled_rows(row, tokens, logits.shape[1], noise)
+            return rejection_module.verify_coupled(sampling_module.logits_to_probs(logits, params), tokens, noise)
+        target = sampling_module.logits_to_probs(logits, params)
         uniforms = draws.uniforms(params.seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
         if mode is VerificationMode.TOKEN_ONLY:
             return rejection_module.verify_token_only(target, tokens, uniforms)

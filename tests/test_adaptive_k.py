@@ -291,6 +291,25 @@ def test_sampled_verification_stops_where_it_does_not_pay():
     assert free(costs, stats, SAMPLED).cut(sampled, 8) == 0
 
 
+def test_a_session_whose_copies_fail_where_others_pass_stops_verifying_them():
+    """Server-wide, long matches pass; this session's (new values after copied keys) fail. After a few misses
+    its own record outweighs the server's; another session still verifies the same quality in full."""
+    stats, costs = AcceptanceStats(), cpu_like()
+    long_match, _ = copy_traffic(stats)
+    failing, other = free(costs, stats), free(costs, stats)
+    cuts = []
+    for _ in range(6):
+        cuts.append(failing.cut(long_match, 8))
+        if cuts[-1]:
+            failing.observe(long_match, cuts[-1], 0)
+    assert cuts[0] == 8 and cuts[-1] == 0
+    assert failing.free_scale() < 0.5
+    assert other.free_scale() == 1.0 and other.cut(long_match, 8) == 8
+    for _ in range(3):  # blocks that pass as predicted keep a session's scale near 1
+        other.observe(long_match, 8, 8)
+    assert other.free_scale() == pytest.approx(1.0, abs=0.15)
+
+
 def test_a_quality_cut_to_nothing_is_probed_now_and_then_server_wide():
     stats, costs = AcceptanceStats(), fitted(b=0.01)
     _, short_match = copy_traffic(stats)
