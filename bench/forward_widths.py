@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from bench.sampling_profile import header
 from lmkit import models
 
-ROOT = Path(__file__).resolve().parent.parent
 WIDTHS = (1, 2, 3, 5, 9)
 
 
@@ -63,11 +61,7 @@ def main(argv=None) -> int:
     samples = measure(args)
     median = {w: statistics.median(v) for w, v in samples.items()}
     report = {
-        "what": "seconds of one SmolLM2 forward over `width` new tokens after `context` cached ones (median)",
-        "args": vars(args),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-        "host": platform.node(),
-        "torch": torch.__version__,
+        **header("seconds of one SmolLM2 forward over `width` new tokens after `context` cached ones (median)", args),
         "median_s": {str(w): round(s, 5) for w, s in median.items()},
         "vs_one_token": {str(w): round(s / median[1], 3) for w, s in median.items()},
         "samples_s": {str(w): [round(s, 5) for s in v] for w, v in samples.items()},

@@ -150,6 +150,17 @@ def profile(args) -> dict:
     return {"rows": rows}
 
 
+def header(what: str, args) -> dict:
+    """What a profile's JSON starts with: what it holds, its flags, the commit, host and torch."""
+    return {
+        "what": what,
+        "args": vars(args),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "host": platform.node(),
+        "torch": torch.__version__,
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
@@ -160,14 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--forward-repeats", type=int, default=5)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    report = {
-        "what": "seconds per verification decision (median), real SmolLM2 logits; forward_s for scale",
-        "args": vars(args),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-        "host": platform.node(),
-        "torch": torch.__version__,
-        **profile(args),
-    }
+    report = {**header("seconds per verification decision (median), real SmolLM2 logits; forward_s for scale", args),
+              **profile(args)}
     report["elapsed_s"] = round(time.perf_counter() - start, 1)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
