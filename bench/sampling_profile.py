@@ -66,10 +66,13 @@ def implementation(sampling_module, rejection_module) -> Callable:
     """The decision over one block's logits, as the target engine makes it with these two modules."""
 
     def decide(mode, params, position, logits, tokens, draft_probs):
-        target = sampling_module.logits_to_probs(logits, params)
         if mode is VerificationMode.COUPLED:
             noise = lambda i, ids: draws.gumbel(params.seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731
-            return rejection_module.verify_coupled(target, tokens, noise)
+            if hasattr(rejection_module, "verify_coupled_rows"):  # the engine's path: rows made when reached
+                row = lambda i: sampling_module.logits_to_probs(logits[i : i + 1], params)[0]  # noqa: E731
+                return rejection_module.verify_coupled_rows(row, tokens, logits.shape[1], noise)
+            return rejection_module.verify_coupled(sampling_module.logits_to_probs(logits, params), tokens, noise)
+        target = sampling_module.logits_to_probs(logits, params)
         uniforms = draws.uniforms(params.seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
         if mode is VerificationMode.TOKEN_ONLY:
             return rejection_module.verify_token_only(target, tokens, uniforms)
@@ -147,6 +150,17 @@ def profile(args) -> dict:
     return {"rows": rows}
 
 
+def header(what: str, args) -> dict:
+    """What a profile's JSON starts with: what it holds, its flags, the commit, host and torch."""
+    return {
+        "what": what,
+        "args": vars(args),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "host": platform.node(),
+        "torch": torch.__version__,
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
@@ -157,14 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--forward-repeats", type=int, default=5)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    report = {
-        "what": "seconds per verification decision (median), real SmolLM2 logits; forward_s for scale",
-        "args": vars(args),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-        "host": platform.node(),
-        "torch": torch.__version__,
-        **profile(args),
-    }
+    report = {**header("seconds per verification decision (median), real SmolLM2 logits; forward_s for scale", args),
+              **profile(args)}
     report["elapsed_s"] = round(time.perf_counter() - start, 1)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -10,9 +10,13 @@ Two choices, both maximising the round model's rate (``orchestrator.rate``):
 * **cut**: how many tokens of a block that cost nothing to make (prompt lookup
   drafts up to the free bound) to verify. Acceptance is the server-wide
   record of blocks of the same match quality, so a new session cuts as well
-  as a warm one. The cut depends only on the block's quality (a function of
-  the committed context) and the statistics, never on random draws, so sampled
-  verification stays lossless.
+  as a warm one, scaled by how this session's own blocks passed against what
+  that record predicted for them (traffic whose copies fail at qualities where
+  others' pass, such as records reformatted with new values after copied keys,
+  stops verifying them after a few misses). The cut depends only on the
+  block's quality (a function of the committed context) and the statistics
+  (of blocks already verified), never on the draws of the positions it
+  covers, so sampled verification stays lossless.
 
 A choice of 0 stops measuring what it skips. A drafter asked for nothing is
 asked for one token after ``probe_every`` such rounds (times the batch size: a
@@ -54,10 +58,14 @@ class AdaptiveK:
     probe_every: int = 8
     probe_alpha: float = 0.9  # probe only where drafts this good would pay
     probe_backoff: int = 8  # the probe interval grows to at most this many times probe_every
+    free_weight: float = 2.0  # pseudo-positions behind the server's figures for this session's free blocks
+    free_decay: float = 0.95  # per position of this session's free blocks
     _passed: list[float] = field(default_factory=list, init=False)
     _reached: list[float] = field(default_factory=list, init=False)
     _rounds_at_zero: int = field(default=0, init=False)
     _probe_interval: int = field(default=0, init=False)  # rounds at 0 before the next probe (probe_every first)
+    _free_passed: float = field(default=0.0, init=False)  # positions of this session's free blocks that passed
+    _free_expected: float = field(default=0.0, init=False)  # how many the server-wide figures predicted would
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
@@ -117,7 +125,9 @@ class AdaptiveK:
         available = min(available, self.k_max)
         if available <= 0:
             return 0
-        k = best_k(self.stats.acceptance(key, available), available, self.costs, load, in_hand=True)
+        scale = self.free_scale()
+        accept = [min(p * scale, 1.0) for p in self.stats.acceptance(key, available)]
+        k = best_k(accept, available, self.costs, load, in_hand=True)
         if k > 0:
             return k
         due = self.stats.skip(key) >= self.probe_every * max(load.sessions, 1)
@@ -126,9 +136,20 @@ class AdaptiveK:
             return 1
         return 0
 
+    def free_scale(self) -> float:
+        """This session's free blocks: positions passed over positions the server-wide figures predicted would
+        pass, both shrunk by ``free_weight`` (1 before any block)."""
+        w = self.free_weight
+        return (self._free_passed + w) / (self._free_expected + w)
+
     # -- every verified block -------------------------------------------------------------------------------
     def observe(self, key: StatsKey, drafted: int, accepted: int) -> None:
         """A verified block: ``accepted`` of its ``drafted`` tokens passed (a rejection ends it)."""
+        if key.quality is not None and drafted > 0:  # a free block: how it did against the server's figures
+            predicted = self.stats.acceptance(key, drafted)
+            for i in range(min(drafted, accepted + 1)):
+                self._free_expected = self._free_expected * self.free_decay + predicted[i]
+                self._free_passed = self._free_passed * self.free_decay + (1 if i < accepted else 0)
         self.stats.observe(key, drafted, accepted)
         if key.drafter is not self.paid or key.quality is not None:
             return

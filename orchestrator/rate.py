@@ -9,6 +9,16 @@ tokens costs t(x) = a + s x (the target's own fit of every forward it ran, or
 the orchestrator's fit of the times it reported; on CPUs s matters: verifying
 8 tokens costs ~2 decode steps there).
 
+One token is not the start of the line: on a CPU a forward over one token
+runs matrix-vector products, and any wider forward matrix-matrix ones, so the
+step from 1 to 2 tokens can cost most of a decode step while each token after
+it costs little (t(1) = 65 ms, t(2) = 120 ms, t(9) = 142 ms for SmolLM2 on
+this machine's two threads). A line through every width prices a one-token
+block far below its cost and a long one above it. ``CostModel`` therefore
+keeps one-token forwards apart (a mean) from wider ones (a line over x >= 2),
+each from the forwards this orchestrator measured, and uses the target's
+reported line only until it has measured forwards of that kind.
+
 Load (continuous batching): the target reports the forward that verified the
 last block: B sessions, and the tokens G_o the other sessions committed from
 it. Rows are padded to the longest, so a block of k makes every row k + 1
@@ -68,7 +78,10 @@ class CostModel:
     target's latest load. One per target, shared by the sessions on it."""
 
     decay: float = 0.98  # forget old samples slowly: load and context length drift
-    verify: LinearCost = field(default_factory=LinearCost)
+    verify: LinearCost = field(default_factory=LinearCost)  # every forward
+    one: LinearCost = field(default_factory=LinearCost)  # forwards of one token (its mean: x is always 1)
+    wide: LinearCost = field(default_factory=LinearCost)  # forwards of two tokens or more
+    min_samples: float = 3.0  # forwards of a kind (decayed count) before this orchestrator's own figure is used
     load: Load = ALONE  # the target's last decode forward as any session saw it; where new sessions start
     reported: tuple[float, float] | None = None  # (a, s) as the target last reported its own fit
     links: LinkCosts = field(default_factory=LinkCosts)  # the draft and target links' round trips
@@ -76,11 +89,13 @@ class CostModel:
     _draft_tokens: dict = field(default_factory=dict)  # drafter -> decayed tokens
 
     def __post_init__(self) -> None:
-        self.verify.decay = self.decay
+        for fit in (self.verify, self.one, self.wide):
+            fit.decay = self.decay
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """A target forward over ``tokens`` tokens (all rows of a batch, padding included) took ``seconds``."""
         self.verify.observe(tokens, seconds)
+        (self.one if tokens <= 1 else self.wide).observe(tokens, seconds)
 
     def observe_target_fit(self, base_s: float, per_token_s: float) -> None:
         """The target's own fit of t(x) (``VerifyResult.cost_base_us``, ``cost_per_token_us``); 0, 0 = none yet."""
@@ -94,7 +109,12 @@ class CostModel:
             self._draft_tokens[drafter] = self._draft_tokens.get(drafter, 0.0) * self.decay + tokens
 
     def verify_s(self, tokens: int) -> float:
-        """Predicted time of a target forward over ``tokens`` tokens: a + s x, the target's fit when it sent one."""
+        """Predicted time of a target forward over ``tokens`` tokens: the mean of measured one-token forwards, or
+        the line through measured wider ones; before ``min_samples`` of that kind, a + s x as the target fitted
+        it (when it sent a fit), else this orchestrator's line through every width."""
+        own = self.one if tokens <= 1 else self.wide
+        if own.samples >= self.min_samples:
+            return own.predict(tokens)
         if self.reported is not None:
             base, slope = self.reported
             return max(base + slope * tokens, 1e-6)

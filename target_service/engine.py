@@ -423,12 +423,13 @@ class TargetEngine:
         tokens = torch.tensor(list(draft_tokens), dtype=torch.long)
         if session.mode is VerificationMode.GREEDY:
             return rejection.verify_greedy(logits, tokens)
-        target_probs = logits_to_probs(logits, session.sampling)
         # Row i decides the token at absolute position len(session.tokens) + i, with that position's draws.
         position, seed = len(session.tokens), session.sampling.seed
-        if session.mode is VerificationMode.COUPLED:
+        if session.mode is VerificationMode.COUPLED:  # rows past the first rejection: no softmax, no top-p
             noise = lambda i, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731
-            return rejection.verify_coupled(target_probs, tokens, noise)
+            row = lambda i: logits_to_probs(logits[i : i + 1], session.sampling)[0]  # noqa: E731
+            return rejection.verify_coupled_rows(row, tokens, logits.shape[1], noise)
+        target_probs = logits_to_probs(logits, session.sampling)
         uniforms = draws.uniforms(seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
             return rejection.verify_token_only(target_probs, tokens, uniforms)

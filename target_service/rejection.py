@@ -148,10 +148,33 @@ def verify_coupled(
     accepted often when q is close to p. Rows past the first mismatch are never
     evaluated (their noise is not asked for).
     """
-    tokens = _check_block("target_probs", target_probs, draft_tokens)
-    _check_row_sums("target_probs", target_probs)
+    _check_block("target_probs", target_probs, draft_tokens)
+    return verify_coupled_rows(lambda i: target_probs[i], draft_tokens, target_probs.shape[1], noise)
+
+
+def verify_coupled_rows(
+    row_probs: Callable[[int], torch.Tensor],  # row i -> [vocab] p_i, rows sum to 1; asked for in order, while needed
+    draft_tokens: torch.Tensor,  # [k] int64
+    vocab: int,
+    noise: Callable[[int, torch.Tensor], torch.Tensor],  # (row i, token ids [n] int64) -> Gumbel noise [n] float64
+) -> Verdict:
+    """``verify_coupled`` with each row's distribution made only when the row is reached.
+
+    Row i is asked for only if every draft token before it was accepted, so a
+    block rejected at position j costs j + 1 rows of temperature, top-p and
+    noise, not k + 1 (the verdict is the same: rows past the first mismatch
+    never decide anything).
+    """
+    tokens = _check_tokens(draft_tokens, vocab)
     for i in range(len(tokens) + 1):
-        row = _row("target_probs", target_probs, i)  # [vocab] float64
+        probs = row_probs(i)
+        if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (vocab,):
+            raise ValueError(f"target_probs row {i} must be a tensor [vocab] = [{vocab}], got {_shape(probs)}")
+        _check_float("target_probs", probs)
+        _check_row_sums("target_probs", probs[None], first=i)
+        row = probs.to(device="cpu", dtype=torch.float64)
+        if not float(row.min()) >= 0.0:  # the sum was finite: no negative value means every value is finite
+            raise ValueError(f"target_probs row {i} has negative values")
         chosen = gumbel_max(row, lambda ids, i=i: noise(i, ids))
         if i == len(tokens) or tokens[i] != chosen:
             return Verdict(accepted=i, next_token=chosen)
@@ -162,16 +185,22 @@ def _check_block(name: str, target: torch.Tensor, draft_tokens: torch.Tensor) ->
     """Shapes, dtypes and token range of a block; returns the draft tokens as a list."""
     if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 1:
         raise ValueError(f"draft_tokens must be a 1-D tensor [k], got {_shape(draft_tokens)}")
-    if draft_tokens.dtype != torch.int64:
-        raise ValueError(f"draft_tokens must be int64 (use .long()), got {draft_tokens.dtype}")
-    tokens = draft_tokens.tolist()
-    k = len(tokens)
+    k = draft_tokens.shape[0]
     if not isinstance(target, torch.Tensor) or target.dim() != 2 or target.shape[0] != k + 1:
         raise ValueError(f"{name} must be a 2-D tensor [k+1, vocab] with k = {k} draft tokens, got {_shape(target)}")
     _check_float(name, target)
-    vocab = target.shape[1]
+    return _check_tokens(draft_tokens, target.shape[1])
+
+
+def _check_tokens(draft_tokens: torch.Tensor, vocab: int) -> list[int]:
+    """A block's draft tokens [k] int64, each in [0, vocab); returns them as a list."""
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 1:
+        raise ValueError(f"draft_tokens must be a 1-D tensor [k], got {_shape(draft_tokens)}")
+    if draft_tokens.dtype != torch.int64:
+        raise ValueError(f"draft_tokens must be int64 (use .long()), got {draft_tokens.dtype}")
     if vocab == 0:
-        raise ValueError(f"{name} must have a non-empty vocabulary dimension")
+        raise ValueError("target_probs must have a non-empty vocabulary dimension")
+    tokens = draft_tokens.tolist()
     if any(not 0 <= token < vocab for token in tokens):
         raise ValueError(f"draft_tokens must be token ids in [0, {vocab}), got {tokens}")
     return tokens
@@ -182,9 +211,9 @@ def _check_float(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be floating point, got dtype {tensor.dtype}")
 
 
-def _check_row_sums(name: str, probs: torch.Tensor) -> None:  # probs: [rows, vocab]
+def _check_row_sums(name: str, probs: torch.Tensor, first: int = 0) -> None:  # probs: [rows, vocab], rows first..
     # One reduction over the block: NaN or inf anywhere makes a sum non-finite, and logits rarely sum to 1.
-    for row, total in enumerate(probs.sum(dim=-1, dtype=torch.float32).tolist()):
+    for row, total in enumerate(probs.sum(dim=-1, dtype=torch.float32).tolist(), start=first):
         if not abs(total - 1.0) <= ROW_SUM_TOLERANCE:  # `not <=` also catches NaN
             raise ValueError(
                 f"{name} row {row} sums to {total}, not 1: pass finite probabilities (softmax), not logits"

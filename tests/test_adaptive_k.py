@@ -56,12 +56,47 @@ def test_cost_model_recovers_a_linear_verify_cost():
     assert costs.verify_s(11) == pytest.approx(0.11, rel=1e-6)
 
 
-def test_the_targets_own_fit_replaces_the_orchestrators():
-    costs = fitted(a=0.05, b=0.006)
+def test_the_targets_own_fit_stands_in_until_forwards_of_that_kind_are_measured():
+    costs = fitted(a=0.05, b=0.006, widths=(1, 2))  # too few forwards of either kind for their own figures
     costs.observe_target_fit(0.0, 0.0)  # a target without a fit yet changes nothing
     assert costs.verify_s(11) == pytest.approx(0.11, rel=1e-6)
     costs.observe_target_fit(0.04, 0.01)
     assert costs.verify_s(10) == pytest.approx(0.14)
+    assert costs.verify_s(1) == pytest.approx(0.05)
+    for _ in range(3):  # measured one-token forwards: their mean replaces the line at x = 1 only
+        costs.observe_verify(1, 0.03)
+    assert costs.verify_s(1) < 0.04  # mostly the measured 0.03, not the line's 0.05
+    assert costs.verify_s(10) == pytest.approx(0.14)
+
+
+def step_costs(one=0.065, two=0.12, nine=0.142) -> CostModel:
+    """A CPU's forwards: one token takes matrix-vector products, two or more matrix-matrix ones (a step)."""
+    costs = CostModel()
+    costs.observe_target_fit(0.06, 0.01)  # the target's line through every width misses the step
+    for _ in range(4):
+        for x, t in ((1, one), (2, two), (9, nine), (1, one)):
+            costs.observe_verify(x, t)
+    return costs
+
+
+def test_a_one_token_forward_is_priced_apart_from_the_line_through_wider_ones():
+    costs = step_costs()
+    assert costs.verify_s(1) == pytest.approx(0.065, rel=1e-3)
+    assert costs.verify_s(2) == pytest.approx(0.12, rel=1e-3)
+    assert costs.verify_s(9) == pytest.approx(0.142, rel=1e-3)
+    assert costs.verify_s(5) == pytest.approx(0.12 + 3 * 0.022 / 7, rel=1e-3)
+
+
+def test_where_leaving_the_one_token_forward_costs_a_step_short_weak_blocks_are_not_verified():
+    costs = step_costs()
+    # A one-token block passing 7 times in 10: 1.7 tokens in 120 ms is slower than 1 in 65 ms.
+    assert best_k([0.7], 1, costs) == 0
+    # Long blocks of the same first position, deeper ones passing 9 in 10, pay for the step.
+    assert best_k([0.7] + [0.9] * 7, 8, costs) == 8
+    # On the target's line alone (no forwards measured) the same one-token block looked worth verifying.
+    line = CostModel()
+    line.observe_target_fit(0.06, 0.01)
+    assert best_k([0.7], 1, line) == 1
 
 
 def test_expected_tokens_matches_leviathan():
@@ -285,6 +320,25 @@ def test_sampled_verification_stops_where_it_does_not_pay():
         stats.observe(sampled, 8, 0)
     assert free(costs, stats, GREEDY).cut(long_match, 8) == 8
     assert free(costs, stats, SAMPLED).cut(sampled, 8) == 0
+
+
+def test_a_session_whose_copies_fail_where_others_pass_stops_verifying_them():
+    """Server-wide, long matches pass; this session's (new values after copied keys) fail. After a few misses
+    its own record outweighs the server's; another session still verifies the same quality in full."""
+    stats, costs = AcceptanceStats(), cpu_like()
+    long_match, _ = copy_traffic(stats)
+    failing, other = free(costs, stats), free(costs, stats)
+    cuts = []
+    for _ in range(6):
+        cuts.append(failing.cut(long_match, 8))
+        if cuts[-1]:
+            failing.observe(long_match, cuts[-1], 0)
+    assert cuts[0] == 8 and cuts[-1] == 0
+    assert failing.free_scale() < 0.5
+    assert other.free_scale() == 1.0 and other.cut(long_match, 8) == 8
+    for _ in range(3):  # blocks that pass as predicted keep a session's scale near 1
+        other.observe(long_match, 8, 8)
+    assert other.free_scale() == pytest.approx(1.0, abs=0.15)
 
 
 def test_a_quality_cut_to_nothing_is_probed_now_and_then_server_wide():

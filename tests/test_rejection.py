@@ -11,10 +11,13 @@ import math
 import pytest
 import torch
 
+from lmkit import draws
 from lmkit.kinds import VerificationMode
+from lmkit.sampling import SamplingParams, logits_to_probs
 from target_service.rejection import (
     Verdict,
     verify_coupled,
+    verify_coupled_rows,
     verify_draft_probs,
     verify_greedy,
     verify_token_only,
@@ -188,6 +191,44 @@ def test_coupled_never_looks_past_the_first_mismatch():
     asked: list[int] = []
     verify_coupled(target, tokens(1, 1), fixed_noise([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]], asked))
     assert asked == [0]
+
+
+def test_coupled_rows_are_made_only_while_reached_and_the_verdict_is_the_whole_blocks():
+    """The target's lazy path (a row's temperature and top-p made when the row is reached) decides as the
+    eager one over the whole block, and makes rows 0..accepted only."""
+    params = SamplingParams(temperature=0.7, top_p=0.95, seed=3)
+    logits = torch.randn(5, 40, generator=seeded(1)) * 3  # [k+1, vocab], k = 4
+    noise = lambda i, ids: draws.gumbel(params.seed, draws.Stream.COUPLED, 100 + i, ids)  # noqa: E731
+    eager = logits_to_probs(logits, params)
+    chosen = [verify_coupled(eager[i : i + 1], tokens(), lambda _, ids, i=i: noise(i, ids)).next_token for i in range(5)]
+    verdicts = set()
+    for trial in range(30):
+        block = tokens(*chosen[:4])
+        if trial:  # a wrong token at a position drawn per trial, or none (accept-all)
+            at = trial % 5
+            block = tokens(*[(t + 1) % 40 if i == at else t for i, t in enumerate(chosen[:4])])
+        made: list[int] = []
+
+        def row(i: int, made: list[int] = made) -> torch.Tensor:
+            made.append(i)
+            return logits_to_probs(logits[i : i + 1], params)[0]
+
+        verdict = verify_coupled_rows(row, block, 40, noise)
+        assert verdict == verify_coupled(eager, block, noise)
+        assert made == list(range(verdict.accepted + 1))
+        verdicts.add(verdict.accepted)
+    assert verdicts == {0, 1, 2, 3, 4}
+
+
+def test_coupled_rows_are_checked_where_they_are_made():
+    block = tokens(0)
+    with pytest.raises(ValueError, match="row 0 sums to 2.0"):
+        verify_coupled_rows(lambda i: torch.tensor([1.0, 1.0]), block, 2, fixed_noise([[0, 0]] * 2))
+    with pytest.raises(ValueError, match=r"row 1 must be a tensor \[vocab\]"):
+        verify_coupled_rows(lambda i: torch.tensor([1.0, 0.0] if i == 0 else [1.0]), block, 2,
+                            fixed_noise([[5.0, 0.0]] * 2))
+    with pytest.raises(ValueError, match="token ids in"):
+        verify_coupled_rows(lambda i: torch.tensor([1.0, 0.0]), tokens(2), 2, fixed_noise([[0, 0]] * 2))
 
 
 def test_coupled_ties_go_to_the_lowest_token_id():
