@@ -127,7 +127,11 @@ class ShardedSessionCache(SessionCache):
         self._leader = leader
         self.slot = slot
 
-    def logits(self, context: Sequence[int], block: Sequence[int]) -> torch.Tensor:
+    def logits(
+        self, context: Sequence[int], block: Sequence[int], parents: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        if parents is not None:  # ModelInfo.token_trees is false for a sharded target: chains only
+            raise ValueError("a tensor-parallel target verifies chains only, not token trees")
         if self._leader.broken:
             raise errors.Unavailable(f"the tensor-parallel target lost a rank ({self._leader.broken})")
         keep, feed = self.plan(context, block)
