@@ -136,7 +136,6 @@ def load_of(result: pb.VerifyResult) -> Load:
 class _Block:
     tokens: list[int]
     probs: pb.DraftProbs | None = None
-    draft_s: float = 0.0
     k: int = 0  # tokens asked for (a free block: the tokens kept)
     parents: list[int] = field(default_factory=list)  # a token tree's (lmkit.token_tree); empty: a chain
     branch: tuple[int, int] | None = None  # a chain's drafter's second guess: (index into tokens, token)
@@ -179,7 +178,7 @@ def _block_of(reply: pb.DraftBlock | None, k: int, guess: int | None = None) -> 
     branch = None  # a chain's only: a tree carries its alternatives itself
     if chain and reply.HasField("branch") and 0 <= reply.branch.index - skip < len(tokens):
         branch = (reply.branch.index - skip, reply.branch.token)
-    return _Block(tokens, probs, reply.compute_us / 1e6, k, parents, branch, proposed=len(reply.tokens))
+    return _Block(tokens, probs, k, parents, branch, proposed=len(reply.tokens))
 
 
 def _after_guess(tokens: list[int], parents: list[int], guess: int) -> tuple[list[int], list[int]] | None:
