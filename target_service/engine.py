@@ -425,15 +425,16 @@ class TargetEngine:
             return rejection.verify_greedy(logits, tokens)
         # Row i decides the token at absolute position len(session.tokens) + i, with that position's draws.
         position, seed = len(session.tokens), session.sampling.seed
-        if session.mode is VerificationMode.COUPLED:  # rows past the first rejection: no softmax, no top-p
+        # Rows past the first rejection: no softmax, no top-p.
+        row = lambda i: logits_to_probs(logits[i : i + 1], session.sampling)[0]  # noqa: E731
+        vocab = logits.shape[1]
+        if session.mode is VerificationMode.COUPLED:
             noise = lambda i, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731
-            row = lambda i: logits_to_probs(logits[i : i + 1], session.sampling)[0]  # noqa: E731
-            return rejection.verify_coupled_rows(row, tokens, logits.shape[1], noise)
-        target_probs = logits_to_probs(logits, session.sampling)
+            return rejection.verify_coupled_rows(row, tokens, vocab, noise)
         uniforms = draws.uniforms(seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
-            return rejection.verify_token_only(target_probs, tokens, uniforms)
-        return rejection.verify_draft_probs(target_probs, draft_probs, tokens, uniforms)
+            return rejection.verify_token_only_rows(row, tokens, vocab, uniforms)
+        return rejection.verify_draft_probs_rows(row, draft_probs, tokens, vocab, uniforms)
 
 
 def committed_features(cache, position: int, accepted: int, path: Sequence[int] = ()) -> FeatureBlock | None:

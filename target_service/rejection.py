@@ -27,8 +27,10 @@ per row, G_i, and the emitted token at row i is argmax(log p_i + G_i): a sample
 from p_i whatever the drafter proposed, so the output is a function of the
 draws alone; a draft token is accepted iff it equals that token.
 
-Values are checked where they are used (p(x), q(x), the row sampled from) and
-row sums once, so a verification never scans the [k+1, vocab] block twice.
+The target's rows are made and checked one at a time, only while reached
+(``*_rows``: a block rejected at position j makes rows 0..j, and decides as the
+whole block would); the eager functions over a whole [k+1, vocab] block are
+those with the block's shape checked first.
 """
 
 from __future__ import annotations
@@ -85,21 +87,33 @@ def verify_token_only(
     Lossless for any drafter, deterministic ones (n-gram) included: if x came
     from any q, P(emit y) = q(y) p(y) + sum_{x != y} q(x) (1 - p(x)) p(y) / (1 - p(x)) = p(y).
     """
-    tokens = _check_block("target_probs", target_probs, draft_tokens)
+    _check_block("target_probs", target_probs, draft_tokens)
+    return verify_token_only_rows(lambda i: target_probs[i], draft_tokens, target_probs.shape[1], uniforms)
+
+
+def verify_token_only_rows(
+    row_probs: Callable[[int], torch.Tensor],  # row i -> [vocab] p_i, rows sum to 1; asked for in order, while needed
+    draft_tokens: torch.Tensor,  # [k] int64
+    vocab: int,
+    uniforms: torch.Tensor,  # [k+1, 2] float64 in (0, 1): per position (accept test, sample)
+) -> Verdict:
+    """``verify_token_only`` with each row's distribution made only when the row is reached (as
+    ``verify_coupled_rows``): a block rejected at position j costs j + 1 rows, and decides as the whole block."""
+    tokens = _check_tokens(draft_tokens, vocab)
     k = len(tokens)
-    _check_row_sums("target_probs", target_probs)
     accept_u, sample_u = _split_uniforms(uniforms, k)
-    flat_index = _flat_index(draft_tokens, target_probs.shape[1], target_probs.device)
-    p_drafted = _probs_at("target_probs", target_probs, flat_index)  # [k] p_i(x_i)
-    accepted = _count_accepted(accept_u, p_drafted, [1.0] * k)
-    row = _row("target_probs", target_probs, accepted)  # [vocab] float64
-    if accepted == k:
-        return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
-    residual = row.clone()
-    residual[tokens[accepted]] = 0.0
-    # An all-zero residual means p(x) == 1 up to rounding: rejection then has probability ~0
-    # and the exact answer is x itself, which sampling from p returns.
-    return Verdict(accepted=accepted, next_token=inverse_cdf(residual, sample_u[accepted], fallback=row))
+    for i in range(k + 1):
+        row = _reached_row("target_probs", row_probs, i, vocab)  # [vocab] float64
+        if i == k:
+            return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
+        if accept_u[i] < float(row[tokens[i]]):
+            continue
+        residual = row.clone()
+        residual[tokens[i]] = 0.0
+        # An all-zero residual means p(x) == 1 up to rounding: rejection then has probability ~0
+        # and the exact answer is x itself, which sampling from p returns.
+        return Verdict(accepted=i, next_token=inverse_cdf(residual, sample_u[i], fallback=row))
+    raise AssertionError("unreachable: the loop returns at row k")
 
 
 def verify_draft_probs(
@@ -113,26 +127,40 @@ def verify_draft_probs(
     A draft token with q(x) == 0 could not have been sampled from q: the drafter
     is broken, and the token is rejected (whatever p(x) is) rather than trusted.
     """
-    tokens = _check_block("target_probs", target_probs, draft_tokens)
-    k, vocab = len(tokens), target_probs.shape[1]
+    _check_block("target_probs", target_probs, draft_tokens)
+    return verify_draft_probs_rows(
+        lambda i: target_probs[i], draft_probs, draft_tokens, target_probs.shape[1], uniforms)
+
+
+def verify_draft_probs_rows(
+    row_probs: Callable[[int], torch.Tensor],  # row i -> [vocab] p_i, rows sum to 1; asked for in order, while needed
+    draft_probs: torch.Tensor,  # [k, vocab] rows sum to 1; row i is the q that x_i was sampled from
+    draft_tokens: torch.Tensor,  # [k] int64
+    vocab: int,
+    uniforms: torch.Tensor,  # [k+1, 2] float64 in (0, 1): per position (accept test, sample)
+) -> Verdict:
+    """``verify_draft_probs`` with the target's rows made only when reached; q (sent whole) is checked whole."""
+    tokens = _check_tokens(draft_tokens, vocab)
+    k = len(tokens)
     if not isinstance(draft_probs, torch.Tensor) or tuple(draft_probs.shape) != (k, vocab):
         raise ValueError(f"draft_probs must have shape [k, vocab] = {[k, vocab]}, got {_shape(draft_probs)}")
     _check_float("draft_probs", draft_probs)
-    _check_row_sums("target_probs", target_probs)
     _check_row_sums("draft_probs", draft_probs)
     accept_u, sample_u = _split_uniforms(uniforms, k)
-    flat_index = _flat_index(draft_tokens, vocab, target_probs.device)
-    p_drafted = _probs_at("target_probs", target_probs, flat_index)  # [k] p_i(x_i)
-    q_drafted = _probs_at("draft_probs", draft_probs, flat_index.to(draft_probs.device))  # [k] q_i(x_i)
-    accepted = _count_accepted(accept_u, p_drafted, q_drafted)
-    row = _row("target_probs", target_probs, accepted)  # [vocab] float64
-    if accepted == k:
-        return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
-    residual = (row - _row("draft_probs", draft_probs, accepted)).clamp_(min=0.0)
-    # max(0, p - q) is all zero only if p <= q everywhere, i.e. p == q (both sum to 1). Then
-    # min(1, p/q) = 1 at every x with q(x) > 0, so this rejection is reached with probability 0
-    # (float rounding, or a broken drafter with q(x) = 0); sampling from p keeps the output exact.
-    return Verdict(accepted=accepted, next_token=inverse_cdf(residual, sample_u[accepted], fallback=row))
+    q_drafted = _probs_at("draft_probs", draft_probs, _flat_index(draft_tokens, vocab, draft_probs.device))  # [k]
+    for i in range(k + 1):
+        row = _reached_row("target_probs", row_probs, i, vocab)  # [vocab] float64
+        if i == k:
+            return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
+        q = q_drafted[i]
+        if q > 0.0 and accept_u[i] * q < float(row[tokens[i]]):  # u < p / q without dividing by a tiny q
+            continue
+        residual = (row - _row("draft_probs", draft_probs, i)).clamp_(min=0.0)
+        # max(0, p - q) is all zero only if p <= q everywhere, i.e. p == q (both sum to 1). Then
+        # min(1, p/q) = 1 at every x with q(x) > 0, so this rejection is reached with probability 0
+        # (float rounding, or a broken drafter with q(x) = 0); sampling from p keeps the output exact.
+        return Verdict(accepted=i, next_token=inverse_cdf(residual, sample_u[i], fallback=row))
+    raise AssertionError("unreachable: the loop returns at row k")
 
 
 def verify_coupled(
@@ -167,18 +195,24 @@ def verify_coupled_rows(
     """
     tokens = _check_tokens(draft_tokens, vocab)
     for i in range(len(tokens) + 1):
-        probs = row_probs(i)
-        if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (vocab,):
-            raise ValueError(f"target_probs row {i} must be a tensor [vocab] = [{vocab}], got {_shape(probs)}")
-        _check_float("target_probs", probs)
-        _check_row_sums("target_probs", probs[None], first=i)
-        row = probs.to(device="cpu", dtype=torch.float64)
-        if not float(row.min()) >= 0.0:  # the sum was finite: no negative value means every value is finite
-            raise ValueError(f"target_probs row {i} has negative values")
+        row = _reached_row("target_probs", row_probs, i, vocab)
         chosen = gumbel_max(row, lambda ids, i=i: noise(i, ids))
         if i == len(tokens) or tokens[i] != chosen:
             return Verdict(accepted=i, next_token=chosen)
     raise AssertionError("unreachable: the loop returns at row k")
+
+
+def _reached_row(name: str, row_probs: Callable[[int], torch.Tensor], i: int, vocab: int) -> torch.Tensor:
+    """Row i of a lazily made block, checked as the eager paths check a block: -> [vocab] float64 on CPU."""
+    probs = row_probs(i)
+    if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (vocab,):
+        raise ValueError(f"{name} row {i} must be a tensor [vocab] = [{vocab}], got {_shape(probs)}")
+    _check_float(name, probs)
+    _check_row_sums(name, probs[None], first=i)
+    row = probs.to(device="cpu", dtype=torch.float64)
+    if not float(row.min()) >= 0.0:  # the sum was finite: no negative value means every value is finite
+        raise ValueError(f"{name} row {i} has negative values")
+    return row
 
 
 def _check_block(name: str, target: torch.Tensor, draft_tokens: torch.Tensor) -> list[int]:
@@ -250,19 +284,6 @@ def _probs_at(name: str, probs: torch.Tensor, flat_index: torch.Tensor) -> list[
     if any(not (v >= 0.0) for v in values):  # `not >=` also catches NaN
         raise ValueError(f"{name} has a negative or NaN probability at a draft token")
     return values
-
-
-def _count_accepted(uniforms: list[float], p_drafted: list[float], q_drafted: list[float]) -> int:
-    """Leading positions with u_i < p_i(x_i) / q_i(x_i), i.e. accepted w.p. min(1, p/q); q == 0 rejects.
-
-    zip stops at the k draft positions.
-    """
-    accepted = 0
-    for u, p, q in zip(uniforms, p_drafted, q_drafted):
-        if not (q > 0.0 and u * q < p):  # u * q < p is u < p / q without dividing by a tiny q
-            break
-        accepted += 1
-    return accepted
 
 
 def _row(name: str, probs: torch.Tensor, index: int) -> torch.Tensor:  # -> [vocab] float64 on CPU

@@ -19,8 +19,10 @@ from target_service.rejection import (
     verify_coupled,
     verify_coupled_rows,
     verify_draft_probs,
+    verify_draft_probs_rows,
     verify_greedy,
     verify_token_only,
+    verify_token_only_rows,
 )
 
 pytestmark = pytest.mark.unit
@@ -215,6 +217,52 @@ def test_coupled_rows_are_made_only_while_reached_and_the_verdict_is_the_whole_b
 
         verdict = verify_coupled_rows(row, block, 40, noise)
         assert verdict == verify_coupled(eager, block, noise)
+        assert made == list(range(verdict.accepted + 1))
+        verdicts.add(verdict.accepted)
+    assert verdicts == {0, 1, 2, 3, 4}
+
+
+def _eager_reference(target, draft, block, uniforms) -> Verdict:
+    """The textbook rule over the whole block: accept while u_i < p_i(x_i) / q_i(x_i) (q = 1 for token-only),
+    then sample the residual max(0, p - q) (token-only: p with x removed) or, all accepted, p_k."""
+    u = uniforms.tolist()
+    for i, x in enumerate(block.tolist()):
+        q = 1.0 if draft is None else float(draft[i, x])
+        if not u[i][0] * q < float(target[i, x]):
+            p = target[i].double()
+            residual = p.clone()
+            if draft is None:
+                residual[x] = 0.0
+            else:
+                residual = (p - draft[i].double()).clamp(min=0.0)
+            return Verdict(i, draws.inverse_cdf(residual, u[i][1], fallback=p))
+    return Verdict(len(block), draws.inverse_cdf(target[-1].double(), u[-1][1]))
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["token-only", "draft-probs"])
+def test_token_only_and_draft_probs_rows_are_made_only_while_reached(with_q):
+    """The target's lazy paths decide as the textbook rule over the whole block, and make rows 0..accepted."""
+    params = SamplingParams(temperature=0.7, top_p=0.95, seed=3)
+    verdicts = set()
+    for trial in range(200):
+        logits = torch.randn(5, 12, generator=seeded(trial)) * 2  # [k+1, vocab], k = 4
+        eager = logits_to_probs(logits, params)
+        draft = torch.softmax(torch.randn(4, 12, generator=seeded(1000 + trial)), -1) if with_q else None
+        block = eager[:4].argmax(-1) if trial % 3 else torch.randint(0, 12, (4,), generator=seeded(trial))
+        uniforms = drawn(trial, 4)
+        made: list[int] = []
+
+        def row(i: int, made: list[int] = made) -> torch.Tensor:
+            made.append(i)
+            return logits_to_probs(logits[i : i + 1], params)[0]
+
+        if with_q:
+            verdict = verify_draft_probs_rows(row, draft, block, 12, uniforms)
+            assert verdict == verify_draft_probs(eager, draft, block, uniforms)
+        else:
+            verdict = verify_token_only_rows(row, block, 12, uniforms)
+            assert verdict == verify_token_only(eager, block, uniforms)
+        assert verdict == _eager_reference(eager, draft, block, uniforms)
         assert made == list(range(verdict.accepted + 1))
         verdicts.add(verdict.accepted)
     assert verdicts == {0, 1, 2, 3, 4}
