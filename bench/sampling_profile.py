@@ -68,12 +68,20 @@ def implementation(sampling_module, rejection_module) -> Callable:
     def decide(mode, params, position, logits, tokens, draft_probs):
         if mode is VerificationMode.COUPLED:
             noise = lambda i, ids: draws.gumbel(params.seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731
-            if hasattr(rejection_module, "verify_coupled_rows"):  # the engine's path: rows made when reached
+            if hasattr(sampling_module, "rows_when_reached"):  # the engine's path: rows made when reached
+                row = sampling_module.rows_when_reached(logits, params)
+                return rejection_module.verify_coupled_rows(row, tokens, logits.shape[1], noise)
+            if hasattr(rejection_module, "verify_coupled_rows"):  # row by row
                 row = lambda i: sampling_module.logits_to_probs(logits[i : i + 1], params)[0]  # noqa: E731
                 return rejection_module.verify_coupled_rows(row, tokens, logits.shape[1], noise)
             return rejection_module.verify_coupled(sampling_module.logits_to_probs(logits, params), tokens, noise)
-        target = sampling_module.logits_to_probs(logits, params)
         uniforms = draws.uniforms(params.seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
+        if hasattr(rejection_module, "verify_token_only_rows"):  # the engine's path: rows made when reached
+            row = sampling_module.rows_when_reached(logits, params)
+            if mode is VerificationMode.TOKEN_ONLY:
+                return rejection_module.verify_token_only_rows(row, tokens, logits.shape[1], uniforms)
+            return rejection_module.verify_draft_probs_rows(row, draft_probs, tokens, logits.shape[1], uniforms)
+        target = sampling_module.logits_to_probs(logits, params)
         if mode is VerificationMode.TOKEN_ONLY:
             return rejection_module.verify_token_only(target, tokens, uniforms)
         return rejection_module.verify_draft_probs(target, draft_probs, tokens, uniforms)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -89,6 +90,28 @@ def logits_to_probs(
     else:
         keep = _truncation_mask(scaled, params.top_k, params.top_p)
     return torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
+
+
+def rows_when_reached(logits: torch.Tensor, params: SamplingParams) -> Callable[[int], torch.Tensor]:
+    """Row i of ``logits_to_probs(logits, params)`` [rows, vocab] -> [vocab], made when first asked for.
+
+    For verifiers that walk a block's rows in order and stop at the first
+    rejection (most sampled blocks stop at row 0): row 0 is made alone, and the
+    first question past it makes every later row in one call, so a block
+    rejected at once pays one row and one accepted whole pays two calls, not
+    k + 1. Each row equals the eager block's (the processing is row-wise).
+    """
+    made: dict[int, torch.Tensor] = {}
+
+    def row(i: int) -> torch.Tensor:
+        if i not in made:
+            if i == 0:
+                made[0] = logits_to_probs(logits[:1], params)[0]
+            else:
+                made.update(enumerate(logits_to_probs(logits[1:], params), start=1))
+        return made[i]
+
+    return row
 
 
 def _check_logits(logits: torch.Tensor) -> None:

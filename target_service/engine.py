@@ -19,7 +19,7 @@ from lmkit.features import FeatureBlock
 from lmkit.kinds import TREE_MODES, VerificationMode
 from lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
 from lmkit.packed_linear import pack_linears
-from lmkit.sampling import SamplingParams, logits_to_probs
+from lmkit.sampling import SamplingParams, logits_to_probs, rows_when_reached
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection, tree_verify
 from target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
@@ -426,7 +426,7 @@ class TargetEngine:
         # Row i decides the token at absolute position len(session.tokens) + i, with that position's draws.
         position, seed = len(session.tokens), session.sampling.seed
         # Rows past the first rejection: no softmax, no top-p.
-        row = lambda i: logits_to_probs(logits[i : i + 1], session.sampling)[0]  # noqa: E731
+        row = rows_when_reached(logits, session.sampling)
         vocab = logits.shape[1]
         if session.mode is VerificationMode.COUPLED:
             noise = lambda i, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731

@@ -103,11 +103,12 @@ def verify_token_only_rows(
     k = len(tokens)
     accept_u, sample_u = _split_uniforms(uniforms, k)
     for i in range(k + 1):
-        row = _reached_row("target_probs", row_probs, i, vocab)  # [vocab] float64
+        probs = _reached_row("target_probs", row_probs, i, vocab)  # [vocab]
+        if i < k and accept_u[i] < _prob_at("target_probs", probs, i, tokens[i]):
+            continue
+        row = _row("target_probs", probs[None], 0, i)  # [vocab] float64: the row sampled from
         if i == k:
             return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
-        if accept_u[i] < float(row[tokens[i]]):
-            continue
         residual = row.clone()
         residual[tokens[i]] = 0.0
         # An all-zero residual means p(x) == 1 up to rounding: rejection then has probability ~0
@@ -149,12 +150,14 @@ def verify_draft_probs_rows(
     accept_u, sample_u = _split_uniforms(uniforms, k)
     q_drafted = _probs_at("draft_probs", draft_probs, _flat_index(draft_tokens, vocab, draft_probs.device))  # [k]
     for i in range(k + 1):
-        row = _reached_row("target_probs", row_probs, i, vocab)  # [vocab] float64
+        probs = _reached_row("target_probs", row_probs, i, vocab)  # [vocab]
+        if i < k:
+            q = q_drafted[i]
+            if q > 0.0 and accept_u[i] * q < _prob_at("target_probs", probs, i, tokens[i]):  # u < p/q, no division
+                continue
+        row = _row("target_probs", probs[None], 0, i)  # [vocab] float64: the row sampled from
         if i == k:
             return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
-        q = q_drafted[i]
-        if q > 0.0 and accept_u[i] * q < float(row[tokens[i]]):  # u < p / q without dividing by a tiny q
-            continue
         residual = (row - _row("draft_probs", draft_probs, i)).clamp_(min=0.0)
         # max(0, p - q) is all zero only if p <= q everywhere, i.e. p == q (both sum to 1). Then
         # min(1, p/q) = 1 at every x with q(x) > 0, so this rejection is reached with probability 0
@@ -195,7 +198,7 @@ def verify_coupled_rows(
     """
     tokens = _check_tokens(draft_tokens, vocab)
     for i in range(len(tokens) + 1):
-        row = _reached_row("target_probs", row_probs, i, vocab)
+        row = _row("target_probs", _reached_row("target_probs", row_probs, i, vocab)[None], 0, i)  # [vocab] float64
         chosen = gumbel_max(row, lambda ids, i=i: noise(i, ids))
         if i == len(tokens) or tokens[i] != chosen:
             return Verdict(accepted=i, next_token=chosen)
@@ -203,16 +206,21 @@ def verify_coupled_rows(
 
 
 def _reached_row(name: str, row_probs: Callable[[int], torch.Tensor], i: int, vocab: int) -> torch.Tensor:
-    """Row i of a lazily made block, checked as the eager paths check a block: -> [vocab] float64 on CPU."""
+    """Row i of a lazily made block, its shape and sum checked: -> [vocab]. Values are checked where used:
+    p(x) by ``_prob_at``, a row sampled from by ``_row``."""
     probs = row_probs(i)
     if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (vocab,):
         raise ValueError(f"{name} row {i} must be a tensor [vocab] = [{vocab}], got {_shape(probs)}")
     _check_float(name, probs)
     _check_row_sums(name, probs[None], first=i)
-    row = probs.to(device="cpu", dtype=torch.float64)
-    if not float(row.min()) >= 0.0:  # the sum was finite: no negative value means every value is finite
-        raise ValueError(f"{name} row {i} has negative values")
-    return row
+    return probs
+
+
+def _prob_at(name: str, probs: torch.Tensor, i: int, token: int) -> float:  # probs: [vocab], row i of a block
+    value = float(probs[token])
+    if not value >= 0.0:  # `not >=` also catches NaN
+        raise ValueError(f"{name} row {i} has a negative or NaN probability at draft token {token}")
+    return value
 
 
 def _check_block(name: str, target: torch.Tensor, draft_tokens: torch.Tensor) -> list[int]:
@@ -286,9 +294,10 @@ def _probs_at(name: str, probs: torch.Tensor, flat_index: torch.Tensor) -> list[
     return values
 
 
-def _row(name: str, probs: torch.Tensor, index: int) -> torch.Tensor:  # -> [vocab] float64 on CPU
+def _row(name: str, probs: torch.Tensor, index: int, label: int | None = None) -> torch.Tensor:  # -> [vocab] float64
+    """Row ``index`` of probs [rows, vocab] on the CPU in float64 (``label``: its row number in messages)."""
     row = probs[index].to(device="cpu", dtype=torch.float64)
     # Row sums were checked finite, so with no negative value every value is finite too.
     if not float(row.min()) >= 0.0:
-        raise ValueError(f"{name} row {index} has negative values")
+        raise ValueError(f"{name} row {index if label is None else label} has negative values")
     return row

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lmkit.sampling import SamplingParams, logits_to_probs
+from lmkit.sampling import SamplingParams, logits_to_probs, rows_when_reached
 
 pytestmark = pytest.mark.unit
 
@@ -219,3 +219,15 @@ def test_a_tie_across_the_cut_keeps_the_lower_ids_whichever_path():
     scaled[0, [7, 400, 2999]] = 1.0  # three equal top tokens, each ~1/3: top_p 0.5 keeps two of them
     probs = logits_to_probs(scaled, SamplingParams(temperature=1.0, top_p=0.5))
     assert kept(probs) == [[7, 400]]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_p=0.95, seed=1),
+                                    SamplingParams(temperature=1.3, top_k=7, top_p=0.8, seed=1)])
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4], [0], [0, 1], [3, 0, 4]])
+def test_rows_when_reached_equal_the_eager_blocks_rows(params, order):
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(4)) * 4  # [k+1, vocab]
+    eager = logits_to_probs(logits, params)
+    row = rows_when_reached(logits, params)
+    for i in order:
+        assert torch.equal(row(i), eager[i])
+        assert row(i) is row(i)  # made once
