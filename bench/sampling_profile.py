@@ -155,7 +155,26 @@ def profile(args) -> dict:
                     rows.append(row)
                     print(json.dumps({k: (round(v * 1e3, 3) if k.endswith("_s") else v) for k, v in row.items()}),
                           flush=True)
-    return {"rows": rows}
+    return {"rows": rows, "sessions": across_sessions(model, tokenizer, args) if args.sessions else []}
+
+
+def across_sessions(model, tokenizer, args) -> list[dict]:
+    """Row 0 of n sessions' blocks (T 0.7, top-p 0.95, a seed each): one ``logits_to_probs`` call per session,
+    as before, against ``first_rows`` (one call for all), interleaved."""
+    from lmkit.sampling import first_rows, logits_to_probs
+
+    logits = real_logits(model, tokenizer, 32)  # [32, vocab]: 32 real rows stand for 32 sessions' rows 0
+    figures = []
+    for n in (int(v) for v in args.sessions.split(",")):
+        blocks = [(logits[i : i + 1], SamplingParams(temperature=0.7, top_p=0.95, seed=i)) for i in range(n)]
+        times: dict[str, list[float]] = {"separate_s": [], "together_s": []}
+        for _ in range(args.rounds):
+            times["separate_s"].append(timed(lambda b=blocks: [logits_to_probs(x[:1], p) for x, p in b], args.repeats))
+            times["together_s"].append(timed(lambda b=blocks: first_rows(b), args.repeats))
+        row = {"sessions": n, **{k: statistics.median(v) for k, v in times.items()}}
+        figures.append(row)
+        print(json.dumps({k: (round(v * 1e3, 3) if k.endswith("_s") else v) for k, v in row.items()}), flush=True)
+    return figures
 
 
 def header(what: str, args) -> dict:
@@ -177,6 +196,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="calls per timing (median)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved before/after rounds per cell")
     parser.add_argument("--forward-repeats", type=int, default=5)
+    parser.add_argument("--sessions", default="1,4,8,16,32",
+                        help="row 0 of this many sessions' blocks, one call each vs one call for all ('' skips)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     report = {**header("seconds per verification decision (median), real SmolLM2 logits; forward_s for scale", args),

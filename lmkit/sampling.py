@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -92,7 +92,11 @@ def logits_to_probs(
     return torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
 
 
-def rows_when_reached(logits: torch.Tensor, params: SamplingParams) -> Callable[[int], torch.Tensor]:
+def rows_when_reached(
+    logits: torch.Tensor,  # [rows, vocab]
+    params: SamplingParams,
+    first: torch.Tensor | None = None,  # [vocab]: row 0 already made (``first_rows``), or None
+) -> Callable[[int], torch.Tensor]:
     """Row i of ``logits_to_probs(logits, params)`` [rows, vocab] -> [vocab], made when first asked for.
 
     For verifiers that walk a block's rows in order and stop at the first
@@ -101,7 +105,7 @@ def rows_when_reached(logits: torch.Tensor, params: SamplingParams) -> Callable[
     rejected at once pays one row and one accepted whole pays two calls, not
     k + 1. Each row equals the eager block's (the processing is row-wise).
     """
-    made: dict[int, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {} if first is None else {0: first}
 
     def row(i: int) -> torch.Tensor:
         if i not in made:
@@ -112,6 +116,34 @@ def rows_when_reached(logits: torch.Tensor, params: SamplingParams) -> Callable[
         return made[i]
 
     return row
+
+
+FIRST_ROWS_PER_CALL = 8  # wider calls measured slower per row on this CPU (bench/results/sampling-profile-sessions.json)
+
+
+def first_rows(blocks: Sequence[tuple[torch.Tensor, SamplingParams]]) -> list[torch.Tensor | None]:
+    """Row 0 of ``logits_to_probs`` for several blocks (each [rows, vocab] with its params) -> [vocab] each.
+
+    Blocks whose params process logits alike (temperature, top-k, top-p; the
+    seed plays no part) share calls of up to ``FIRST_ROWS_PER_CALL`` rows: on a
+    CPU a call over a few rows costs far less than a call per row. A call that
+    fails (e.g. NaN logits in one block) gives None for each of its blocks, so
+    each meets its own failure alone in ``rows_when_reached``.
+    """
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i, (_, params) in enumerate(blocks):
+        groups.setdefault((params.temperature, params.top_k, params.top_p), []).append(i)
+    rows: list[torch.Tensor | None] = [None] * len(blocks)
+    n = FIRST_ROWS_PER_CALL
+    chunks = (group[i : i + n] for group in groups.values() for i in range(0, len(group), n))
+    for members in chunks:
+        try:
+            made = logits_to_probs(torch.stack([blocks[i][0][0] for i in members]), blocks[members[0]][1])
+        except ValueError:
+            continue
+        for i, probs in zip(members, made):
+            rows[i] = probs
+    return rows
 
 
 def _check_logits(logits: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from lmkit.features import FeatureBlock
 from lmkit.kinds import TREE_MODES, VerificationMode
 from lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
 from lmkit.packed_linear import pack_linears
-from lmkit.sampling import SamplingParams, logits_to_probs, rows_when_reached
+from lmkit.sampling import SamplingParams, first_rows, logits_to_probs, rows_when_reached
 from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from target_service import rejection, tree_verify
 from target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
@@ -289,8 +289,10 @@ class TargetEngine:
             return [self._verify_checked(item) for item in items]
         self.forward_passes += 1
         self.forward_cost.observe(tokens, time.perf_counter() - start)
+        firsts = self._first_rows(items, logits, steps)
         decided = [
-            self._commit_isolated(item, rows, step.parents) for item, rows, step in zip(items, logits, steps)
+            self._commit_isolated(item, rows, step.parents, first)
+            for item, rows, step, first in zip(items, logits, steps, firsts)
         ]
         logprobs = [self._logprobs(item.session, rows, d) if not isinstance(d, errors.SpecsplitError) else ()
                     for item, rows, d in zip(items, logits, decided)]
@@ -323,9 +325,22 @@ class TargetEngine:
             logits = logits[[0, *(node + 1 for node in verdict.path)]]
         return tuple(committed_logprobs(logits, committed, session.top_logprobs))
 
-    def _commit_isolated(self, item: VerifyItem, logits, parents) -> Decided | errors.SpecsplitError:
+    @staticmethod
+    def _first_rows(items: Sequence[VerifyItem], logits, steps: Sequence[Step]) -> list[torch.Tensor | None]:
+        """Row 0 of every sampled chain's probabilities, made together (one call per kind of sampling): each
+        verifier needs row 0, and most stop there."""
+        sampled = [i for i, (item, step) in enumerate(zip(items, steps))
+                   if step.parents is None and item.session.mode is not VerificationMode.GREEDY
+                   and not item.session.sampling.greedy]
+        made = first_rows([(logits[i], items[i].session.sampling) for i in sampled])
+        firsts: list[torch.Tensor | None] = [None] * len(items)
+        for i, row in zip(sampled, made):
+            firsts[i] = row
+        return firsts
+
+    def _commit_isolated(self, item: VerifyItem, logits, parents, first=None) -> Decided | errors.SpecsplitError:
         try:
-            return self._commit(item.session, logits, item.draft_tokens, item.draft_probs, parents)
+            return self._commit(item.session, logits, item.draft_tokens, item.draft_probs, parents, first)
         except errors.SpecsplitError as exc:
             return exc
         except Exception as exc:  # noqa: BLE001 - NaN logits in this session's rows: its failure alone
@@ -340,10 +355,11 @@ class TargetEngine:
             "committed and its cache was dropped: resend the block or re-open the session"
         )
 
-    def _commit(self, session, logits, draft_tokens, draft_probs, parents) -> Decided:
-        """Decide on the block from its logits and commit the accepted tokens + 1 to the session."""
+    def _commit(self, session, logits, draft_tokens, draft_probs, parents, first=None) -> Decided:
+        """Decide on the block from its logits and commit the accepted tokens + 1 to the session (``first``:
+        row 0 of a sampled chain's probabilities, made with other sessions' rows, or None)."""
         if parents is None:
-            verdict = self._decide(session, logits, draft_tokens, draft_probs)
+            verdict = self._decide(session, logits, draft_tokens, draft_probs, first)
             path = range(verdict.accepted)
         else:
             verdict = self._decide_tree(session, logits, draft_tokens, list(parents))
@@ -419,14 +435,14 @@ class TargetEngine:
         return tree_verify.verify_tree_token_only(target_probs, tokens, parents, uniforms)
 
     @staticmethod
-    def _decide(session, logits, draft_tokens, draft_probs) -> rejection.Verdict:
+    def _decide(session, logits, draft_tokens, draft_probs, first=None) -> rejection.Verdict:
         tokens = torch.tensor(list(draft_tokens), dtype=torch.long)
         if session.mode is VerificationMode.GREEDY:
             return rejection.verify_greedy(logits, tokens)
         # Row i decides the token at absolute position len(session.tokens) + i, with that position's draws.
         position, seed = len(session.tokens), session.sampling.seed
         # Rows past the first rejection: no softmax, no top-p.
-        row = rows_when_reached(logits, session.sampling)
+        row = rows_when_reached(logits, session.sampling, first)
         vocab = logits.shape[1]
         if session.mode is VerificationMode.COUPLED:
             noise = lambda i, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731

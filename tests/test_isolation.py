@@ -44,12 +44,21 @@ def new_engine(model, fast_forward: bool = True) -> TargetEngine:
     )
 
 
-def opened(engine: TargetEngine, gguf_tokenizer) -> list:
-    """Eight greedy sessions, each past its prefill (one round each, alone)."""
+DECODINGS = {  # -> each session's sampling, by its index, and the verification mode
+    "greedy": (lambda i: SamplingParams(), VerificationMode.GREEDY),
+    # One kind of sampling for all: their rows 0 are made in one call (a NaN among them fails that call).
+    "coupled": (lambda i: SamplingParams(temperature=0.7, top_p=0.95, seed=i), VerificationMode.COUPLED),
+    "token-only": (lambda i: SamplingParams(temperature=1.0 + 0.1 * (i % 2), seed=i), VerificationMode.TOKEN_ONLY),
+}
+
+
+def opened(engine: TargetEngine, gguf_tokenizer, decoding: str = "greedy") -> list:
+    """Eight sessions, each past its prefill (one round each, alone)."""
+    sampling, mode = DECODINGS[decoding]
     sessions = []
     for i in range(SESSIONS):
         ids = gguf_tokenizer.encode(TINY_PROMPTS[i % len(TINY_PROMPTS)]) + [i + 10]
-        session = engine.open(f"s{i}", ids, SamplingParams(), VerificationMode.GREEDY)
+        session = engine.open(f"s{i}", ids, sampling(i), mode)
         engine.verify(session, len(session.tokens), [], None)
         sessions.append(session)
     return sessions
@@ -59,9 +68,9 @@ def blocks(sessions) -> list[list[int]]:
     return [[(t * 7 + j) % 49152 for j in range(1 + i % 4)] for i, t in enumerate(s.tokens[-1] for s in sessions)]
 
 
-def solo_results(model, gguf_tokenizer, fast_forward: bool) -> list[tuple[int, int]]:
+def solo_results(model, gguf_tokenizer, fast_forward: bool, decoding: str) -> list[tuple[int, int]]:
     engine = new_engine(model, fast_forward)
-    sessions = opened(engine, gguf_tokenizer)
+    sessions = opened(engine, gguf_tokenizer, decoding)
     return [
         (lambda v: (v.accepted, v.next_token))(engine.verify(s, len(s.tokens), b, None))
         for s, b in zip(sessions, blocks(sessions))
@@ -86,13 +95,20 @@ def poison_with_bad_shape(session) -> None:
     layer.keys = layer.keys[..., :-1]
 
 
-@pytest.mark.parametrize("poison", [poison_with_nan, poison_with_bad_shape], ids=["nan-logits", "forward-fails"])
+def poison_nothing(session) -> None:
+    """A healthy batch: every session commits its solo result from the shared forward."""
+
+
+@pytest.mark.parametrize("decoding", sorted(DECODINGS))
+@pytest.mark.parametrize(
+    "poison", [poison_nothing, poison_with_nan, poison_with_bad_shape], ids=["healthy", "nan-logits", "forward-fails"]
+)
 def test_a_bad_session_fails_alone_and_the_others_commit_their_solo_results(
-    model, gguf_tokenizer, fast_forward, poison
+    model, gguf_tokenizer, fast_forward, poison, decoding
 ):
-    expected = solo_results(model, gguf_tokenizer, fast_forward)
+    expected = solo_results(model, gguf_tokenizer, fast_forward, decoding)
     engine = new_engine(model, fast_forward)
-    sessions = opened(engine, gguf_tokenizer)
+    sessions = opened(engine, gguf_tokenizer, decoding)
     committed = [len(s.tokens) for s in sessions]
     poison(sessions[BAD])
     sent = blocks(sessions)
@@ -107,6 +123,8 @@ def test_a_bad_session_fails_alone_and_the_others_commit_their_solo_results(
             assert isinstance(result, Verification), result
             assert (result.accepted, result.next_token) == expected[i]
             assert len(session.tokens) == committed[i] + result.accepted + 1
+    if poison is poison_nothing:
+        assert all(r.batch.size == SESSIONS for r in results)  # one shared forward
     if poison is poison_with_nan:
         assert all(r.batch.size == SESSIONS - 1 for i, r in enumerate(results) if i != BAD)  # one shared forward
         # The culprit's block, sent again, is verified from a fresh prefill and gives its solo result.

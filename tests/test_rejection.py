@@ -252,7 +252,7 @@ def test_token_only_and_draft_probs_rows_are_made_only_while_reached(with_q):
         uniforms = drawn(trial, 4)
         made: list[int] = []
 
-        def row(i: int, made: list[int] = made) -> torch.Tensor:
+        def row(i: int, made: list[int] = made, logits: torch.Tensor = logits) -> torch.Tensor:
             made.append(i)
             return logits_to_probs(logits[i : i + 1], params)[0]
 

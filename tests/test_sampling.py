@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lmkit.sampling import SamplingParams, logits_to_probs, rows_when_reached
+from lmkit.sampling import SamplingParams, first_rows, logits_to_probs, rows_when_reached
 
 pytestmark = pytest.mark.unit
 
@@ -231,3 +231,19 @@ def test_rows_when_reached_equal_the_eager_blocks_rows(params, order):
     for i in order:
         assert torch.equal(row(i), eager[i])
         assert row(i) is row(i)  # made once
+
+
+def test_first_rows_are_each_blocks_row_0_and_a_failing_group_fails_alone():
+    gen = torch.Generator().manual_seed(5)
+    warm, cool = SamplingParams(temperature=1.2, seed=1), SamplingParams(temperature=0.7, top_p=0.9, seed=2)
+    blocks = [(torch.randn(1 + i % 3, 200, generator=gen) * 3, warm if i % 2 else cool) for i in range(6)]
+    rows = first_rows(blocks)
+    for (logits, params), row in zip(blocks, rows):
+        assert torch.equal(row, logits_to_probs(logits[:1], params)[0])
+    nan = torch.full((2, 200), math.nan)
+    rows = first_rows([*blocks, (nan, SamplingParams(temperature=0.7, top_p=0.9, seed=9))])  # joins cool's group
+    assert [row is None for row in rows] == [i % 2 == 0 for i in range(6)] + [True]  # cool's group: None
+    assert torch.equal(rows[1], logits_to_probs(blocks[1][0][:1], warm)[0])
+    row = rows_when_reached(blocks[0][0], blocks[0][1], first=None)
+    assert torch.equal(row(0), logits_to_probs(blocks[0][0][:1], blocks[0][1])[0])
+    assert first_rows([]) == []
