@@ -50,7 +50,6 @@ LONGEST_UNITS = (
     "tests/test_fuzz.py",
     "tests/test_chaos_short.py",
     "tests/test_faults.py",
-    "tests/test_tree_stats.py",
 )
 
 
