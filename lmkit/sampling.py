@@ -229,7 +229,39 @@ def _truncation_mask(
     top_k: int,
     top_p: float,
 ) -> torch.Tensor:  # [n, vocab] bool, True = token kept
-    """Top-k then top-p as one cut of a single ranking (descending logit, then ascending id)."""
+    """Top-k then top-p as one cut of a single ranking (descending logit, then ascending id).
+
+    A row whose k-th and (k+1)-th largest logits differ has as its first k ranks exactly the k
+    tokens torch.topk selects, ranked among themselves; the rest of the row is cut by top-k
+    whatever its order, so it is never sorted, and top-p is computed on the same values as after
+    a sort of the whole row. Rows where a tie straddles the k-th place are sorted whole.
+    """
+    if not 0 < top_k < scaled.shape[-1]:
+        return _sorted_truncation_mask(scaled, top_k, top_p)
+    values, ids = torch.topk(scaled, top_k + 1, dim=-1)  # [n, k+1] descending, ties in any order
+    clear = values[:, top_k - 1] > values[:, top_k]  # [n] no tie across the cut
+    keep = torch.zeros_like(scaled, dtype=torch.bool)
+    if bool(clear.any()):
+        by_id, where = torch.sort(ids[clear, :top_k], dim=-1)  # [m, k] candidates in id order
+        ranked_logits, rank = torch.sort(values[clear, :top_k].gather(-1, where), dim=-1, descending=True, stable=True)
+        keep_ranked = torch.ones_like(ranked_logits, dtype=torch.bool)  # [m, k]
+        if top_p < 1.0:
+            # The sorted row of the full path, cut by top-k: the k ranked logits, then -inf.
+            sorted_logits = torch.full_like(scaled[clear], -math.inf)
+            sorted_logits[:, :top_k] = ranked_logits
+            keep_ranked &= _mass_before(torch.softmax(sorted_logits, dim=-1))[:, :top_k] < top_p
+        keep[clear] = keep[clear].scatter(-1, by_id.gather(-1, rank), keep_ranked)
+    if not bool(clear.all()):
+        keep[~clear] = _sorted_truncation_mask(scaled[~clear], top_k, top_p)
+    return keep
+
+
+def _sorted_truncation_mask(
+    scaled: torch.Tensor,  # [n, vocab] float32 temperature-scaled logits
+    top_k: int,
+    top_p: float,
+) -> torch.Tensor:  # [n, vocab] bool, True = token kept
+    """_truncation_mask by a sort of the whole row."""
     # A stable descending sort keeps equal logits in id order, which is the documented tie rule.
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)

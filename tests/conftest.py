@@ -40,19 +40,43 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"Ray-tier tests live in tests/test_ray_*.py: {misnamed}")
 
 
+# The longest units, longest first (seconds alone on this machine, docs/testing.md#wall-time): they start before
+# everything else, so that no long unit starts late and leaves the other worker idle at the end of the run.
+LONGEST_UNITS = (
+    "ray",
+    "tests/test_speed_e2e.py",
+    "tests/test_sampling_e2e.py",
+    "tests/test_network_e2e.py",
+    "tests/test_fuzz.py",
+    "tests/test_chaos_short.py",
+    "tests/test_faults.py",
+)
+
+
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs `pytest -n N --dist loadscope`: each test module runs whole on one worker, so its
     module-scoped services start once, and the Ray modules (tests/test_ray_*.py) run as one unit, so only
-    one local Ray cluster exists at a time. (xdist's own loadgroup marks do not reach its scheduler under
-    pytest 9, whose node ids are read-only.)"""
+    one local Ray cluster exists at a time. Units start in LONGEST_UNITS' order, then xdist's (most tests
+    first). (xdist's own loadgroup marks do not reach its scheduler under pytest 9, whose node ids are
+    read-only.)"""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    stale = [unit for unit in LONGEST_UNITS if unit != "ray" and not (config.rootpath / unit).is_file()]
+    if stale:
+        raise pytest.UsageError(f"LONGEST_UNITS in tests/conftest.py names modules that do not exist: {stale}")
+    rank = {unit: i for i, unit in enumerate(LONGEST_UNITS)}
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return "ray" if module.rsplit("/", 1)[-1].startswith("test_ray_") else module
+
+        def _assign_work_unit(self, node) -> None:
+            longest = min(self.workqueue, key=lambda unit: rank.get(unit, len(rank)))  # first of equals: xdist's
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
 

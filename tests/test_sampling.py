@@ -247,3 +247,21 @@ def test_first_rows_are_each_blocks_row_0_and_a_failing_group_fails_alone():
     row = rows_when_reached(blocks[0][0], blocks[0][1], first=None)
     assert torch.equal(row(0), logits_to_probs(blocks[0][0][:1], blocks[0][1])[0])
     assert first_rows([]) == []
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 50, 700])
+@pytest.mark.parametrize("top_p", [1.0, 0.3, 0.9, 0.95])
+@pytest.mark.parametrize("scale", [0.3, 4.0])
+def test_top_k_from_candidates_equals_the_full_sort(top_k, top_p, scale):
+    from lmkit import sampling
+
+    scaled = torch.randn(8, 5000, generator=torch.Generator().manual_seed(top_k)) * scale
+    scaled[2] = (scaled[2] * 4).round()  # many exact ties, some straddling the k-th place or the top-p cut
+    scaled[3, 1:200] = scaled[3, 0]  # ties at the top: top-p cuts inside them by id
+    scaled[4, :] = 1.0  # a row of ties
+    scaled[5, 10:] = -math.inf  # banned tokens: fewer allowed than the wider k
+    scaled[6, :4990] = -math.inf
+    fast = sampling._truncation_mask(scaled, top_k, top_p)
+    assert torch.equal(fast, sampling._sorted_truncation_mask(scaled, top_k, top_p))
+    if top_p == 1.0:
+        assert fast.sum(dim=-1).tolist() == [top_k] * 8

@@ -7,6 +7,7 @@ the same function, q on the wire in fp16, per-session generators, rollback.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import pytest
@@ -27,27 +28,33 @@ PROMPT = [504, 2365, 6354]  # a few SmolLM2 token ids
 
 async def sample_many(
     services, target_dir, runs, k, drafter, mode, sampling, max_new_tokens, seed0=0, prompt=PROMPT,
-    tree_branches=1, tree_rounds=None,
+    tree_branches=1, tree_rounds=None, concurrent=1,
 ):
+    """Outputs of seeds seed0, seed0 + 1, ..., in order; ``concurrent`` sessions at a time (their blocks share
+    the target's forwards)."""
     # A draft block is never late here (a late one makes that round k = 0: in TOKEN_ONLY and DRAFT_PROBS modes
     # the tokens depend on how blocks fall, so a loaded machine would change a seed's output).
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir),
                                 link_policy=LinkPolicy(draft_deadline_s=LinkPolicy().draft_timeout_s))
     orch = await Orchestrator.connect(config)
+
+    async def one(seed):
+        params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
+        request = GenerationRequest(
+            "", False, max_new_tokens, params, (), k, drafter, mode is VerificationMode.DRAFT_PROBS,
+            sampling_mode=mode, tree_branches=tree_branches,
+        )
+        ids: list[int] = []
+        async for event in orch.generate(request, prompt):
+            ids.extend(event.token_ids)
+            if event.stats is not None and tree_rounds is not None:
+                tree_rounds.append(event.stats.tree_rounds)
+        return tuple(ids)
+
     outputs = []
     try:
-        for i in range(runs):
-            params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed0 + i)
-            request = GenerationRequest(
-                "", False, max_new_tokens, params, (), k, drafter, mode is VerificationMode.DRAFT_PROBS,
-                sampling_mode=mode, tree_branches=tree_branches,
-            )
-            ids: list[int] = []
-            async for event in orch.generate(request, prompt):
-                ids.extend(event.token_ids)
-                if event.stats is not None and tree_rounds is not None:
-                    tree_rounds.append(event.stats.tree_rounds)
-            outputs.append(tuple(ids))
+        for start in range(seed0, seed0 + runs, concurrent):
+            outputs += await asyncio.gather(*(one(seed) for seed in range(start, min(start + concurrent, seed0 + runs))))
     finally:
         await orch.close()
     return outputs
@@ -90,7 +97,7 @@ def test_system_output_distribution_is_the_targets(tiny_services, tiny_target_di
     sampling = SamplingParams(temperature=4.0, top_k=3)
     exact = exact_first_two(tiny_target_dir, sampling)
     runs = 1500
-    samples = run_async(sample_many(tiny_services, tiny_target_dir, runs, 2, drafter, mode, sampling, 2))
+    samples = run_async(sample_many(tiny_services, tiny_target_dir, runs, 2, drafter, mode, sampling, 2, concurrent=16))
     assert_distributed_as(samples, exact)
 
 
@@ -110,7 +117,7 @@ def test_token_trees_keep_system_sampling_lossless(tiny_services, tiny_target_di
     runs = 800  # ~89 expected per cell on average over the 9 (t1, t2) pairs
     samples = run_async(
         sample_many(tiny_services, tiny_target_dir, runs, 2, DrafterKind.NGRAM, VerificationMode.TOKEN_ONLY, sampling, 2,
-                    prompt=prompt, tree_branches=4, tree_rounds=trees)
+                    prompt=prompt, tree_branches=4, tree_rounds=trees, concurrent=16)
     )
     assert sum(trees) >= runs  # every first round verified a tree
     assert_distributed_as(samples, exact)
