@@ -91,6 +91,7 @@ class LoopStats:
     branch_started: int = 0  # blocks drafted past the drafter's second guess (a second outcome)
     branch_hits: int = 0  # ... that were used (counted in overlap_hits too)
     late_blocks: int = 0  # draft replies that missed their round's deadline (the target stepped alone)
+    draft_requests: int = 0  # proposals sent to the draft (before a verification or ahead during one)
     busy_rounds: int = 0  # rounds without a draft because a late reply was still due
     feature_bytes: int = 0  # hidden features the target sent for a feature drafter
     batch_sizes: list[int] = field(default_factory=list)  # sessions in each verifying forward
@@ -317,6 +318,7 @@ class _Loop:
         if self.draft is None or (k <= 0 and free_k <= 0):
             return _Block([], k=k)
         call = self.draft.send(self.committed, (), k, free_k, self.config.tree_branches)
+        self.stats.draft_requests += call is not None
         reply = await self.draft.receive(call) if call is not None else None
         self.record_return(reply, free_k)
         return self.finish_block(reply, k)
@@ -380,6 +382,7 @@ class _Loop:
         call = self.draft.send(self.committed, chain, k + 1, free_k + 1 if free_k else 0, self.config.tree_branches)
         if call is None:
             return
+        self.stats.draft_requests += 1
         self.aheads = [_Ahead(call, len(self.committed), list(chain), k, guess=True, free_k=free_k)]
         self.stats.ahead_started += 1
         if block.branch is None or not self.config.branch:
@@ -392,6 +395,7 @@ class _Loop:
             return
         call = self.draft.send(self.committed, assumed, k_branch, free_branch, self.config.tree_branches)
         if call is not None:
+            self.stats.draft_requests += 1
             self.aheads.append(_Ahead(call, len(self.committed), assumed, k_branch, guess=False, free_k=free_branch))
             self.stats.branch_started += 1
 
