@@ -16,6 +16,12 @@ draft's usual sampling, so greedy output is unchanged and sampling stays
 lossless (whether the block is used depends only on the target's decisions
 about block i, not on the block's own draws).
 
+A round without a block drafts ahead the same way where the session has a
+free drafter and a controller: the block of nothing is accepted whole, the
+draft's first token guesses the target's next one, and the rest is the next
+round's block if the guess comes true. A far draft link is then paid during
+the verification instead of before it.
+
 Token trees: with ``tree_branches`` > 1 the draft may answer several
 continuations as a tree; ``orchestrator.tree_shape`` keeps the nodes worth
 their verify cost, the target verifies them in one pass and answers the
@@ -369,8 +375,14 @@ class _Loop:
     def start_ahead(self, block: _Block) -> None:
         """While the target verifies ``block``, draft the next one assuming it is accepted whole, and,
         where it costs the round nothing, past the drafter's second guess too (rejected at its least
-        sure position, its runner-up the correction)."""
-        if not (block.tokens and self.draft is not None and self.draft.up and self.overlap_pays()):
+        sure position, its runner-up the correction).
+
+        A round without a block (a target-only step) is a block of nothing accepted whole: the next one is
+        drafted ahead too, its first token a guess of the target's next token, where a free drafter asked
+        during the verification costs nothing the round would not wait for anyway (``AdaptiveK.ask_free``)."""
+        ahead_of_nothing = self.controller is not None and self.free_drafter is not None
+        if not ((block.tokens or ahead_of_nothing) and self.draft is not None and self.draft.up
+                and self.overlap_pays()):
             return
         chain = block.chain  # a tree's primary chain: the drafter's first choice
         hit = self.hit_probability(block)

@@ -214,3 +214,19 @@ def test_a_far_free_drafter_is_not_asked_and_the_output_is_the_targets(tiny_serv
     assert rounds > 100
     # the first sessions' asks, until what they returned is known server-wide; no probes where none can pay
     assert 1 <= proposals <= 4, (proposals, rounds)
+
+
+def test_with_overlap_a_round_without_a_block_drafts_the_next_one_ahead(tiny_services, tiny_target_dir,
+                                                                         tiny_reference, tmp_path):
+    """A near draft and a far target: a round that verifies no block still asks the free drafter during its
+    verification (a guess of the target's next token, then the next block), where the ask is hidden; the
+    output stays the target's own."""
+    prompts_ids, expected = tiny_reference
+    jobs = [(request(4, DrafterKind.NGRAM, adaptive=True, overlap=True), ids) for ids in prompts_ids[:3]]
+    with links({"target": tiny_services.target_address}, Shape.from_ms(10.0), tmp_path, seed=4) as (t, _):
+        results = run_async(generate_all(tiny_services.draft_address, t["target"], str(tiny_target_dir), jobs))
+    assert [ids for ids, _, _ in results] == expected[:3]
+    loops = [loop for _, loop, _ in results]
+    with_blocks = sum(sum(1 for d in s.drafted_per_round if d) for s in loops)
+    # more blocks drafted ahead than rounds that verified one: rounds without a block drafted ahead too
+    assert sum(s.ahead_started for s in loops) > with_blocks, [(s.ahead_started, s.drafted_per_round) for s in loops]
