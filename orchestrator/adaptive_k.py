@@ -36,8 +36,8 @@ probe that leaves the choice at 0, up to ``probe_backoff`` times, and is reset
 when drafting pays again: a drafter that never pays here, such as an EAGLE head
 on a CPU target, costs ever fewer probes), and a quality cut to nothing is
 verified for one token after ``probe_every`` such blocks server-wide; a free
-drafter not asked is asked again on the same backoff as a paid one's probes
-(before its verification only); none probes where even drafts passing
+drafter not asked is asked again on the same backoff as a paid one's probes,
+counted over every session's rounds (before a verification only); none probes where even drafts passing
 ``probe_alpha`` of the time would not pay.
 
 Overlap: ``ahead_pays`` says whether drafting the next block during the
@@ -83,15 +83,13 @@ class AdaptiveK:
     _free_passed: float = field(default=0.0, init=False)  # positions of this session's free blocks that passed
     _free_expected: float = field(default=0.0, init=False)  # how many the server-wide figures predicted would
     _returns: QualityMix = field(default=None, init=False)  # what this session's asks of a free drafter returned
-    _unasked: int = field(default=0, init=False)  # rounds since a free drafter was last asked
-    _ask_interval: int = field(default=0, init=False)  # rounds unasked before the next probe (probe_every first)
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {self.k_max}")
         self._passed = [0.0] * self.k_max
         self._reached = [0.0] * self.k_max
-        self._probe_interval = self._ask_interval = self.probe_every
+        self._probe_interval = self.probe_every
         self._returns = QualityMix(self.returns_decay)
 
     def key(self, drafter: DrafterKind, quality=None) -> StatsKey:
@@ -170,19 +168,21 @@ class AdaptiveK:
         during_s = None if during is None else self.costs.verify_s(load.tokens(during)) + self.costs.links.target.srtt
         cost = self.costs.links.ask_s(compute_s, during_s)
         saving = self.free_saving_s(drafter, limit, load)
+        server = self.stats.returns(self.key(drafter))  # probes are counted server-wide: sessions may be short
         if saving is None or hit * saving > cost:
             if during is None:
-                self._unasked, self._ask_interval = 0, self.probe_every
+                server.unasked, server.interval = 0, self.probe_every
             return True
         if during is not None:
             return False
-        self._unasked += 1
-        if self._unasked < self._ask_interval * max(load.sessions, 1):
+        server.unasked += 1
+        server.interval = server.interval or self.probe_every
+        if server.unasked < server.interval * max(load.sessions, 1):
             return False
         if self.saving_s([self.probe_alpha] * limit, limit, load) <= cost:
             return False
-        self._unasked = 0
-        self._ask_interval = min(2 * self._ask_interval, self.probe_backoff * self.probe_every)
+        server.unasked = 0
+        server.interval = min(2 * server.interval, self.probe_backoff * self.probe_every)
         return True
 
     def free_saving_s(self, drafter: DrafterKind, limit: int, load: Load = ALONE) -> float | None:

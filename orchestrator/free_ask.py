@@ -46,6 +46,8 @@ class QualityMix:
 
     decay: float
     counts: dict[Quality | None, float] = field(default_factory=dict)
+    unasked: int = 0  # rounds not asked since the last ask (probing; every session's rounds, server-wide)
+    interval: int = 0  # rounds not asked before the next probe (0: not set yet)
 
     def add(self, quality: Quality | None) -> None:
         for key in self.counts:

@@ -114,12 +114,23 @@ def test_a_free_drafter_not_asked_is_probed_ever_less_often():
     asked = asked_rounds(far, 100)
     assert [b - a for a, b in zip([-1, *asked], asked)] == [4, 8, 16, 16, 16, 16, 16]
     # under load the interval is per session of the batch
-    busy = session(costs_over(0.052, 0.052), stats, MOSTLY_WEAK, probe_every=4)
+    other = AcceptanceStats()
+    weak_traffic(other)
+    busy = session(costs_over(0.052, 0.052), other, MOSTLY_WEAK, probe_every=4)
     assert asked_rounds(busy, 40, Load(4, 3.0)) == [15]  # 4 rounds x 4 sessions
     # probes that find long matches again turn asking back on, with the interval reset
     for _ in range(4):
         far.asked_free(NGRAM, LONG)
     assert asked_rounds(far, 5) == [0, 1, 2, 3, 4]
+
+
+def test_probes_are_counted_over_every_sessions_rounds():
+    """Short sessions (a few rounds each) still probe: the rounds not asked are counted server-wide."""
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    asked = [session(costs_over(0.052, 0.052), stats, MOSTLY_WEAK, probe_every=4).ask_free(NGRAM, 8)
+             for _ in range(12)]
+    assert asked == [False] * 3 + [True] + [False] * 7 + [True]
 
 
 def test_no_probe_where_even_drafts_that_nearly_always_pass_would_not_pay():
