@@ -192,6 +192,8 @@ def _cell_figures(cell: Cell, runs: list[Run], base_tps: float, reference: list[
         "mean_drafted_per_round": round(drafted / rounds, 3) if rounds else 0.0,
         "mean_accepted_length": round(sum(s.committed for s in loops) / rounds, 3) if rounds else 0.0,
         "rounds": rounds, "ahead_started": ahead, "overlap_hits": hits,
+        # proposals sent to the draft, before a verification or ahead during one (0: target-only steps)
+        "draft_requests_per_round": round(sum(s.draft_requests for s in loops) / rounds, 3) if rounds else 0.0,
         "overlap_hit_rate": round(hits / ahead, 4) if ahead else None,
         # a verification's result found the next block already there (drafted ahead, usable, arrived first)
         "next_block_waiting_rate": round(sum(s.overlap_waiting for s in loops) / rounds, 4) if rounds else 0.0,

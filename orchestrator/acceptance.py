@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmkit.kinds import DrafterKind, VerificationMode
+from orchestrator.free_ask import QualityMix
 
 LENGTH_BUCKETS = (1, 2, 3, 5, 11)  # match length buckets: 1, 2, 3, 4-5, 6-11, 12+
 OCCURRENCE_BUCKETS = (1,)  # one earlier occurrence, or several
@@ -105,6 +106,7 @@ class AcceptanceStats:
     key_weight: float = 4.0  # pseudo-observations behind a key's anchor (its pool), per position
     decay: float = 0.998  # per block of the same key: traffic drifts, slowly
     _counts: dict[StatsKey, _Counts] = field(default_factory=dict, init=False)
+    _asked: dict[StatsKey, QualityMix] = field(default_factory=dict, init=False)  # pool -> what asks returned
 
     def __post_init__(self) -> None:
         if not 0.0 < self.prior < 1.0:
@@ -144,6 +146,17 @@ class AcceptanceStats:
     def probe(self, key: StatsKey) -> None:
         """A block of ``key`` is verified to re-measure it: start counting skipped blocks anew."""
         self._get(key).skipped = 0
+
+    def asked(self, pool: StatsKey, quality: Quality | None) -> None:
+        """An ask of the free drafter of ``pool`` returned a block of ``quality`` (``free_ask.NO_BLOCK``: none)."""
+        self.returns(pool).add(quality)
+
+    def returns(self, pool: StatsKey) -> QualityMix:
+        """What asks of the free drafter of ``pool`` returned, every session's (``orchestrator.free_ask``)."""
+        mix = self._asked.get(pool)
+        if mix is None:
+            mix = self._asked[pool] = QualityMix(self.decay)
+        return mix
 
     def _get(self, key: StatsKey) -> _Counts:
         counts = self._counts.get(key)

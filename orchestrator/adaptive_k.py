@@ -18,14 +18,27 @@ Two choices, both maximising the round model's rate (``orchestrator.rate``):
   (of blocks already verified), never on the draws of the positions it
   covers, so sampled verification stays lossless.
 
+* **ask_free**: whether to ask a free drafter at all this round. Its block
+  costs nothing to make, but the ask costs the draft link's round trip in
+  sync (and a fresh ask after a miss with overlap), or what of it outlasts the
+  verification when sent ahead. It is asked when the block its asks have
+  returned (this session's recent returns shrunk towards every session's:
+  ``orchestrator.free_ask``) is expected to save more than that, priced by the
+  same server-wide acceptance per match quality and ``free_scale`` as ``cut``.
+  Not asked, the round is a target-only step: no draft request at all. The
+  decision depends only on what earlier asks returned and on blocks already
+  verified, never on the draws of the positions it covers: lossless.
+
 A choice of 0 stops measuring what it skips. A drafter asked for nothing is
 asked for one token after ``probe_every`` such rounds (times the batch size: a
 probe widens every row of a batched forward; the interval doubles after each
 probe that leaves the choice at 0, up to ``probe_backoff`` times, and is reset
 when drafting pays again: a drafter that never pays here, such as an EAGLE head
 on a CPU target, costs ever fewer probes), and a quality cut to nothing is
-verified for one token after ``probe_every`` such blocks server-wide; neither
-probes where even drafts passing ``probe_alpha`` of the time would not pay.
+verified for one token after ``probe_every`` such blocks server-wide; a free
+drafter not asked is asked again on the same backoff as a paid one's probes,
+counted over every session's rounds (before a verification only); none probes where even drafts passing
+``probe_alpha`` of the time would not pay.
 
 Overlap: ``ahead_pays`` says whether drafting the next block during the
 verification beats drafting it after, from the same round model with the
@@ -40,7 +53,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmkit.kinds import DrafterKind
-from orchestrator.acceptance import AcceptanceStats, StatsKey, Verification
+from orchestrator.acceptance import AcceptanceStats, Quality, StatsKey, Verification
+from orchestrator.free_ask import QualityMix, best_saving_s
 from orchestrator.rate import ALONE, CostModel, Load, best_k, chain_rate
 
 
@@ -60,12 +74,15 @@ class AdaptiveK:
     probe_backoff: int = 8  # the probe interval grows to at most this many times probe_every
     free_weight: float = 2.0  # pseudo-positions behind the server's figures for this session's free blocks
     free_decay: float = 0.95  # per position of this session's free blocks
+    returns_decay: float = 0.7  # this session's record of what its asks of a free drafter returned: recent ones
+    returns_weight: float = 2.0  # pseudo-asks behind every session's record of those returns
     _passed: list[float] = field(default_factory=list, init=False)
     _reached: list[float] = field(default_factory=list, init=False)
     _rounds_at_zero: int = field(default=0, init=False)
     _probe_interval: int = field(default=0, init=False)  # rounds at 0 before the next probe (probe_every first)
     _free_passed: float = field(default=0.0, init=False)  # positions of this session's free blocks that passed
     _free_expected: float = field(default=0.0, init=False)  # how many the server-wide figures predicted would
+    _returns: QualityMix = field(default=None, init=False)  # what this session's asks of a free drafter returned
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
@@ -73,6 +90,7 @@ class AdaptiveK:
         self._passed = [0.0] * self.k_max
         self._reached = [0.0] * self.k_max
         self._probe_interval = self.probe_every
+        self._returns = QualityMix(self.returns_decay)
 
     def key(self, drafter: DrafterKind, quality=None) -> StatsKey:
         return StatsKey(drafter, self.verification, quality)
@@ -135,6 +153,65 @@ class AdaptiveK:
             self.stats.probe(key)
             return 1
         return 0
+
+    def ask_free(self, drafter: DrafterKind, limit: int, load: Load = ALONE, during: int | None = None,
+                 hit: float = 1.0) -> bool:
+        """Whether to ask the free ``drafter`` for a block of up to ``limit`` tokens (the module docstring).
+
+        ``during``: the ask goes ahead, during the verification of a block of this many tokens, and its block is
+        used with probability ``hit``; None: it goes before this round's verification, and a no counts towards
+        the next probe."""
+        limit = min(limit, self.k_max)
+        if limit <= 0:
+            return False
+        compute_s = limit * self.costs.draft_s_per_token(drafter)
+        during_s = None if during is None else self.costs.verify_s(load.tokens(during)) + self.costs.links.target.srtt
+        cost = self.costs.links.ask_s(compute_s, during_s)
+        saving = self.free_saving_s(drafter, limit, load)
+        server = self.stats.returns(self.key(drafter))  # probes are counted server-wide: sessions may be short
+        if saving is None or hit * saving > cost:
+            if during is None:
+                server.unasked, server.interval = 0, self.probe_every
+            return True
+        if during is not None:
+            return False
+        server.unasked += 1
+        server.interval = server.interval or self.probe_every
+        if server.unasked < server.interval * max(load.sessions, 1):
+            return False
+        if self.saving_s([self.probe_alpha] * limit, limit, load) <= cost:
+            return False
+        server.unasked = 0
+        server.interval = min(2 * server.interval, self.probe_backoff * self.probe_every)
+        return True
+
+    def free_saving_s(self, drafter: DrafterKind, limit: int, load: Load = ALONE) -> float | None:
+        """Expected seconds an ask of the free ``drafter`` saves against a target-only step: the mean over what
+        asks returned of each block's best cut (``free_ask.best_saving_s``); None before any ask returned."""
+        shares = self._returns.shares(self.stats.returns(self.key(drafter)), self.returns_weight)
+        if not shares:
+            return None
+        scale = self.free_scale()
+        saving = 0.0
+        for quality, share in shares.items():
+            if quality is not None and share > 1e-3:
+                accept = [min(p * scale, 1.0) for p in self.stats.acceptance(self.key(drafter, quality), limit)]
+                saving += share * self.saving_s(accept, limit, load)
+        return saving
+
+    def saving_s(self, accept: list[float], limit: int, load: Load) -> float:
+        """Seconds a block in hand with acceptance ``accept`` saves at its best cut against a target-only step."""
+        links = self.costs.links
+
+        def round_s(k: int) -> float:
+            return links.round_s(k, self.costs.verify_s(load.tokens(k)), 0.0, 1.0, False, in_hand=True)
+
+        return best_saving_s(accept[:limit], round_s(0), round_s, load.others_committed)
+
+    def asked_free(self, drafter: DrafterKind, quality: Quality | None) -> None:
+        """An ask of the free ``drafter`` returned a block of ``quality`` (``free_ask.NO_BLOCK``: none)."""
+        self._returns.add(quality)
+        self.stats.asked(self.key(drafter), quality)
 
     def free_scale(self) -> float:
         """This session's free blocks: positions passed over positions the server-wide figures predicted would

@@ -8,6 +8,7 @@ generation.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -206,9 +207,7 @@ class Orchestrator:
         with logs.request_context(request.request_id):
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
             try:
-                if draft is not None:
-                    await draft.open(prompt_ids)  # a draft that is down only means no speculation for now
-                await target.try_open(prompt_ids)
+                await self._open(target, draft, prompt_ids)
                 timer.opened()
                 async for event in self._stream(request, mode, prompt_ids, target, draft, stats):
                     timer.committed(len(event.token_ids))
@@ -223,6 +222,18 @@ class Orchestrator:
                 await target.close()
                 if draft is not None:
                     await draft.close()
+
+    @staticmethod
+    async def _open(target: TargetLink, draft: DraftLink | None, prompt_ids: list[int]) -> None:
+        """Open both sessions at once: a far draft's round trip (and its prefill) hides behind the target's.
+        A draft that is down only means no speculation for now; the target's errors go to the client."""
+        if draft is None:
+            await target.try_open(prompt_ids)
+            return
+        opened = await asyncio.gather(target.try_open(prompt_ids), draft.open(prompt_ids), return_exceptions=True)
+        for outcome in opened:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     @staticmethod
     def _record(event: GenerationEvent, timer: metrics.RequestTimer, prompt_tokens: int, draft, target) -> None:

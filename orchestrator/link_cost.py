@@ -23,6 +23,11 @@ round trips R_t, R_d:
     overlap:  E[max(T, R_d + (k + 1) c)] + (1 - h)(R_d + k c)
     in hand:  T                                  (a free block already drafted, cut to k)
 
+Whether to ask a free drafter at all (``orchestrator.free_ask``) weighs what a
+block saves against what the ask adds: R_d + c + rttvar before the
+verification (sync, or a fresh ask after a miss with overlap), and with
+overlap E[max(T, R_d + c)] - T for an ask sent ahead during it.
+
 With overlap the next block (k + 1 tokens: a guess of the bonus token, then k)
 is drafted while the target verifies; it is used with probability h (the
 block accepted whole and the bonus guessed), else drafted again after the
@@ -112,6 +117,16 @@ class LinkCosts:
         ahead = self.draft.srtt + (k + 1) * draft_token_s
         paced = expected_max(target, self.target.sigma, ahead, self.draft.sigma)
         return paced + (1.0 - hit) * (self.draft.srtt + k * draft_token_s)
+
+    def ask_s(self, compute_s: float, during_s: float | None = None) -> float:
+        """Expected seconds an ask of a drafter computing for ``compute_s`` adds to a round: in the round before
+        its verification (``during_s`` None), the draft's round trip and its deviation (a round waits out the
+        jitter); sent ahead during a verification whose leg takes ``during_s`` (the target's round trip
+        included), only what outlasts it (Clark's E[max] as in ``round_s``)."""
+        ask = self.draft.srtt + compute_s
+        if during_s is None:
+            return ask + self.draft.rttvar
+        return expected_max(during_s, self.target.sigma, ask, self.draft.sigma) - during_s
 
     def two_requests_fit(self, tokens: int, verify_s: float, draft_token_s: float) -> bool:
         """Whether two draft requests in a row, ``tokens`` tokens in all, come back before a verification

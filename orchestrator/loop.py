@@ -16,6 +16,12 @@ draft's usual sampling, so greedy output is unchanged and sampling stays
 lossless (whether the block is used depends only on the target's decisions
 about block i, not on the block's own draws).
 
+A round without a block drafts ahead the same way where the session has a
+free drafter and a controller: the block of nothing is accepted whole, the
+draft's first token guesses the target's next one, and the rest is the next
+round's block if the guess comes true. A far draft link is then paid during
+the verification instead of before it.
+
 Token trees: with ``tree_branches`` > 1 the draft may answer several
 continuations as a tree; ``orchestrator.tree_shape`` keeps the nodes worth
 their verify cost, the target verifies them in one pass and answers the
@@ -25,10 +31,12 @@ and may itself answer a tree: its first tokens are then several guesses of the
 bonus token, and the block is the subtree below the guess that came true.
 
 Free drafts: a drafter whose proposals cost nothing (prompt lookup) is asked
-every round for up to the round's bound, and the controller cuts the block to
-the tokens worth verifying from its reported match quality
+for up to the round's bound in every round where the controller judges the
+ask worth its round trip (``AdaptiveK.ask_free``), and the controller cuts the
+block to the tokens worth verifying from its reported match quality
 (``AdaptiveK.cut``); a drafter that pays per token is asked for what the
-controller chooses beforehand (``AdaptiveK.ask``).
+controller chooses beforehand (``AdaptiveK.ask``). A round that asks nothing
+sends no draft request: it is a target-only step.
 """
 
 from __future__ import annotations
@@ -42,10 +50,11 @@ from lmkit import token_tree
 from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import drop_leading_rows
-from orchestrator.acceptance import StatsKey, quality_of
+from orchestrator.acceptance import Quality, StatsKey, quality_of
 from orchestrator.adaptive_k import AdaptiveK
+from orchestrator.free_ask import NO_BLOCK
 from orchestrator.links import DraftCall, DraftLink, TargetLink, drafter_of
-from orchestrator.rate import ALONE, CostModel, Load
+from orchestrator.rate import ALONE, CostModel, Load, whole_probability
 from orchestrator.tree_shape import BranchStats, choose_nodes, node_acceptance
 
 
@@ -88,6 +97,7 @@ class LoopStats:
     branch_started: int = 0  # blocks drafted past the drafter's second guess (a second outcome)
     branch_hits: int = 0  # ... that were used (counted in overlap_hits too)
     late_blocks: int = 0  # draft replies that missed their round's deadline (the target stepped alone)
+    draft_requests: int = 0  # proposals sent to the draft (before a verification or ahead during one)
     busy_rounds: int = 0  # rounds without a draft because a late reply was still due
     feature_bytes: int = 0  # hidden features the target sent for a feature drafter
     batch_sizes: list[int] = field(default_factory=list)  # sessions in each verifying forward
@@ -204,6 +214,7 @@ class _Ahead:
     assumed: list[int]  # the tokens it assumes the verification commits
     k: int
     guess: bool  # its first token guesses the bonus token (assumed: the block accepted whole)
+    free_k: int = 0  # the bound it asked of a free drafter
 
     def fits(self, committed: list[int]) -> bool:
         """Whether the verification committed what this block assumes (the bonus guess is checked later)."""
@@ -234,14 +245,37 @@ class _Loop:
         room = self.config.max_context - len(self.committed) - extra
         return min(self.config.k, budget - 1, room - 1)
 
-    def choose(self, limit: int, overlap: bool | None = None) -> tuple[int, int]:
-        """(k asked of a drafter that pays per token, the bound for a free one) for a round of at most ``limit``."""
+    def choose(self, limit: int, overlap: bool | None = None, during: int | None = None,
+               hit: float = 1.0) -> tuple[int, int]:
+        """(k asked of a drafter that pays per token, the bound for a free one) for a round of at most ``limit``;
+        ``during``, ``hit``: asked ahead, as in ``AdaptiveK.ask_free``."""
         overlap = self.config.overlap if overlap is None else overlap
         limit = max(limit, 0)
         if self.controller is None:
             return min(self.config.k, limit), 0
-        free_k = limit if self.config.free_drafters else 0
-        return self.controller.ask(limit, self.load, overlap), free_k
+        k = self.controller.ask(limit, self.load, overlap)
+        free = self.free_drafter
+        # Asked together with a paid drafter, a free one rides on its request: no round trip of its own.
+        asked = free is not None and (k > 0 or self.controller.ask_free(free, limit, self.load, during, hit))
+        return k, limit if asked else 0
+
+    @property
+    def free_drafter(self) -> DrafterKind | None:
+        """The session's free drafter (a chain's first free member), None without one."""
+        free = self.config.free_drafters
+        if not free:
+            return None
+        return self.config.drafter if self.config.drafter in free else min(free, key=lambda kind: kind.value)
+
+    def record_return(self, reply: pb.DraftBlock | None, free_k: int, guessed: bool = False) -> None:
+        """Tell the controller what an ask of the free drafter returned (nothing to tell for a late reply)."""
+        if reply is None or free_k <= 0 or self.controller is None or self.free_drafter is None:
+            return
+        quality: Quality | None = NO_BLOCK
+        if reply.tokens and drafter_of(reply, self.config.drafter) in self.config.free_drafters and \
+                reply.HasField("quality"):
+            quality = quality_of(reply.quality.length + guessed, reply.quality.occurrences)
+        self.controller.asked_free(self.free_drafter, quality)
 
     def finish_block(self, reply: pb.DraftBlock | None, k: int, guess: int | None = None) -> _Block:
         """A reply as this round's block (``guess``: as in ``_block_of``; no block after it gives an empty one)."""
@@ -290,7 +324,9 @@ class _Loop:
         if self.draft is None or (k <= 0 and free_k <= 0):
             return _Block([], k=k)
         call = self.draft.send(self.committed, (), k, free_k, self.config.tree_branches)
+        self.stats.draft_requests += call is not None
         reply = await self.draft.receive(call) if call is not None else None
+        self.record_return(reply, free_k)
         return self.finish_block(reply, k)
 
     def shape(self, block: _Block) -> _Block:
@@ -326,6 +362,7 @@ class _Loop:
             return None
         waiting = ahead.call.task.done()  # the reply came before the verification's
         reply = await self.draft.receive(ahead.call)
+        self.record_return(reply, ahead.free_k, guessed=ahead.guess)
         # Usable iff (a guess) the guessed bonus token is the one the target committed, and tokens follow.
         block = _block_of(reply, ahead.k, self.committed[-1] if ahead.guess else None)
         if block is None or not block.tokens:
@@ -338,30 +375,49 @@ class _Loop:
     def start_ahead(self, block: _Block) -> None:
         """While the target verifies ``block``, draft the next one assuming it is accepted whole, and,
         where it costs the round nothing, past the drafter's second guess too (rejected at its least
-        sure position, its runner-up the correction)."""
-        if not (block.tokens and self.draft is not None and self.draft.up and self.overlap_pays()):
+        sure position, its runner-up the correction).
+
+        A round without a block (a target-only step) is a block of nothing accepted whole: the next one is
+        drafted ahead too, its first token a guess of the target's next token, where a free drafter asked
+        during the verification costs nothing the round would not wait for anyway (``AdaptiveK.ask_free``)."""
+        ahead_of_nothing = self.controller is not None and self.free_drafter is not None
+        if not ((block.tokens or ahead_of_nothing) and self.draft is not None and self.draft.up
+                and self.overlap_pays()):
             return
         chain = block.chain  # a tree's primary chain: the drafter's first choice
-        k, free_k = self.choose(min(self.limit(extra=len(chain) + 1), self.config.ahead_max), overlap=True)
+        hit = self.hit_probability(block)
+        k, free_k = self.choose(min(self.limit(extra=len(chain) + 1), self.config.ahead_max), overlap=True,
+                                during=len(block.tokens), hit=hit)
         if k <= 0 and free_k <= 0:
             return
         # + 1: the guess of the bonus token (a tree: several guesses)
         call = self.draft.send(self.committed, chain, k + 1, free_k + 1 if free_k else 0, self.config.tree_branches)
         if call is None:
             return
-        self.aheads = [_Ahead(call, len(self.committed), list(chain), k, guess=True)]
+        self.stats.draft_requests += 1
+        self.aheads = [_Ahead(call, len(self.committed), list(chain), k, guess=True, free_k=free_k)]
         self.stats.ahead_started += 1
         if block.branch is None or not self.config.branch:
             return
         index, token = block.branch
         assumed = [*block.tokens[:index], token]
-        k_branch, free_branch = self.choose(min(self.limit(extra=len(assumed)), self.config.ahead_max), overlap=True)
+        k_branch, free_branch = self.choose(min(self.limit(extra=len(assumed)), self.config.ahead_max), overlap=True,
+                                            during=len(block.tokens))
         if (k_branch <= 0 and free_branch <= 0) or not self.branch_is_free(len(block.tokens), k + 1 + k_branch):
             return
         call = self.draft.send(self.committed, assumed, k_branch, free_branch, self.config.tree_branches)
         if call is not None:
-            self.aheads.append(_Ahead(call, len(self.committed), assumed, k_branch, guess=False))
+            self.stats.draft_requests += 1
+            self.aheads.append(_Ahead(call, len(self.committed), assumed, k_branch, guess=False, free_k=free_branch))
             self.stats.branch_started += 1
+
+    def hit_probability(self, block: _Block) -> float:
+        """P(a block drafted ahead of ``block`` is used): its primary chain accepted whole and the bonus guessed
+        (1 without a controller, or before its drafter has figures)."""
+        if self.controller is None or block.key is None:
+            return 1.0
+        chain = len(block.chain)
+        return whole_probability(self.chain_acceptance(block)[: chain + 1], chain + 1)
 
     def branch_is_free(self, block_tokens: int, drafted: int) -> bool:
         """Whether drafting ``drafted`` tokens in two requests comes back before the verification does."""

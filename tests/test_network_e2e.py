@@ -194,3 +194,39 @@ def test_a_stalled_draft_link_costs_a_round_at_most_its_deadline(tiny_services, 
     assert loop.late_blocks >= 1 and loop.busy_rounds >= 1
     assert stats.draft_reattached >= 1  # the stall outlasted the timeout: the stream was dropped and re-opened
     assert sum(loop.drafted_per_round[-30:]) > 0, "speculation did not resume after the link recovered"
+
+
+def test_a_far_free_drafter_is_not_asked_and_the_output_is_the_targets(tiny_services, tiny_target_dir, tiny_reference,
+                                                                      tmp_path):
+    """A 40 ms draft round trip against a target step of a few milliseconds: no prompt-lookup block can save
+    what asking for it costs, so after the first asks have shown what they return, sync and overlap sessions
+    alike step target-only, sending no draft request at all (counted by the draft service), and the output
+    stays the target's own."""
+    prompts_ids, expected = tiny_reference
+    jobs = [(request(4, DrafterKind.NGRAM, adaptive=True, overlap=overlap), ids)
+            for overlap in (False, True) for ids in prompts_ids]
+    proposals_before = tiny_services.draft_engine.sessions.stats()[2]
+    with links({"draft": tiny_services.draft_address}, Shape.from_ms(20.0), tmp_path, seed=3) as (d, _):
+        results = run_async(generate_all(d["draft"], tiny_services.target_address, str(tiny_target_dir), jobs))
+    proposals = tiny_services.draft_engine.sessions.stats()[2] - proposals_before
+    assert [ids for ids, _, _ in results] == expected * 2
+    rounds = sum(loop.rounds for _, loop, _ in results)
+    assert rounds > 100
+    # the first sessions' asks, until what they returned is known server-wide; no probes where none can pay
+    assert 1 <= proposals <= 4, (proposals, rounds)
+
+
+def test_with_overlap_a_round_without_a_block_drafts_the_next_one_ahead(tiny_services, tiny_target_dir,
+                                                                         tiny_reference, tmp_path):
+    """A near draft and a far target: a round that verifies no block still asks the free drafter during its
+    verification (a guess of the target's next token, then the next block), where the ask is hidden; the
+    output stays the target's own."""
+    prompts_ids, expected = tiny_reference
+    jobs = [(request(4, DrafterKind.NGRAM, adaptive=True, overlap=True), ids) for ids in prompts_ids[:3]]
+    with links({"target": tiny_services.target_address}, Shape.from_ms(10.0), tmp_path, seed=4) as (t, _):
+        results = run_async(generate_all(tiny_services.draft_address, t["target"], str(tiny_target_dir), jobs))
+    assert [ids for ids, _, _ in results] == expected[:3]
+    loops = [loop for _, loop, _ in results]
+    with_blocks = sum(sum(1 for d in s.drafted_per_round if d) for s in loops)
+    # more blocks drafted ahead than rounds that verified one: rounds without a block drafted ahead too
+    assert sum(s.ahead_started for s in loops) > with_blocks, [(s.ahead_started, s.drafted_per_round) for s in loops]

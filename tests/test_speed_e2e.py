@@ -202,8 +202,9 @@ def test_free_drafts_are_cut_by_quality_and_keep_greedy_output(tiny_services, ti
 
 def test_free_drafts_cut_by_quality_keep_sampling_lossless(tiny_services, tiny_target_dir):
     """Token-only verification of prompt-lookup blocks whose length the controller chooses from server-wide
-    statistics (which change as the sessions, two at a time, report): the cut depends on the block's quality, never
-    on its draws, so the output is the target's distribution; a nearby distribution is rejected."""
+    statistics (which change as the sessions, two at a time, report): the cut, and whether to ask at all, depend on
+    the block's quality and earlier blocks, never on its draws, so the output is the target's distribution; a
+    nearby distribution is rejected."""
     from lmkit import models
 
     prompt = [504, 2365, 504, 2365, 504, 2365, 504]  # the lookup always finds a match to copy
@@ -230,7 +231,9 @@ def test_free_drafts_cut_by_quality_keep_sampling_lossless(tiny_services, tiny_t
         return out, drafted
 
     samples, drafted = run_async(sample(1200))
-    assert drafted > 150  # blocks were verified, not all cut away
+    # Blocks were verified. Few: on this tiny target, copies rarely pass at T = 4, so the controller soon stops
+    # asking the draft at all (``AdaptiveK.ask_free``) and asks again only on its server-wide probes.
+    assert drafted > 0
     assert_distributed_as(samples, joint(sampling))
     with pytest.raises(AssertionError):
         assert_distributed_as(samples, joint(SamplingParams(temperature=3.0, top_k=3)))

@@ -1,0 +1,163 @@
+"""Whether to ask a free drafter at all: what asks returned, what a block saves, what an ask costs per mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmkit.kinds import DrafterKind, VerificationMode
+from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from orchestrator.acceptance import AcceptanceStats, StatsKey, Verification, quality_of
+from orchestrator.adaptive_k import AdaptiveK
+from orchestrator.free_ask import NO_BLOCK, QualityMix, best_saving_s
+from orchestrator.link_cost import LinkCosts
+from orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
+from orchestrator.rate import ALONE, CostModel, Load
+
+pytestmark = pytest.mark.unit
+
+GREEDY = Verification.of(VerificationMode.GREEDY, 0.0)
+NGRAM = DrafterKind.NGRAM
+LONG, SHORT = quality_of(16, 1), quality_of(1, 3)
+
+
+def costs_over(draft_rtt: float, target_rtt: float) -> CostModel:
+    """SmolLM2 on one core here: 65 ms for one token, 120 ms for two, 142 ms for nine; links as given."""
+    costs = CostModel(links=LinkCosts())
+    for _ in range(20):
+        costs.links.draft.observe(draft_rtt)
+        costs.links.target.observe(target_rtt)
+    for _ in range(4):
+        for x, t in ((1, 0.065), (2, 0.120), (9, 0.142)):
+            costs.observe_verify(x, t)
+    return costs
+
+
+def weak_traffic(stats: AcceptanceStats) -> None:
+    """Code edits' first tokens: short matches pass 1 time in 4; long ones (9 passes in 10) are rare."""
+    for i in range(40):
+        stats.observe(StatsKey(NGRAM, GREEDY, SHORT), 4, 1 if i % 4 == 0 else 0)
+        stats.observe(StatsKey(NGRAM, GREEDY, LONG), 8, 8 if i % 10 else 3)
+
+
+def session(costs: CostModel, stats: AcceptanceStats, returns=(), **kw) -> AdaptiveK:
+    controller = AdaptiveK(8, costs, stats, GREEDY, paid=None, **kw)
+    for quality in returns:
+        controller.asked_free(NGRAM, quality)
+    return controller
+
+
+# Asks that find nothing or a one-token match.
+MOSTLY_WEAK = [NO_BLOCK, SHORT, SHORT, NO_BLOCK, SHORT] * 4
+
+
+def test_a_mix_shrinks_towards_every_sessions_and_is_empty_without_asks():
+    own, everyone = QualityMix(0.5), QualityMix(0.99)
+    assert own.shares(everyone, 2.0) == {}
+    everyone.add(LONG)
+    assert own.shares(everyone, 2.0) == {LONG: pytest.approx(1.0)}
+    own.add(NO_BLOCK)
+    own.add(SHORT)  # decays the earlier NO_BLOCK to 0.5
+    shares = own.shares(everyone, 2.0)
+    assert shares == {NO_BLOCK: pytest.approx(0.5 / 3.5), SHORT: pytest.approx(1 / 3.5), LONG: pytest.approx(2 / 3.5)}
+    assert sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_a_block_saves_its_best_cut_and_never_less_than_nothing():
+    def round_s(k: int) -> float:
+        return 0.065 if k == 0 else 0.120 + 0.003 * k
+
+    assert best_saving_s([0.1] * 8, 0.065, round_s, 0.0) == 0.0  # no cut pays: k = 0
+    # all of 8 pass: 9 tokens for 0.144 s instead of 9 steps of 0.065 s
+    assert best_saving_s([1.0] * 8, 0.065, round_s, 0.0) == pytest.approx(9 * 0.065 - 0.144)
+
+
+def test_in_sync_a_long_draft_round_trip_is_not_paid_for_weak_matches():
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    # one ask in twenty found a long match
+    near = session(costs_over(0.0005, 0.0005), stats, [LONG, *MOSTLY_WEAK[1:]], returns_decay=0.95)
+    far = session(costs_over(0.052, 0.052), stats, [LONG, *MOSTLY_WEAK[1:]], returns_decay=0.95)
+    assert 0.002 < near.free_saving_s(NGRAM, 8) < 0.052
+    assert near.ask_free(NGRAM, 8)
+    assert not far.ask_free(NGRAM, 8)
+    # where every ask finds a long match, even 52 ms pays
+    assert session(costs_over(0.052, 0.052), stats, [LONG] * 10).ask_free(NGRAM, 8)
+
+
+def test_a_new_session_asks_until_any_ask_has_returned():
+    stats = AcceptanceStats()
+    assert session(costs_over(0.052, 0.052), stats).ask_free(NGRAM, 8)
+    session(costs_over(0.052, 0.052), stats, MOSTLY_WEAK)  # an earlier session's asks, server-wide
+    assert not session(costs_over(0.052, 0.052), stats).ask_free(NGRAM, 8)
+
+
+def test_with_overlap_an_ask_ahead_whose_reply_is_back_in_time_is_made():
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    far = session(costs_over(0.052, 0.052), stats, MOSTLY_WEAK)
+    assert not far.ask_free(NGRAM, 8)  # before the verification: the round would wait 52 ms
+    # during the verification of a 4-token block (142 ms + 52 ms): the 52 ms reply is back before it
+    assert far.ask_free(NGRAM, 8, during=4, hit=0.5)
+    # a draft link far longer than the verification: the part that outlasts it is paid
+    slower = session(costs_over(0.400, 0.052), stats, MOSTLY_WEAK)
+    assert not slower.ask_free(NGRAM, 8, during=4, hit=0.5)
+
+
+def asked_rounds(controller: AdaptiveK, rounds: int, load: Load = ALONE) -> list[int]:
+    return [i for i in range(rounds) if controller.ask_free(NGRAM, 8, load)]
+
+
+def test_a_free_drafter_not_asked_is_probed_ever_less_often():
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    far = session(costs_over(0.052, 0.052), stats, MOSTLY_WEAK, probe_every=4, probe_backoff=4)
+    asked = asked_rounds(far, 100)
+    assert [b - a for a, b in zip([-1, *asked], asked)] == [4, 8, 16, 16, 16, 16, 16]
+    # under load the interval is per session of the batch
+    other = AcceptanceStats()
+    weak_traffic(other)
+    busy = session(costs_over(0.052, 0.052), other, MOSTLY_WEAK, probe_every=4)
+    assert asked_rounds(busy, 40, Load(4, 3.0)) == [15]  # 4 rounds x 4 sessions
+    # probes that find long matches again turn asking back on, with the interval reset
+    for _ in range(4):
+        far.asked_free(NGRAM, LONG)
+    assert asked_rounds(far, 5) == [0, 1, 2, 3, 4]
+
+
+def test_probes_are_counted_over_every_sessions_rounds():
+    """Short sessions (a few rounds each) still probe: the rounds not asked are counted server-wide."""
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    asked = [session(costs_over(0.052, 0.052), stats, MOSTLY_WEAK, probe_every=4).ask_free(NGRAM, 8)
+             for _ in range(12)]
+    assert asked == [False] * 3 + [True] + [False] * 7 + [True]
+
+
+def test_no_probe_where_even_drafts_that_nearly_always_pass_would_not_pay():
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    hopeless = session(costs_over(5.0, 0.0005), stats, MOSTLY_WEAK, probe_every=2)
+    assert asked_rounds(hopeless, 50) == []
+
+
+def loop_of(controller: AdaptiveK) -> _Loop:
+    cfg = LoopConfig(k=8, max_new_tokens=100, eos_ids=frozenset(), max_context=1000, drafter=NGRAM,
+                     free_drafters=frozenset({NGRAM}), overlap=True, ahead_max=8)
+    return _Loop([1, 2, 3], cfg, None, LoopStats(), controller, controller.costs)
+
+
+def test_the_loop_asks_nothing_where_the_controller_says_no_and_records_what_asks_return():
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    loop = loop_of(session(costs_over(0.052, 0.052), stats, MOSTLY_WEAK))
+    assert loop.choose(8) == (0, 0)  # a target-only step: no free bound, so no draft request
+    # ahead during a verification it hides behind: asked (the block's acceptance gives the hit probability)
+    block = _Block([5, 6], key=StatsKey(NGRAM, GREEDY, LONG))
+    assert 0 < loop.hit_probability(block) < 1
+    assert loop.choose(8, overlap=True, during=2, hit=loop.hit_probability(block)) == (0, 8)
+    before = stats.returns(StatsKey(NGRAM, GREEDY)).total
+    loop.record_return(pb.DraftBlock(tokens=[4, 5], quality=pb.MatchQuality(length=16, occurrences=1)), 8)
+    loop.record_return(pb.DraftBlock(), 8)  # nothing matched
+    loop.record_return(None, 8)  # a late reply says nothing
+    loop.record_return(pb.DraftBlock(tokens=[4]), 0)  # the free drafter was not asked
+    assert stats.returns(StatsKey(NGRAM, GREEDY)).total == pytest.approx(before * 0.998 ** 2 + 0.998 + 1)
