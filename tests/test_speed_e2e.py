@@ -207,7 +207,9 @@ def test_free_drafts_cut_by_quality_keep_sampling_lossless(tiny_services, tiny_t
     nearby distribution is rejected."""
     from lmkit import models
 
-    prompt = [504, 2365, 504, 2365, 504, 2365, 504]  # the lookup always finds a match to copy
+    # The lookup always finds a match to copy, and the tiny target repeats its last token (p(504) = 0.63 after 504
+    # at T = 4, top-k 3), so copies pass often enough that the controller keeps asking and cutting.
+    prompt = [504] * 7
     sampling = SamplingParams(temperature=4.0, top_k=3)
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
 
@@ -231,9 +233,7 @@ def test_free_drafts_cut_by_quality_keep_sampling_lossless(tiny_services, tiny_t
         return out, drafted
 
     samples, drafted = run_async(sample(1200))
-    # Blocks were verified. Few: on this tiny target, copies rarely pass at T = 4, so the controller soon stops
-    # asking the draft at all (``AdaptiveK.ask_free``) and asks again only on its server-wide probes.
-    assert drafted > 0
+    assert drafted > 150  # blocks were asked for and cut, not only probed
     assert_distributed_as(samples, joint(sampling))
     with pytest.raises(AssertionError):
         assert_distributed_as(samples, joint(SamplingParams(temperature=3.0, top_k=3)))
