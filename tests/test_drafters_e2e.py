@@ -25,6 +25,7 @@ from lmkit.sampling import SamplingParams
 from lmkit.sessions import SessionLimits
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
+from orchestrator.links import LinkPolicy
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_bad_input import GREEDY, draft_exchange, expect_status
 from tests.test_sampling_e2e import PROMPT, assert_distributed_as, exact_first_two
@@ -128,7 +129,10 @@ async def _info(address):
 
 async def sample_many(services, target_dir, runs, k, drafter, chain, draft_probs, sampling, max_new, seed0=0,
                       sampling_mode=None):
-    config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir))
+    # A draft block is never late here: outside COUPLED a late block changes a seed's tokens (docs/protocol.md#seeds),
+    # and the reproducibility tests compare seeds across runs whose timing differs.
+    config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=str(target_dir),
+                                link_policy=LinkPolicy(draft_deadline_s=LinkPolicy().draft_timeout_s))
     orch = await Orchestrator.connect(config)
     limit = asyncio.Semaphore(CONCURRENT)
 
