@@ -100,21 +100,15 @@ def verify_token_only_rows(
     """``verify_token_only`` with each row's distribution made only when the row is reached (as
     ``verify_coupled_rows``): a block rejected at position j costs j + 1 rows, and decides as the whole block."""
     tokens = _check_tokens(draft_tokens, vocab)
-    k = len(tokens)
-    accept_u, sample_u = _split_uniforms(uniforms, k)
-    for i in range(k + 1):
-        probs = _reached_row("target_probs", row_probs, i, vocab)  # [vocab]
-        if i < k and accept_u[i] < _prob_at("target_probs", probs, i, tokens[i]):
-            continue
-        row = _row("target_probs", probs[None], 0, i)  # [vocab] float64: the row sampled from
-        if i == k:
-            return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
-        residual = row.clone()
-        residual[tokens[i]] = 0.0
+
+    def residual(i: int, row: torch.Tensor) -> torch.Tensor:  # p with x_i removed
         # An all-zero residual means p(x) == 1 up to rounding: rejection then has probability ~0
         # and the exact answer is x itself, which sampling from p returns.
-        return Verdict(accepted=i, next_token=inverse_cdf(residual, sample_u[i], fallback=row))
-    raise AssertionError("unreachable: the loop returns at row k")
+        left = row.clone()
+        left[tokens[i]] = 0.0
+        return left
+
+    return _walk(row_probs, tokens, vocab, uniforms, [1.0] * len(tokens), residual)
 
 
 def verify_draft_probs(
@@ -147,8 +141,29 @@ def verify_draft_probs_rows(
         raise ValueError(f"draft_probs must have shape [k, vocab] = {[k, vocab]}, got {_shape(draft_probs)}")
     _check_float("draft_probs", draft_probs)
     _check_row_sums("draft_probs", draft_probs)
-    accept_u, sample_u = _split_uniforms(uniforms, k)
     q_drafted = _probs_at("draft_probs", draft_probs, _flat_index(draft_tokens, vocab, draft_probs.device))  # [k]
+
+    def residual(i: int, row: torch.Tensor) -> torch.Tensor:  # max(0, p - q)
+        # max(0, p - q) is all zero only if p <= q everywhere, i.e. p == q (both sum to 1). Then
+        # min(1, p/q) = 1 at every x with q(x) > 0, so this rejection is reached with probability 0
+        # (float rounding, or a broken drafter with q(x) = 0); sampling from p keeps the output exact.
+        return (row - _row("draft_probs", draft_probs, i)).clamp_(min=0.0)
+
+    return _walk(row_probs, tokens, vocab, uniforms, q_drafted, residual)
+
+
+def _walk(
+    row_probs: Callable[[int], torch.Tensor],  # row i -> [vocab] p_i, asked for in order, while needed
+    tokens: list[int],  # [k] checked draft tokens
+    vocab: int,
+    uniforms: torch.Tensor,  # [k+1, 2]
+    q_drafted: list[float],  # [k] q_i(x_i): 1.0 for a point proposal
+    residual: Callable[[int, torch.Tensor], torch.Tensor],  # (i, p_i float64) -> what a rejection at i samples from
+) -> Verdict:
+    """Accept x_i while u_i < p_i(x_i) / q_i(x_i) (q == 0 rejects); at the first rejection sample the residual
+    (falling back to p_i when it has no mass), or with every token accepted the bonus token from p_k."""
+    k = len(tokens)
+    accept_u, sample_u = _split_uniforms(uniforms, k)
     for i in range(k + 1):
         probs = _reached_row("target_probs", row_probs, i, vocab)  # [vocab]
         if i < k:
@@ -158,11 +173,7 @@ def verify_draft_probs_rows(
         row = _row("target_probs", probs[None], 0, i)  # [vocab] float64: the row sampled from
         if i == k:
             return Verdict(accepted=k, next_token=inverse_cdf(row, sample_u[k]))
-        residual = (row - _row("draft_probs", draft_probs, i)).clamp_(min=0.0)
-        # max(0, p - q) is all zero only if p <= q everywhere, i.e. p == q (both sum to 1). Then
-        # min(1, p/q) = 1 at every x with q(x) > 0, so this rejection is reached with probability 0
-        # (float rounding, or a broken drafter with q(x) = 0); sampling from p keeps the output exact.
-        return Verdict(accepted=i, next_token=inverse_cdf(residual, sample_u[i], fallback=row))
+        return Verdict(accepted=i, next_token=inverse_cdf(residual(i, row), sample_u[i], fallback=row))
     raise AssertionError("unreachable: the loop returns at row k")
 
 
