@@ -143,9 +143,7 @@ class AdaptiveK:
         available = min(available, self.k_max)
         if available <= 0:
             return 0
-        scale = self.free_scale()
-        accept = [min(p * scale, 1.0) for p in self.stats.acceptance(key, available)]
-        k = best_k(accept, available, self.costs, load, in_hand=True)
+        k = best_k(self.free_acceptance(key, available), available, self.costs, load, in_hand=True)
         if k > 0:
             return k
         due = self.stats.skip(key) >= self.probe_every * max(load.sessions, 1)
@@ -191,12 +189,10 @@ class AdaptiveK:
         shares = self._returns.shares(self.stats.returns(self.key(drafter)), self.returns_weight)
         if not shares:
             return None
-        scale = self.free_scale()
         saving = 0.0
         for quality, share in shares.items():
             if quality is not None and share > 1e-3:
-                accept = [min(p * scale, 1.0) for p in self.stats.acceptance(self.key(drafter, quality), limit)]
-                saving += share * self.saving_s(accept, limit, load)
+                saving += share * self.saving_s(self.free_acceptance(self.key(drafter, quality), limit), limit, load)
         return saving
 
     def saving_s(self, accept: list[float], limit: int, load: Load) -> float:
@@ -212,6 +208,12 @@ class AdaptiveK:
         """An ask of the free ``drafter`` returned a block of ``quality`` (``free_ask.NO_BLOCK``: none)."""
         self._returns.add(quality)
         self.stats.asked(self.key(drafter), quality)
+
+    def free_acceptance(self, key: StatsKey, n: int) -> list[float]:
+        """Acceptance of positions 1..n of a free block of ``key``: the server-wide figures scaled by
+        ``free_scale``."""
+        scale = self.free_scale()
+        return [min(p * scale, 1.0) for p in self.stats.acceptance(key, n)]
 
     def free_scale(self) -> float:
         """This session's free blocks: positions passed over positions the server-wide figures predicted would
