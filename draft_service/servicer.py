@@ -106,9 +106,13 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         features = None
         if msg.HasField("features"):
             features = features_from_proto(msg.features, session.feature_width or msg.features.width)
-        done = await self.compute.run(
-            engine.propose, session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches, features
-        )
+        def propose():  # on the compute thread, with the encoding of the block's distributions
+            done = engine.propose(
+                session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches, features
+            )
+            return done, probs_to_proto(done.block.probs) if done.block.probs is not None else None
+
+        done, probs = await self.compute.run(propose)
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.block.tokens,
@@ -119,8 +123,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         if done.block.quality is not None:
             block.quality.CopyFrom(pb.MatchQuality(
                 length=done.block.quality.length, occurrences=done.block.quality.occurrences))
-        if done.block.probs is not None:
-            block.probs.CopyFrom(probs_to_proto(done.block.probs))
+        if probs is not None:
+            block.probs.CopyFrom(probs)
         if done.block.branch is not None:
             block.branch.index, block.branch.token = done.block.branch
         block.service_us = int((time.perf_counter() - received) * 1e6)

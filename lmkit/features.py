@@ -63,8 +63,15 @@ class FeatureBlock:
 
 
 def encode_features(values: torch.Tensor) -> bytes:  # values: [rows, width]
-    """fp16 little-endian bytes, row after row."""
-    return values.detach().to("cpu", torch.float16).numpy().astype(_FP16, copy=False).tobytes()
+    """fp16 little-endian bytes, row after row.
+
+    The fp16 rounding runs in numpy (the same round-to-nearest-even bits as
+    torch's): servicers call this on their event loop, where a torch kernel
+    would start a second OpenMP team (``lmkit.grpc_server.ComputeThread``).
+    """
+    host = values.detach().to("cpu", torch.float32).numpy()  # no copy for fp32 on the CPU
+    with np.errstate(over="ignore"):  # beyond fp16's range is inf, as torch rounds it
+        return host.astype(_FP16).tobytes()
 
 
 def decode_features(data: bytes, rows: int, width: int) -> torch.Tensor:  # -> [rows, width] float32
@@ -73,7 +80,7 @@ def decode_features(data: bytes, rows: int, width: int) -> torch.Tensor:  # -> [
         raise ValueError(f"rows and width must be >= 0, got {rows} and {width}")
     if len(data) != 2 * rows * width:
         raise ValueError(f"{len(data)} bytes of values for {rows} rows of width {width}; expected {2 * rows * width}")
-    values = torch.from_numpy(np.frombuffer(data, dtype=_FP16).astype(np.float32)).reshape(rows, width)
-    if not torch.isfinite(values).all():
+    values = np.frombuffer(data, dtype=_FP16).astype(np.float32).reshape(rows, width)
+    if not np.isfinite(values).all():  # numpy, not torch: called on the event loop (encode_features)
         raise ValueError("features hold NaN or infinite values")
-    return values
+    return torch.from_numpy(values)

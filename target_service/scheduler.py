@@ -19,15 +19,21 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Callable
 
+from lmkit import errors
 from lmkit.grpc_server import ComputeThread
 from target_service.engine import TargetEngine, Verification, VerifyItem
+
+# Run on the compute thread just before the forward: the item with its tensors decoded (draft_probs).
+Prepare = Callable[[VerifyItem], VerifyItem]
 
 
 @dataclass
 class _Waiting:
     item: VerifyItem
     future: asyncio.Future
+    prepare: Prepare | None = None
 
 
 class VerifyScheduler:
@@ -48,9 +54,12 @@ class VerifyScheduler:
         self._last_batch: set[str] = set()  # session ids verified together last time
         self._last_forward_s = 0.0
 
-    async def verify(self, item: VerifyItem) -> Verification:
+    async def verify(self, item: VerifyItem, prepare: Prepare | None = None) -> Verification:
+        """``item``'s verification, batched with other sessions'. ``prepare`` (optional) completes the item on
+        the compute thread (tensor work stays off the event loop: ``lmkit.grpc_server.ComputeThread``); an
+        ``errors.SpecsplitError`` it raises fails this item alone."""
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiting(item, future))
+        self._waiting.append(_Waiting(item, future, prepare))
         self._arrived.set()
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run())
@@ -82,7 +91,7 @@ class VerifyScheduler:
             self._last_batch = {w.item.session.session_id for w in batch}
             start = time.monotonic()
             try:
-                results = await self.compute.run(self.engine.verify_batch, [w.item for w in batch])
+                results = await self.compute.run(self._verify_batch, batch)
             except Exception as exc:  # noqa: BLE001 - the forward itself failed: every block in it fails
                 results = [exc] * len(batch)
             self._last_forward_s = time.monotonic() - start
@@ -93,6 +102,21 @@ class VerifyScheduler:
                     waiting.future.set_exception(result)
                 else:
                     waiting.future.set_result(result)
+
+    def _verify_batch(self, batch: list[_Waiting]) -> list[Verification | BaseException]:
+        """On the compute thread: prepare each item, then verify those that prepared in one ``verify_batch``."""
+        results: list[Verification | BaseException | None] = [None] * len(batch)
+        ready: list[int] = []
+        items: list[VerifyItem] = []
+        for i, waiting in enumerate(batch):
+            try:
+                items.append(waiting.prepare(waiting.item) if waiting.prepare else waiting.item)
+                ready.append(i)
+            except errors.SpecsplitError as exc:
+                results[i] = exc
+        for i, result in zip(ready, self.engine.verify_batch(items) if items else []):
+            results[i] = result
+        return results
 
     def _take(self) -> list[_Waiting]:
         """Up to max_batch live blocks, at most one per session (a session's next block waits for this one)."""

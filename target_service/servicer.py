@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -83,9 +84,12 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
         received = time.perf_counter()
-        probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
-        item = VerifyItem(session, msg.position, list(msg.draft_tokens), probs, list(msg.parents) or None)
-        done = await self.scheduler.verify(item)
+        item = VerifyItem(session, msg.position, list(msg.draft_tokens), None, list(msg.parents) or None)
+        prepare = None
+        if msg.HasField("draft_probs"):  # decoded on the compute thread, with the forward
+            def prepare(item: VerifyItem) -> VerifyItem:
+                return replace(item, draft_probs=probs_from_proto(msg.draft_probs, engine.vocab_size))
+        done = await self.scheduler.verify(item, prepare)
         base_s, per_token_s = engine.cost_fit() or (0.0, 0.0)
         result = pb.VerifyResult(
             position=msg.position,

@@ -139,3 +139,42 @@ def test_an_internal_error_is_the_internal_status():
     from lmkit.grpc_server import status_for
 
     assert status_for(errors.Internal("x")) == grpc.StatusCode.INTERNAL
+
+
+def test_a_block_whose_preparation_fails_fails_alone_in_the_scheduler(model, gguf_tokenizer, fast_forward):
+    """The target servicer decodes draft distributions on the compute thread (``VerifyScheduler.verify``'s
+    ``prepare``); a payload that does not decode fails its own block, the batch's other blocks commit."""
+    import asyncio
+    import threading
+
+    from lmkit.grpc_server import ComputeThread
+    from target_service.scheduler import VerifyScheduler
+
+    expected = solo_results(model, gguf_tokenizer, fast_forward, "greedy")
+    engine = new_engine(model, fast_forward)
+    sessions = opened(engine, gguf_tokenizer)
+    compute = ComputeThread("test-compute")
+    threads = []
+
+    def prepare(item: VerifyItem) -> VerifyItem:
+        threads.append(threading.current_thread().name)
+        if item.session is sessions[BAD]:
+            raise errors.InvalidArgument("draft_probs: bad payload")
+        return item
+
+    async def verify_all():
+        scheduler = VerifyScheduler(compute, engine, max_batch=SESSIONS)
+        items = [VerifyItem(s, len(s.tokens), b, None) for s, b in zip(sessions, blocks(sessions))]
+        return await asyncio.gather(*(scheduler.verify(item, prepare) for item in items), return_exceptions=True)
+
+    try:
+        results = asyncio.run(verify_all())
+    finally:
+        compute.shutdown()
+    assert len(threads) == SESSIONS and all(name.startswith("test-compute") for name in threads)
+    for i, result in enumerate(results):
+        if i == BAD:
+            assert isinstance(result, errors.InvalidArgument), result
+        else:
+            assert (result.accepted, result.next_token) == expected[i]
+            assert result.batch.size == SESSIONS - 1  # one shared forward, without the failed block
