@@ -164,15 +164,14 @@ class AdaptiveK:
             return False
         compute_s = limit * self.costs.draft_s_per_token(drafter)
         during_s = None if during is None else self.costs.verify_s(load.tokens(during)) + self.costs.links.target.srtt
-        cost = self.costs.links.ask_s(compute_s, during_s)
+        cost = self.costs.links.ask_s(compute_s, during_s, self.costs.ahead_excess_s())
         saving = self.free_saving_s(drafter, limit, load)
         server = self.stats.returns(self.key(drafter))  # probes are counted server-wide: sessions may be short
-        if saving is None or hit * saving > cost:
-            if during is None:
-                server.unasked, server.interval = 0, self.probe_every
+        if during is not None:  # ahead only where cheaper than asking after the verification (module docstring)
+            return (saving is None or hit * saving > cost) and cost <= hit * self.costs.links.ask_s(compute_s)
+        if saving is None or saving > cost:
+            server.unasked, server.interval = 0, self.probe_every
             return True
-        if during is not None:
-            return False
         server.unasked += 1
         server.interval = server.interval or self.probe_every
         if server.unasked < server.interval * max(load.sessions, 1):

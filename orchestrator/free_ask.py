@@ -21,6 +21,15 @@ trip paid) and G the tokens the other rows of the target's batch commit
 than 0. The expected saving of an ask is the mix's mean of that, and the ask
 pays when it exceeds what asking costs (``LinkCosts.ask_s``).
 
+An ask sent ahead, during a verification, is used with probability h (the
+outcome it assumed came true); otherwise the next round asks again, before its
+verification. So it goes ahead only when that is cheaper than asking after
+the verification: cost_ahead + (1 - h) cost_before < cost_before, that is
+cost_ahead < h cost_before. On separate machines an ask ahead costs nearly
+nothing and one before pays the draft's round trip; on one shared CPU the ask
+ahead slows the verification it overlaps (``CostModel.ahead_excess_s``) by more
+than a loopback round trip, and the ask waits for the round.
+
 The mix changes only with what asks returned (qualities: functions of the
 committed context) and the acceptance statistics with blocks already
 verified, never with the draws of the positions a block covers, so the

@@ -20,13 +20,15 @@ round trips R_t, R_d:
 
     k = 0:    T = t_v + R_t                                  (no draft call at all)
     sync:     T + R_d + k c                                  (draft, then verify)
-    overlap:  E[max(T, R_d + (k + 1) c)] + (1 - h)(R_d + k c)
+    overlap:  E[max(T + e, R_d + (k + 1) c)] + (1 - h)(R_d + k c)
     in hand:  T                                  (a free block already drafted, cut to k)
 
 Whether to ask a free drafter at all (``orchestrator.free_ask``) weighs what a
 block saves against what the ask adds: R_d + c + rttvar before the
 verification (sync, or a fresh ask after a miss with overlap), and with
-overlap E[max(T, R_d + c)] - T for an ask sent ahead during it.
+overlap E[max(T + e, R_d + c)] - T for an ask sent ahead during it, where e is
+what an ask slows the forward it overlaps by (``CostModel.ahead_excess_s``: on
+a CPU shared with the target its handling takes the target's cores).
 
 With overlap the next block (k + 1 tokens: a guess of the bonus token, then k)
 is drafted while the target verifies; it is used with probability h (the
@@ -104,29 +106,31 @@ class LinkCosts:
     target: RttEstimator = field(default_factory=RttEstimator)
 
     def round_s(self, k: int, verify_s: float, draft_token_s: float, hit: float, overlap: bool,
-                in_hand: bool = False) -> float:
+                in_hand: bool = False, excess_s: float = 0.0) -> float:
         """Expected wall time of a round with a block of k (the module docstring's formulas).
 
         ``in_hand``: the block is already drafted (a free drafter's, asked for in any case, to be cut to k): its
-        draft round trip is paid whatever k is, so the round is the target's alone."""
+        draft round trip is paid whatever k is, so the round is the target's alone. ``excess_s``: what an ask
+        during the forward adds to it (``CostModel.ahead_excess_s``), paid with overlap."""
         target = verify_s + self.target.srtt
         if k == 0 or in_hand:
             return target
         if not overlap:
             return target + self.draft.srtt + k * draft_token_s
         ahead = self.draft.srtt + (k + 1) * draft_token_s
-        paced = expected_max(target, self.target.sigma, ahead, self.draft.sigma)
+        paced = expected_max(target + excess_s, self.target.sigma, ahead, self.draft.sigma)
         return paced + (1.0 - hit) * (self.draft.srtt + k * draft_token_s)
 
-    def ask_s(self, compute_s: float, during_s: float | None = None) -> float:
+    def ask_s(self, compute_s: float, during_s: float | None = None, excess_s: float = 0.0) -> float:
         """Expected seconds an ask of a drafter computing for ``compute_s`` adds to a round: in the round before
         its verification (``during_s`` None), the draft's round trip and its deviation (a round waits out the
         jitter); sent ahead during a verification whose leg takes ``during_s`` (the target's round trip
-        included), only what outlasts it (Clark's E[max] as in ``round_s``)."""
+        included), what it slows that verification by (``excess_s``, ``CostModel.ahead_excess_s``) and what
+        outlasts it (Clark's E[max] as in ``round_s``)."""
         ask = self.draft.srtt + compute_s
         if during_s is None:
             return ask + self.draft.rttvar
-        return expected_max(during_s, self.target.sigma, ask, self.draft.sigma) - during_s
+        return expected_max(during_s + excess_s, self.target.sigma, ask, self.draft.sigma) - during_s
 
     def two_requests_fit(self, tokens: int, verify_s: float, draft_token_s: float) -> bool:
         """Whether two draft requests in a row, ``tokens`` tokens in all, come back before a verification

@@ -384,6 +384,8 @@ class _Loop:
         if not ((block.tokens or ahead_of_nothing) and self.draft is not None and self.draft.up
                 and self.overlap_pays()):
             return
+        if self.controller is not None and self.costs is not None and self.costs.quiet_due():
+            return  # one forward without an ask keeps the fit an ask's excess is measured against current
         chain = block.chain  # a tree's primary chain: the drafter's first choice
         hit = self.hit_probability(block)
         k, free_k = self.choose(min(self.limit(extra=len(chain) + 1), self.config.ahead_max), overlap=True,
@@ -455,7 +457,8 @@ class _Loop:
             self.load = load
             if self.costs is not None:  # the draft link reports the draft's costs itself (late blocks too)
                 self.costs.load = load
-                self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s)
+                self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s,
+                                          ahead=bool(self.aheads))
         if result.HasField("features"):
             stats.feature_bytes += len(result.features.values)
             if self.draft is not None:

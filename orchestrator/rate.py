@@ -37,6 +37,17 @@ hidden unless it takes longer than the verification, and paid in full only
 when the speculation misses (the block is not accepted whole, or the bonus
 token was guessed wrong: probability 1 - prod p_i over the k + 1 positions).
 
+Draft asks during a forward: where the draft, the orchestrator and the target
+share CPU cores, handling an ask sent ahead takes cycles from the forward it
+overlaps (on 2 cores a few milliseconds a forward, far more than the draft's
+own compute). ``CostModel`` measures it: the mean excess of the forwards that
+ran with one of this orchestrator's asks on its way over its fit of forwards
+without (``ahead_excess_s``; 0 on separate devices, and until both are
+measured). An overlapped round pays it on top of the forward, and so does a
+free drafter's ask sent ahead (``LinkCosts.ask_s``). So that the quiet fit
+stays current, after ``QUIET_EVERY`` forwards with an ask in a row the next
+one runs without (``quiet_due``).
+
 Links: a round also pays the draft's and the target's round trips, measured
 per link with their jitter (``CostModel.links``, ``orchestrator.link_cost``,
 which gives the time of a round); a long target round trip favours longer
@@ -72,6 +83,9 @@ class Load:
 ALONE = Load()
 
 
+QUIET_EVERY = 32  # forwards with a draft ask on its way in a row, after which one runs without (quiet_due)
+
+
 @dataclass
 class CostModel:
     """The target's forward cost t(x) = a + s x over x tokens, each drafter's time per token, and the
@@ -87,15 +101,40 @@ class CostModel:
     links: LinkCosts = field(default_factory=LinkCosts)  # the draft and target links' round trips
     _draft_s: dict = field(default_factory=dict)  # drafter -> decayed seconds
     _draft_tokens: dict = field(default_factory=dict)  # drafter -> decayed tokens
+    ahead_streak: int = 0  # forwards in a row that ran with a draft ask on its way (quiet_due)
+    _excess_s: float = 0.0  # decayed sum of those forwards' seconds over the quiet fit's prediction
+    _excess_n: float = 0.0  # decayed count of them
 
     def __post_init__(self) -> None:
         for fit in (self.verify, self.one, self.wide):
             fit.decay = self.decay
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        """A target forward over ``tokens`` tokens (all rows of a batch, padding included) took ``seconds``."""
+    def observe_verify(self, tokens: int, seconds: float, ahead: bool = False) -> None:
+        """A target forward over ``tokens`` tokens (all rows of a batch, padding included) took ``seconds``;
+        ``ahead``: a draft ask of this orchestrator was on its way meanwhile (it feeds ``ahead_excess_s``,
+        not the fit of forwards)."""
+        if ahead:
+            self.ahead_streak += 1
+            if self._quiet_measured(tokens):
+                self._excess_s = self._excess_s * self.decay + seconds - self.verify_s(tokens)
+                self._excess_n = self._excess_n * self.decay + 1.0
+            return
+        self.ahead_streak = 0
         self.verify.observe(tokens, seconds)
         (self.one if tokens <= 1 else self.wide).observe(tokens, seconds)
+
+    def _quiet_measured(self, tokens: int) -> bool:
+        return (self.one if tokens <= 1 else self.wide).samples >= self.min_samples
+
+    def ahead_excess_s(self) -> float:
+        """Seconds a forward takes longer with a draft ask on its way (the module docstring); 0 until measured."""
+        if self._excess_n < self.min_samples:
+            return 0.0
+        return max(self._excess_s / self._excess_n, 0.0)
+
+    def quiet_due(self) -> bool:
+        """Whether the next forward should run without a draft ask on its way, to keep the quiet fit current."""
+        return self.ahead_streak >= QUIET_EVERY
 
     def observe_target_fit(self, base_s: float, per_token_s: float) -> None:
         """The target's own fit of t(x) (``VerifyResult.cost_base_us``, ``cost_per_token_us``); 0, 0 = none yet."""
@@ -166,7 +205,8 @@ def round_seconds(costs: CostModel, forward_tokens: int, draft_s_per_token: floa
     (``LinkCosts.round_s``; nothing before a link has samples). ``in_hand``: the
     block is drafted already (a free block being cut), its draft round trip paid.
     """
-    return costs.links.round_s(k, costs.verify_s(forward_tokens), draft_s_per_token, hit, overlap, in_hand)
+    return costs.links.round_s(k, costs.verify_s(forward_tokens), draft_s_per_token, hit, overlap, in_hand,
+                               costs.ahead_excess_s())
 
 
 def rate(expected: float, seconds: float, load: Load = ALONE) -> float:

@@ -161,3 +161,94 @@ def test_the_loop_asks_nothing_where_the_controller_says_no_and_records_what_ask
     loop.record_return(None, 8)  # a late reply says nothing
     loop.record_return(pb.DraftBlock(tokens=[4]), 0)  # the free drafter was not asked
     assert stats.returns(StatsKey(NGRAM, GREEDY)).total == pytest.approx(before * 0.998 ** 2 + 0.998 + 1)
+
+
+def test_what_an_ask_slows_the_forward_it_overlaps_by_is_measured_against_forwards_without():
+    costs = CostModel()
+    for _ in range(3):  # asks before any quiet one-token forward was measured: nothing to compare with
+        costs.observe_verify(1, 0.072, ahead=True)
+    assert costs.ahead_excess_s() == 0.0
+    for _ in range(10):
+        costs.observe_verify(1, 0.065)
+    assert costs.ahead_excess_s() == 0.0  # and the forwards with an ask never entered the fit
+    assert costs.verify_s(1) == pytest.approx(0.065)
+    for _ in range(3):
+        costs.observe_verify(1, 0.072, ahead=True)
+    assert costs.ahead_excess_s() == 0.0  # fewer than min_samples (a decayed count: 2.94)
+    costs.observe_verify(1, 0.072, ahead=True)
+    assert costs.ahead_excess_s() == pytest.approx(0.007)
+    assert costs.verify_s(1) == pytest.approx(0.065)
+    faster = CostModel()
+    for t in (0.065,) * 5 + (0.060,) * 5:
+        faster.observe_verify(1, t, ahead=t < 0.065)
+    assert faster.ahead_excess_s() == 0.0  # never below nothing
+
+
+def test_after_quiet_every_forwards_with_an_ask_one_runs_without():
+    from orchestrator.rate import QUIET_EVERY
+
+    costs = CostModel()
+    for _ in range(QUIET_EVERY - 1):
+        costs.observe_verify(1, 0.07, ahead=True)
+    assert not costs.quiet_due()
+    costs.observe_verify(1, 0.07, ahead=True)
+    assert costs.quiet_due()
+    costs.observe_verify(1, 0.065)
+    assert not costs.quiet_due()
+
+
+def test_an_ask_ahead_that_slows_the_target_more_than_it_saves_is_not_made():
+    """Draft and target on one CPU: an ask handled during the forward takes its cores."""
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    near = costs_over(0.0005, 0.0005)
+    rare = [LONG, *MOSTLY_WEAK[1:]]  # one ask in twenty finds a long match: ~7 ms saved an ask
+    assert 0.004 < session(near, stats, rare).free_saving_s(NGRAM, 8) < 0.01
+    assert session(near, stats, rare).ask_free(NGRAM, 8, during=0)
+    for _ in range(5):
+        near.observe_verify(1, 0.065 + 0.010, ahead=True)  # 10 ms more with an ask on its way
+    assert near.ahead_excess_s() == pytest.approx(0.010, rel=0.05)
+    assert not session(near, stats, rare).ask_free(NGRAM, 8, during=0)
+    # long matches pay for an ask, but after the verification: there it costs only the 0.5 ms round trip
+    assert session(near, stats, [LONG] * 10).ask_free(NGRAM, 8)
+    assert not session(near, stats, [LONG] * 10).ask_free(NGRAM, 8, during=0, hit=0.9)
+    # over a 52 ms link an ask ahead that hides the round trip is worth its 10 ms
+    far = costs_over(0.052, 0.0005)
+    for _ in range(5):
+        far.observe_verify(1, 0.075, ahead=True)
+    assert session(far, stats, [LONG] * 10).ask_free(NGRAM, 8, during=0, hit=0.9)
+    # and the excess prices overlapped rounds, not a sync one
+    links = near.links
+    assert links.round_s(4, 0.1, 0.0, 0.5, True, excess_s=0.01) == pytest.approx(
+        links.round_s(4, 0.1, 0.0, 0.5, True) + 0.01, abs=1e-3)
+
+
+def test_the_loop_sends_no_ask_ahead_when_a_quiet_forward_is_due():
+    from orchestrator.rate import QUIET_EVERY
+
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    controller = session(costs_over(0.0005, 0.0005), stats, [LONG] * 10)
+    loop = loop_of(controller)
+    loop.draft = _UpDraft()
+    block = _Block([5, 6], key=StatsKey(NGRAM, GREEDY, LONG))
+    loop.start_ahead(block)
+    assert len(loop.draft.sent) == 1
+    for _ in range(QUIET_EVERY):
+        controller.costs.observe_verify(3, 0.13, ahead=True)
+    loop.aheads = []
+    loop.start_ahead(block)
+    assert len(loop.draft.sent) == 1  # skipped: this forward runs without an ask
+
+
+class _UpDraft:
+    """Records what the loop sends; each call comes back as a pending task-less call."""
+
+    up = True
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    def send(self, committed, assumed, k, free_k=0, max_branches=1):
+        self.sent.append((len(committed), list(assumed), k, free_k))
+        return object()

@@ -233,7 +233,7 @@ def test_free_drafts_cut_by_quality_keep_sampling_lossless(tiny_services, tiny_t
         return out, drafted
 
     samples, drafted = run_async(sample(1200))
-    assert drafted > 150  # blocks were asked for and cut, not only probed
+    assert drafted > 150, drafted  # blocks were asked for and cut, not only probed
     assert_distributed_as(samples, joint(sampling))
     with pytest.raises(AssertionError):
         assert_distributed_as(samples, joint(SamplingParams(temperature=3.0, top_k=3)))

@@ -1,0 +1,111 @@
+"""What a round costs on open text, by how the draft is asked, with draft and target on one CPU.
+
+    python -m bench.open_rounds --json bench/results/open-rounds.json [--kinds prose,chat,code-write] [--repeats 2]
+
+The traffic bench's set-up (SmolLM2 target with 2 threads, n-gram drafter with
+1, nothing pinned, the orchestrator in this process), sampling at T 0.7 and
+top-p 0.95 with a seed per prompt, on the dev split of the mixed set's open
+kinds, where drafts are rarely accepted. Each prompt runs target-only (k = 0),
+adaptive K in sync, and adaptive K with overlap, interleaved, ``--repeats``
+times. Per mode: milliseconds a round, draft requests a round (sent before a
+verification or ahead during one), drafted and accepted tokens, and the
+target's own compute a round (what the target service reports), so a dearer
+round shows whether the target's forward got slower or the time went around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from bench.prompts import PROMPT_SETS, chat_ids
+from lmkit import models
+from lmkit.kinds import DrafterKind
+from lmkit.processes import local_services
+from lmkit.sampling import SamplingParams
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import GenerationRequest, Orchestrator
+
+MODES = {"target-only": (0, False), "sync": (8, False), "overlap": (8, True)}  # name -> (k, overlap)
+
+
+async def _one(orch: Orchestrator, prompt, k: int, overlap: bool, seed: int, tokens: int) -> dict[str, float]:
+    sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=seed)
+    request = GenerationRequest(prompt.text, True, tokens, sampling, (), k, DrafterKind.NGRAM, False, k > 0,
+                                overlap=overlap, messages=prompt.messages)
+    tokens_out = 0
+    async for event in orch.generate(request, chat_ids(orch.tokenizer, prompt)):
+        tokens_out += len(event.token_ids)
+        if event.finish is not None:
+            s, loop = event.stats, event.loop
+            return {"wall_s": s.wall_s, "rounds": s.rounds, "tokens": tokens_out, "drafted": s.drafted_tokens,
+                    "accepted": s.accepted_tokens, "target_compute_s": s.target_compute_s,
+                    "draft_compute_s": s.draft_compute_s,
+                    "draft_requests": loop.draft_requests}
+    raise RuntimeError("generation ended without a finish event")
+
+
+async def _measure(target: str, draft: str, prompts, repeats: int, tokens: int) -> dict[str, dict[str, float]]:
+    orch = await Orchestrator.connect(OrchestratorConfig(target_address=target, draft_address=draft,
+                                                         tokenizer=models.DEFAULT_MODEL))
+    totals: dict[str, dict[str, float]] = {name: defaultdict(float) for name in MODES}
+    try:
+        await _one(orch, prompts[0], 8, True, 0, 8)  # warm-up
+        for repeat in range(repeats):
+            for i, prompt in enumerate(prompts):
+                for name, (k, overlap) in MODES.items():
+                    for key, value in (await _one(orch, prompt, k, overlap, 1000 * repeat + i, tokens)).items():
+                        totals[name][key] += value
+    finally:
+        await orch.close()
+    report = {}
+    for name, t in totals.items():
+        rounds = max(t["rounds"], 1)
+        report[name] = {
+            "tokens_per_s": round(t["tokens"] / t["wall_s"], 3),
+            "ms_per_round": round(1e3 * t["wall_s"] / rounds, 2),
+            "target_compute_ms_per_round": round(1e3 * t["target_compute_s"] / rounds, 2),
+            "draft_requests_per_round": round(t["draft_requests"] / rounds, 3),
+            "draft_compute_ms_per_request": round(1e3 * t["draft_compute_s"] / max(t["draft_requests"], 1), 3),
+            "rounds": int(t["rounds"]), "drafted": int(t["drafted"]), "accepted": int(t["accepted"]),
+        }
+    base = report["target-only"]["tokens_per_s"]
+    for name in MODES:
+        report[name]["x_target_only"] = round(report[name]["tokens_per_s"] / base, 3)
+    return report
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.open_rounds", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--kinds", default="prose,chat,code-write")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--split", default="dev", choices=("dev", "heldout"),
+                        help="which split of the mixed set (tune on dev; heldout checks)")
+    args = parser.parse_args(argv)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    prompts = [p for p in PROMPT_SETS[f"mixed-{args.split}"] if p.kind in kinds]
+    if not prompts:
+        parser.error(f"--kinds {args.kinds}: no dev prompt of these kinds")
+    common = ["--device", "cpu", "--dtype", "float32"]
+    target = ["--model", models.DEFAULT_MODEL, "--threads", "2", *common]
+    with local_services(target, ["--threads", "1", *common]) as (t, d):
+        report = asyncio.run(_measure(t.address, d.address, prompts, args.repeats, args.tokens))
+    out = {"benchmark": "open_rounds", "split": args.split, "prompts": [p.name for p in prompts], "kinds": kinds, "repeats": args.repeats,
+           "tokens": args.tokens, "sampling": {"temperature": 0.7, "top_p": 0.95},
+           "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": torch.get_num_threads()},
+           "modes": report}
+    for name, figures in report.items():
+        print(f"{name:12s} {figures}", flush=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
