@@ -255,6 +255,8 @@ class DraftLink(_SessionLink):
             return None
         cold, self._cold = self._cold, False
         budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
+        if budget >= self._policy.draft_timeout_s and not self._policy.draft_deadline_s:
+            budget = min(budget, self._worth_waiting_s(max(k, free_k)))
         task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
         self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget,
                                len(committed) + len(assumed))
@@ -271,6 +273,17 @@ class DraftLink(_SessionLink):
         if block is None or block.position != call.position:
             return None
         return block
+
+    def _worth_waiting_s(self, k: int) -> float:
+        """The longest a round waits for a block of k whose cost is unknown (a cold proposal re-reads the whole
+        context; a drafter not measured yet): the deadline of a reply computing for k + 1 target steps, more than
+        the block could save (``RttEstimator.timeout``: the link's round trip and deviation on top). A slower
+        reply is dropped when it comes and the rounds meanwhile step the target alone; the proposals after it are
+        warm. The draft timeout before the target's step is measured."""
+        step_s = self._costs.step_s()
+        if step_s is None:
+            return self._policy.draft_timeout_s
+        return self._costs.links.draft.timeout((k + 1) * step_s)
 
     def _deadline_s(self, k: int) -> float:
         if not self._costs.draft_measured:  # a draft's cost is unknown until it has answered once

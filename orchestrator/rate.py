@@ -159,6 +159,12 @@ class CostModel:
             return max(base + slope * tokens, 1e-6)
         return self.verify.predict(tokens)
 
+    def step_s(self) -> float | None:
+        """A one-token target forward's seconds, once measured here or reported by the target; else None."""
+        if self.one.samples < self.min_samples and self.reported is None:
+            return None
+        return self.verify_s(1)
+
     @property
     def draft_measured(self) -> bool:
         """Whether any drafter has reported its cost yet."""

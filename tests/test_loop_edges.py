@@ -113,7 +113,7 @@ def pending_look_aheads() -> list[asyncio.Task]:
 def test_the_look_ahead_stops_before_the_last_event_of_a_stopped_generation(slow_draft, tiny_target_dir, gguf_tokenizer):
     async def go():
         config = OrchestratorConfig(slow_draft.target_address, slow_draft.draft_address, str(tiny_target_dir),
-                                    link_policy=LinkPolicy(draft_timeout_s=30))
+                                    link_policy=LinkPolicy(draft_timeout_s=30, draft_deadline_s=30))
         orch = await Orchestrator.connect(config)
         prompt = orch.encode(PROMPT, False)
         try:

@@ -230,3 +230,36 @@ def test_with_overlap_a_round_without_a_block_drafts_the_next_one_ahead(tiny_ser
     with_blocks = sum(sum(1 for d in s.drafted_per_round if d) for s in loops)
     # more blocks drafted ahead than rounds that verified one: rounds without a block drafted ahead too
     assert sum(s.ahead_started for s in loops) > with_blocks, [(s.ahead_started, s.drafted_per_round) for s in loops]
+
+
+def test_a_cold_proposal_is_not_waited_for_past_what_its_block_could_save(tiny_services, tiny_target_dir,
+                                                                           tiny_reference, tmp_path):
+    """A new draft session's first proposal (it re-reads the whole context) has no measured cost. Once the
+    target's step is known, a round waits for it at most k + 1 steps, not the draft timeout: over a draft link
+    of 600 ms round trip, the first token comes before the cold block could have, the block is dropped as late,
+    and the output is the target's own."""
+    one_way = 0.3
+    policy = LinkPolicy(draft_timeout_s=5.0)  # the adaptive deadline (draft_deadline_s = 0)
+    prompt, expected = tiny_reference[0][0], tiny_reference[1][0][:8]
+    with linked(tiny_services, tmp_path, Shape.from_ms(1e3 * one_way), Shape.from_ms(0.0)) as (d, t, _):
+
+        async def run():
+            orch = await Orchestrator.connect(OrchestratorConfig(t, d, str(tiny_target_dir), link_policy=policy))
+            try:
+                async for _ in orch.generate(request(0, DrafterKind.NGRAM, max_new=8), prompt):
+                    pass  # target-only: the orchestrator measures the target's step
+                assert orch.costs.one.samples >= orch.costs.min_samples
+                start, first, ids, loop = time.perf_counter(), None, [], None
+                async for event in orch.generate(request(4, DrafterKind.MODEL, overlap=False, max_new=8), prompt):
+                    first = first or time.perf_counter() - start
+                    ids.extend(event.token_ids)
+                    loop = event.loop or loop
+                return first, ids, loop
+            finally:
+                await orch.close()
+
+        first, ids, loop = run_async(run())
+    assert ids == expected
+    assert loop.late_blocks >= 1
+    # the draft session's open takes one round trip (0.6 s); waiting for the cold block would take another
+    assert first < 4 * one_way - 0.25, first
