@@ -379,7 +379,8 @@ class _Loop:
 
         A round without a block (a target-only step) is a block of nothing accepted whole: the next one is
         drafted ahead too, its first token a guess of the target's next token, where a free drafter asked
-        during the verification costs nothing the round would not wait for anyway (``AdaptiveK.ask_free``)."""
+        during the verification costs less than asking after it (``AdaptiveK.ask_free``: what outlasts the
+        verification and what the ask slows it by, ``CostModel.ahead_excess_s``)."""
         ahead_of_nothing = self.controller is not None and self.free_drafter is not None
         if not ((block.tokens or ahead_of_nothing) and self.draft is not None and self.draft.up
                 and self.overlap_pays()):
