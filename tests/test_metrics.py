@@ -22,10 +22,12 @@ def value(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def eventually(name: str, expected: float, **labels) -> float:
-    """The server records a refused call right after the client has its status: allow it a moment."""
+def eventually(name: str, at_least: float, **labels) -> float:
+    """The server records a refused call right after the client has its status: allow it a moment. At least:
+    the counter is the process's, and a server of another test module in this worker (an HTTP front a probe
+    still polls) may count its own requests meanwhile."""
     deadline = time.monotonic() + 5
-    while value(name, **labels) != expected and time.monotonic() < deadline:
+    while value(name, **labels) < at_least and time.monotonic() < deadline:
         time.sleep(0.01)
     return value(name, **labels)
 
@@ -53,8 +55,8 @@ def test_orchestrator_counts_requests_tokens_acceptance_and_latencies(public_api
 
     stats = run_async(go())
     delta = {n: value(n) - before[n] for n in names}
-    assert eventually("specsplit_requests_total", ok_before + 1, code="OK") == ok_before + 1
-    assert eventually("specsplit_requests_total", bad_before + 1, code="INVALID_ARGUMENT") == bad_before + 1
+    assert eventually("specsplit_requests_total", ok_before + 1, code="OK") >= ok_before + 1
+    assert eventually("specsplit_requests_total", bad_before + 1, code="INVALID_ARGUMENT") >= bad_before + 1
     assert value("specsplit_request_success_total", finished_reason="length") == length_before + 1
     assert delta["specsplit_generation_tokens_total"] == stats.new_tokens == 30
     assert delta["specsplit_prompt_tokens_total"] == stats.prompt_tokens
