@@ -30,9 +30,19 @@ class PeerError(Exception):
         self.details = details
 
 
+# A peer that restarts is found again within a second or two: gRPC's defaults back off from 1 s up to 120 s
+# between reconnection attempts, so a draft back after a few seconds could stay unused for a minute (the
+# draft link re-attaches every draft_retry_s, but each attempt fails fast while the channel backs off).
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
 def open_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
     """A channel to a draft or target service, sized for the largest message (draft probabilities)."""
-    return client.open_channel(address, tls, CHANNEL_OPTIONS)
+    return client.open_channel(address, tls, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
 
 
 class _Stream:

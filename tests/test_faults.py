@@ -106,7 +106,7 @@ def test_draft_is_reattached_when_it_comes_back(tmp_path, tiny_target_dir, tiny_
     finally:
         draft.stop()
     assert ids == expected
-    assert stats.draft_reattached >= 1
+    assert stats.draft_reattached >= 1, stats
 
 
 def test_target_restarted_mid_generation_is_reopened(tmp_path, tiny_target_dir, tiny_draft_dir, expected):
