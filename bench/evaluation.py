@@ -31,6 +31,7 @@ class RunResult:
     drafted_per_round: list[int] = field(default_factory=list)
     overlap_hits: int = 0
     feature_bytes: int = 0  # hidden features the target sent (feature drafters)
+    draft_requests: int = 0  # proposals sent to the draft (``LoopStats.draft_requests``)
 
 
 @dataclass
@@ -64,7 +65,7 @@ async def run_one(
                 prompt, "".join(text), ids, s.wall_s, s.rounds, s.drafted_tokens, s.accepted_tokens,
                 s.draft_compute_s, s.target_compute_s, event.finish.name,
                 list(event.loop.accepted_per_round), list(event.loop.drafted_per_round), s.overlap_hits,
-                s.feature_bytes,
+                s.feature_bytes, event.loop.draft_requests,
             )
     raise RuntimeError("generation ended without a finish event")
 

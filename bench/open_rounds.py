@@ -24,31 +24,24 @@ from pathlib import Path
 
 import torch
 
-from bench.prompts import PROMPT_SETS, chat_ids
+from bench.evaluation import run_one
+from bench.prompts import PROMPT_SETS
 from lmkit import models
 from lmkit.kinds import DrafterKind
 from lmkit.processes import local_services
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
+from orchestrator.generation import Orchestrator
 
 MODES = {"target-only": (0, False), "sync": (8, False), "overlap": (8, True)}  # name -> (k, overlap)
 
 
 async def _one(orch: Orchestrator, prompt, k: int, overlap: bool, seed: int, tokens: int) -> dict[str, float]:
     sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=seed)
-    request = GenerationRequest(prompt.text, True, tokens, sampling, (), k, DrafterKind.NGRAM, False, k > 0,
-                                overlap=overlap, messages=prompt.messages)
-    tokens_out = 0
-    async for event in orch.generate(request, chat_ids(orch.tokenizer, prompt)):
-        tokens_out += len(event.token_ids)
-        if event.finish is not None:
-            s, loop = event.stats, event.loop
-            return {"wall_s": s.wall_s, "rounds": s.rounds, "tokens": tokens_out, "drafted": s.drafted_tokens,
-                    "accepted": s.accepted_tokens, "target_compute_s": s.target_compute_s,
-                    "draft_compute_s": s.draft_compute_s,
-                    "draft_requests": loop.draft_requests}
-    raise RuntimeError("generation ended without a finish event")
+    run = await run_one(orch, prompt, k, DrafterKind.NGRAM, tokens, sampling, adaptive_k=k > 0, overlap=overlap)
+    return {"wall_s": run.wall_s, "rounds": run.rounds, "tokens": len(run.token_ids), "drafted": run.drafted,
+            "accepted": run.accepted, "target_compute_s": run.target_compute_s,
+            "draft_compute_s": run.draft_compute_s, "draft_requests": run.draft_requests}
 
 
 async def _measure(target: str, draft: str, prompts, repeats: int, tokens: int) -> dict[str, dict[str, float]]:
