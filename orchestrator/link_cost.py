@@ -79,9 +79,10 @@ class RttEstimator:
         """Standard deviation of a round trip, were it normal."""
         return _SIGMA_PER_MEAN_DEVIATION * self.rttvar
 
-    def timeout(self, expected_s: float) -> float:
-        """How long to wait for a call expected to take ``expected_s`` beyond this link's round trip."""
-        return max(self.srtt + expected_s * (1 + DEADLINE_SLACK) + 4 * self.rttvar, DEADLINE_FLOOR_S)
+    def timeout(self, expected_s: float, slack: float = DEADLINE_SLACK) -> float:
+        """How long to wait for a call expected to take ``expected_s`` beyond this link's round trip (allowing
+        ``slack`` of it again)."""
+        return max(self.srtt + expected_s * (1 + slack) + 4 * self.rttvar, DEADLINE_FLOOR_S)
 
 
 def normal_cdf(x: float) -> float:

@@ -34,7 +34,7 @@ import grpc
 from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import join_features
-from orchestrator.link_cost import DEADLINE_FLOOR_S, RttEstimator
+from orchestrator.link_cost import RttEstimator
 from orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
 from orchestrator.rate import CostModel
 
@@ -277,14 +277,13 @@ class DraftLink(_SessionLink):
     def _worth_waiting_s(self, k: int) -> float:
         """The longest a round waits for a block of k whose cost is unknown (a cold proposal re-reads the whole
         context; a drafter not measured yet): k target steps, the most a block of k could save, on top of the
-        link's round trip and 4 deviations (as ``RttEstimator.timeout``). A slower reply is dropped when it comes
-        and the rounds meanwhile step the target alone; the proposals after it are warm. The draft timeout before
-        the target's step is measured."""
+        link's round trip and 4 deviations, without slack. A slower reply is dropped when it comes and the rounds
+        meanwhile step the target alone; the proposals after it are warm. The draft timeout before the target's
+        step is measured."""
         step_s = self._costs.step_s()
         if step_s is None:
             return self._policy.draft_timeout_s
-        link = self._costs.links.draft
-        return max(link.srtt + 4 * link.rttvar + k * step_s, DEADLINE_FLOOR_S)
+        return self._costs.links.draft.timeout(k * step_s, slack=0.0)
 
     def _deadline_s(self, k: int) -> float:
         if not self._costs.draft_measured:  # a draft's cost is unknown until it has answered once
