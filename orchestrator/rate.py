@@ -121,10 +121,14 @@ class CostModel:
             return
         self.ahead_streak = 0
         self.verify.observe(tokens, seconds)
-        (self.one if tokens <= 1 else self.wide).observe(tokens, seconds)
+        self._own(tokens).observe(tokens, seconds)
+
+    def _own(self, tokens: int) -> LinearCost:
+        """The fit of forwards of this kind: one token (a mean), or wider (a line over x >= 2)."""
+        return self.one if tokens <= 1 else self.wide
 
     def _quiet_measured(self, tokens: int) -> bool:
-        return (self.one if tokens <= 1 else self.wide).samples >= self.min_samples
+        return self._own(tokens).samples >= self.min_samples
 
     def ahead_excess_s(self) -> float:
         """Seconds a forward takes longer with a draft ask on its way (the module docstring); 0 until measured."""
@@ -151,9 +155,8 @@ class CostModel:
         """Predicted time of a target forward over ``tokens`` tokens: the mean of measured one-token forwards, or
         the line through measured wider ones; before ``min_samples`` of that kind, a + s x as the target fitted
         it (when it sent a fit), else this orchestrator's line through every width."""
-        own = self.one if tokens <= 1 else self.wide
-        if own.samples >= self.min_samples:
-            return own.predict(tokens)
+        if self._quiet_measured(tokens):
+            return self._own(tokens).predict(tokens)
         if self.reported is not None:
             base, slope = self.reported
             return max(base + slope * tokens, 1e-6)
@@ -161,7 +164,7 @@ class CostModel:
 
     def step_s(self) -> float | None:
         """A one-token target forward's seconds, once measured here or reported by the target; else None."""
-        if self.one.samples < self.min_samples and self.reported is None:
+        if not self._quiet_measured(1) and self.reported is None:
             return None
         return self.verify_s(1)
 
