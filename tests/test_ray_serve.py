@@ -145,9 +145,13 @@ def test_invalid_request_keeps_its_status_and_message(ray_front):
     assert code == "INVALID_ARGUMENT" and "temperature" in text
 
 
-def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir, background_loop):
+def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir, background_loop, monkeypatch):
     """check_health passes while the target answers and raises once it is gone (Serve then replaces the replica)."""
+    from orchestrator import metrics
     from ray_deploy.serve_app import OrchestratorReplica
+
+    # The replica's __init__ switches its process to Ray's metrics backend; here that process is pytest's worker.
+    monkeypatch.setattr(metrics, "_backend", metrics._backend)
     from target_service.server import start_server
 
     target_server, port = background_loop.run(start_server(tiny_services.target_engine))
