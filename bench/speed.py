@@ -66,7 +66,7 @@ def add_flags(parser) -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="--suite speed: concurrent sessions levels")
     parser.add_argument("--k-sweep", default="1,2,4,8", help="--suite speed: fixed K values for speedup vs K")
     parser.add_argument("--concurrency-max-new-tokens", type=int, default=48, help="--suite speed: tokens per request")
-    parser.add_argument("--concurrency-repeats", type=int, default=3,
+    parser.add_argument("--concurrency-repeats", type=int, default=5,
                         help="--suite speed: runs per level and mode, interleaved; the report gives medians")
     parser.add_argument("--plot", default="", help="--suite speed: write the PNG plot here (default: next to --json)")
 
@@ -177,14 +177,31 @@ async def _timed(orch, prompt, mode: Mode, drafter, max_new) -> tuple[list[tuple
     return events, ids, stats
 
 
-async def _concurrent(orch, prompts, level: int, mode: Mode, drafter, max_new) -> dict:
+def _cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far; {} where /proc is not there."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    used = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return {}
+        used[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return used
+
+
+async def _concurrent(orch, prompts, level: int, mode: Mode, drafter, max_new, pids: dict[str, int]) -> dict:
     """``level`` generations at once. Decode throughput counts tokens in the window where every session
     is past its prompt's prefill and none has finished: the batched steady state. End to end (prefills
-    included, each a full forward over its prompt) is reported beside it."""
+    included, each a full forward over its prompt) is reported beside it, and the CPU seconds each
+    process (target, draft, this orchestrator) used per generated token: the work, which the machine's
+    noise moves far less than the clock."""
     chosen = [prompts[i % len(prompts)] for i in range(level)]
+    cpu_before = _cpu_s(pids)
     start = time.perf_counter()
     runs = await asyncio.gather(*(_timed(orch, p, mode, drafter, max_new) for p in chosen))
     wall = time.perf_counter() - start
+    cpu_after = _cpu_s(pids)
     tokens = sum(len(ids) for _, ids, _ in runs)
     begin = max(events[0][0] for events, _, _ in runs)  # the last session's first token
     end = min(events[-1][0] for events, _, _ in runs)  # the first session to finish
@@ -196,6 +213,8 @@ async def _concurrent(orch, prompts, level: int, mode: Mode, drafter, max_new) -
         "tokens": tokens, "wall_s": round(wall, 3), "end_to_end_tokens_per_s": round(tokens / wall, 3),
         "mean_drafted_per_round": round(sum(s.drafted_tokens for _, _, s in runs) / max(rounds, 1), 3),
         "mean_batch_size": round(sum(s.mean_batch_size * s.rounds for _, _, s in runs) / max(rounds, 1), 3),
+        "cpu_ms_per_token": {name: round(1e3 * (cpu_after[name] - cpu_before[name]) / max(tokens, 1), 3)
+                             for name in cpu_after if name in cpu_before},
         "outputs": [ids for _, ids, _ in runs],
     }
 
@@ -213,11 +232,11 @@ async def _modes(orch, prompts, args, drafter):
     return baseline, single, sweep
 
 
-async def _concurrency(orch, prompts, args, drafter) -> list[dict]:
+async def _concurrency(orch, prompts, args, drafter, pids: dict[str, int]) -> list[dict]:
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     on, off = Mode("speculative", args.k, True, True), Mode("no-speculation", 0, False, False)
     conc_max = args.concurrency_max_new_tokens
-    await _concurrent(orch, prompts, 2, on, drafter, 8)  # warm-up
+    await _concurrent(orch, prompts, 2, on, drafter, 8, pids)  # warm-up
     concurrency = []
     for level in levels:
         samples = {"speculative": [], "no_speculation": []}
@@ -227,13 +246,15 @@ async def _concurrency(orch, prompts, args, drafter) -> list[dict]:
             if repeat % 2:
                 order.reverse()
             for name, mode in order:
-                samples[name].append(await _concurrent(orch, prompts, level, mode, drafter, conc_max))
+                samples[name].append(await _concurrent(orch, prompts, level, mode, drafter, conc_max, pids))
         concurrency.append({"sessions": level, **samples})
     return concurrency
 
 
-async def _measure(args, target_address: str, draft_address: str, parts: set[str], model) -> dict:
+async def _measure(args, target, draft, parts: set[str], model) -> dict:
     """The chosen parts against one pair of services, through one orchestrator (its statistics carry over)."""
+    target_address, draft_address = target.address, draft.address
+    pids = {"target": target.process.pid, "draft": draft.process.pid, "orchestrator": os.getpid()}
     drafter = DrafterKind[args.drafter.upper()]
     prompts = PROMPT_SETS[args.prompt_set]
     config = OrchestratorConfig(target_address, draft_address, tokenizer=args.model, max_concurrent=256,
@@ -249,7 +270,7 @@ async def _measure(args, target_address: str, draft_address: str, parts: set[str
         if "modes" in parts:
             out["modes"] = await _modes(orch, prompts, args, drafter)
         if "concurrency" in parts:
-            out["concurrency"] = await _concurrency(orch, prompts, args, drafter)
+            out["concurrency"] = await _concurrency(orch, prompts, args, drafter, pids)
     finally:
         await orch.close()
     return out
@@ -263,7 +284,9 @@ def _concurrency_table(concurrency: list[dict]) -> list[dict]:
     """One row per level: medians over the repeats, and the repeats themselves.
 
     The ratio with/without speculation is the median of per-repeat ratios (each
-    pair ran back to back). Outputs count as identical when every repeat of both
+    pair ran back to back). The CPU each process spent per token is the median
+    over the repeats, and the total's ratio beside it (below 1: speculation
+    did less work a token). Outputs count as identical when every repeat of both
     modes produced the first no-speculation repeat's tokens, session by session.
     """
     key = "decode_tokens_per_s"
@@ -287,6 +310,7 @@ def _concurrency_table(concurrency: list[dict]) -> list[dict]:
             "mean_drafted_per_round_speculative": _median(spec, "mean_drafted_per_round"),
             "mean_batch_size_speculative": _median(spec, "mean_batch_size"),
             "mean_batch_size_no_speculation": _median(none, "mean_batch_size"),
+            **_cpu_columns(spec, none),
             "identical_outputs": f"{identical}/{row['sessions']}",
         })
     solo = table[0]["tokens_per_s_no_speculation"] if table else 0.0
@@ -295,6 +319,20 @@ def _concurrency_table(concurrency: list[dict]) -> list[dict]:
         row["no_speculation_vs_one_session"] = round(row["tokens_per_s_no_speculation"] / solo, 3) if solo else 0.0
         row["speculative_vs_one_session"] = round(row["tokens_per_s_speculative"] / solo_spec, 3) if solo_spec else 0.0
     return table
+
+
+def _cpu_columns(spec: list[dict], none: list[dict]) -> dict:
+    if not all(s.get("cpu_ms_per_token") for s in spec + none):
+        return {}
+    names = list(spec[0]["cpu_ms_per_token"])
+    columns = {}
+    for mode, samples in (("speculative", spec), ("no_speculation", none)):
+        columns[f"cpu_ms_per_token_{mode}"] = {
+            n: round(statistics.median(s["cpu_ms_per_token"][n] for s in samples), 3) for n in names}
+    total = {mode: sum(columns[f"cpu_ms_per_token_{mode}"].values()) for mode in ("speculative", "no_speculation")}
+    columns["cpu_per_token_speculative_vs_no_speculation"] = (
+        round(total["speculative"] / total["no_speculation"], 3) if total["no_speculation"] else 0.0)
+    return columns
 
 
 def _modes_report(args, baseline, single, sweep, hf) -> dict:
@@ -433,7 +471,7 @@ def run(args) -> int:
     started = time.time()
     model = runs.load_anchor_model(args) if "traffic" in parts and not args.no_hf else None
     with local_services(target_args, draft_args) as (target, draft):
-        measured = asyncio.run(_measure(args, target.address, draft.address, parts, model))
+        measured = asyncio.run(_measure(args, target, draft, parts, model))
     hf = None
     if "modes" in parts:  # after the services stopped: the anchors get the target's cores to themselves
         tokenizer = models.load_tokenizer(args.model)

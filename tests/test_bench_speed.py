@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import pytest
 
@@ -115,3 +116,37 @@ def test_concurrency_rows_are_medians_of_paired_repeats():
     spec[2] = sample(21.0, [[1, 2], [3, 5]])
     row = speed._concurrency_table(one + [{"sessions": 2, "speculative": spec, "no_speculation": none}])[1]
     assert row["identical_outputs"] == "1/2"
+
+
+def test_concurrency_rows_carry_the_cpu_each_process_spent_a_token():
+    def sample(decode, cpu):
+        return {"decode_tokens_per_s": decode, "end_to_end_tokens_per_s": decode, "mean_drafted_per_round": 0.0,
+                "mean_batch_size": 2.0, "outputs": [[1]], "cpu_ms_per_token": cpu}
+
+    spec = [sample(10.0, {"target": 20.0, "orchestrator": 1.0}), sample(9.0, {"target": 30.0, "orchestrator": 2.0}),
+            sample(11.0, {"target": 21.0, "orchestrator": 1.5})]
+    none = [sample(10.0, {"target": 20.0, "orchestrator": 0.5}), sample(9.0, {"target": 22.0, "orchestrator": 0.5}),
+            sample(11.0, {"target": 19.0, "orchestrator": 0.5})]
+    row = speed._concurrency_table([{"sessions": 1, "speculative": spec, "no_speculation": none}])[0]
+    assert row["cpu_ms_per_token_speculative"] == {"target": 21.0, "orchestrator": 1.5}
+    assert row["cpu_ms_per_token_no_speculation"] == {"target": 20.0, "orchestrator": 0.5}
+    assert row["cpu_per_token_speculative_vs_no_speculation"] == round(22.5 / 20.5, 3)
+    # samples without the figure (no /proc): no CPU columns rather than made-up ones
+    for s in spec:
+        del s["cpu_ms_per_token"]
+    row = speed._concurrency_table([{"sessions": 1, "speculative": spec, "no_speculation": none}])[0]
+    assert "cpu_per_token_speculative_vs_no_speculation" not in row
+
+
+def test_cpu_seconds_are_read_for_live_processes_only():
+    import os
+
+    used = speed._cpu_s({"me": os.getpid()})
+    if not used:
+        pytest.skip("no /proc on this platform")
+    start = used["me"]
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    assert speed._cpu_s({"me": os.getpid()})["me"] >= start + 0.2
+    assert speed._cpu_s({"gone": 2**22 + 12345}) == {}
