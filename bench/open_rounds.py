@@ -1,10 +1,11 @@
 """What a round costs on open text, by how the draft is asked, with draft and target on one CPU.
 
     python -m bench.open_rounds --json bench/results/open-rounds.json [--kinds prose,chat,code-write] [--repeats 2]
+        [--decoding sampling|greedy]
 
 The traffic bench's set-up (SmolLM2 target with 2 threads, n-gram drafter with
 1, nothing pinned, the orchestrator in this process), sampling at T 0.7 and
-top-p 0.95 with a seed per prompt, on the dev split of the mixed set's open
+top-p 0.95 with a seed per prompt (or greedy), on the dev split of the mixed set's open
 kinds, where drafts are rarely accepted. Each prompt runs target-only (k = 0),
 adaptive K in sync, and adaptive K with overlap, interleaved, ``--repeats``
 times. Per mode: milliseconds a round, draft requests a round (sent before a
@@ -36,24 +37,29 @@ from orchestrator.generation import Orchestrator
 MODES = {"target-only": (0, False), "sync": (8, False), "overlap": (8, True)}  # name -> (k, overlap)
 
 
-async def _one(orch: Orchestrator, prompt, k: int, overlap: bool, seed: int, tokens: int) -> dict[str, float]:
-    sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=seed)
+SAMPLING = {"temperature": 0.7, "top_p": 0.95}
+
+
+async def _one(orch: Orchestrator, prompt, k: int, overlap: bool, seed: int, tokens: int,
+               greedy: bool) -> dict[str, float]:
+    sampling = SamplingParams() if greedy else SamplingParams(**SAMPLING, seed=seed)
     run = await run_one(orch, prompt, k, DrafterKind.NGRAM, tokens, sampling, adaptive_k=k > 0, overlap=overlap)
     return {"wall_s": run.wall_s, "rounds": run.rounds, "tokens": len(run.token_ids), "drafted": run.drafted,
             "accepted": run.accepted, "target_compute_s": run.target_compute_s,
             "draft_compute_s": run.draft_compute_s, "draft_requests": run.draft_requests}
 
 
-async def _measure(target: str, draft: str, prompts, repeats: int, tokens: int) -> dict[str, dict[str, float]]:
+async def _measure(target: str, draft: str, prompts, repeats: int, tokens: int,
+                   greedy: bool) -> dict[str, dict[str, float]]:
     orch = await Orchestrator.connect(OrchestratorConfig(target_address=target, draft_address=draft,
                                                          tokenizer=models.DEFAULT_MODEL))
     totals: dict[str, dict[str, float]] = {name: defaultdict(float) for name in MODES}
     try:
-        await _one(orch, prompts[0], 8, True, 0, 8)  # warm-up
+        await _one(orch, prompts[0], 8, True, 0, 8, greedy)  # warm-up
         for repeat in range(repeats):
             for i, prompt in enumerate(prompts):
                 for name, (k, overlap) in MODES.items():
-                    for key, value in (await _one(orch, prompt, k, overlap, 1000 * repeat + i, tokens)).items():
+                    for key, value in (await _one(orch, prompt, k, overlap, 1000 * repeat + i, tokens, greedy)).items():
                         totals[name][key] += value
     finally:
         await orch.close()
@@ -82,6 +88,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--split", default="dev", choices=("dev", "heldout"),
                         help="which split of the mixed set (tune on dev; heldout checks)")
+    parser.add_argument("--decoding", default="sampling", choices=("sampling", "greedy"))
     args = parser.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     prompts = [p for p in PROMPT_SETS[f"mixed-{args.split}"] if p.kind in kinds]
@@ -90,9 +97,10 @@ def main(argv=None) -> None:
     common = ["--device", "cpu", "--dtype", "float32"]
     target = ["--model", models.DEFAULT_MODEL, "--threads", "2", *common]
     with local_services(target, ["--threads", "1", *common]) as (t, d):
-        report = asyncio.run(_measure(t.address, d.address, prompts, args.repeats, args.tokens))
+        report = asyncio.run(_measure(t.address, d.address, prompts, args.repeats, args.tokens,
+                                     args.decoding == "greedy"))
     out = {"benchmark": "open_rounds", "split": args.split, "prompts": [p.name for p in prompts], "kinds": kinds, "repeats": args.repeats,
-           "tokens": args.tokens, "sampling": {"temperature": 0.7, "top_p": 0.95},
+           "tokens": args.tokens, "sampling": None if args.decoding == "greedy" else SAMPLING,
            "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": torch.get_num_threads()},
            "modes": report}
     for name, figures in report.items():
