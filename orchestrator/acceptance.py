@@ -88,6 +88,7 @@ class _Counts:
     passed: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
     blocks: float = 0.0
     skipped: int = 0  # blocks of this key not verified since the last one that was (probing)
+    interval: int = 0  # skipped blocks before the next probe, where the controller backs off (0: not set)
 
     def add(self, drafted: int, accepted: int, decay: float) -> None:
         self.blocks = self.blocks * decay + 1
@@ -143,9 +144,18 @@ class AcceptanceStats:
         counts.skipped += 1
         return counts.skipped
 
-    def probe(self, key: StatsKey) -> None:
-        """A block of ``key`` is verified to re-measure it: start counting skipped blocks anew."""
-        self._get(key).skipped = 0
+    def probe(self, key: StatsKey, interval: int | None = None) -> None:
+        """A block of ``key`` is verified to re-measure it: start counting skipped blocks anew (``interval``:
+        the next probe's, when the caller backs off)."""
+        counts = self._get(key)
+        counts.skipped = 0
+        if interval is not None:
+            counts.interval = interval
+
+    def probe_interval(self, key: StatsKey) -> int:
+        """The interval set by the last ``probe`` of ``key`` that set one (0: none)."""
+        counts = self._counts.get(key)
+        return counts.interval if counts else 0
 
     def asked(self, pool: StatsKey, quality: Quality | None) -> None:
         """An ask of the free drafter of ``pool`` returned a block of ``quality`` (``free_ask.NO_BLOCK``: none)."""

@@ -34,7 +34,10 @@ asked for one token after ``probe_every`` such rounds (times the batch size: a
 probe widens every row of a batched forward; the interval doubles after each
 probe that leaves the choice at 0, up to ``probe_backoff`` times, and is reset
 when drafting pays again: a drafter that never pays here, such as an EAGLE head
-on a CPU target, costs ever fewer probes), and a quality cut to nothing is
+on a CPU target, costs ever fewer probes). Those rounds and the interval are
+counted server-wide, over every session's rounds: sessions may be short, and
+a probe measures the drafter for all of them (a model drafter's probe in a new
+session also pays the draft's prefill of its context). A quality cut to nothing is
 verified for one token after ``probe_every`` such blocks server-wide; a free
 drafter not asked is asked again on the same backoff as a paid one's probes,
 counted over every session's rounds (before a verification only); none probes where even drafts passing
@@ -78,8 +81,6 @@ class AdaptiveK:
     returns_weight: float = 2.0  # pseudo-asks behind every session's record of those returns
     _passed: list[float] = field(default_factory=list, init=False)
     _reached: list[float] = field(default_factory=list, init=False)
-    _rounds_at_zero: int = field(default=0, init=False)
-    _probe_interval: int = field(default=0, init=False)  # rounds at 0 before the next probe (probe_every first)
     _free_passed: float = field(default=0.0, init=False)  # positions of this session's free blocks that passed
     _free_expected: float = field(default=0.0, init=False)  # how many the server-wide figures predicted would
     _returns: QualityMix = field(default=None, init=False)  # what this session's asks of a free drafter returned
@@ -89,7 +90,6 @@ class AdaptiveK:
             raise ValueError(f"k_max must be >= 0, got {self.k_max}")
         self._passed = [0.0] * self.k_max
         self._reached = [0.0] * self.k_max
-        self._probe_interval = self.probe_every
         self._returns = QualityMix(self.returns_decay)
 
     def key(self, drafter: DrafterKind, quality=None) -> StatsKey:
@@ -113,14 +113,14 @@ class AdaptiveK:
         accept = self.acceptance()
         draft_s = self.costs.draft_s_per_token(self.paid)
         k = best_k(accept, limit, self.costs, load, overlap, draft_s)
+        key = self.key(self.paid)  # its rounds at 0 and probe interval are every session's (module docstring)
         if k > 0:
-            self._rounds_at_zero, self._probe_interval = 0, self.probe_every
+            self.stats.probe(key, interval=self.probe_every)
             return k
-        self._rounds_at_zero += 1
-        due = self._rounds_at_zero >= self._probe_interval * max(load.sessions, 1)
+        interval = self.stats.probe_interval(key) or self.probe_every
+        due = self.stats.skip(key) >= interval * max(load.sessions, 1)
         if due and best_k([self.probe_alpha] * limit, limit, self.costs, load, overlap, draft_s) > 0:
-            self._rounds_at_zero = 0
-            self._probe_interval = min(2 * self._probe_interval, self.probe_backoff * self.probe_every)
+            self.stats.probe(key, interval=min(2 * interval, self.probe_backoff * self.probe_every))
             return 1
         return 0
 

@@ -230,6 +230,18 @@ def test_the_probe_interval_resets_when_drafting_pays_again():
     assert asked == [0, 0, 0, 1]
 
 
+def test_probes_are_counted_over_every_sessions_rounds():
+    """Short sessions one after another: a per-session count would probe each new session after 4 rounds; counted
+    server-wide, the interval keeps backing off across them (4, 8, 16, 16 rounds of 6-round sessions)."""
+    costs, stats = fitted(b=0.01), AcceptanceStats()
+    feed(paid(costs, stats=stats), [(4, 0)] * 10)
+    asked = []
+    for _ in range(9):
+        session = paid(costs, stats=stats, probe_every=4, probe_backoff=4)
+        asked += [session.ask(8) for _ in range(6)]
+    assert [i + 1 for i, k in enumerate(asked) if k] == [4, 12, 28, 44]
+
+
 def test_expensive_draft_shortens_blocks():
     cheap, dear = paid(fitted(draft=0.0), 16), paid(fitted(draft=0.03), 16)
     for c in (cheap, dear):
