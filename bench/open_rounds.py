@@ -9,9 +9,10 @@ top-p 0.95 with a seed per prompt (or greedy), on the dev split of the mixed set
 kinds, where drafts are rarely accepted. Each prompt runs target-only (k = 0),
 adaptive K in sync, and adaptive K with overlap, interleaved, ``--repeats``
 times. Per mode: milliseconds a round, draft requests a round (sent before a
-verification or ahead during one), drafted and accepted tokens, and the
+verification or ahead during one), drafted and accepted tokens, the
 target's own compute a round (what the target service reports), so a dearer
-round shows whether the target's forward got slower or the time went around it.
+round shows whether the target's forward got slower or the time went around it,
+and the CPU each process (target, draft, this orchestrator) spent a round.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 from collections import defaultdict
 from pathlib import Path
@@ -29,7 +31,7 @@ from bench.evaluation import run_one
 from bench.prompts import PROMPT_SETS
 from lmkit import models
 from lmkit.kinds import DrafterKind
-from lmkit.processes import local_services
+from lmkit.processes import cpu_seconds, local_services
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Orchestrator
@@ -40,26 +42,30 @@ MODES = {"target-only": (0, False), "sync": (8, False), "overlap": (8, True)}  #
 SAMPLING = {"temperature": 0.7, "top_p": 0.95}
 
 
-async def _one(orch: Orchestrator, prompt, k: int, overlap: bool, seed: int, tokens: int,
-               greedy: bool) -> dict[str, float]:
+async def _one(orch: Orchestrator, prompt, k: int, overlap: bool, seed: int, tokens: int, greedy: bool,
+               pids: dict[str, int]) -> dict[str, float]:
     sampling = SamplingParams() if greedy else SamplingParams(**SAMPLING, seed=seed)
+    cpu_before = cpu_seconds(pids)
     run = await run_one(orch, prompt, k, DrafterKind.NGRAM, tokens, sampling, adaptive_k=k > 0, overlap=overlap)
+    cpu = {f"cpu_s_{name}": used - cpu_before[name] for name, used in cpu_seconds(pids).items() if name in cpu_before}
     return {"wall_s": run.wall_s, "rounds": run.rounds, "tokens": len(run.token_ids), "drafted": run.drafted,
             "accepted": run.accepted, "target_compute_s": run.target_compute_s,
-            "draft_compute_s": run.draft_compute_s, "draft_requests": run.draft_requests}
+            "draft_compute_s": run.draft_compute_s, "draft_requests": run.draft_requests, **cpu}
 
 
-async def _measure(target: str, draft: str, prompts, repeats: int, tokens: int,
+async def _measure(target: str, draft: str, pids: dict[str, int], prompts, repeats: int, tokens: int,
                    greedy: bool) -> dict[str, dict[str, float]]:
     orch = await Orchestrator.connect(OrchestratorConfig(target_address=target, draft_address=draft,
                                                          tokenizer=models.DEFAULT_MODEL))
     totals: dict[str, dict[str, float]] = {name: defaultdict(float) for name in MODES}
     try:
-        await _one(orch, prompts[0], 8, True, 0, 8, greedy)  # warm-up
+        await _one(orch, prompts[0], 8, True, 0, 8, greedy, pids)  # warm-up
         for repeat in range(repeats):
             for i, prompt in enumerate(prompts):
                 for name, (k, overlap) in MODES.items():
-                    for key, value in (await _one(orch, prompt, k, overlap, 1000 * repeat + i, tokens, greedy)).items():
+                    for key, value in (
+                        await _one(orch, prompt, k, overlap, 1000 * repeat + i, tokens, greedy, pids)
+                    ).items():
                         totals[name][key] += value
     finally:
         await orch.close()
@@ -72,6 +78,7 @@ async def _measure(target: str, draft: str, prompts, repeats: int, tokens: int,
             "target_compute_ms_per_round": round(1e3 * t["target_compute_s"] / rounds, 2),
             "draft_requests_per_round": round(t["draft_requests"] / rounds, 3),
             "draft_compute_ms_per_request": round(1e3 * t["draft_compute_s"] / max(t["draft_requests"], 1), 3),
+            **{f"cpu_ms_per_round_{name[6:]}": round(1e3 * t[name] / rounds, 2) for name in t if name.startswith("cpu_s_")},
             "rounds": int(t["rounds"]), "drafted": int(t["drafted"]), "accepted": int(t["accepted"]),
         }
     base = report["target-only"]["tokens_per_s"]
@@ -93,11 +100,12 @@ def main(argv=None) -> None:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     prompts = [p for p in PROMPT_SETS[f"mixed-{args.split}"] if p.kind in kinds]
     if not prompts:
-        parser.error(f"--kinds {args.kinds}: no dev prompt of these kinds")
+        parser.error(f"--kinds {args.kinds}: no {args.split} prompt of these kinds")
     common = ["--device", "cpu", "--dtype", "float32"]
     target = ["--model", models.DEFAULT_MODEL, "--threads", "2", *common]
     with local_services(target, ["--threads", "1", *common]) as (t, d):
-        report = asyncio.run(_measure(t.address, d.address, prompts, args.repeats, args.tokens,
+        pids = {"target": t.process.pid, "draft": d.process.pid, "orchestrator": os.getpid()}
+        report = asyncio.run(_measure(t.address, d.address, pids, prompts, args.repeats, args.tokens,
                                      args.decoding == "greedy"))
     out = {"benchmark": "open_rounds", "split": args.split, "prompts": [p.name for p in prompts], "kinds": kinds, "repeats": args.repeats,
            "tokens": args.tokens, "sampling": None if args.decoding == "greedy" else SAMPLING,

@@ -41,7 +41,7 @@ from bench.evaluation import RunResult, run_one, theoretical_speedup
 from bench.prompts import PROMPT_SETS, chat_ids
 from lmkit import models
 from lmkit.kinds import DrafterKind
-from lmkit.processes import local_services
+from lmkit.processes import cpu_seconds, local_services
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
@@ -177,19 +177,6 @@ async def _timed(orch, prompt, mode: Mode, drafter, max_new) -> tuple[list[tuple
     return events, ids, stats
 
 
-def _cpu_s(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system) each process has used so far; {} where /proc is not there."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    used = {}
-    for name, pid in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return {}
-        used[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    return used
-
-
 async def _concurrent(orch, prompts, level: int, mode: Mode, drafter, max_new, pids: dict[str, int]) -> dict:
     """``level`` generations at once. Decode throughput counts tokens in the window where every session
     is past its prompt's prefill and none has finished: the batched steady state. End to end (prefills
@@ -197,11 +184,11 @@ async def _concurrent(orch, prompts, level: int, mode: Mode, drafter, max_new, p
     process (target, draft, this orchestrator) used per generated token: the work, which the machine's
     noise moves far less than the clock."""
     chosen = [prompts[i % len(prompts)] for i in range(level)]
-    cpu_before = _cpu_s(pids)
+    cpu_before = cpu_seconds(pids)
     start = time.perf_counter()
     runs = await asyncio.gather(*(_timed(orch, p, mode, drafter, max_new) for p in chosen))
     wall = time.perf_counter() - start
-    cpu_after = _cpu_s(pids)
+    cpu_after = cpu_seconds(pids)
     tokens = sum(len(ids) for _, ids, _ in runs)
     begin = max(events[0][0] for events, _, _ in runs)  # the last session's first token
     end = min(events[-1][0] for events, _, _ in runs)  # the first session to finish

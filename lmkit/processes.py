@@ -97,3 +97,17 @@ def local_services(target_args: list[str], draft_args: list[str] | None):
         finally:
             for service in reversed(started):
                 service.stop()
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each named process has used so far; {} where /proc cannot tell (another
+    platform, or a process gone)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    used = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return {}
+        used[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return used

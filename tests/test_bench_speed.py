@@ -11,6 +11,7 @@ import pytest
 from bench import speed
 from bench.evaluation import RunResult, theoretical_speedup
 from bench.prompts import DemoPrompt
+from lmkit.processes import cpu_seconds
 
 pytestmark = pytest.mark.unit
 
@@ -141,12 +142,12 @@ def test_concurrency_rows_carry_the_cpu_each_process_spent_a_token():
 def test_cpu_seconds_are_read_for_live_processes_only():
     import os
 
-    used = speed._cpu_s({"me": os.getpid()})
+    used = cpu_seconds({"me": os.getpid()})
     if not used:
         pytest.skip("no /proc on this platform")
     start = used["me"]
     deadline = time.process_time() + 0.3
     while time.process_time() < deadline:
         pass
-    assert speed._cpu_s({"me": os.getpid()})["me"] >= start + 0.2
-    assert speed._cpu_s({"gone": 2**22 + 12345}) == {}
+    assert cpu_seconds({"me": os.getpid()})["me"] >= start + 0.2
+    assert cpu_seconds({"gone": 2**22 + 12345}) == {}
