@@ -108,6 +108,8 @@ class AcceptanceStats:
     decay: float = 0.998  # per block of the same key: traffic drifts, slowly
     _counts: dict[StatsKey, _Counts] = field(default_factory=dict, init=False)
     _asked: dict[StatsKey, QualityMix] = field(default_factory=dict, init=False)  # pool -> what asks returned
+    # (key, depth) -> its acceptance until the next verified block: every session asks each round, blocks are rarer
+    _acceptance: dict[tuple[StatsKey, int], list[float]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.prior < 1.0:
@@ -124,10 +126,17 @@ class AcceptanceStats:
         self._get(key).add(drafted, accepted, self.decay)
         if key.quality is not None:
             self._get(key.pool).add(drafted, accepted, self.decay)
+        self._acceptance.clear()
 
     def acceptance(self, key: StatsKey, depth: int) -> list[float]:
         """P(position i passes | the positions before it passed), i = 1..depth."""
         depth = min(depth, MAX_DEPTH)
+        known = self._acceptance.get((key, depth))
+        if known is None:
+            known = self._acceptance[(key, depth)] = self._estimate(key, depth)
+        return list(known)
+
+    def _estimate(self, key: StatsKey, depth: int) -> list[float]:
         pool = self._shrunk(self._counts.get(key.pool), [self.prior] * depth, self.pool_weight, chained=True)
         if key.quality is None:
             return pool

@@ -165,7 +165,8 @@ class AdaptiveK:
         compute_s = limit * self.costs.draft_s_per_token(drafter)
         during_s = None if during is None else self.costs.verify_s(load.tokens(during)) + self.costs.links.target.srtt
         cost = self.costs.links.ask_s(compute_s, during_s, self.costs.ahead_excess_s())
-        saving = self.free_saving_s(drafter, limit, load)
+        needed = cost if during is None else (cost / hit if hit > 0 else float("inf"))
+        saving = self.free_saving_s(drafter, limit, load, needed)
         server = self.stats.returns(self.key(drafter))  # probes are counted server-wide: sessions may be short
         if during is not None:  # ahead only where cheaper than asking after the verification (module docstring)
             return (saving is None or hit * saving > cost) and cost <= hit * self.costs.links.ask_s(compute_s)
@@ -182,26 +183,41 @@ class AdaptiveK:
         server.interval = min(2 * server.interval, self.probe_backoff * self.probe_every)
         return True
 
-    def free_saving_s(self, drafter: DrafterKind, limit: int, load: Load = ALONE) -> float | None:
+    def free_saving_s(self, drafter: DrafterKind, limit: int, load: Load = ALONE,
+                      needed: float | None = None) -> float | None:
         """Expected seconds an ask of the free ``drafter`` saves against a target-only step: the mean over what
-        asks returned of each block's best cut (``free_ask.best_saving_s``); None before any ask returned."""
+        asks returned of each block's best cut (``free_ask.best_saving_s``); None before any ask returned.
+
+        ``needed``: the caller only asks whether the saving exceeds this. Where even blocks that passed whole,
+        at every return's share, would not save more (a loaded target, where drafting is off), that bound is
+        returned instead, without pricing each quality: the same answer for one saving's price, not a dozen."""
         shares = self._returns.shares(self.stats.returns(self.key(drafter)), self.returns_weight)
         if not shares:
             return None
+        rounds = self._rounds_in_hand_s(limit, load)  # the same for every quality: computed once a decision
+        if needed is not None:
+            found = sum(share for quality, share in shares.items() if quality is not None and share > 1e-3)
+            bound = found * self.saving_s([1.0] * limit, limit, load, rounds)
+            if bound <= needed:
+                return bound
         saving = 0.0
         for quality, share in shares.items():
             if quality is not None and share > 1e-3:
-                saving += share * self.saving_s(self.free_acceptance(self.key(drafter, quality), limit), limit, load)
+                accept = self.free_acceptance(self.key(drafter, quality), limit)
+                saving += share * self.saving_s(accept, limit, load, rounds)
         return saving
 
-    def saving_s(self, accept: list[float], limit: int, load: Load) -> float:
-        """Seconds a block in hand with acceptance ``accept`` saves at its best cut against a target-only step."""
-        links = self.costs.links
+    def saving_s(self, accept: list[float], limit: int, load: Load, rounds: list[float] | None = None) -> float:
+        """Seconds a block in hand with acceptance ``accept`` saves at its best cut against a target-only step;
+        ``rounds``: ``_rounds_in_hand_s(limit, load)`` when the caller has it."""
+        rounds = rounds if rounds is not None else self._rounds_in_hand_s(limit, load)
+        return best_saving_s(accept[:limit], rounds[0], rounds.__getitem__, load.others_committed)
 
-        def round_s(k: int) -> float:
-            return links.round_s(k, self.costs.verify_s(load.tokens(k)), 0.0, 1.0, False, in_hand=True)
-
-        return best_saving_s(accept[:limit], round_s(0), round_s, load.others_committed)
+    def _rounds_in_hand_s(self, limit: int, load: Load) -> list[float]:
+        """The round with a block in hand cut to k, for k = 0..limit."""
+        links, costs = self.costs.links, self.costs
+        return [links.round_s(k, costs.verify_s(load.tokens(k)), 0.0, 1.0, False, in_hand=True)
+                for k in range(limit + 1)]
 
     def asked_free(self, drafter: DrafterKind, quality: Quality | None) -> None:
         """An ask of the free ``drafter`` returned a block of ``quality`` (``free_ask.NO_BLOCK``: none)."""

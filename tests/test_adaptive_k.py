@@ -249,6 +249,17 @@ def test_expensive_draft_shortens_blocks():
     assert 0 < dear.ask(16) < cheap.ask(16)
 
 
+def test_acceptance_follows_every_verified_block_and_each_caller_gets_its_own_list():
+    stats, key = AcceptanceStats(), StatsKey(MODEL, GREEDY)
+    first = stats.acceptance(key, 4)
+    first[0] = 9.0
+    assert stats.acceptance(key, 4) == [0.5] * 4  # the prior: a caller's edit does not stick
+    stats.observe(key, 4, 4)
+    assert stats.acceptance(key, 4)[0] > 0.5
+    stats.observe(StatsKey(NGRAM, GREEDY, quality_of(12, 2)), 4, 0)  # a block of another key moves its own
+    assert stats.acceptance(StatsKey(NGRAM, GREEDY), 2)[0] < 0.5
+
+
 def test_a_new_session_starts_from_what_other_sessions_measured():
     stats, costs = AcceptanceStats(), fitted(b=0.01)
     veteran = paid(costs, stats=stats)

@@ -252,3 +252,26 @@ class _UpDraft:
     def send(self, committed, assumed, k, free_k=0, max_branches=1):
         self.sent.append((len(committed), list(assumed), k, free_k))
         return object()
+
+
+def test_the_bound_on_a_saving_answers_as_the_full_price_does():
+    """Where even whole passes would not pay (a loaded target) the per-quality pricing is skipped: same answers."""
+    stats = AcceptanceStats()
+    weak_traffic(stats)
+    costs = costs_over(0.0005, 0.0005)
+    mixes = [MOSTLY_WEAK, [LONG, *MOSTLY_WEAK[1:]], [LONG] * 10, [NO_BLOCK] * 5, [SHORT, LONG, quality_of(3, 1)]]
+    for returns in mixes:
+        for load in (ALONE, Load(2, 1.0), Load(8, 7.0), Load(32, 31.0)):
+            controller = session(costs, stats, returns)  # (its returns join every session's: price it alone)
+            priced_qualities = []
+            price = controller.free_acceptance
+            controller.free_acceptance = lambda key, n: priced_qualities.append(key) or price(key, n)
+            full = controller.free_saving_s(NGRAM, 8, load)
+            priced_for_full = len(priced_qualities)
+            for needed in (0.0, 0.0005, 0.002, 0.01, 0.05):
+                priced = controller.free_saving_s(NGRAM, 8, load, needed)
+                assert (priced > needed) == (full > needed), (returns, load, needed)
+                assert priced >= full - 1e-12  # a bound, never below the price
+            if load.sessions == 32 and returns != [NO_BLOCK] * 5:
+                assert full == 0.0  # 32 rows each widened by the block: no cut pays
+                assert len(priced_qualities) == priced_for_full > 0  # each quality priced for ``full`` only
