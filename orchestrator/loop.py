@@ -137,9 +137,14 @@ def cut_at_finish(new: Sequence[int], eos_ids: frozenset[int], budget: int) -> t
     return list(new), None
 
 
-def load_of(result: pb.VerifyResult) -> Load:
-    """The load signal of a verification (an old target without the fields reads as alone)."""
-    return Load(max(result.batch_size, 1), float(result.others_committed))
+def load_of(result: pb.VerifyResult, fed: int) -> Load:
+    """The load signal of a verification that fed ``fed`` tokens of this session (an old target without the
+    fields reads as alone; one that does not report its forward's tokens, as padded)."""
+    sessions = max(result.batch_size, 1)
+    others = None
+    if result.batch_packed and result.batch_tokens:
+        others = max(result.batch_tokens - fed, sessions - 1)
+    return Load(sessions, float(result.others_committed), others)
 
 
 @dataclass
@@ -444,7 +449,7 @@ class _Loop:
         stats, target_s = self.stats, result.compute_us / 1e6
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
-        load = load_of(result)
+        load = load_of(result, drafted + 1)
         stats.target_compute_s += target_s
         accepted = self.accepted_tokens(block, result)
         if self.controller is not None and block.key is not None:
@@ -458,8 +463,8 @@ class _Loop:
             self.load = load
             if self.costs is not None:  # the draft link reports the draft's costs itself (late blocks too)
                 self.costs.load = load
-                self.costs.observe_verify(load.sessions * max(result.batch_width, drafted + 1), target_s,
-                                          ahead=bool(self.aheads))
+                tokens = result.batch_tokens or load.sessions * max(result.batch_width, drafted + 1)
+                self.costs.observe_verify(tokens, target_s, ahead=bool(self.aheads))
         if result.HasField("features"):
             stats.feature_bytes += len(result.features.values)
             if self.draft is not None:

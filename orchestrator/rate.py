@@ -20,17 +20,20 @@ each from the forwards this orchestrator measured, and uses the target's
 reported line only until it has measured forwards of that kind.
 
 Load (continuous batching): the target reports the forward that verified the
-last block: B sessions, and the tokens G_o the other sessions committed from
-it. Rows are padded to the longest, so a block of k makes every row k + 1
-wide: the forward costs t(B (k + 1)). A round's rate is the tokens everyone
-gets per unit time,
+last block: B sessions, the tokens G_o the other sessions committed from it,
+and whether its rows were packed end to end or padded to the longest. Packed
+(the target's own forward, ``lmkit.packed_rows``), a block of k adds its k + 1
+tokens to the X_o the other rows took: the forward costs t(X_o + k + 1).
+Padded (models that forward cannot run), a block of k makes every row k + 1
+wide: t(B (k + 1)). A round's rate is the tokens everyone gets per unit time,
 
-    (G_o + E(k)) / round_seconds,    round_seconds = t(B (k + 1)) + drafting not hidden.
+    (G_o + E(k)) / round_seconds,    round_seconds = t(X(k)) + drafting not hidden.
 
 Alone (B = 1, G_o = 0) this is Leviathan's E(k) / T(k). Under load a block
-must pay for the padding it puts on every other row: when the target is
-saturated (s x >> a) speculation stops unless drafts pass nearly always, so
-it never makes everyone slower, and it returns when the load falls.
+pays for the tokens it adds to a forward every session waits for: when the
+target is saturated (s x >> a) a drafted token costs nearly what a committed
+one does, so speculation stops unless drafts pass nearly always; it never
+makes everyone slower, and it returns when the load falls.
 
 Overlap: when drafting runs during verification, drafting the next block is
 hidden unless it takes longer than the verification, and paid in full only
@@ -74,9 +77,13 @@ class Load:
 
     sessions: int = 1
     others_committed: float = 0.0  # tokens the other sessions committed from that forward
+    others_tokens: int | None = None  # tokens the other rows took in it, where rows were packed (None: padded)
 
     def tokens(self, k: int) -> int:
-        """Tokens in the forward when this session's block of k sets the (padded) row width."""
+        """Tokens in the forward with this session's block of k: packed rows, the others' and its own k + 1;
+        padded rows, every row k + 1 wide."""
+        if self.others_tokens is not None:
+            return self.others_tokens + k + 1
         return max(self.sessions, 1) * (k + 1)
 
 

@@ -51,6 +51,8 @@ class BatchShare:
     size: int = 1  # sessions in the forward
     width: int = 1  # tokens per row: the longest block when rows are padded, the mean (rounded up) when packed
     others_committed: int = 0  # tokens the other sessions committed from the same forward
+    tokens: int = 0  # tokens the forward computed over, padding included (0: a block verified alone)
+    packed: bool = False  # rows packed end to end (no padding): a block adds only its own tokens
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ class TargetEngine:
         width = -(-tokens // max(len(done), 1))  # mean row width, rounded up
         for i in done:
             own = results[i]
-            share = BatchShare(len(done), width, committed - (own.accepted + 1))
+            share = BatchShare(len(done), width, committed - (own.accepted + 1), tokens)
             results[i] = replace(own, compute_s=step_s, batch=share)
 
     def cost_fit(self) -> tuple[float, float] | None:
@@ -299,7 +301,8 @@ class TargetEngine:
         elapsed = time.perf_counter() - start
         done = [d for d in decided if not isinstance(d, errors.SpecsplitError)]
         committed = sum(d.accepted + 1 for d in done)
-        share = lambda d: BatchShare(len(done), width, committed - (d.accepted + 1))  # noqa: E731
+        packed = packed_rows.installed(self.model)
+        share = lambda d: BatchShare(len(done), width, committed - (d.accepted + 1), tokens, packed)  # noqa: E731
         return [
             d if isinstance(d, errors.SpecsplitError) else self._verified(item, d, elapsed, share(d), step.parents, lp)
             for item, d, lp, step in zip(items, decided, logprobs, steps)

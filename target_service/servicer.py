@@ -98,6 +98,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             compute_us=int(done.compute_s * 1e6),
             batch_size=done.batch.size,
             batch_width=done.batch.width,
+            batch_tokens=done.batch.tokens,
+            batch_packed=done.batch.packed,
             others_committed=done.batch.others_committed,
             path=done.path,
             service_us=int((time.perf_counter() - received) * 1e6),

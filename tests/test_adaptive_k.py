@@ -132,6 +132,31 @@ def test_k_shrinks_as_load_grows():
     assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
 
 
+def test_a_block_in_a_packed_forward_adds_its_own_tokens_and_in_a_padded_one_widens_every_row():
+    padded, packed = Load(8, 7.0), Load(8, 7.0, others_tokens=7)
+    assert [padded.tokens(k) for k in (0, 1, 4)] == [8, 16, 40]
+    assert [packed.tokens(k) for k in (0, 1, 4)] == [8, 9, 12]
+    assert ALONE.tokens(4) == Load(1, 0.0, others_tokens=0).tokens(4) == 5
+
+
+def test_the_load_signal_reads_the_forwards_tokens_where_its_rows_were_packed():
+    from orchestrator.loop import load_of
+
+    packed = pb.VerifyResult(batch_size=8, batch_width=2, others_committed=9, batch_tokens=13, batch_packed=True)
+    assert load_of(packed, fed=3) == Load(8, 9.0, others_tokens=10)
+    padded = pb.VerifyResult(batch_size=8, batch_width=3, others_committed=9, batch_tokens=24)
+    assert load_of(padded, fed=3) == Load(8, 9.0)  # padded rows: every row as wide as the widest
+    assert load_of(pb.VerifyResult(), fed=1) == ALONE  # an older target that reports neither
+
+
+def test_drafting_pays_under_load_where_rows_are_packed_and_not_where_they_are_padded():
+    """Eight sessions on cpu_like costs (62 ms + 20 ms a token): drafts that pass 9 times in 10 add 20 ms a token
+    to a 202 ms forward packed, but widen all eight rows padded."""
+    accept = [0.9] * 8
+    assert best_k(accept, 8, cpu_like(), Load(8, 7.0)) == 0
+    assert best_k(accept, 8, cpu_like(), Load(8, 7.0, others_tokens=7)) > 0
+
+
 # -- acceptance statistics ------------------------------------------------------------------------------------
 def test_a_key_without_evidence_leans_on_its_pool_and_the_pool_on_the_prior():
     stats = AcceptanceStats(prior=0.5)

@@ -125,6 +125,10 @@ def test_a_bad_session_fails_alone_and_the_others_commit_their_solo_results(
             assert len(session.tokens) == committed[i] + result.accepted + 1
     if poison is poison_nothing:
         assert all(r.batch.size == SESSIONS for r in results)  # one shared forward
+        # the load signal: that forward's tokens, and whether its rows were packed (no padding) or padded
+        fed = sum(len(b) + 1 for b in sent)
+        assert {r.batch.packed for r in results} == {fast_forward}
+        assert {r.batch.tokens for r in results} == {fed} if fast_forward else min(r.batch.tokens for r in results) > fed
     if poison is poison_with_nan:
         assert all(r.batch.size == SESSIONS - 1 for i, r in enumerate(results) if i != BAD)  # one shared forward
         # The culprit's block, sent again, is verified from a fresh prefill and gives its solo result.

@@ -335,7 +335,7 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "features", "path", "logprobs", "cost_base_us", "cost_per_token_us", "service_us")
+    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "features", "path", "logprobs", "cost_base_us", "cost_per_token_us", "batch_tokens", "batch_packed", "service_us")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,8 @@ class VerifyResult(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COST_BASE_US_FIELD_NUMBER: _ClassVar[int]
     COST_PER_TOKEN_US_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PACKED_FIELD_NUMBER: _ClassVar[int]
     SERVICE_US_FIELD_NUMBER: _ClassVar[int]
     position: int
     accepted: int
@@ -361,8 +363,10 @@ class VerifyResult(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     cost_base_us: float
     cost_per_token_us: float
+    batch_tokens: int
+    batch_packed: bool
     service_us: int
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ..., service_us: _Optional[int] = ...) -> None: ...
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ..., batch_tokens: _Optional[int] = ..., batch_packed: _Optional[bool] = ..., service_us: _Optional[int] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
