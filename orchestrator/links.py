@@ -257,6 +257,8 @@ class DraftLink(_SessionLink):
         budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
         if budget >= self._policy.draft_timeout_s and not self._policy.draft_deadline_s:
             budget = min(budget, self._worth_waiting_s(max(k, free_k)))
+            if cold and not self._cold_arrives_within(len(committed) + len(assumed), budget):
+                budget = 0.0  # not waited for at all: its reply warms the session for the rounds after
         task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
         self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget,
                                len(committed) + len(assumed))
@@ -284,6 +286,12 @@ class DraftLink(_SessionLink):
         if step_s is None:
             return self._policy.draft_timeout_s
         return self._costs.links.draft.timeout(k * step_s, slack=0.0)
+
+    def _cold_arrives_within(self, context: int, budget_s: float) -> bool:
+        """Whether a cold proposal over ``context`` tokens is expected back within ``budget_s``, from what cold
+        proposals of this drafter took before (True before one was measured: it is then waited for)."""
+        cold_s = self._costs.cold_s(context, self.drafter)
+        return cold_s is None or self._costs.links.draft.srtt + cold_s <= budget_s
 
     def _deadline_s(self, k: int) -> float:
         if not self._costs.draft_measured:  # a draft's cost is unknown until it has answered once
@@ -322,7 +330,9 @@ class DraftLink(_SessionLink):
         # here: no load model covers the draft, and a deadline must allow for it.
         self._costs.links.draft.observe(time.perf_counter() - start - block.compute_us / 1e6)
         self.compute_s += block.compute_us / 1e6
-        if not cold:  # a cold proposal's compute is mostly the prefill of the context
+        if cold:  # its compute is mostly the prefill of the context
+            self._costs.observe_cold(len(committed) + len(assumed), block.compute_us / 1e6, self.drafter)
+        else:
             self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6, drafter_of(block, self.drafter))
         return block
 

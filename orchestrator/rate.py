@@ -108,6 +108,8 @@ class CostModel:
     links: LinkCosts = field(default_factory=LinkCosts)  # the draft and target links' round trips
     _draft_s: dict = field(default_factory=dict)  # drafter -> decayed seconds
     _draft_tokens: dict = field(default_factory=dict)  # drafter -> decayed tokens
+    _cold_s: dict = field(default_factory=dict)  # drafter -> decayed seconds of cold proposals (a context re-read)
+    _cold_tokens: dict = field(default_factory=dict)  # drafter -> decayed context tokens those proposals read
     ahead_streak: int = 0  # forwards in a row that ran with a draft ask on its way (quiet_due)
     _excess_s: float = 0.0  # decayed sum of those forwards' seconds over the quiet fit's prediction
     _excess_n: float = 0.0  # decayed count of them
@@ -157,6 +159,18 @@ class CostModel:
         if tokens > 0:
             self._draft_s[drafter] = self._draft_s.get(drafter, 0.0) * self.decay + seconds
             self._draft_tokens[drafter] = self._draft_tokens.get(drafter, 0.0) * self.decay + tokens
+
+    def observe_cold(self, context: int, seconds: float, drafter: object = None) -> None:
+        """A cold proposal of ``drafter`` (the first of a draft session: it reads the ``context`` tokens first)
+        took ``seconds`` on the draft."""
+        if context > 0:
+            self._cold_s[drafter] = self._cold_s.get(drafter, 0.0) * self.decay + seconds
+            self._cold_tokens[drafter] = self._cold_tokens.get(drafter, 0.0) * self.decay + context
+
+    def cold_s(self, context: int, drafter: object = None) -> float | None:
+        """Predicted draft time of a cold proposal over ``context`` tokens (None before one was measured)."""
+        tokens = self._cold_tokens.get(drafter, 0.0)
+        return self._cold_s[drafter] / tokens * context if tokens else None
 
     def verify_s(self, tokens: int) -> float:
         """Predicted time of a target forward over ``tokens`` tokens: the mean of measured one-token forwards, or

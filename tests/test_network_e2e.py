@@ -263,3 +263,45 @@ def test_a_cold_proposal_is_not_waited_for_past_what_its_block_could_save(tiny_s
     assert loop.late_blocks >= 1
     # the draft session's open takes one round trip (0.6 s); waiting for the cold block would take another
     assert first < 4 * one_way - 0.25, first
+
+
+def test_a_cold_proposal_known_to_outlast_what_it_could_save_is_not_waited_for(tiny_services, tiny_target_dir,
+                                                                                 tiny_reference):
+    """Cold proposals are measured (the draft's time to re-read a context, per token). One expected back only
+    after the k target steps its block could save is sent without a wait at all (its reply warms the draft
+    session for the rounds after); before any was measured it is waited for those k steps."""
+    from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+    from orchestrator.links import DraftLink
+    from orchestrator.rate import CostModel
+
+    prompt = list(tiny_reference[0][0])
+
+    async def deadlines():
+        orch = await Orchestrator.connect(OrchestratorConfig(tiny_services.target_address,
+                                                             tiny_services.draft_address, str(tiny_target_dir)))
+        try:
+            waits, measured = [], []
+            for slow_prefill in (False, True):
+                costs = CostModel()
+                for _ in range(4):
+                    costs.observe_verify(1, 0.05)  # a 50 ms target step: a block of 4 saves at most 0.2 s
+                if slow_prefill:
+                    costs.observe_cold(10, 100.0, DrafterKind.MODEL)  # 10 s a context token
+                link = DraftLink(orch.draft, lambda sid, tokens: pb.DraftOpen(
+                    session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy(), costs,
+                    DrafterKind.MODEL)
+                assert await link.open(prompt)
+                call = link.send(prompt, [], 4)
+                waits.append(call.deadline - asyncio.get_running_loop().time())
+                block = await call.task  # the reply still comes, and its prefill is measured
+                assert block is not None and block.position == len(prompt)
+                measured.append(costs.cold_s(len(prompt), DrafterKind.MODEL))
+                await link.close()
+            return waits, measured
+        finally:
+            await orch.close()
+
+    (unknown, slow), (first, _) = run_async(deadlines())
+    assert 0.15 < unknown <= 5.0  # waited for up to 4 steps over the link's round trip
+    assert slow <= 0.0  # not waited for
+    assert first is not None and first < 10.0 * len(prompt)
