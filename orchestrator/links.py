@@ -257,8 +257,8 @@ class DraftLink(_SessionLink):
         budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
         if budget >= self._policy.draft_timeout_s and not self._policy.draft_deadline_s:
             budget = min(budget, self._worth_waiting_s(max(k, free_k)))
-            if cold and not self._cold_arrives_within(len(committed) + len(assumed), budget):
-                budget = 0.0  # not waited for at all: its reply warms the session for the rounds after
+            if cold and not self._cold_arrives_within(len(committed) + len(assumed), 2.0 * budget):
+                budget = 0.0  # clearly late: not waited for at all; its reply warms the session for the rounds after
         task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
         self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget,
                                len(committed) + len(assumed))
@@ -289,7 +289,9 @@ class DraftLink(_SessionLink):
 
     def _cold_arrives_within(self, context: int, budget_s: float) -> bool:
         """Whether a cold proposal over ``context`` tokens is expected back within ``budget_s``, from what cold
-        proposals of this drafter took before (True before one was measured: it is then waited for)."""
+        proposals of this drafter took before, per context token (True before one was measured: it is then
+        waited for). ``send`` asks it of twice the wait a block of k is worth: one expected back later than that
+        is not waited for at all; one expected near the wait is still waited for, the prediction being rough."""
         cold_s = self._costs.cold_s(context, self.drafter)
         return cold_s is None or self._costs.links.draft.srtt + cold_s <= budget_s
 

@@ -43,7 +43,11 @@ def tp2_target(tmp_path_factory, tiny_target_dir):
 
 
 async def run_prompts(target, draft, tokenizer_dir, k, drafter, sampling, draft_probs=False, max_new=20):
-    orch = await Orchestrator.connect(OrchestratorConfig(target, draft, tokenizer=str(tokenizer_dir)))
+    # Sampled verification gives the same text only from the same blocks: a block late for its round's
+    # deadline (the target, TP or not, steps alone) changes them. A pinned deadline keeps every block.
+    policy = LinkPolicy(draft_deadline_s=30.0, draft_timeout_s=30.0)
+    orch = await Orchestrator.connect(OrchestratorConfig(target, draft, tokenizer=str(tokenizer_dir),
+                                                         link_policy=policy))
     outputs = []
     try:
         for i, prompt in enumerate(PROMPTS):
