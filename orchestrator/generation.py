@@ -266,12 +266,13 @@ class Orchestrator:
             tree_branches=self.tree_branches(request, mode) if draft is not None else 1,
         )
         controller = None
+        verification = Verification.of(mode, request.sampling.temperature)
         if request.adaptive_k and config.k > 0:
             paid = next((m for m in members if m not in free), None)
-            verification = Verification.of(mode, request.sampling.temperature)
             controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid)
         branches = self.branch_stats.setdefault(request.drafter, BranchStats())
-        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs, branches)
+        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs, branches,
+                                    (self.acceptance, verification))
         pending: list[pb.TokenLogprob] = []  # the logprobs of committed ids not sent yet (ids wait for their text)
         last = None
         # A stop string ends the generation here: the loop (and the proposal it drafts ahead) is closed

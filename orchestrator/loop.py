@@ -50,7 +50,7 @@ from lmkit import token_tree
 from lmkit.kinds import DrafterKind
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.wire import drop_leading_rows
-from orchestrator.acceptance import Quality, StatsKey, quality_of
+from orchestrator.acceptance import AcceptanceStats, Quality, StatsKey, Verification, quality_of
 from orchestrator.adaptive_k import AdaptiveK
 from orchestrator.free_ask import NO_BLOCK
 from orchestrator.links import DraftCall, DraftLink, TargetLink, drafter_of
@@ -230,7 +230,7 @@ class _Ahead:
 class _Loop:
     """One generation's rounds; ``speculative_decode`` drives it."""
 
-    def __init__(self, prompt, config, draft, stats, controller, costs, branches=None) -> None:
+    def __init__(self, prompt, config, draft, stats, controller, costs, branches=None, record=None) -> None:
         self.committed = list(prompt)
         self.branches = branches if branches is not None else BranchStats()
         self.config = config
@@ -238,6 +238,9 @@ class _Loop:
         self.stats = stats
         self.controller = controller
         self.costs = costs
+        # Without a controller (fixed K): the statistics its verified blocks are recorded in, and how blocks are
+        # verified, so that adaptive sessions learn from fixed ones' blocks too.
+        self.record: tuple[AcceptanceStats, Verification] | None = record
         # Until this session's first decode round reports its own forward, the target's load as the
         # orchestrator last saw it: a session joining a busy target must not pad the batch with a
         # block sized for a target of its own.
@@ -292,17 +295,26 @@ class _Loop:
         only, never from random draws). ``guessed``: drafted ahead, past a bonus guess that came true."""
         if reply is not None and block.tokens and self.controller is not None:
             self.record_and_cut(reply, block, guessed)
+        elif reply is not None and block.tokens and self.record is not None:
+            block.key = self.key_of(reply, guessed, self.record[1])
         return self.shape(block) if block.parents else block
 
-    def record_and_cut(self, reply: pb.DraftBlock, block: _Block, guessed: bool) -> None:
-        """Set the block's statistics key; cut a free drafter's chain to the tokens worth verifying."""
+    def key_of(self, reply: pb.DraftBlock, guessed: bool, verification: Verification) -> StatsKey | None:
+        """The statistics key of a reply's block: its drafter, the session's verification, its match quality."""
         drafter = drafter_of(reply, self.config.drafter)
         if drafter is None:
-            return
+            return None
         quality = None
         if reply.HasField("quality"):  # a block drafted ahead is used after its guess: its match is one longer
             quality = quality_of(reply.quality.length + guessed, reply.quality.occurrences)
-        block.key = self.controller.key(drafter, quality)
+        return StatsKey(drafter, verification, quality)
+
+    def record_and_cut(self, reply: pb.DraftBlock, block: _Block, guessed: bool) -> None:
+        """Set the block's statistics key; cut a free drafter's chain to the tokens worth verifying."""
+        block.key = self.key_of(reply, guessed, self.controller.verification)
+        if block.key is None:
+            return
+        drafter = block.key.drafter
         if drafter in self.config.free_drafters and block.probs is None and not block.parents:
             block.k = self.controller.cut(block.key, len(block.tokens), self.load)
             block.tokens = block.tokens[: block.k]
@@ -452,8 +464,10 @@ class _Loop:
         load = load_of(result, drafted + 1)
         stats.target_compute_s += target_s
         accepted = self.accepted_tokens(block, result)
-        if self.controller is not None and block.key is not None:
+        if block.key is not None and self.controller is not None:
             self.controller.observe(block.key, len(block.chain), self.primary_accepted(block, result))
+        elif block.key is not None and self.record is not None:  # a fixed-K session's blocks count server-wide too
+            self.record[0].observe(block.key, len(block.chain), self.primary_accepted(block, result))
         if self.costs is not None:
             self.costs.observe_target_fit(result.cost_base_us / 1e6, result.cost_per_token_us / 1e6)
         # A forward that re-read the context (the first round's prompt, or a session re-opened after a
@@ -521,6 +535,7 @@ async def speculative_decode(
     controller: AdaptiveK | None = None,
     costs: CostModel | None = None,
     branches: BranchStats | None = None,
+    record: tuple[AcceptanceStats, Verification] | None = None,
 ) -> AsyncIterator[tuple[list[int], Finish | None, list[pb.TokenLogprob]]]:
     """Yield (newly committed tokens, finish reason or None, their logprobs) once per round.
 
@@ -532,7 +547,7 @@ async def speculative_decode(
     block is cut to it), and whether to draft ahead at all; ``costs`` learns
     from every round but the first (which carries the prompt's prefill).
     """
-    loop = _Loop(prompt, config, draft, stats, controller, costs, branches)
+    loop = _Loop(prompt, config, draft, stats, controller, costs, branches, record)
     try:
         while True:
             if len(loop.committed) >= config.max_context:

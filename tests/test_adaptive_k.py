@@ -448,6 +448,21 @@ def test_blocks_of_paid_drafters_and_fixed_k_sessions_are_not_cut():
     assert fixed.finish_block(reply([1, 2], length=1, occurrences=3), 8).tokens == [1, 2]
 
 
+def test_a_fixed_k_sessions_verified_blocks_count_for_every_session():
+    """A fixed-K session has no controller, but its blocks are real evidence: recorded server-wide, a new
+    adaptive session of the same drafter starts from them instead of the prior."""
+    stats = AcceptanceStats()
+    cfg = LoopConfig(k=3, max_new_tokens=100, eos_ids=frozenset(), max_context=1000, drafter=MODEL)
+    fixed = _Loop([1, 2, 3], cfg, None, LoopStats(), None, None, record=(stats, GREEDY))
+    for _ in range(20):
+        fixed.commit(fixed.finish_block(reply([4, 5, 6]), 3), pb.VerifyResult(accepted=3, next_token=7))
+    assert stats.blocks(StatsKey(MODEL, GREEDY)) > 15
+    assert min(paid(cpu_like(), stats=stats).acceptance()[:3]) > 0.8
+    unrecorded = _Loop([1, 2, 3], cfg, None, LoopStats(), None, None)  # no record: as before
+    unrecorded.commit(unrecorded.finish_block(reply([4, 5, 6]), 3), pb.VerifyResult(accepted=0, next_token=7))
+    assert stats.blocks(StatsKey(MODEL, GREEDY)) < 20
+
+
 def test_a_session_joining_a_busy_target_starts_from_its_load():
     """The load comes from decode rounds, shared through the target's cost model: a new session does not
     size its first blocks for a target of its own, and its prefill (a forward alone) does not reset it."""
