@@ -90,6 +90,18 @@ class Load:
 ALONE = Load()
 
 
+@dataclass
+class _PerUnit:
+    """Decayed seconds over decayed units (tokens drafted, context tokens read); made at its first unit."""
+
+    seconds: float = 0.0
+    units: float = 0.0
+
+    def add(self, units: int, seconds: float, decay: float) -> None:
+        self.seconds = self.seconds * decay + seconds
+        self.units = self.units * decay + units
+
+
 QUIET_EVERY = 32  # forwards with a draft ask on its way in a row, after which one runs without (quiet_due)
 
 
@@ -106,10 +118,8 @@ class CostModel:
     load: Load = ALONE  # the target's last decode forward as any session saw it; where new sessions start
     reported: tuple[float, float] | None = None  # (a, s) as the target last reported its own fit
     links: LinkCosts = field(default_factory=LinkCosts)  # the draft and target links' round trips
-    _draft_s: dict = field(default_factory=dict)  # drafter -> decayed seconds
-    _draft_tokens: dict = field(default_factory=dict)  # drafter -> decayed tokens
-    _cold_s: dict = field(default_factory=dict)  # drafter -> decayed seconds of cold proposals (a context re-read)
-    _cold_tokens: dict = field(default_factory=dict)  # drafter -> decayed context tokens those proposals read
+    _draft: dict = field(default_factory=dict)  # drafter -> _PerUnit over the tokens it drafted
+    _cold: dict = field(default_factory=dict)  # drafter -> _PerUnit over the context tokens its cold proposals read
     ahead_streak: int = 0  # forwards in a row that ran with a draft ask on its way (quiet_due)
     _excess_s: float = 0.0  # decayed sum of those forwards' seconds over the quiet fit's prediction
     _excess_n: float = 0.0  # decayed count of them
@@ -157,20 +167,18 @@ class CostModel:
     def observe_draft(self, tokens: int, seconds: float, drafter: object = None) -> None:
         """``drafter`` drafted ``tokens`` tokens in ``seconds``."""
         if tokens > 0:
-            self._draft_s[drafter] = self._draft_s.get(drafter, 0.0) * self.decay + seconds
-            self._draft_tokens[drafter] = self._draft_tokens.get(drafter, 0.0) * self.decay + tokens
+            self._draft.setdefault(drafter, _PerUnit()).add(tokens, seconds, self.decay)
 
     def observe_cold(self, context: int, seconds: float, drafter: object = None) -> None:
         """A cold proposal of ``drafter`` (the first of a draft session: it reads the ``context`` tokens first)
         took ``seconds`` on the draft."""
         if context > 0:
-            self._cold_s[drafter] = self._cold_s.get(drafter, 0.0) * self.decay + seconds
-            self._cold_tokens[drafter] = self._cold_tokens.get(drafter, 0.0) * self.decay + context
+            self._cold.setdefault(drafter, _PerUnit()).add(context, seconds, self.decay)
 
     def cold_s(self, context: int, drafter: object = None) -> float | None:
         """Predicted draft time of a cold proposal over ``context`` tokens (None before one was measured)."""
-        tokens = self._cold_tokens.get(drafter, 0.0)
-        return self._cold_s[drafter] / tokens * context if tokens else None
+        cold = self._cold.get(drafter)
+        return cold.seconds / cold.units * context if cold else None
 
     def verify_s(self, tokens: int) -> float:
         """Predicted time of a target forward over ``tokens`` tokens: the mean of measured one-token forwards, or
@@ -192,11 +200,11 @@ class CostModel:
     @property
     def draft_measured(self) -> bool:
         """Whether any drafter has reported its cost yet."""
-        return any(t > 0 for t in self._draft_tokens.values())
+        return bool(self._draft)
 
     def draft_s_per_token(self, drafter: object = None) -> float:
-        tokens = self._draft_tokens.get(drafter, 0.0)
-        return self._draft_s.get(drafter, 0.0) / tokens if tokens else 0.0
+        draft = self._draft.get(drafter)
+        return draft.seconds / draft.units if draft else 0.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
