@@ -194,18 +194,14 @@ class AdaptiveK:
         shares = self._returns.shares(self.stats.returns(self.key(drafter)), self.returns_weight)
         if not shares:
             return None
+        found = {quality: share for quality, share in shares.items() if quality is not None and share > 1e-3}
         rounds = self._rounds_in_hand_s(limit, load)  # the same for every quality: computed once a decision
         if needed is not None:
-            found = sum(share for quality, share in shares.items() if quality is not None and share > 1e-3)
-            bound = found * self.saving_s([1.0] * limit, limit, load, rounds)
+            bound = sum(found.values()) * self.saving_s([1.0] * limit, limit, load, rounds)
             if bound <= needed:
                 return bound
-        saving = 0.0
-        for quality, share in shares.items():
-            if quality is not None and share > 1e-3:
-                accept = self.free_acceptance(self.key(drafter, quality), limit)
-                saving += share * self.saving_s(accept, limit, load, rounds)
-        return saving
+        return sum(share * self.saving_s(self.free_acceptance(self.key(drafter, quality), limit), limit, load, rounds)
+                   for quality, share in found.items())
 
     def saving_s(self, accept: list[float], limit: int, load: Load, rounds: list[float] | None = None) -> float:
         """Seconds a block in hand with acceptance ``accept`` saves at its best cut against a target-only step;

@@ -254,14 +254,14 @@ class DraftLink(_SessionLink):
             self.busy_rounds += 1
             return None
         cold, self._cold = self._cold, False
+        position = len(committed) + len(assumed)  # where the block starts; a cold proposal reads all before it
         budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
         if budget >= self._policy.draft_timeout_s and not self._policy.draft_deadline_s:
             budget = min(budget, self._worth_waiting_s(max(k, free_k)))
-            if cold and not self._cold_arrives_within(len(committed) + len(assumed), 2.0 * budget):
+            if cold and not self._cold_arrives_within(position, 2.0 * budget):
                 budget = 0.0  # clearly late: not waited for at all; its reply warms the session for the rounds after
         task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
-        self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget,
-                               len(committed) + len(assumed))
+        self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget, position)
         return self._tail
 
     async def receive(self, call: DraftCall) -> pb.DraftBlock | None:
