@@ -239,12 +239,12 @@ async def _concurrency(orch, prompts, args, drafter, pids: dict[str, int]) -> li
 
 
 async def _measure(args, target, draft, parts: set[str], model) -> dict:
-    """The chosen parts against one pair of services, through one orchestrator (its statistics carry over)."""
-    target_address, draft_address = target.address, draft.address
+    """The chosen parts against one pair of services (``ServiceProcess``es), through one orchestrator (its
+    statistics carry over)."""
     pids = {"target": target.process.pid, "draft": draft.process.pid, "orchestrator": os.getpid()}
     drafter = DrafterKind[args.drafter.upper()]
     prompts = PROMPT_SETS[args.prompt_set]
-    config = OrchestratorConfig(target_address, draft_address, tokenizer=args.model, max_concurrent=256,
+    config = OrchestratorConfig(target.address, draft.address, tokenizer=args.model, max_concurrent=256,
                                 ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     orch = await Orchestrator.connect(config)
     out: dict = {}
