@@ -41,7 +41,8 @@ session also pays the draft's prefill of its context). A quality cut to nothing 
 verified for one token after ``probe_every`` such blocks server-wide; a free
 drafter not asked is asked again on the same backoff as a paid one's probes,
 counted over every session's rounds (before a verification only); none probes where even drafts passing
-``probe_alpha`` of the time would not pay.
+``probe_alpha`` of the time would not pay, in the session's best mode (a session that may overlap probes in
+its sync rounds too: where overlap stopped because acceptance fell, only a probe can start it again).
 
 Overlap: ``ahead_pays`` says whether drafting the next block during the
 verification beats drafting it after, from the same round model with the
@@ -70,6 +71,7 @@ class AdaptiveK:
     stats: AcceptanceStats
     verification: Verification
     paid: DrafterKind | None = None  # the session's drafter that pays per token (None: all its drafters are free)
+    overlap: bool = False  # the session may draft a block during the verification before it (LoopConfig.overlap)
     session_weight: float = 4.0  # pseudo-observations behind the server-wide figures, per position
     decay: float = 0.8  # this session's own record: recent rounds dominate (acceptance comes in runs)
     probe_every: int = 8
@@ -119,7 +121,10 @@ class AdaptiveK:
             return k
         interval = self.stats.probe_interval(key) or self.probe_every
         due = self.stats.skip(key) >= interval * max(load.sessions, 1)
-        if due and best_k([self.probe_alpha] * limit, limit, self.costs, load, overlap, draft_s) > 0:
+        # Whether drafts this good could pay in the session's best mode, not only this round's: a session that
+        # may overlap probes in sync rounds too (overlap stops where acceptance falls, and only a probe brings
+        # the figures back that would start it again).
+        if due and best_k([self.probe_alpha] * limit, limit, self.costs, load, overlap or self.overlap, draft_s) > 0:
             self.stats.probe(key, interval=min(2 * interval, self.probe_backoff * self.probe_every))
             return 1
         return 0

@@ -269,7 +269,7 @@ class Orchestrator:
         verification = Verification.of(mode, request.sampling.temperature)
         if request.adaptive_k and config.k > 0:
             paid = next((m for m in members if m not in free), None)
-            controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid)
+            controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid, overlap=config.overlap)
         branches = self.branch_stats.setdefault(request.drafter, BranchStats())
         rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs, branches,
                                     (self.acceptance, verification))

@@ -267,6 +267,22 @@ def test_probes_are_counted_over_every_sessions_rounds():
     assert [i + 1 for i, k in enumerate(asked) if k] == [4, 12, 28, 44]
 
 
+def test_a_session_that_may_overlap_probes_where_only_overlap_pays():
+    """A draft nearly as slow as a target step pays only when drafted during verification. After rejections the
+    loop asks in sync (overlap stopped paying): a session that may overlap still probes there, since only a probe
+    brings back the figures that would start overlap again; a sync-only session has nothing to probe for."""
+    costs = fitted(a=0.07, b=0.01, draft=0.06)
+    draft_s = costs.draft_s_per_token(MODEL)
+    assert best_k([0.9] * 8, 8, costs, overlap=False, draft_s_per_token=draft_s) == 0
+    assert best_k([0.9] * 8, 8, costs, overlap=True, draft_s_per_token=draft_s) > 0
+    for may_overlap, probes in ((True, [4, 12]), (False, [])):
+        controller = paid(costs, probe_every=4, overlap=may_overlap)
+        feed(controller, [(2, 0)] * 10)
+        assert not controller.ahead_pays()
+        asked = [controller.ask(8, overlap=False) for _ in range(12)]
+        assert [i + 1 for i, k in enumerate(asked) if k] == probes
+
+
 def test_expensive_draft_shortens_blocks():
     cheap, dear = paid(fitted(draft=0.0), 16), paid(fitted(draft=0.03), 16)
     for c in (cheap, dear):
