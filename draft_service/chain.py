@@ -50,6 +50,10 @@ class ChainDrafter(Drafter):
         for _, drafter in self.members:
             drafter.extend(tokens)
 
+    def prepare(self) -> None:
+        for _, drafter in self.members:
+            drafter.prepare()
+
     def add_features(self, block: FeatureBlock) -> None:
         for _, drafter in self.members:
             if drafter.needs_features:

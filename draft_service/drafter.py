@@ -110,6 +110,10 @@ class Drafter(abc.ABC):
         self.rollback(position)
         self.extend(tokens)
 
+    def prepare(self) -> None:  # noqa: B027 - optional hook
+        """Read the committed context ahead of the first proposal (drafters that keep a cache of it), so that
+        the first proposal is as quick as the ones after it."""
+
     def add_features(self, block: FeatureBlock) -> None:
         """Take the target's hidden features of committed positions (feature drafters only)."""
         raise ValueError(f"{type(self).__name__} takes no hidden features")

@@ -194,6 +194,13 @@ class DraftEngine:
         return Proposed(block, time.perf_counter() - start)
 
     @staticmethod
+    def prepare(session: DraftSession) -> None:
+        """Read the session's context ahead of its first proposal (run right after ``open``, on the compute
+        thread); stops at the next layer when the session closes meanwhile."""
+        with abandon.proposing(lambda: session.closed):
+            session.drafter.prepare()
+
+    @staticmethod
     def _check_features_block(session: DraftSession, committed: int, features: FeatureBlock | None) -> None:
         if features is None:
             return

@@ -85,6 +85,16 @@ class ModelDrafter(SamplingDrafter):
     def cached_tokens(self) -> int:
         return len(self._cache)
 
+    def prepare(self) -> None:
+        """Prefill the cache with all of the context but its last token, which the first proposal feeds."""
+        if len(self._tokens) < 2:
+            return
+        try:
+            self._cache.logits(self._tokens[:-1], [])
+        except BaseException:
+            self._cache.reset()  # a half-written cache: the first proposal reads the context itself
+            raise
+
     def propose(self, k: int) -> DraftBlock:
         return self._draft(k, None)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import grpc
@@ -14,6 +16,15 @@ from lmkit.kinds import DrafterKind, VerificationMode
 from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.wire import features_from_proto, mode_from_proto, probs_to_proto, sampling_from_proto
+
+
+log = logging.getLogger(__name__)
+
+
+def _log_failed_prepare(prepared: asyncio.Future) -> None:
+    error = None if prepared.cancelled() else prepared.exception()
+    if error is not None and not isinstance(error, errors.NotFound):  # NotFound: the session closed meanwhile
+        log.warning("reading a session's context ahead of its first proposal failed: %s", error)
 
 
 def drafter_from_proto(value: int, served: list[DrafterKind]) -> DrafterKind:
@@ -68,6 +79,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
     async def Session(self, request_iterator, context):
         engine = await self._require_engine(context)
         session = None
+        prepared = None  # the session's context read ahead of its first proposal, on the compute thread
         try:
             async for request in self.session_requests(context):
                 kind = request.WhichOneof("kind")
@@ -77,9 +89,11 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
                             grpc.StatusCode.FAILED_PRECONDITION, "the first message of a session must be `open`"
                         )
                     session = await abort_on_error(context, self._open(engine, request.open))
+                    prepared = self._prepare(engine, session)
                     yield pb.DraftResponse(opened=self.session_state(session))
                 elif kind == "propose":
-                    block = await abort_on_error(context, self._propose(engine, session, request.propose))
+                    block = await abort_on_error(context, self._propose(engine, session, request.propose, prepared))
+                    prepared = None
                     yield pb.DraftResponse(block=block)
                 else:
                     await context.abort(
@@ -101,8 +115,20 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             msg.feature_width,
         )
 
-    async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
+    def _prepare(self, engine: DraftEngine, session) -> asyncio.Future:
+        """Read the new session's context on the compute thread while the orchestrator's first round runs
+        elsewhere (the target's prefill, or target-only steps): the first proposal then drafts from a warm
+        cache. A failure here only leaves the first proposal to read the context itself."""
+        prepared = asyncio.ensure_future(self.compute.run(engine.prepare, session))
+        prepared.add_done_callback(_log_failed_prepare)
+        return prepared
+
+    async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest,
+                       prepared: asyncio.Future | None = None) -> pb.DraftBlock:
         received = time.perf_counter()
+        if prepared is not None and not prepared.done():
+            await asyncio.wait({prepared})  # the compute thread runs it first in any case
+        waited = time.perf_counter() - received  # spent on this session's context: compute, as the block's own
         features = None
         if msg.HasField("features"):
             features = features_from_proto(msg.features, session.feature_width or msg.features.width)
@@ -116,7 +142,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.block.tokens,
-            compute_us=int(done.compute_s * 1e6),
+            compute_us=int((done.compute_s + waited) * 1e6),
             parents=done.block.parents or [],
             drafter=done.block.drafter.value if done.block.drafter is not None else 0,
         )

@@ -112,3 +112,41 @@ def test_idle_sessions_are_evicted_after_the_ttl(tiny_services):
     assert held == 1
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "evicted" in error.details()
     assert wait_for_zero(tiny_services) == (0, 0)
+
+
+def test_a_model_draft_session_reads_its_context_before_its_first_proposal(tiny_services):
+    """Right after the open the draft prefills the context on its compute thread (the orchestrator's first round
+    runs meanwhile), so the first proposal drafts from a warm cache; its block is the one a cold proposal drafts."""
+    from draft_service.ngram import NgramConfig
+    from lmkit.kinds import DrafterKind
+    from lmkit.sampling import SamplingParams
+
+    prompt = [(7 * i) % 200 + 3 for i in range(48)]
+    engine = tiny_services.draft_engine
+
+    async def go():
+        async with grpc.aio.insecure_channel(tiny_services.draft_address) as channel:
+            stub = pb_grpc.DraftServiceStub(channel)
+            call = stub.Session()
+            await call.write(pb.DraftRequest(open=pb.DraftOpen(
+                session_id="warm", tokens=prompt, sampling=pb.SamplingParams(), drafter=DrafterKind.MODEL.value)))
+            await call.read()
+            deadline, cached = time.monotonic() + 10.0, 0
+            while time.monotonic() < deadline:  # nothing proposed yet
+                cached = (await stub.GetSession(pb.GetSessionRequest(session_id="warm"))).cached_tokens
+                if cached:
+                    break
+                await asyncio.sleep(0.01)
+            await call.write(pb.DraftRequest(propose=pb.ProposeRequest(position=len(prompt), k=4)))
+            block = (await call.read()).block
+            await call.done_writing()
+            return cached, block
+
+    cached, block = run_async(go())
+    assert cached == len(prompt) - 1  # all but the last token, which the first proposal feeds
+    cold = engine.open("cold", prompt, SamplingParams(), DrafterKind.MODEL, False, NgramConfig())
+    try:
+        assert list(block.tokens) == engine.propose(cold, len(prompt), [], 4).block.tokens
+    finally:
+        engine.close("cold")
+    assert block.position == len(prompt) and block.compute_us > 0
