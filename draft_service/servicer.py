@@ -17,7 +17,6 @@ from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
 from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from lmkit.wire import features_from_proto, mode_from_proto, probs_to_proto, sampling_from_proto
 
-
 log = logging.getLogger(__name__)
 
 
