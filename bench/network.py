@@ -20,7 +20,9 @@ block costing one target step T (their assumption; on this CPU it costs more):
     overlap:  E (T + R_t) / (max(T + R_t, R_d + (k + 1) c T) + (1 - α^(k+1)) (R_d + k c T))
 
 with R_t, R_d the round trips the orchestrator measured on each link, c the
-measured draft cost per token over T; at k for fixed K, at the best k <= K
+draft's time per token it drafted over T (every reply but a session's first,
+which reads the context: blocks drafted ahead and not used count, and so does
+the guess of the bonus token they start with); at k for fixed K, at the best k <= K
 for adaptive K with α from the fixed-K cell (adaptive K drafts where it
 expects acceptance, so its own α is selected).
 
@@ -178,7 +180,8 @@ def _cell_figures(cell: Cell, runs: list[Run], base_tps: float, reference: list[
     ahead = sum(s.ahead_started for s in loops)
     hits = sum(s.overlap_hits for s in loops)
     alpha = accepted / drafted if drafted else 0.0
-    c = (sum(s.draft_compute_s for s in loops) / drafted) / step_s if drafted and step_s else 0.0
+    warm_tokens = sum(s.draft_warm_tokens for s in loops)
+    c = sum(s.draft_warm_s for s in loops) / warm_tokens / step_s if warm_tokens and step_s else 0.0
     rtt_t, rtt_d = links["target"]["srtt_ms"] / 1e3, links["draft"]["srtt_ms"] / 1e3
     ks = range(0, cell.k + 1) if cell.adaptive else [cell.k]
     a = alpha if bound_alpha is None else bound_alpha

@@ -210,6 +210,8 @@ class DraftLink(_SessionLink):
         self.busy_rounds = 0  # rounds decoded without a draft because a late reply was still due
         self.late_blocks = 0  # replies that missed their deadline (dropped when they came)
         self.compute_s = 0.0  # drafting time of every reply, used or not
+        self.warm_s = 0.0  # ... of the replies that were not a session's first (those read the context too)
+        self.warm_tokens = 0  # tokens of those replies, used or not (with ``warm_s``: the time a token costs)
         self.reattached = 0
         self._features: pb.HiddenFeatures | None = None  # the target's features not yet forwarded (feature drafters)
 
@@ -336,6 +338,8 @@ class DraftLink(_SessionLink):
             self._costs.observe_cold(len(committed) + len(assumed), block.compute_us / 1e6, self.drafter)
         else:
             self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6, drafter_of(block, self.drafter))
+            self.warm_s += block.compute_us / 1e6
+            self.warm_tokens += len(block.tokens)
         return block
 
     def _reattach_later(self, committed: Sequence[int]) -> None:

@@ -87,6 +87,8 @@ class LoopStats:
     committed: int = 0
     delivered: int = 0  # tokens sent to the client: committed ones, less any past a stop string
     draft_compute_s: float = 0.0
+    draft_warm_s: float = 0.0  # draft time of replies that were not a session's first, used or not
+    draft_warm_tokens: int = 0  # tokens of those replies, used or not (drafted ahead for a miss included)
     target_compute_s: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
     k_per_round: list[int] = field(default_factory=list)
@@ -496,6 +498,7 @@ class _Loop:
         if self.draft is not None:
             stats.late_blocks, stats.busy_rounds = self.draft.late_blocks, self.draft.busy_rounds
             stats.draft_compute_s = self.draft.compute_s  # every reply's, used or not
+            stats.draft_warm_s, stats.draft_warm_tokens = self.draft.warm_s, self.draft.warm_tokens
         if finish is None and len(self.committed) >= self.config.max_context:
             finish = Finish.CONTEXT
         return new, finish

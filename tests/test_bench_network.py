@@ -24,6 +24,22 @@ def test_the_bound_is_leviathans_on_loopback_and_falls_with_the_links():
     assert network.bound(0.5, 0, 0.1, 0.05, 0.01, 0.01, overlap=True) == 1.0
 
 
+def test_a_cells_draft_cost_is_its_time_per_token_drafted_not_per_token_verified():
+    """Blocks drafted ahead for a miss, and the bonus guess each ahead block starts with, cost draft time but are
+    never verified: over verified tokens an overlap cell's draft would look a third dearer than it is. A session's
+    first reply (it reads the context) is left out."""
+    from orchestrator.loop import LoopStats
+
+    loop = LoopStats(rounds=10, drafted=30, accepted=27, committed=37, draft_compute_s=2.5, draft_warm_s=2.0,
+                     draft_warm_tokens=40)
+    cell = network.Cell("model-overlap-fixed", network.DrafterKind.MODEL, 3, overlap=True)
+    links = {"draft": {"srtt_ms": 1.0}, "target": {"srtt_ms": 1.0}}
+    figures = network._cell_figures(cell, [network.Run(list(range(37)), 3.7, loop)], 8.0, [list(range(37))],
+                                    0.1, links)
+    assert figures["draft_cost_ratio"] == pytest.approx(0.5)  # 50 ms a token drafted, over a 100 ms step
+    assert figures["identical_to_target_only"] == "1/1"
+
+
 def test_cells_and_fixed_k_flags():
     cells = network.cells_for(["ngram"], network._fixed_k("ngram:6"))
     assert [c.name for c in cells] == ["ngram-sync-fixed", "ngram-sync-adaptive", "ngram-overlap-fixed",
