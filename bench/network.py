@@ -7,8 +7,10 @@ round trip in ``--link-rtt-ms`` (one-way delay RTT / 2 each direction, jitter
 ``--link-jitter-fraction`` of it) a fresh orchestrator (its link estimates and
 costs start cold) runs, interleaved: target-only, then per drafter sync and
 overlap with fixed and adaptive K (the order rotates per level), then
-target-only again; speedups are against the mean of the two target-only passes,
-and their spread is the level's noise band.
+target-only again; with ``--network-repeats N`` the cells and a target-only
+pass after them run N times (the order rotating each time), and each cell's
+figures pool its N passes. Speedups are against the mean of the target-only
+passes, and their spread (max - min over the mean) is the level's noise band.
 
 Per cell: tokens/s, speedup, acceptance α, draft cost ratio c, mean k, overlap
 hit rate (blocks drafted ahead that were used / drafted ahead), late draft
@@ -91,6 +93,9 @@ def add_flags(parser) -> None:
     parser.add_argument("--network-fixed-k", default="ngram:8,quantized:3",
                         help="--suite network: K for the fixed-K cells and the bound of adaptive K, per drafter")
     parser.add_argument("--network-prompts", type=int, default=8, help="--suite network: first N prompts of the set")
+    parser.add_argument("--network-repeats", type=int, default=1,
+                        help="--suite network: passes over the cells per level, each followed by target-only "
+                             "(the cells' order rotates per pass); figures pool every pass")
 
 
 def _fixed_k(spec: str) -> dict[str, int]:
@@ -132,7 +137,8 @@ async def _generate(orch: Orchestrator, text: str, cell: Cell, max_new: int) -> 
 
 
 async def _level(addresses: dict[str, str], args, prompts, cells: list[Cell], rotate: int) -> dict:
-    """One link shape: target-only, the cells (order rotated by ``rotate``), target-only again."""
+    """One link shape: target-only, then per repeat the cells (order rotated by ``rotate`` and the repeat) and
+    target-only again."""
     config = OrchestratorConfig(addresses["target"], addresses["draft"], tokenizer=args.model)
     orch = await Orchestrator.connect(config)
     target_only = Cell("target-only", None, 0)
@@ -140,12 +146,15 @@ async def _level(addresses: dict[str, str], args, prompts, cells: list[Cell], ro
         await _generate(orch, prompts[0].text, target_only, 8)  # warm-up: first calls pay one-off costs
         for cell in {c.drafter: c for c in cells if c.adaptive and c.overlap}.values():
             await _generate(orch, prompts[0].text, cell, 16)
-        order = cells[rotate % len(cells):] + cells[: rotate % len(cells)]
-        runs: dict[str, list[list[Run]]] = {"target-only": []}
-        runs["target-only"].append([await _generate(orch, p.text, target_only, args.max_new_tokens) for p in prompts])
-        for cell in order:
-            runs[cell.name] = [[await _generate(orch, p.text, cell, args.max_new_tokens) for p in prompts]]
-        runs["target-only"].append([await _generate(orch, p.text, target_only, args.max_new_tokens) for p in prompts])
+        async def passes(cell: Cell) -> list[Run]:
+            return [await _generate(orch, p.text, cell, args.max_new_tokens) for p in prompts]
+
+        runs: dict[str, list[list[Run]]] = {"target-only": [await passes(target_only)]}
+        for repeat in range(max(args.network_repeats, 1)):
+            start = (rotate + repeat) % len(cells)
+            for cell in cells[start:] + cells[:start]:
+                runs.setdefault(cell.name, []).append(await passes(cell))
+            runs["target-only"].append(await passes(target_only))
         links = orch.costs.links
         measured = {name: {"srtt_ms": round(rtt.srtt * 1e3, 4), "rttvar_ms": round(rtt.rttvar * 1e3, 4),
                            "samples": rtt.samples}
@@ -209,10 +218,12 @@ def _cell_figures(cell: Cell, runs: list[Run], base_tps: float, reference: list[
 
 
 def level_report(rtt_ms: float, measured: dict, cells: list[Cell], check: dict | None, relays: dict) -> dict:
+    """A level's figures; each cell's pool every pass it ran (``--network-repeats``)."""
     runs = measured["runs"]
     passes = [_tokens_per_s(p) for p in runs["target-only"]]
     base_tps = statistics.fmean(passes)
     reference = [r.ids for r in runs["target-only"][0]]
+    repeats = len(runs["target-only"]) - 1
     first = runs["target-only"][0]
     step_s = sum(r.loop.target_compute_s for r in first) / max(sum(r.loop.rounds for r in first), 1)
     out = {
@@ -222,8 +233,10 @@ def level_report(rtt_ms: float, measured: dict, cells: list[Cell], check: dict |
         "links_measured": measured["links_measured"],
         "target_only_tokens_per_s": round(base_tps, 3),
         "target_only_passes_tokens_per_s": [round(p, 3) for p in passes],
-        "noise": round(abs(passes[0] - passes[1]) / base_tps, 4),
-        "target_only_identical_across_passes": all(a.ids == b.ids for a, b in zip(*runs["target-only"])),
+        "noise": round((max(passes) - min(passes)) / base_tps, 4),  # the spread of its target-only passes
+        "repeats": repeats,
+        "target_only_identical_across_passes": all(
+            [r.ids for r in p] == reference for p in runs["target-only"][1:]),
         "target_step_ms": round(step_s * 1e3, 3),
     }
     figures: dict[str, dict] = {}
@@ -231,7 +244,8 @@ def level_report(rtt_ms: float, measured: dict, cells: list[Cell], check: dict |
     # adaptive K drafts only where it expects acceptance and its own alpha is selected.
     for c in sorted(cells, key=lambda c: c.adaptive):
         fixed = figures.get(c.name.replace("-adaptive", "-fixed")) if c.adaptive else None
-        figures[c.name] = _cell_figures(c, runs[c.name][0], base_tps, reference, step_s, measured["links_measured"],
+        pooled = [run for repeat in runs[c.name] for run in repeat]
+        figures[c.name] = _cell_figures(c, pooled, base_tps, reference * repeats, step_s, measured["links_measured"],
                                         fixed["acceptance_rate"] if fixed else None)
     out["cells"] = [figures[c.name] for c in cells]
     return out
@@ -348,6 +362,7 @@ def run(args) -> int:
         "benchmark": "network", "emulated_links": True, "target": args.model, "drafters": drafters,
         "quantize": args.quantize if "quantized" in drafters else None, "prompt_set": args.prompt_set,
         "prompts": [p.name for p in prompts], "decoding": "greedy", "max_new_tokens": args.max_new_tokens,
+        "repeats": max(args.network_repeats, 1),
         "fixed_k": _fixed_k(args.network_fixed_k), "link_rtt_ms": rtts,
         "link_jitter_fraction": args.link_jitter_fraction,
         "placement": (f"target pinned to cpus {args.target_cpus or 'all'} ({args.target_threads} threads), draft to "

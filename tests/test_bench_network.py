@@ -40,6 +40,25 @@ def test_a_cells_draft_cost_is_its_time_per_token_drafted_not_per_token_verified
     assert figures["identical_to_target_only"] == "1/1"
 
 
+def test_a_level_pools_each_cells_repeats_against_every_target_only_pass():
+    from orchestrator.loop import LoopStats
+
+    def run(wall_s, ids=(1, 2, 3, 4)):
+        return network.Run(list(ids), wall_s, LoopStats(rounds=4, committed=4, target_compute_s=0.4))
+
+    cell = network.Cell("ngram-sync-fixed", network.DrafterKind.NGRAM, 8)
+    runs = {"target-only": [[run(1.0)], [run(0.8)], [run(1.2)]],  # 4, 5 and 3.33 tokens/s: mean 4.11
+            cell.name: [[run(0.5)], [run(1.5, ids=(1, 2, 3, 5))]]}  # 8 tokens in 2 s, one output differs
+    links = {"draft": {"srtt_ms": 0.0}, "target": {"srtt_ms": 0.0}}
+    level = network.level_report(0.0, {"runs": runs, "links_measured": links}, [cell], None, {})
+    assert level["repeats"] == 2
+    assert level["target_only_tokens_per_s"] == pytest.approx((4 + 5 + 4 / 1.2) / 3, abs=1e-3)
+    assert level["noise"] == pytest.approx((5 - 4 / 1.2) / level["target_only_tokens_per_s"], abs=1e-3)
+    figures = level["cells"][0]
+    assert figures["tokens_per_s"] == pytest.approx(4.0)
+    assert figures["identical_to_target_only"] == "1/2"
+
+
 def test_cells_and_fixed_k_flags():
     cells = network.cells_for(["ngram"], network._fixed_k("ngram:6"))
     assert [c.name for c in cells] == ["ngram-sync-fixed", "ngram-sync-adaptive", "ngram-overlap-fixed",
