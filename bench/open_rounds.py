@@ -31,7 +31,7 @@ from bench.evaluation import run_one
 from bench.prompts import PROMPT_SETS
 from lmkit import models
 from lmkit.kinds import DrafterKind
-from lmkit.processes import cpu_seconds, local_services
+from lmkit.processes import cpu_seconds, cpu_used, local_services
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import Orchestrator
@@ -47,7 +47,7 @@ async def _one(orch: Orchestrator, prompt, k: int, overlap: bool, seed: int, tok
     sampling = SamplingParams() if greedy else SamplingParams(**SAMPLING, seed=seed)
     cpu_before = cpu_seconds(pids)
     run = await run_one(orch, prompt, k, DrafterKind.NGRAM, tokens, sampling, adaptive_k=k > 0, overlap=overlap)
-    cpu = {f"cpu_s_{name}": used - cpu_before[name] for name, used in cpu_seconds(pids).items() if name in cpu_before}
+    cpu = {f"cpu_s_{name}": used for name, used in cpu_used(pids, cpu_before).items()}
     return {"wall_s": run.wall_s, "rounds": run.rounds, "tokens": len(run.token_ids), "drafted": run.drafted,
             "accepted": run.accepted, "target_compute_s": run.target_compute_s,
             "draft_compute_s": run.draft_compute_s, "draft_requests": run.draft_requests, **cpu}

@@ -41,7 +41,7 @@ from bench.evaluation import RunResult, run_one, theoretical_speedup
 from bench.prompts import PROMPT_SETS, chat_ids
 from lmkit import models
 from lmkit.kinds import DrafterKind
-from lmkit.processes import cpu_seconds, local_services
+from lmkit.processes import cpu_seconds, cpu_used, local_services
 from lmkit.sampling import SamplingParams
 from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import GenerationRequest, Orchestrator
@@ -188,7 +188,7 @@ async def _concurrent(orch, prompts, level: int, mode: Mode, drafter, max_new, p
     start = time.perf_counter()
     runs = await asyncio.gather(*(_timed(orch, p, mode, drafter, max_new) for p in chosen))
     wall = time.perf_counter() - start
-    cpu_after = cpu_seconds(pids)
+    cpu = cpu_used(pids, cpu_before)
     tokens = sum(len(ids) for _, ids, _ in runs)
     begin = max(events[0][0] for events, _, _ in runs)  # the last session's first token
     end = min(events[-1][0] for events, _, _ in runs)  # the first session to finish
@@ -200,8 +200,7 @@ async def _concurrent(orch, prompts, level: int, mode: Mode, drafter, max_new, p
         "tokens": tokens, "wall_s": round(wall, 3), "end_to_end_tokens_per_s": round(tokens / wall, 3),
         "mean_drafted_per_round": round(sum(s.drafted_tokens for _, _, s in runs) / max(rounds, 1), 3),
         "mean_batch_size": round(sum(s.mean_batch_size * s.rounds for _, _, s in runs) / max(rounds, 1), 3),
-        "cpu_ms_per_token": {name: round(1e3 * (cpu_after[name] - cpu_before[name]) / max(tokens, 1), 3)
-                             for name in cpu_after if name in cpu_before},
+        "cpu_ms_per_token": {name: round(1e3 * used / max(tokens, 1), 3) for name, used in cpu.items()},
         "outputs": [ids for _, ids, _ in runs],
     }
 

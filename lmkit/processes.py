@@ -111,3 +111,8 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
             return {}
         used[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return used
+
+
+def cpu_used(pids: dict[str, int], since: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each named process used since ``since`` (an earlier ``cpu_seconds(pids)``)."""
+    return {name: used - since[name] for name, used in cpu_seconds(pids).items() if name in since}

@@ -11,7 +11,7 @@ import pytest
 from bench import speed
 from bench.evaluation import RunResult, theoretical_speedup
 from bench.prompts import DemoPrompt
-from lmkit.processes import cpu_seconds
+from lmkit.processes import cpu_seconds, cpu_used
 
 pytestmark = pytest.mark.unit
 
@@ -150,4 +150,6 @@ def test_cpu_seconds_are_read_for_live_processes_only():
     while time.process_time() < deadline:
         pass
     assert cpu_seconds({"me": os.getpid()})["me"] >= start + 0.2
+    assert cpu_used({"me": os.getpid()}, used)["me"] >= 0.2
+    assert cpu_used({"me": os.getpid()}, {}) == {}  # nothing to count from
     assert cpu_seconds({"gone": 2**22 + 12345}) == {}
