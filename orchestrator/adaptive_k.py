@@ -36,8 +36,8 @@ probe that leaves the choice at 0, up to ``probe_backoff`` times, and is reset
 when drafting pays again: a drafter that never pays here, such as an EAGLE head
 on a CPU target, costs ever fewer probes). Those rounds and the interval are
 counted server-wide, over every session's rounds: sessions may be short, and
-a probe measures the drafter for all of them (a model drafter's probe in a new
-session also pays the draft's prefill of its context). A quality cut to nothing is
+a probe measures the drafter for all of them (a model drafter reads a new
+session's context right after the open, so a probe finds it read unless it comes first). A quality cut to nothing is
 verified for one token after ``probe_every`` such blocks server-wide; a free
 drafter not asked is asked again on the same backoff as a paid one's probes,
 counted over every session's rounds (before a verification only); none probes where even drafts passing

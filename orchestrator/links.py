@@ -205,7 +205,7 @@ class DraftLink(_SessionLink):
         self._down_since: float | None = None
         self._tail: DraftCall | None = None  # the last request sent (or the re-attaching open)
         self._pending: set[asyncio.Task] = set()
-        self._cold = True  # the first proposal after an open carries the draft's prefill of the context
+        self._cold = True  # the first proposal after an open waits for the draft's read of the context
         self.fallback_rounds = 0  # rounds decoded without a draft because it was down
         self.busy_rounds = 0  # rounds decoded without a draft because a late reply was still due
         self.late_blocks = 0  # replies that missed their deadline (dropped when they came)
@@ -334,7 +334,7 @@ class DraftLink(_SessionLink):
         # here: no load model covers the draft, and a deadline must allow for it.
         self._costs.links.draft.observe(time.perf_counter() - start - block.compute_us / 1e6)
         self.compute_s += block.compute_us / 1e6
-        if cold:  # its compute is mostly the prefill of the context
+        if cold:  # its compute is mostly the read of the context (what of it was still running when it came)
             self._costs.observe_cold(len(committed) + len(assumed), block.compute_us / 1e6, self.drafter)
         else:
             self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6, drafter_of(block, self.drafter))
