@@ -37,12 +37,14 @@ when drafting pays again: a drafter that never pays here, such as an EAGLE head
 on a CPU target, costs ever fewer probes). Those rounds and the interval are
 counted server-wide, over every session's rounds: sessions may be short, and
 a probe measures the drafter for all of them (a model drafter reads a new
-session's context right after the open, so a probe finds it read unless it comes first). A quality cut to nothing is
-verified for one token after ``probe_every`` such blocks server-wide; a free
-drafter not asked is asked again on the same backoff as a paid one's probes,
-counted over every session's rounds (before a verification only); none probes where even drafts passing
-``probe_alpha`` of the time would not pay, in the session's best mode (a session that may overlap probes in
-its sync rounds too: where overlap stopped because acceptance fell, only a probe can start it again).
+session's context right after the open, so a probe finds it read unless it
+comes first). A quality cut to nothing is verified for one token after
+``probe_every`` such blocks server-wide; a free drafter not asked is asked
+again on the same backoff as a paid one's probes, counted over every session's
+rounds (before a verification only). None probes where even drafts passing
+``probe_alpha`` of the time would not pay in the session's best mode: a
+session that may overlap probes in its sync rounds too, since where overlap
+stopped because acceptance fell, only a probe can start it again.
 
 Overlap: ``ahead_pays`` says whether drafting the next block during the
 verification beats drafting it after, from the same round model with the
@@ -121,9 +123,7 @@ class AdaptiveK:
             return k
         interval = self.stats.probe_interval(key) or self.probe_every
         due = self.stats.skip(key) >= interval * max(load.sessions, 1)
-        # Whether drafts this good could pay in the session's best mode, not only this round's: a session that
-        # may overlap probes in sync rounds too (overlap stops where acceptance falls, and only a probe brings
-        # the figures back that would start it again).
+        # in the session's best mode, not only this round's (module docstring)
         if due and best_k([self.probe_alpha] * limit, limit, self.costs, load, overlap or self.overlap, draft_s) > 0:
             self.stats.probe(key, interval=min(2 * interval, self.probe_backoff * self.probe_every))
             return 1
