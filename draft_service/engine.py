@@ -194,11 +194,13 @@ class DraftEngine:
         return Proposed(block, time.perf_counter() - start)
 
     @staticmethod
-    def prepare(session: DraftSession) -> None:
+    def prepare(session: DraftSession) -> float:
         """Read the session's context ahead of its first proposal (run right after ``open``, on the compute
-        thread); stops at the next layer when the session closes meanwhile."""
+        thread); stops at the next layer when the session closes meanwhile. Returns the seconds it took."""
+        start = time.perf_counter()
         with abandon.proposing(lambda: session.closed):
             session.drafter.prepare()
+        return time.perf_counter() - start
 
     @staticmethod
     def _check_features_block(session: DraftSession, committed: int, features: FeatureBlock | None) -> None:

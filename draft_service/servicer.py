@@ -125,8 +125,11 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest,
                        prepared: asyncio.Future | None = None) -> pb.DraftBlock:
         received = time.perf_counter()
-        if prepared is not None and not prepared.done():
-            await asyncio.wait({prepared})  # the compute thread runs it first in any case
+        read_s = 0.0  # the session's context read at the open (its first proposal's block reports it)
+        if prepared is not None:
+            if not prepared.done():
+                await asyncio.wait({prepared})  # the compute thread runs it first in any case
+            read_s = 0.0 if prepared.cancelled() or prepared.exception() else prepared.result()
         waited = time.perf_counter() - received  # spent on this session's context: compute, as the block's own
         features = None
         if msg.HasField("features"):
@@ -152,6 +155,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             block.probs.CopyFrom(probs)
         if done.block.branch is not None:
             block.branch.index, block.branch.token = done.block.branch
+        block.read_us = int(read_s * 1e6)
         block.service_us = int((time.perf_counter() - received) * 1e6)
         return block
 

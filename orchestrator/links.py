@@ -206,6 +206,7 @@ class DraftLink(_SessionLink):
         self._tail: DraftCall | None = None  # the last request sent (or the re-attaching open)
         self._pending: set[asyncio.Task] = set()
         self._cold = True  # the first proposal after an open waits for the draft's read of the context
+        self._opened_at = 0.0  # when the draft session opened (event-loop time), and its read of the context began
         self.fallback_rounds = 0  # rounds decoded without a draft because it was down
         self.busy_rounds = 0  # rounds decoded without a draft because a late reply was still due
         self.late_blocks = 0  # replies that missed their deadline (dropped when they came)
@@ -233,6 +234,7 @@ class DraftLink(_SessionLink):
             self._mark_down(exc)
             return False
         self._stream, self._synced, self._down_since, self._cold = stream, len(committed), None, True
+        self._opened_at = asyncio.get_running_loop().time()  # the draft starts reading the context now
         return True
 
     def add_features(self, features: pb.HiddenFeatures) -> None:
@@ -260,8 +262,8 @@ class DraftLink(_SessionLink):
         budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
         if budget >= self._policy.draft_timeout_s and not self._policy.draft_deadline_s:
             budget = min(budget, self._worth_waiting_s(max(k, free_k)))
-            if cold and not self._cold_arrives_within(position, 2.0 * budget):
-                budget = 0.0  # clearly late: not waited for at all; its reply warms the session for the rounds after
+            if cold and not self._cold_arrives_within(position, max(k, free_k), budget):
+                budget = 0.0  # late: not waited for at all (the target's prefill goes on while the draft reads)
         task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
         self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget, position)
         return self._tail
@@ -289,13 +291,17 @@ class DraftLink(_SessionLink):
             return self._policy.draft_timeout_s
         return self._costs.links.draft.timeout(k * step_s, slack=0.0)
 
-    def _cold_arrives_within(self, context: int, budget_s: float) -> bool:
-        """Whether a cold proposal over ``context`` tokens is expected back within ``budget_s``, from what cold
-        proposals of this drafter took before, per context token (True before one was measured: it is then
-        waited for). ``send`` asks it of twice the wait a block of k is worth: one expected back later than that
-        is not waited for at all; one expected near the wait is still waited for, the prediction being rough."""
-        cold_s = self._costs.cold_s(context, self.drafter)
-        return cold_s is None or self._costs.links.draft.srtt + cold_s <= budget_s
+    def _cold_arrives_within(self, context: int, k: int, budget_s: float) -> bool:
+        """Whether a session's first block (k tokens after ``context``) is expected back within ``budget_s``,
+        the wait a block of k is worth: the draft reads the context from the open on, and what of that read is
+        left is priced from what reads of this drafter took before, per context token (True before one was
+        measured: it is then waited for). One expected later is not waited for at all."""
+        read_s = self._costs.cold_s(context, self.drafter)
+        if read_s is None:
+            return True
+        left = max(read_s - (asyncio.get_running_loop().time() - self._opened_at), 0.0)
+        drafting = k * self._costs.draft_s_per_token(self.drafter)
+        return self._costs.links.draft.srtt + left + drafting <= budget_s
 
     def _deadline_s(self, k: int) -> float:
         if not self._costs.draft_measured:  # a draft's cost is unknown until it has answered once
@@ -334,8 +340,9 @@ class DraftLink(_SessionLink):
         # here: no load model covers the draft, and a deadline must allow for it.
         self._costs.links.draft.observe(time.perf_counter() - start - block.compute_us / 1e6)
         self.compute_s += block.compute_us / 1e6
-        if cold:  # its compute is mostly the read of the context (what of it was still running when it came)
-            self._costs.observe_cold(len(committed) + len(assumed), block.compute_us / 1e6, self.drafter)
+        if cold:  # the draft read the context first: the time that took (a service without the read: all of it)
+            read_s = (block.read_us or block.compute_us) / 1e6
+            self._costs.observe_cold(len(committed) + len(assumed), read_s, self.drafter)
         else:
             self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6, drafter_of(block, self.drafter))
             self.warm_s += block.compute_us / 1e6

@@ -170,13 +170,14 @@ class CostModel:
             self._draft.setdefault(drafter, _PerUnit()).add(tokens, seconds, self.decay)
 
     def observe_cold(self, context: int, seconds: float, drafter: object = None) -> None:
-        """A cold proposal of ``drafter`` (the first of a draft session: it reads the ``context`` tokens first)
-        took ``seconds`` on the draft."""
+        """``drafter`` read a new draft session's ``context`` tokens in ``seconds`` (``DraftBlock.read_us``; from
+        a service that does not report it, the session's first proposal's whole time)."""
         if context > 0:
             self._cold.setdefault(drafter, _PerUnit()).add(context, seconds, self.decay)
 
     def cold_s(self, context: int, drafter: object = None) -> float | None:
-        """Predicted draft time of a cold proposal over ``context`` tokens (None before one was measured)."""
+        """Predicted time of the draft's read of a new session's ``context`` tokens (None before one was
+        measured)."""
         cold = self._cold.get(drafter)
         return cold.seconds / cold.units * context if cold else None
 

@@ -265,6 +265,48 @@ def test_a_cold_proposal_is_not_waited_for_past_what_its_block_could_save(tiny_s
     assert first < 4 * one_way - 0.25, first
 
 
+def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_read_fits(
+        tiny_services, tiny_target_dir, tiny_reference):
+    """The draft reads a new session's context from the open on, so what a first block waits for is what is left
+    of that read: a read measured at 0.3 s outlasts the 0.2 s a block of 4 could save right after the open (not
+    waited for), and not 0.4 s later (waited for). The first block reports the read (``read_us``), the next none."""
+    from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+    from orchestrator.links import DraftLink
+    from orchestrator.rate import CostModel
+
+    prompt = list(tiny_reference[0][0])
+
+    async def waits():
+        orch = await Orchestrator.connect(OrchestratorConfig(tiny_services.target_address,
+                                                             tiny_services.draft_address, str(tiny_target_dir)))
+        try:
+            out, reads = [], []
+            for idle_s in (0.0, 0.4):
+                costs = CostModel()
+                for _ in range(4):
+                    costs.observe_verify(1, 0.05)  # a 50 ms target step: a block of 4 saves at most 0.2 s
+                costs.observe_cold(len(prompt), 0.3, DrafterKind.MODEL)
+                link = DraftLink(orch.draft, lambda sid, tokens: pb.DraftOpen(
+                    session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy(), costs,
+                    DrafterKind.MODEL)
+                assert await link.open(prompt)
+                await asyncio.sleep(idle_s)
+                call = link.send(prompt, [], 4)
+                out.append(call.deadline - asyncio.get_running_loop().time())
+                first = await call.task
+                second = await link.send(prompt, [], 2).task
+                reads.append((first.read_us, second.read_us))
+                await link.close()
+            return out, reads
+        finally:
+            await orch.close()
+
+    (at_open, later), reads = run_async(waits())
+    assert at_open <= 0.0  # not waited for: 0.3 s of read left, more than the 0.2 s the block could save
+    assert later > 0.1  # the read is over: waited for, up to what the block is worth
+    assert all(first > 0 and second == 0 for first, second in reads)
+
+
 def test_a_cold_proposal_known_to_outlast_what_it_could_save_is_not_waited_for(tiny_services, tiny_target_dir,
                                                                                  tiny_reference):
     """Cold proposals are measured (the draft's time to re-read a context, per token). One expected back only

@@ -251,7 +251,7 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("position", "tokens", "probs", "compute_us", "parents", "drafter", "quality", "service_us", "branch")
+    __slots__ = ("position", "tokens", "probs", "compute_us", "parents", "drafter", "quality", "service_us", "branch", "read_us")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class DraftBlock(_message.Message):
     QUALITY_FIELD_NUMBER: _ClassVar[int]
     SERVICE_US_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FIELD_NUMBER: _ClassVar[int]
+    READ_US_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
@@ -270,7 +271,8 @@ class DraftBlock(_message.Message):
     quality: MatchQuality
     service_us: int
     branch: DraftBranch
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ..., service_us: _Optional[int] = ..., branch: _Optional[_Union[DraftBranch, _Mapping]] = ...) -> None: ...
+    read_us: int
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ..., service_us: _Optional[int] = ..., branch: _Optional[_Union[DraftBranch, _Mapping]] = ..., read_us: _Optional[int] = ...) -> None: ...
 
 class MatchQuality(_message.Message):
     __slots__ = ("length", "occurrences")
