@@ -284,8 +284,8 @@ class DraftLink(_SessionLink):
         """The longest a round waits for a block of k whose cost is unknown (a cold proposal re-reads the whole
         context; a drafter not measured yet): k target steps, the most a block of k could save, on top of the
         link's round trip and 4 deviations, without slack. A slower reply is dropped when it comes and the rounds
-        meanwhile step the target alone; the proposals after it are warm. The draft timeout before the target's
-        step is measured."""
+        meanwhile step the target alone; the proposals after it are warm. The draft timeout before any target
+        forward was measured (``CostModel.step_s``)."""
         step_s = self._costs.step_s()
         if step_s is None:
             return self._policy.draft_timeout_s

@@ -193,10 +193,14 @@ class CostModel:
         return self.verify.predict(tokens)
 
     def step_s(self) -> float | None:
-        """A one-token target forward's seconds, once measured here or reported by the target; else None."""
-        if not self._quiet_measured(1) and self.reported is None:
-            return None
-        return self.verify_s(1)
+        """A one-token target forward's seconds, once measured here or reported by the target; before either,
+        the line through the forwards of every width measured so far (rough: from wider forwards it prices one
+        token high); None before any forward was measured."""
+        if self._quiet_measured(1) or self.reported is not None:
+            return self.verify_s(1)
+        if self.verify.samples > 0:
+            return self.verify.predict(1)
+        return None
 
     @property
     def draft_measured(self) -> bool:

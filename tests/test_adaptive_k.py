@@ -69,6 +69,18 @@ def test_the_targets_own_fit_stands_in_until_forwards_of_that_kind_are_measured(
     assert costs.verify_s(10) == pytest.approx(0.14)
 
 
+def test_a_target_step_is_known_roughly_from_the_first_measured_forward_of_any_width():
+    """Before a one-token forward is measured or the target reports its fit, a session's first block is waited
+    for up to k steps of the line through the wider forwards measured so far, not the draft timeout."""
+    costs = CostModel()
+    assert costs.step_s() is None  # nothing measured: no scale at all
+    costs.observe_verify(4, 0.1)
+    assert 0.05 < costs.step_s() <= 0.1  # one token costs at most what four did
+    for _ in range(3):
+        costs.observe_verify(1, 0.06)
+    assert costs.step_s() == pytest.approx(0.06)  # measured
+
+
 def step_costs(one=0.065, two=0.12, nine=0.142) -> CostModel:
     """A CPU's forwards: one token takes matrix-vector products, two or more matrix-matrix ones (a step)."""
     costs = CostModel()
