@@ -268,15 +268,30 @@ def test_a_cold_proposal_is_not_waited_for_past_what_its_block_could_save(tiny_s
     assert first < 4 * one_way - 0.25, first
 
 
+def stepping_at_50_ms():
+    """Costs with a 50 ms target step measured: a block of 4 saves at most 0.2 s."""
+    from orchestrator.rate import CostModel
+
+    costs = CostModel()
+    for _ in range(4):
+        costs.observe_verify(1, 0.05)
+    return costs
+
+
+def model_draft_link(orch, costs):
+    """A draft link for a MODEL session of ``orch``'s draft, pricing its waits with ``costs``."""
+    from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+    from orchestrator.links import DraftLink
+
+    return DraftLink(orch.draft, lambda sid, tokens: pb.DraftOpen(
+        session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy(), costs, DrafterKind.MODEL)
+
+
 def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_read_fits(
         tiny_services, tiny_target_dir, tiny_reference):
     """The draft reads a new session's context from the open on, so what a first block waits for is what is left
     of that read: a read measured at 0.3 s outlasts the 0.2 s a block of 4 could save right after the open (not
     waited for), and not 0.4 s later (waited for). The first block reports the read (``read_us``), the next none."""
-    from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-    from orchestrator.links import DraftLink
-    from orchestrator.rate import CostModel
-
     prompt = list(tiny_reference[0][0])
 
     async def waits():
@@ -285,13 +300,9 @@ def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_re
         try:
             out, reads = [], []
             for idle_s in (0.0, 0.4):
-                costs = CostModel()
-                for _ in range(4):
-                    costs.observe_verify(1, 0.05)  # a 50 ms target step: a block of 4 saves at most 0.2 s
+                costs = stepping_at_50_ms()
                 costs.observe_cold(len(prompt), 0.3, DrafterKind.MODEL)
-                link = DraftLink(orch.draft, lambda sid, tokens: pb.DraftOpen(
-                    session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy(), costs,
-                    DrafterKind.MODEL)
+                link = model_draft_link(orch, costs)
                 assert await link.open(prompt)
                 await asyncio.sleep(idle_s)
                 call = link.send(prompt, [], 4)
@@ -315,10 +326,6 @@ def test_a_cold_proposal_known_to_outlast_what_it_could_save_is_not_waited_for(t
     """Cold proposals are measured (the draft's time to re-read a context, per token). One expected back only
     after the k target steps its block could save is sent without a wait at all (its reply warms the draft
     session for the rounds after); before any was measured it is waited for those k steps."""
-    from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-    from orchestrator.links import DraftLink
-    from orchestrator.rate import CostModel
-
     prompt = list(tiny_reference[0][0])
 
     async def deadlines():
@@ -327,14 +334,10 @@ def test_a_cold_proposal_known_to_outlast_what_it_could_save_is_not_waited_for(t
         try:
             waits, measured = [], []
             for slow_prefill in (False, True):
-                costs = CostModel()
-                for _ in range(4):
-                    costs.observe_verify(1, 0.05)  # a 50 ms target step: a block of 4 saves at most 0.2 s
+                costs = stepping_at_50_ms()
                 if slow_prefill:
                     costs.observe_cold(10, 100.0, DrafterKind.MODEL)  # 10 s a context token
-                link = DraftLink(orch.draft, lambda sid, tokens: pb.DraftOpen(
-                    session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy(), costs,
-                    DrafterKind.MODEL)
+                link = model_draft_link(orch, costs)
                 assert await link.open(prompt)
                 call = link.send(prompt, [], 4)
                 waits.append(call.deadline - asyncio.get_running_loop().time())
