@@ -295,13 +295,21 @@ class _Loop:
         """A reply's block as this round's: recorded under its drafter and quality, a free chain cut to the
         tokens worth verifying and a tree to the nodes worth verifying (from its quality and the statistics
         only, never from random draws). ``guessed``: drafted ahead, past a bonus guess that came true."""
-        if reply is not None and block.tokens and self.controller is not None:
-            self.record_and_cut(reply, block, guessed)
-        elif reply is not None and block.tokens and self.record is not None:
-            block.key = self.key_of(reply, guessed, self.record[1])
+        if reply is not None and block.tokens and self.verification is not None:
+            block.key = self.key_of(reply, guessed)
+            if block.key is not None and self.controller is not None:
+                self.cut(block)
         return self.shape(block) if block.parents else block
 
-    def key_of(self, reply: pb.DraftBlock, guessed: bool, verification: Verification) -> StatsKey | None:
+    @property
+    def verification(self) -> Verification | None:
+        """How this session's blocks are verified, the last part of their statistics key; None where nothing
+        records them (no controller, and no server-wide record)."""
+        if self.controller is not None:
+            return self.controller.verification
+        return self.record[1] if self.record is not None else None
+
+    def key_of(self, reply: pb.DraftBlock, guessed: bool) -> StatsKey | None:
         """The statistics key of a reply's block: its drafter, the session's verification, its match quality."""
         drafter = drafter_of(reply, self.config.drafter)
         if drafter is None:
@@ -309,15 +317,11 @@ class _Loop:
         quality = None
         if reply.HasField("quality"):  # a block drafted ahead is used after its guess: its match is one longer
             quality = quality_of(reply.quality.length + guessed, reply.quality.occurrences)
-        return StatsKey(drafter, verification, quality)
+        return StatsKey(drafter, self.verification, quality)
 
-    def record_and_cut(self, reply: pb.DraftBlock, block: _Block, guessed: bool) -> None:
-        """Set the block's statistics key; cut a free drafter's chain to the tokens worth verifying."""
-        block.key = self.key_of(reply, guessed, self.controller.verification)
-        if block.key is None:
-            return
-        drafter = block.key.drafter
-        if drafter in self.config.free_drafters and block.probs is None and not block.parents:
+    def cut(self, block: _Block) -> None:
+        """Cut a free drafter's chain to the tokens worth verifying (the controller's, from the block's key)."""
+        if block.key.drafter in self.config.free_drafters and block.probs is None and not block.parents:
             block.k = self.controller.cut(block.key, len(block.tokens), self.load)
             block.tokens = block.tokens[: block.k]
             if block.branch is not None and block.branch[0] >= block.k:
@@ -466,10 +470,9 @@ class _Loop:
         load = load_of(result, drafted + 1)
         stats.target_compute_s += target_s
         accepted = self.accepted_tokens(block, result)
-        if block.key is not None and self.controller is not None:
-            self.controller.observe(block.key, len(block.chain), self.primary_accepted(block, result))
-        elif block.key is not None and self.record is not None:  # a fixed-K session's blocks count server-wide too
-            self.record[0].observe(block.key, len(block.chain), self.primary_accepted(block, result))
+        if block.key is not None:  # keyed where a controller or (fixed K) the server-wide record takes it
+            observer = self.controller if self.controller is not None else self.record[0]
+            observer.observe(block.key, len(block.chain), self.primary_accepted(block, result))
         if self.costs is not None:
             self.costs.observe_target_fit(result.cost_base_us / 1e6, result.cost_per_token_us / 1e6)
         # A forward that re-read the context (the first round's prompt, or a session re-opened after a
