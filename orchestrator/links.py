@@ -258,11 +258,11 @@ class DraftLink(_SessionLink):
             self.busy_rounds += 1
             return None
         cold, self._cold = self._cold, False
-        position = len(committed) + len(assumed)  # where the block starts; a cold proposal reads all before it
+        position = len(committed) + len(assumed)  # where the block starts; the draft read all before it at the open
         budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
         if budget >= self._policy.draft_timeout_s and not self._policy.draft_deadline_s:
             budget = min(budget, self._worth_waiting_s(max(k, free_k)))
-            if cold and not self._cold_arrives_within(position, max(k, free_k), budget):
+            if cold and not self._first_arrives_within(position, max(k, free_k), budget):
                 budget = 0.0  # late: not waited for at all (the target's prefill goes on while the draft reads)
         task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
         self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget, position)
@@ -281,9 +281,9 @@ class DraftLink(_SessionLink):
         return block
 
     def _worth_waiting_s(self, k: int) -> float:
-        """The longest a round waits for a block of k whose cost is unknown (a cold proposal re-reads the whole
-        context; a drafter not measured yet): k target steps, the most a block of k could save, on top of the
-        link's round trip and 4 deviations, without slack. A slower reply is dropped when it comes and the rounds
+        """The longest a round waits for a block of k whose cost is unknown (a session's first, behind the
+        draft's read of the context; a drafter not measured yet): k target steps, the most a block of k could
+        save, on top of the link's round trip and 4 deviations, without slack. A slower reply is dropped when it comes and the rounds
         meanwhile step the target alone; the proposals after it are warm. The draft timeout before any target
         forward was measured (``CostModel.step_s``)."""
         step_s = self._costs.step_s()
@@ -291,15 +291,15 @@ class DraftLink(_SessionLink):
             return self._policy.draft_timeout_s
         return self._costs.links.draft.timeout(k * step_s, slack=0.0)
 
-    def _cold_arrives_within(self, context: int, k: int, budget_s: float) -> bool:
+    def _first_arrives_within(self, context: int, k: int, budget_s: float) -> bool:
         """Whether a session's first block (k tokens after ``context``) is expected back within ``budget_s``,
         the wait a block of k is worth: the draft reads the context from the open on, and what of that read is
         left is priced from what reads of this drafter took before, per context token (True before one was
         measured: it is then waited for). One expected later is not waited for at all."""
-        read_s = self._costs.cold_s(context, self.drafter)
-        if read_s is None:
+        read = self._costs.read_s(context, self.drafter)
+        if read is None:
             return True
-        left = max(read_s - (asyncio.get_running_loop().time() - self._opened_at), 0.0)
+        left = max(read - (asyncio.get_running_loop().time() - self._opened_at), 0.0)
         drafting = k * self._costs.draft_s_per_token(self.drafter)
         return self._costs.links.draft.srtt + left + drafting <= budget_s
 
@@ -342,7 +342,7 @@ class DraftLink(_SessionLink):
         self.compute_s += block.compute_us / 1e6
         if cold:  # the draft read the context first: the time that took (a service without the read: all of it)
             read_s = (block.read_us or block.compute_us) / 1e6
-            self._costs.observe_cold(len(committed) + len(assumed), read_s, self.drafter)
+            self._costs.observe_read(len(committed) + len(assumed), read_s, self.drafter)
         else:
             self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6, drafter_of(block, self.drafter))
             self.warm_s += block.compute_us / 1e6

@@ -119,7 +119,7 @@ class CostModel:
     reported: tuple[float, float] | None = None  # (a, s) as the target last reported its own fit
     links: LinkCosts = field(default_factory=LinkCosts)  # the draft and target links' round trips
     _draft: dict = field(default_factory=dict)  # drafter -> _PerUnit over the tokens it drafted
-    _cold: dict = field(default_factory=dict)  # drafter -> _PerUnit over the context tokens its cold proposals read
+    _read: dict = field(default_factory=dict)  # drafter -> _PerUnit over the context tokens it read at opens
     ahead_streak: int = 0  # forwards in a row that ran with a draft ask on its way (quiet_due)
     _excess_s: float = 0.0  # decayed sum of those forwards' seconds over the quiet fit's prediction
     _excess_n: float = 0.0  # decayed count of them
@@ -169,17 +169,17 @@ class CostModel:
         if tokens > 0:
             self._draft.setdefault(drafter, _PerUnit()).add(tokens, seconds, self.decay)
 
-    def observe_cold(self, context: int, seconds: float, drafter: object = None) -> None:
+    def observe_read(self, context: int, seconds: float, drafter: object = None) -> None:
         """``drafter`` read a new draft session's ``context`` tokens in ``seconds`` (``DraftBlock.read_us``; from
         a service that does not report it, the session's first proposal's whole time)."""
         if context > 0:
-            self._cold.setdefault(drafter, _PerUnit()).add(context, seconds, self.decay)
+            self._read.setdefault(drafter, _PerUnit()).add(context, seconds, self.decay)
 
-    def cold_s(self, context: int, drafter: object = None) -> float | None:
+    def read_s(self, context: int, drafter: object = None) -> float | None:
         """Predicted time of the draft's read of a new session's ``context`` tokens (None before one was
         measured)."""
-        cold = self._cold.get(drafter)
-        return cold.seconds / cold.units * context if cold else None
+        read = self._read.get(drafter)
+        return read.seconds / read.units * context if read else None
 
     def verify_s(self, tokens: int) -> float:
         """Predicted time of a target forward over ``tokens`` tokens: the mean of measured one-token forwards, or

@@ -301,7 +301,7 @@ def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_re
             out, reads = [], []
             for idle_s in (0.0, 0.4):
                 costs = stepping_at_50_ms()
-                costs.observe_cold(len(prompt), 0.3, DrafterKind.MODEL)
+                costs.observe_read(len(prompt), 0.3, DrafterKind.MODEL)
                 link = model_draft_link(orch, costs)
                 assert await link.open(prompt)
                 await asyncio.sleep(idle_s)
@@ -336,14 +336,14 @@ def test_a_cold_proposal_known_to_outlast_what_it_could_save_is_not_waited_for(t
             for slow_prefill in (False, True):
                 costs = stepping_at_50_ms()
                 if slow_prefill:
-                    costs.observe_cold(10, 100.0, DrafterKind.MODEL)  # 10 s a context token
+                    costs.observe_read(10, 100.0, DrafterKind.MODEL)  # 10 s a context token
                 link = model_draft_link(orch, costs)
                 assert await link.open(prompt)
                 call = link.send(prompt, [], 4)
                 waits.append(call.deadline - asyncio.get_running_loop().time())
                 block = await call.task  # the reply still comes, and its prefill is measured
                 assert block is not None and block.position == len(prompt)
-                measured.append(costs.cold_s(len(prompt), DrafterKind.MODEL))
+                measured.append(costs.read_s(len(prompt), DrafterKind.MODEL))
                 await link.close()
             return waits, measured
         finally:
