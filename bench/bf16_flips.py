@@ -7,7 +7,7 @@ where the two best logits are that close, the argmax flips and the rest of the
 generation follows another path. In float32 such near-ties are rare; in
 bfloat16 (8 bits of mantissa) they are not.
 
-The bench drives the target engine in-process (``target_service.engine``, the
+The bench drives the target engine in-process (``specsplit.target_service.engine``, the
 code the target service runs) on the real SmolLM2-135M target. For each dtype
 and each block size k it decodes every prompt's greedy continuation
 
@@ -27,7 +27,7 @@ contexts differ and later differences are consequences, not flips): the flip
 rate per token is divergences / tokens compared, where a diverged session
 contributes its tokens up to and including the first differing one. Writes JSON:
 
-    python -m bench.bf16_flips --json bench/results/bf16-flips.json
+    python -m specsplit.bench.bf16_flips --json bench/results/bf16-flips.json
 
 ``--paths default batch-invariant`` also decodes the batched sessions on a
 target built with ``batch_invariant=True`` (``--batch-invariant``: each
@@ -47,13 +47,12 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-
-from bench.prompts import SETS_DIR, chat_ids, load_prompt_set
-from lmkit import models
-from lmkit.kinds import VerificationMode
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits
-from target_service.engine import TargetEngine, VerifyItem
+from specsplit.bench.prompts import SETS_DIR, chat_ids, load_prompt_set
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.target_service.engine import TargetEngine, VerifyItem
 
 
 def first_divergence(solo: Sequence[int], batched: Sequence[int]) -> int | None:

@@ -17,7 +17,7 @@ These are per-drafted-token acceptance rates at the first position of a block
 (what adaptive K and the expected accepted length are built on), on the same
 positions for every mode, so they compare like with like. Writes JSON:
 
-    python -m bench.coupling --json bench/results/coupling.json
+    python -m specsplit.bench.coupling --json bench/results/coupling.json
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+from specsplit.bench.prompts import DEMO_PROMPTS
+from specsplit.draft_service.ngram import NgramConfig, NgramDrafter
+from specsplit.draft_service.self_draft import QuantizeMode, layerskip_view, quantized_view
+from specsplit.lmkit import models
+from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
 from transformers import DynamicCache
-
-from bench.prompts import DEMO_PROMPTS
-from draft_service.ngram import NgramConfig, NgramDrafter
-from draft_service.self_draft import QuantizeMode, layerskip_view, quantized_view
-from lmkit import models
-from lmkit.sampling import SamplingParams, logits_to_probs
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from bench.evaluation import compare, summarise
-from bench.prompts import DEMO_PROMPTS
-from draft_service.eagle_head import BUNDLED
-from lmkit import models
-from lmkit.kinds import DrafterKind
-from lmkit.processes import local_services
-from orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
-from orchestrator.generation import Orchestrator
+from specsplit.bench.evaluation import compare, summarise
+from specsplit.bench.prompts import DEMO_PROMPTS
+from specsplit.draft_service.eagle_head import BUNDLED
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import local_services
+from specsplit.orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
+from specsplit.orchestrator.generation import Orchestrator
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """Derive a draft from the target by keeping its first L layers (plus final norm and LM head).
 
-    python -m bench.derive_draft --layers 4 --out /tmp/smollm2-l4
+    python -m specsplit.bench.derive_draft --layers 4 --out /tmp/smollm2-l4
 
 Writes an ordinary checkpoint folder that ``specsplit serve-draft --model``
 loads. Untrained, such a draft agrees with the target rarely (see docs/drafters.md,
@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-
-from lmkit import models
+from specsplit.lmkit import models
 
 
 def derive(target_ref: str, layers: int, out: str) -> None:

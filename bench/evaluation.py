@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.prompts import DemoPrompt, chat_ids
-from lmkit.kinds import DrafterKind
-from lmkit.sampling import SamplingParams
-from orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.bench.prompts import DemoPrompt, chat_ids
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Time to first token of a fresh orchestrator's sessions, one after another, with a model drafter.
 
-    python -m bench.first_blocks --json bench/results/first-blocks.json [--sessions 8] [--k 3] [--overlap]
+    python -m specsplit.bench.first_blocks --json bench/results/first-blocks.json [--sessions 8] [--k 3] [--overlap]
 
 The network suite's placement (SmolLM2 target on core 1 with one thread, the
 int8 self-draft on core 0 with the orchestrator, this process) and fixed K: a
@@ -23,15 +23,14 @@ import time
 from pathlib import Path
 
 import torch
-
-from bench.prompts import PROMPT_SETS, chat_ids
-from lmkit import models
-from lmkit.kinds import DrafterKind
-from lmkit.processes import local_services
-from lmkit.sampling import SamplingParams
-from orchestrator import links
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.bench.prompts import PROMPT_SETS, chat_ids
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import local_services
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator import links
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 
 
 async def _sessions(target: str, draft: str, prompts, k: int, overlap: bool, tokens: int) -> list[dict]:
@@ -65,7 +64,7 @@ async def _sessions(target: str, draft: str, prompts, k: int, overlap: bool, tok
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.first_blocks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specsplit.bench.first_blocks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--k", type=int, default=3)

@@ -4,10 +4,10 @@
     bash bench/gpu_check --out DIR --size tiny    # anywhere: tiny shapes (on the CPU, the tests run this)
 
 It builds a Llama-3.2-1B-shaped draft and a Llama-3.1-8B-shaped target with
-random weights on one vocabulary (``bench.gpu_models``), starts the real target
+random weights on one vocabulary (``specsplit.bench.gpu_models``), starts the real target
 service and a draft service that also serves the bench's ORACLE drafter
-(``bench.oracle_drafter``) as separate processes on the device, and measures
-(``bench.gpu_stages``): the device's copy bandwidth and the target step's
+(``specsplit.bench.oracle_drafter``) as separate processes on the device, and measures
+(``specsplit.bench.gpu_stages``): the device's copy bandwidth and the target step's
 memory floor; host syncs per forward; the target decode step and verify cost
 t(width)/t(1) for widths 1..16; the draft step and cost ratio c; the per-round
 overhead of the split; end-to-end tokens/s of speculative vs target-only
@@ -103,7 +103,7 @@ class Check:
     """Runs the stages in order, saving the report after each."""
 
     def __init__(self, args: argparse.Namespace, device: str, real: bool) -> None:
-        from bench import gpu_models, gpu_stages
+        from specsplit.bench import gpu_models, gpu_stages
 
         self.args, self.device, self.real = args, device, real
         self.out = Path(args.out)
@@ -142,7 +142,7 @@ class Check:
         return result
 
     def run(self, environment: dict) -> int:
-        from bench import gpu_models
+        from specsplit.bench import gpu_models
 
         self.report["environment"] = environment
         self.report["shapes"] = {
@@ -166,9 +166,8 @@ class Check:
 
     def device_stage(self) -> dict:
         import torch
-
-        from bench import gpu_stages
-        from lmkit import models
+        from specsplit.bench import gpu_stages
+        from specsplit.lmkit import models
 
         device = torch.device(self.device)
         result = {"bandwidth": gpu_stages.copy_bandwidth(device)}
@@ -183,8 +182,8 @@ class Check:
         return result
 
     def services_stages(self) -> None:
-        from bench import gpu_stages
-        from bench.oracle_drafter import ORACLE_FILE_ENV, Oracle
+        from specsplit.bench import gpu_stages
+        from specsplit.bench.oracle_drafter import ORACLE_FILE_ENV, Oracle
 
         oracle_file = self.tmp / "oracle.json"
         Oracle().write(oracle_file)
@@ -218,7 +217,7 @@ class Check:
     def start_services(self) -> dict:
         from concurrent.futures import ThreadPoolExecutor
 
-        from lmkit.processes import start_service
+        from specsplit.lmkit.processes import start_service
 
         threads = "4" if self.real else "1"
         common = ["--device", self.device, "--dtype", "auto", "--max-block", "32", "--max-sessions", "96",
@@ -227,8 +226,8 @@ class Check:
         draft_args = ["--model", str(self.draft_dir), *common]
         start = time.monotonic()
         with ThreadPoolExecutor(2) as pool:  # both load at once
-            target = pool.submit(start_service, "target_service.server", "target", target_args, self.tmp, 300)
-            draft = pool.submit(start_service, "bench.oracle_drafter", "draft", draft_args, self.tmp, 300)
+            target = pool.submit(start_service, "specsplit.target_service.server", "target", target_args, self.tmp, 300)
+            draft = pool.submit(start_service, "specsplit.bench.oracle_drafter", "draft", draft_args, self.tmp, 300)
             started = []
             try:
                 for future in (target, draft):
@@ -263,8 +262,7 @@ def plot(report: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from bench.gpu_stages import leviathan_curve
+    from specsplit.bench.gpu_stages import leviathan_curve
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     steps = report.get("target_steps", {})

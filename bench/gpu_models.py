@@ -3,7 +3,7 @@
 The real pair is a Llama-3.2-1B-shaped draft and a Llama-3.1-8B-shaped target
 (Llama 3's 128,256-token vocabulary); the tiny pair scales both down for the
 CPU run inside the tests. Neither has weights on disk: each folder holds a
-config, a tokenizer and ``lmkit.models.RANDOM_WEIGHTS``, so a service builds
+config, a tokenizer and ``specsplit.lmkit.models.RANDOM_WEIGHTS``, so a service builds
 the model directly on its device. The tokenizer is synthetic (one word per id,
 ``t0`` .. ``t{V-1}``): no hub is reachable, and the services only need the two
 folders to share a vocabulary fingerprint.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmkit import models
+from specsplit.lmkit import models
 
 LLAMA3_VOCAB = 128256
 TINY_VOCAB = 4096

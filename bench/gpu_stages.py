@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from specsplit.bench.evaluation import theoretical_speedup
+from specsplit.bench.oracle_drafter import ORACLE, Oracle
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.peers import DraftStream, TargetStream, draft_client, target_client
 
-from bench.evaluation import theoretical_speedup
-from bench.oracle_drafter import ORACLE, Oracle
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.peers import DraftStream, TargetStream, draft_client, target_client
+from specsplit.v1 import specsplit_pb2 as pb
 
 GREEDY = SamplingParams()
 
@@ -314,8 +314,8 @@ def copy_bandwidth(device: torch.device, gigabytes: float = 2.0, reps: int = 10)
 
 def sync_audit(model, width: int = 5, sessions: int = 4) -> dict:
     """Host synchronisations per forward of the engine's two paths (CUDA's sync debug mode counts them)."""
-    from lmkit.kvcache import SessionCache
-    from target_service.batched_forward import Step, forward_batch
+    from specsplit.lmkit.kvcache import SessionCache
+    from specsplit.target_service.batched_forward import Step, forward_batch
 
     vocab = int(model.config.vocab_size)
     prompts = random_prompts(sessions, 64, vocab, seed=3)

@@ -26,15 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from bench import demo, runs
-from bench.evaluation import Comparison, Summary, run_one, summarise, theoretical_speedup
-from bench.prompts import PROMPT_SETS
-from lmkit.kinds import DrafterKind
-from lmkit.processes import local_services
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Orchestrator
+from specsplit.bench import demo, runs
+from specsplit.bench.evaluation import Comparison, Summary, run_one, summarise, theoretical_speedup
+from specsplit.bench.prompts import PROMPT_SETS
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import local_services
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import Orchestrator
 
 
 @dataclass(frozen=True)

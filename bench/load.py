@@ -1,7 +1,7 @@
 """Load generator for the OpenAI-compatible HTTP API: Poisson arrivals at given request rates, speculation on and off.
 
-    python -m bench.load --json bench/results/load.json [--rates 0.25,0.5,1] [--requests 16] [--max-tokens 48]
-    python -m bench.load --url http://HOST:8000/v1 --model NAME --json out.json   # an already running server
+    python -m specsplit.bench.load --json bench/results/load.json [--rates 0.25,0.5,1] [--requests 16] [--max-tokens 48]
+    python -m specsplit.bench.load --url http://HOST:8000/v1 --model NAME --json out.json   # an already running server
 
 Without ``--url`` it starts the target, the draft (n-gram) and the orchestrator
 (``--http-port``) as processes on loopback, target pinned to ``--target-cpus``
@@ -31,8 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
-
-from bench.prompts import DEMO_PROMPTS
+from specsplit.bench.prompts import DEMO_PROMPTS
 
 MODES = {"speculation": {}, "none": {"k": 0}}  # extra request fields per mode
 
@@ -180,17 +179,17 @@ def _kinds() -> str:
 
 def start_stack(args, workdir: Path):
     """Target, draft and orchestrator (with --http-port) as processes; returns (processes, url)."""
-    from lmkit.processes import start_service
-    from target_service.ranks import free_port
+    from specsplit.lmkit.processes import start_service
+    from specsplit.target_service.ranks import free_port
 
     port = free_port()
-    target = start_service("target_service.server", "target",
+    target = start_service("specsplit.target_service.server", "target",
                            ["--model", args.model, "--cpus", args.target_cpus, "--threads", "1"], workdir, 900)
     started = [target]
     try:
-        draft = start_service("draft_service.server", "draft", ["--cpus", args.draft_cpus], workdir, 600)
+        draft = start_service("specsplit.draft_service.server", "draft", ["--cpus", args.draft_cpus], workdir, 600)
         started.append(draft)
-        orch = start_service("orchestrator.server", "orchestrator",
+        orch = start_service("specsplit.orchestrator.server", "orchestrator",
                              ["--target", target.address, "--draft", draft.address, "--tokenizer", args.model,
                               "--http-port", str(port), "--served-model-name", "specsplit",
                               "--max-new-tokens-limit", str(max(args.max_tokens, 128))], workdir, 600)

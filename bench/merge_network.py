@@ -1,6 +1,6 @@
 """Merge ``--suite network`` runs of different levels into one report (goals and plot recomputed).
 
-    python -m bench.merge_network bench/results/network-ngram.json PART.json [PART.json ...]
+    python -m specsplit.bench.merge_network bench/results/network-ngram.json PART.json [PART.json ...]
 
 Each level of a network run is self-contained (a fresh orchestrator, its own
 target-only passes before and after), so levels measured in separate runs (to
@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.network import goals, plot
+from specsplit.bench.network import goals, plot
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ The relay never drops bytes: a chunk "lost" (probability ``--loss``) arrives
 L = ``--retransmit-ms`` late, as TCP's retransmission would deliver it.
 One process relays one service; run one per link (draft and target apart).
 
-    python -m bench.netem --upstream 127.0.0.1:50051 --delay-ms 1 [--jitter-ms 0.2] [--rate-mbit 100]
+    python -m specsplit.bench.netem --upstream 127.0.0.1:50051 --delay-ms 1 [--jitter-ms 0.2] [--rate-mbit 100]
                           [--loss 0.01 --retransmit-ms 200] [--port 0 --port-file F] [--stats-file F.json]
 
 SIGUSR1 stalls the link (bytes are held, connections stay open), SIGUSR2 resumes
@@ -30,7 +30,7 @@ these from Python: ``stall``, ``resume``, ``set_shape``, ``stop``.
 Arrival times are the kernel's receive stamps (``SO_TIMESTAMPNS``), sleeps end
 early by the oversleep measured so far and spin the rest, and the relay asks
 for a real-time priority where allowed, so sub-millisecond delays hold to tens
-of microseconds on a busy host. ``bench.netem_check`` measures a relay against
+of microseconds on a busy host. ``specsplit.bench.netem_check`` measures a relay against
 what it was asked for.
 """
 
@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from lmkit.processes import ServiceProcess, start_service
+from specsplit.lmkit.processes import ServiceProcess, start_service
 
 CHUNK_BYTES = 65536  # bytes per read
 _SPIN_S = 20e-6  # spun, not slept, before a chunk is due
@@ -328,7 +328,7 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.netem", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m specsplit.bench.netem", description=__doc__.split("\n\n")[0])
     p.add_argument("--upstream", type=parse_address, required=True, help="the service's HOST:PORT")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="where to listen (0: a free port, see --port-file)")
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shape = Shape.from_ms(args.delay_ms, args.jitter_ms, args.rate_mbit, args.loss, args.retransmit_ms)
     except ValueError as exc:
-        print(f"bench.netem: error: {exc}", file=sys.stderr)
+        print(f"specsplit.bench.netem: error: {exc}", file=sys.stderr)
         return 2
     precise_timers()
     priority = _wake_first() if args.priority else "normal"
@@ -387,7 +387,7 @@ def _apply_control(relay: Relay, path: Path) -> None:
         relay.set_shapes(Shape(**control["up"]), Shape(**control["down"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         ack["error"] = f"{type(exc).__name__}: {exc}"
-        print(f"bench.netem: control file {path}: {ack['error']}", file=sys.stderr, flush=True)
+        print(f"specsplit.bench.netem: control file {path}: {ack['error']}", file=sys.stderr, flush=True)
     _write_atomically(path.with_name(path.name + ".applied"), json.dumps(ack))
 
 
@@ -466,7 +466,7 @@ def start_link(upstream: str, shape: Shape, workdir: Path, name: str = "link", s
         stale.unlink(missing_ok=True)
     args = ["--upstream", upstream, "--seed", str(seed), "--stats-file", str(stats), "--control-file", str(control),
             *shape.flags()]
-    service = start_service("bench.netem", name, args, workdir, timeout_s=30.0)
+    service = start_service("specsplit.bench.netem", name, args, workdir, timeout_s=30.0)
     return LinkProcess(service, upstream, shape, stats, control)
 
 

@@ -1,11 +1,11 @@
 """The emulated link verified against itself: what a relay adds, measured, against what it was asked.
 
 A TCP echo server on 127.0.0.1 answers ping-pongs sent through a relay
-(``bench.netem``, its own process) and sent direct; the added round trip is
+(``specsplit.bench.netem``, its own process) and sent direct; the added round trip is
 the difference of the two medians, and should be 2 x the one-way delay within
 10 %. With a rate, a bulk transfer measures the bandwidth too.
 
-    python -m bench.netem_check --delay-ms 1 [--jitter-ms 0.1] [--rate-mbit 50] [--json F]
+    python -m specsplit.bench.netem_check --delay-ms 1 [--jitter-ms 0.1] [--rate-mbit 50] [--json F]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.netem import CHUNK_BYTES, Shape, parse_address, precise_timers, start_link
+from specsplit.bench.netem import CHUNK_BYTES, Shape, parse_address, precise_timers, start_link
 
 
 class _Echo:
@@ -123,7 +123,7 @@ def self_check(shape: Shape, workdir: Path, pings: int = 200, transfer_bytes: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.netem_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m specsplit.bench.netem_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay, each direction")
     p.add_argument("--jitter-ms", type=float, default=0.0)
     p.add_argument("--rate-mbit", type=float, default=0.0)

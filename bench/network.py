@@ -1,8 +1,8 @@
 """``specsplit bench --suite network``: speculation across emulated links, against target-only over the same links.
 
-The links are **emulated** (``bench.netem``: a relay process per link, in front
+The links are **emulated** (``specsplit.bench.netem``: a relay process per link, in front
 of the draft and of the target, both shaped alike), on one machine; each level's
-shape is checked against itself first (``bench.netem_check``). For each added
+shape is checked against itself first (``specsplit.bench.netem_check``). For each added
 round trip in ``--link-rtt-ms`` (one-way delay RTT / 2 each direction, jitter
 ``--link-jitter-fraction`` of it) a fresh orchestrator (its link estimates and
 costs start cold) runs, interleaved: target-only, then per drafter sync and
@@ -45,18 +45,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from bench import netem
-from bench.evaluation import theoretical_speedup
-from bench.netem_check import self_check
-from bench.prompts import PROMPT_SETS
-from lmkit.kinds import DrafterKind
-from lmkit.processes import local_services
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.loop import LoopStats
-from orchestrator.rate import expected_tokens
+from specsplit.bench import netem
+from specsplit.bench.evaluation import theoretical_speedup
+from specsplit.bench.netem_check import self_check
+from specsplit.bench.prompts import PROMPT_SETS
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import local_services
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.loop import LoopStats
+from specsplit.orchestrator.rate import expected_tokens
 
 GREEDY = SamplingParams()
 

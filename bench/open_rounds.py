@@ -1,6 +1,6 @@
 """What a round costs on open text, by how the draft is asked, with draft and target on one CPU.
 
-    python -m bench.open_rounds --json bench/results/open-rounds.json [--kinds prose,chat,code-write] [--repeats 2]
+    python -m specsplit.bench.open_rounds --json bench/results/open-rounds.json [--kinds prose,chat,code-write] [--repeats 2]
         [--decoding sampling|greedy]
 
 The traffic bench's set-up (SmolLM2 target with 2 threads, n-gram drafter with
@@ -26,15 +26,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-
-from bench.evaluation import run_one
-from bench.prompts import PROMPT_SETS
-from lmkit import models
-from lmkit.kinds import DrafterKind
-from lmkit.processes import cpu_seconds, cpu_used, local_services
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Orchestrator
+from specsplit.bench.evaluation import run_one
+from specsplit.bench.prompts import PROMPT_SETS
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import cpu_seconds, cpu_used, local_services
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import Orchestrator
 
 MODES = {"target-only": (0, False), "sync": (8, False), "overlap": (8, True)}  # name -> (k, overlap)
 
@@ -88,7 +87,7 @@ async def _measure(target: str, draft: str, pids: dict[str, int], prompts, repea
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.open_rounds", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specsplit.bench.open_rounds", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--kinds", default="prose,chat,code-write")
     parser.add_argument("--repeats", type=int, default=2)

@@ -15,7 +15,7 @@ read when a session opens (the bench rewrites it between runs). Once a
 session's committed tokens leave the known continuation (a numerical flip in
 the target) the drafter has no truth left and drafts random tokens.
 
-``python -m bench.oracle_drafter [serve-draft flags]`` serves it beside the
+``python -m specsplit.bench.oracle_drafter [serve-draft flags]`` serves it beside the
 built-in drafters, as ``tests/plugin_drafter.py`` does.
 """
 
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from draft_service.drafter import DraftBlock
-from draft_service.model_drafter import ModelDrafter
-from draft_service.registry import DrafterEntry, DraftRequestContext, register
-from lmkit import errors
-from lmkit.kinds import DrafterKind
-from lmkit.sampling import SamplingParams
+from specsplit.draft_service.drafter import DraftBlock
+from specsplit.draft_service.model_drafter import ModelDrafter
+from specsplit.draft_service.registry import DrafterEntry, DraftRequestContext, register
+from specsplit.lmkit import errors
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.sampling import SamplingParams
 
 ORACLE = DrafterKind(95, "ORACLE")
 ORACLE_FILE_ENV = "SPECSPLIT_ORACLE_FILE"
@@ -109,9 +109,9 @@ def _build(c: DraftRequestContext) -> OracleDrafter:
 
 
 register(DrafterEntry(ORACLE, _build, needs_model=True,
-                      enable_hint="run `python -m bench.oracle_drafter --model DRAFT` with $SPECSPLIT_ORACLE_FILE set"))
+                      enable_hint="run `python -m specsplit.bench.oracle_drafter --model DRAFT` with $SPECSPLIT_ORACLE_FILE set"))
 
 if __name__ == "__main__":
-    from draft_service.server import main
+    from specsplit.draft_service.server import main
 
     main()

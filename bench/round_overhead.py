@@ -1,6 +1,6 @@
 """Per-round overhead of the split: wire, serialization and Python, against the compute it wraps.
 
-    python -m bench.round_overhead --json bench/results/round-overhead.json
+    python -m specsplit.bench.round_overhead --json bench/results/round-overhead.json
 
 Draft and target run as separate processes on loopback with a tiny model
 (compute ≈ 0), so the wall time of a round minus the compute the services
@@ -19,18 +19,16 @@ import time
 from pathlib import Path
 
 import torch
-
-from lmkit.kinds import DrafterKind
-from lmkit.processes import local_services
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import local_services
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 
 
 def tiny_model(path: Path) -> Path:
+    from specsplit.lmkit import models
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from lmkit import models
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -8,10 +8,9 @@ import platform
 from pathlib import Path
 
 import torch
-
-from bench import demo, traffic
-from lmkit import models
-from lmkit.kinds import DrafterKind
+from specsplit.bench import demo, traffic
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
 
 
 def service_args(args) -> tuple[list[str], list[str]]:

@@ -19,7 +19,7 @@ rejected at the first position (``reject@0``) or every draft token accepted
 as they were at git revision REV and times their decision path interleaved
 with the current one, repetition by repetition, in one run. Writes JSON:
 
-    python -m bench.sampling_profile --before <rev> --json bench/results/sampling-profile.json
+    python -m specsplit.bench.sampling_profile --before <rev> --json bench/results/sampling-profile.json
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-
-from lmkit import draws, models
-from lmkit.kinds import VerificationMode
-from lmkit.probs_codec import decode_probs, encode_probs, quantize_probs
-from lmkit.sampling import SamplingParams
+from specsplit.lmkit import draws, models
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.probs_codec import decode_probs, encode_probs, quantize_probs
+from specsplit.lmkit.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {
@@ -122,8 +121,8 @@ def profile(args) -> dict:
     torch.set_num_threads(args.threads)
     tokenizer = models.load_tokenizer(models.DEFAULT_MODEL)
     model = models.load_model(models.ModelSpec(models.DEFAULT_MODEL))
-    current_sampling = importlib.import_module("lmkit.sampling")
-    current = {"after": implementation(current_sampling, importlib.import_module("target_service.rejection"))}
+    current_sampling = importlib.import_module("specsplit.lmkit.sampling")
+    current = {"after": implementation(current_sampling, importlib.import_module("specsplit.target_service.rejection"))}
     if args.before:
         old_sampling = load_at(args.before, "lmkit/sampling.py", "before_sampling")
         old_rejection = load_at(args.before, "target_service/rejection.py", "before_rejection")
@@ -161,7 +160,7 @@ def profile(args) -> dict:
 def across_sessions(model, tokenizer, args) -> list[dict]:
     """Row 0 of n sessions' blocks (T 0.7, top-p 0.95, a seed each): one ``logits_to_probs`` call per session,
     as before, against ``first_rows`` (one call for all), interleaved."""
-    from lmkit.sampling import first_rows, logits_to_probs
+    from specsplit.lmkit.sampling import first_rows, logits_to_probs
 
     logits = real_logits(model, tokenizer, 32)  # [32, vocab]: 32 real rows stand for 32 sessions' rows 0
     figures = []

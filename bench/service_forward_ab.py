@@ -1,6 +1,6 @@
 """Target-only and speculative decoding through the services, with the fast forward and the stock one.
 
-    python -m bench.service_forward_ab --json bench/results/service-forward-ab.json [--prompts 6] [--tokens 32]
+    python -m specsplit.bench.service_forward_ab --json bench/results/service-forward-ab.json [--prompts 6] [--tokens 32]
 
 One run, the default pair (SmolLM2 target with 2 threads, n-gram drafter with
 1), greedy, chat template, nothing pinned (as the traffic bench). For each
@@ -19,15 +19,14 @@ import platform
 from pathlib import Path
 
 import torch
-
-from bench.evaluation import run_one
-from bench.prompts import PROMPT_SETS
-from lmkit import models
-from lmkit.kinds import DrafterKind
-from lmkit.processes import local_services
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Orchestrator
+from specsplit.bench.evaluation import run_one
+from specsplit.bench.prompts import PROMPT_SETS
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import local_services
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import Orchestrator
 
 MODES = (("target-only", 0), ("speculative", 8), ("target-only again", 0))
 
@@ -48,7 +47,7 @@ async def _measure(target: str, draft: str, prompts, tokens: int) -> dict[str, f
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.service_forward_ab", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specsplit.bench.service_forward_ab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--prompts", type=int, default=6, help="the first N prompts of the held-out mixed split")
     parser.add_argument("--tokens", type=int, default=32)

@@ -1,6 +1,6 @@
 """Soak / load: N concurrent clients for a fixed time, at and above the admission limit.
 
-    python -m bench.soak --json bench/results/soak.json [--clients 12 --max-concurrent 8 --duration-s 120]
+    python -m specsplit.bench.soak --json bench/results/soak.json [--clients 12 --max-concurrent 8 --duration-s 120]
 
 Draft, target and orchestrator run as separate processes on loopback. Clients
 loop on Generate until the time is up. Expected: every error is
@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import grpc
+from specsplit.lmkit.processes import start_service
 
-from lmkit.processes import start_service
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 PROMPTS = ["Tell me about rivers.", "def add(a, b):", "a b a b a b", "List three colours."]
 
@@ -76,10 +76,10 @@ async def leftover_sessions(address: str, stub_cls) -> int:
 
 
 def run(model: str, draft_model: str, clients: int, max_concurrent: int, duration_s: float, workdir: Path) -> dict:
-    target = start_service("target_service.server", "target", ["--model", model], workdir, 600)
-    draft = start_service("draft_service.server", "draft", ["--model", draft_model] if draft_model else [], workdir, 600)
+    target = start_service("specsplit.target_service.server", "target", ["--model", model], workdir, 600)
+    draft = start_service("specsplit.draft_service.server", "draft", ["--model", draft_model] if draft_model else [], workdir, 600)
     orch = start_service(
-        "orchestrator.server", "orchestrator",
+        "specsplit.orchestrator.server", "orchestrator",
         ["--target", target.address, "--draft", draft.address, "--tokenizer", model,
          "--max-concurrent", str(max_concurrent)], workdir, 600,
     )

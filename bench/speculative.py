@@ -16,11 +16,11 @@ import argparse
 import asyncio
 import time
 
-from bench import demo, interleaved, network, runs, speed, traffic
-from bench.prompts import PROMPT_SETS
-from lmkit.processes import local_services
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Orchestrator
+from specsplit.bench import demo, interleaved, network, runs, speed, traffic
+from specsplit.bench.prompts import PROMPT_SETS
+from specsplit.lmkit.processes import local_services
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import Orchestrator
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -35,16 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from bench import runs, traffic
-from bench.evaluation import RunResult, run_one, theoretical_speedup
-from bench.prompts import PROMPT_SETS, chat_ids
-from lmkit import models
-from lmkit.kinds import DrafterKind
-from lmkit.processes import cpu_seconds, cpu_used, local_services
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.bench import runs, traffic
+from specsplit.bench.evaluation import RunResult, run_one, theoretical_speedup
+from specsplit.bench.prompts import PROMPT_SETS, chat_ids
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import cpu_seconds, cpu_used, local_services
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 
 GREEDY = SamplingParams()
 

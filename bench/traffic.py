@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
-
-from bench.evaluation import RunResult, run_one
-from bench.prompts import DemoPrompt, chat_ids
-from lmkit.kinds import DrafterKind
-from lmkit.sampling import SamplingParams
+from specsplit.bench.evaluation import RunResult, run_one
+from specsplit.bench.prompts import DemoPrompt, chat_ids
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.sampling import SamplingParams
 
 TARGET_ONLY = "target-only"
 SPECSPLIT = "specsplit"

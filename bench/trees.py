@@ -1,6 +1,6 @@
 """Token trees against chains, and the fast verify forward against the stock one, end to end.
 
-    python -m bench.trees --json bench/results/trees-demo.json [--prompt-set demo] [--repeats 2]
+    python -m specsplit.bench.trees --json bench/results/trees-demo.json [--prompt-set demo] [--repeats 2]
 
 One run, the default pair (SmolLM2 target, n-gram drafter), greedy, chat
 template. Two targets run as separate processes on the same core (used one at
@@ -12,7 +12,7 @@ the modes run back to back, their order rotated each repeat:
 * ``target-only``: k = 0 on the fast target (the baseline of every ratio);
 * ``chain``: adaptive K, chains only (``tree_branches`` = 1);
 * ``tree``: adaptive K, up to ``--branches`` continuations per round, the
-  nodes kept by ``orchestrator.tree_shape``;
+  nodes kept by ``specsplit.orchestrator.tree_shape``;
 * ``tree, fixed K``: every node the drafter offers at K = ``--k``.
 
 Reported per kind and overall: tokens/s (tokens over wall time, summed),
@@ -30,14 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from bench.prompts import PROMPT_SETS
-from lmkit import models
-from lmkit.kinds import DrafterKind
-from lmkit.processes import local_services
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.bench.prompts import PROMPT_SETS
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import local_services
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 
 
 @dataclass(frozen=True)
@@ -164,7 +163,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.trees", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specsplit.bench.trees", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--prompt-set", default="demo", choices=sorted(PROMPT_SETS))

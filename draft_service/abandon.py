@@ -20,8 +20,7 @@ import threading
 from typing import Callable, Iterable, Iterator
 
 import torch
-
-from lmkit import errors
+from specsplit.lmkit import errors
 
 _HOOKED = "_specsplit_abandon_check"  # set on a layer once its hook is in place
 _running = threading.local()  # .closed: the proposal computed on this thread asks "is my session closed?"

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from draft_service.drafter import DraftBlock, Drafter
-from lmkit.features import FeatureBlock
-from lmkit.kinds import DrafterKind
+from specsplit.draft_service.drafter import DraftBlock, Drafter
+from specsplit.lmkit.features import FeatureBlock
+from specsplit.lmkit.kinds import DrafterKind
 
 
 class ChainDrafter(Drafter):

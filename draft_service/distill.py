@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from draft_service import self_draft
-from lmkit import models
+from specsplit.draft_service import self_draft
+from specsplit.lmkit import models
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "distill_report.json"
@@ -264,7 +263,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--max-corpus-tokens", type=int, default=d.max_corpus_tokens)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    from draft_service import eagle_distill
+    from specsplit.draft_service import eagle_distill
 
     eagle_distill.add_flags(parser)
     return parser
@@ -287,7 +286,7 @@ def config_from_args(args) -> DistillConfig:
 
 
 def run(args) -> int:
-    from draft_service import eagle_distill
+    from specsplit.draft_service import eagle_distill
 
     # ValueError on bad flags, before loading anything
     config = eagle_distill.config_from_args(args) if args.eagle else config_from_args(args)

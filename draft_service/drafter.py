@@ -9,7 +9,7 @@ one drafter per session and drives it with two calls per round:
   speculative tokens) is rolled back first.
 * ``propose(k)`` — up to ``k`` draft tokens continuing the committed context;
   ``propose_tree(k, max_branches, max_nodes)`` — several continuations merged
-  into a token tree (``lmkit.token_tree``); by default the chain of ``propose``.
+  into a token tree (``specsplit.lmkit.token_tree``); by default the chain of ``propose``.
 
 A feature drafter (``needs_features``, e.g. EAGLE) also takes the target's
 hidden features of committed positions between the two (``add_features``).
@@ -20,7 +20,7 @@ A drafter whose proposals cost nothing to make (prompt lookup) says so with
 reports (a pure function of the committed context, never of random draws).
 
 Adding a drafter means one module implementing this class and one entry in
-``draft_service.registry`` (its ``DrafterKind``, traits and how to build it).
+``specsplit.draft_service.registry`` (its ``DrafterKind``, traits and how to build it).
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
-from lmkit.features import FeatureBlock
-from lmkit.kinds import DrafterKind
+from specsplit.lmkit.features import FeatureBlock
+from specsplit.lmkit.kinds import DrafterKind
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ class DraftBlock:
     no match proposes nothing). ``probs`` is set only when the drafter sampled
     the tokens and was asked for its distributions (probability mode): row i is
     the distribution token i was drawn from. ``parents`` is set for a token
-    tree (``lmkit.token_tree``), None for a chain. ``branch`` (chains only) is
+    tree (``specsplit.lmkit.token_tree``), None for a chain. ``branch`` (chains only) is
     the drafter's second guess where it is least sure: (index into ``tokens``,
     the token it would put there instead); the orchestrator may draft past that
     outcome too.

@@ -4,7 +4,7 @@ EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
 Uncertainty"; EAGLE-3, Li et al. 2025) runs one decoder layer over the target's
 own hidden states. Row j of the head reads the target's features f_j of
 committed position j and the embedding of token t_{j+1}, and predicts t_{j+2}
-(``draft_service.eagle_head``). The target sends the features of the positions
+(``specsplit.draft_service.eagle_head``). The target sends the features of the positions
 it commits with each verification; this drafter takes them with the next
 proposal (``add_features``), so the head runs on the draft's device, not in the
 target's process.
@@ -24,7 +24,7 @@ decodes target-only. Greedy drafts take the argmax over the draft vocabulary;
 sampling drafts sample from q, the head's distribution spread over the target
 vocabulary (zero outside the draft vocabulary) and processed by the same
 ``logits_to_probs`` as the target's p, with the session's uniform for the
-token's absolute position (``lmkit.draws``); in coupled verification they
+token's absolute position (``specsplit.lmkit.draws``); in coupled verification they
 take argmax(log q + G) with the target's Gumbel noise, as the model drafter.
 """
 
@@ -34,13 +34,12 @@ import math
 from typing import Sequence
 
 import torch
-
-from draft_service.drafter import DraftBlock
-from draft_service.eagle_head import EagleHead
-from draft_service.model_drafter import SamplingDrafter
-from lmkit.features import FeatureBlock
-from lmkit.kvcache import common_prefix
-from lmkit.sampling import SamplingParams
+from specsplit.draft_service.drafter import DraftBlock
+from specsplit.draft_service.eagle_head import EagleHead
+from specsplit.draft_service.model_drafter import SamplingDrafter
+from specsplit.lmkit.features import FeatureBlock
+from specsplit.lmkit.kvcache import common_prefix
+from specsplit.lmkit.sampling import SamplingParams
 
 
 class HeadCache:

@@ -99,7 +99,7 @@ def prompt_pool(count: int, seed: int) -> list[str]:
 def corpus_documents(paths: Sequence[str] = ()) -> list[str]:
     """The local corpus: given files/folders, or Python's documentation and standard library sources."""
     if paths:
-        from draft_service.distill import read_corpus
+        from specsplit.draft_service.distill import read_corpus
 
         return [read_corpus(tuple(paths))]
     from pydoc_data.topics import topics

@@ -5,8 +5,8 @@ one stopped; other settings are refused):
 
 1. data (``OUT/data/``, one file per chunk): the target's features over a local
    corpus, and over its own greedy and sampled answers to a prompt pool,
-   generated in batches (``draft_service.eagle_data``);
-2. training with training-time test (``draft_service.eagle_train``), a
+   generated in batches (``specsplit.draft_service.eagle_data``);
+2. training with training-time test (``specsplit.draft_service.eagle_train``), a
    checkpoint every ``--save-every`` steps (``OUT/checkpoint.pt``);
    ``--max-minutes`` stops training after that long (checkpointed): on a
    shared machine, train in slices and rerun to continue;
@@ -27,9 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-from draft_service import eagle_data, eagle_head, eagle_train
-from lmkit import models
+from specsplit.draft_service import eagle_data, eagle_head, eagle_train
+from specsplit.lmkit import models
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "distill_report.json"
@@ -107,7 +106,7 @@ class _Data:
         if manifest.is_file() and json.loads(manifest.read_text()) != wanted:
             raise ValueError(f"{self.folder} holds data made with other settings ({manifest}); use another --out")
         manifest.write_text(json.dumps(wanted, indent=2) + "\n")
-        from orchestrator.generation import eos_ids
+        from specsplit.orchestrator.generation import eos_ids
 
         self.eos = eos_ids(config.target, tokenizer)
 

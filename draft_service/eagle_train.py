@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from draft_service.eagle_data import Segments
-from draft_service.eagle_head import EagleHead, HeadConfig
+from specsplit.draft_service.eagle_data import Segments
+from specsplit.draft_service.eagle_head import EagleHead, HeadConfig
 
 STEP_DECAY = 0.8  # weight of unrolled step s is STEP_DECAY ** s
 

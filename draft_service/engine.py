@@ -6,16 +6,16 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from draft_service import abandon
-from draft_service.drafter import DraftBlock, Drafter
-from draft_service.ngram import NgramConfig
-from draft_service.registry import DRAFTERS, DraftRequestContext
-from lmkit import errors
-from lmkit.features import FeatureBlock
-from lmkit.kinds import DrafterKind, DrafterTraits
-from lmkit.kvcache import check_cache_layout
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
+from specsplit.draft_service import abandon
+from specsplit.draft_service.drafter import DraftBlock, Drafter
+from specsplit.draft_service.ngram import NgramConfig
+from specsplit.draft_service.registry import DRAFTERS, DraftRequestContext
+from specsplit.lmkit import errors
+from specsplit.lmkit.features import FeatureBlock
+from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
+from specsplit.lmkit.kvcache import check_cache_layout
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
 MAX_BRANCHES = 64  # continuations per token tree
 

@@ -2,7 +2,7 @@
 
 It drafts autoregressively (greedy argmax, or sampling from q processed by the
 same ``logits_to_probs`` as the target's p, the token at absolute position n
-drawn with the session's ``lmkit.draws`` uniform for (DRAFT, n)). In coupled
+drawn with the session's ``specsplit.lmkit.draws`` uniform for (DRAFT, n)). In coupled
 verification it proposes argmax(log q_n + G(seed, n)) with the target's own
 Gumbel noise at n, so it is accepted whenever q and p pick the same token under
 the same noise. Rolled-back tokens are dropped
@@ -22,12 +22,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-
-from draft_service.drafter import DraftBlock, Drafter
-from lmkit import draws, token_tree
-from lmkit.kvcache import SessionCache
-from lmkit.probs_codec import quantize_probs
-from lmkit.sampling import SamplingParams, logits_to_probs
+from specsplit.draft_service.drafter import DraftBlock, Drafter
+from specsplit.lmkit import draws, token_tree
+from specsplit.lmkit.kvcache import SessionCache
+from specsplit.lmkit.probs_codec import quantize_probs
+from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
 
 
 class SamplingDrafter(Drafter):

@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from draft_service.drafter import DraftBlock, Drafter, MatchQuality
-from lmkit import token_tree
+from specsplit.draft_service.drafter import DraftBlock, Drafter, MatchQuality
+from specsplit.lmkit import token_tree
 
 # Longer suffixes rarely match and each extra n costs one tuple per token in the index.
 MAX_NGRAM = 32

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from draft_service.chain import ChainDrafter
-from draft_service.drafter import Drafter
-from draft_service.eagle import EagleDrafter
-from draft_service.model_drafter import ModelDrafter
-from draft_service.ngram import NgramConfig, NgramDrafter
-from lmkit.kinds import DrafterKind, DrafterTraits
-from lmkit.sampling import SamplingParams
+from specsplit.draft_service.chain import ChainDrafter
+from specsplit.draft_service.drafter import Drafter
+from specsplit.draft_service.eagle import EagleDrafter
+from specsplit.draft_service.model_drafter import ModelDrafter
+from specsplit.draft_service.ngram import NgramConfig, NgramDrafter
+from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
+from specsplit.lmkit.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -6,17 +6,18 @@ import argparse
 import asyncio
 import sys
 
-from draft_service import eagle_head, self_draft
-from draft_service.engine import DraftEngine
-from draft_service.ngram import NgramConfig
-from draft_service.self_draft import QuantizeMode
-from draft_service.servicer import DraftServicer
-from lmkit import logs, models
-from lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
-from lmkit.kinds import DrafterKind
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.sessions import SessionLimits
+from specsplit.draft_service import eagle_head, self_draft
+from specsplit.draft_service.engine import DraftEngine
+from specsplit.draft_service.ngram import NgramConfig
+from specsplit.draft_service.self_draft import QuantizeMode
+from specsplit.draft_service.servicer import DraftServicer
+from specsplit.lmkit import logs, models
+from specsplit.lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.sessions import SessionLimits
+
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 DEFAULT_PORT = 50051

@@ -1,6 +1,6 @@
 """Domain errors that services raise and servicers turn into gRPC status codes.
 
-Engines stay free of grpc: they raise these, and ``lmkit.grpc_server`` maps
+Engines stay free of grpc: they raise these, and ``specsplit.lmkit.grpc_server`` maps
 each to its status code with the message unchanged. Messages say what to fix.
 """
 

@@ -67,7 +67,7 @@ def encode_features(values: torch.Tensor) -> bytes:  # values: [rows, width]
 
     The fp16 rounding runs in numpy (the same round-to-nearest-even bits as
     torch's): servicers call this on their event loop, where a torch kernel
-    would start a second OpenMP team (``lmkit.grpc_server.ComputeThread``).
+    would start a second OpenMP team (``specsplit.lmkit.grpc_server.ComputeThread``).
     """
     host = values.detach().to("cpu", torch.float32).numpy()  # no copy for fp32 on the CPU
     with np.errstate(over="ignore"):  # beyond fp16's range is inf, as torch rounds it

@@ -19,10 +19,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-
-from lmkit import errors, logs
-from lmkit.metrics import serve_metrics
-from lmkit.security import ServerTls
+from specsplit.lmkit import errors, logs
+from specsplit.lmkit.metrics import serve_metrics
+from specsplit.lmkit.security import ServerTls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -204,7 +203,7 @@ class EngineServicer:
         return self.engine
 
     async def Stats(self, request, context):
-        from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+        from specsplit.v1 import specsplit_pb2 as pb
 
         active, opened, rounds = (await self._require_engine(context)).sessions.stats()
         return pb.StatsResponse(active_sessions=active, sessions_opened=opened, rounds=rounds)

@@ -8,7 +8,7 @@ keys/values in place at their positions and attention reads a view of the
 first ``length`` positions. Cropping is setting ``length``; keeping a tree's
 accepted path is one gather per layer (``keep_path``).
 
-No transformers import: ``lmkit.packed_rows`` connects it to a model's forward.
+No transformers import: ``specsplit.lmkit.packed_rows`` connects it to a model's forward.
 """
 
 from __future__ import annotations

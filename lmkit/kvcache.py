@@ -17,7 +17,7 @@ O(context) per layer instead of O(window). Layer types with other state
 (linear attention, chunked attention, shared KV) are refused at start-up
 (``check_cache_layout``).
 
-A model with the packed-rows forward installed (``lmkit.packed_rows``) keeps
+A model with the packed-rows forward installed (``specsplit.lmkit.packed_rows``) keeps
 its keys/values in a ``KVBuffer`` instead (written in place, cropped by
 length) and runs its steps through ``forward_rows``; any other model keeps a
 ``DynamicCache`` and its stock forward.
@@ -30,11 +30,10 @@ import inspect
 from typing import Sequence
 
 import torch
+from specsplit.lmkit import packed_rows, token_tree
+from specsplit.lmkit.kv_buffer import KVBuffer
+from specsplit.lmkit.transfer import to_device, to_host
 from transformers import DynamicCache
-
-from lmkit import packed_rows, token_tree
-from lmkit.kv_buffer import KVBuffer
-from lmkit.transfer import to_device, to_host
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -131,7 +130,7 @@ class SessionCache:
         Returns [len(block) + 1, vocab] float32 on the CPU: row i predicts the
         token at position len(context) + i. Afterwards the cache holds
         context + block. With ``parents`` the block is a token tree
-        (``lmkit.token_tree``): row i + 1 follows node i's root path, and the
+        (``specsplit.lmkit.token_tree``): row i + 1 follows node i's root path, and the
         cache holds context + every node until ``keep_path``.
         """
         keep, feed = self.plan(context, block)

@@ -30,13 +30,12 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from specsplit.lmkit.kv_buffer import KVBuffer
+from specsplit.lmkit.transfer import to_host
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-from lmkit.kv_buffer import KVBuffer
-from lmkit.transfer import to_host
 
 ATTENTION = "specsplit_packed_rows"
 _INSTALLED = "_specsplit_packed_rows"
@@ -105,7 +104,7 @@ def installed(model) -> bool:
 
 
 def _cache_kwargs(model, cache) -> dict:
-    from lmkit.kvcache import cache_kwargs  # lmkit.kvcache imports this module
+    from specsplit.lmkit.kvcache import cache_kwargs  # lmkit.kvcache imports this module
 
     return cache_kwargs(model, cache)
 

@@ -90,9 +90,9 @@ def local_services(target_args: list[str], draft_args: list[str] | None):
     with tempfile.TemporaryDirectory(prefix="specsplit-") as tmp:
         started: list[ServiceProcess] = []
         try:
-            started.append(start_service("target_service.server", "target", target_args, Path(tmp)))
+            started.append(start_service("specsplit.target_service.server", "target", target_args, Path(tmp)))
             if draft_args is not None:
-                started.append(start_service("draft_service.server", "draft", draft_args, Path(tmp)))
+                started.append(start_service("specsplit.draft_service.server", "draft", draft_args, Path(tmp)))
             yield started
         finally:
             for service in reversed(started):

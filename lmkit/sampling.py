@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-
-from lmkit.draws import SEED_LIMIT
+from specsplit.lmkit.draws import SEED_LIMIT
 
 
 @dataclass(frozen=True)

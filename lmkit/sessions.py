@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Generic, Sequence, TypeVar
 
-from lmkit import errors
+from specsplit.lmkit import errors
 
 S = TypeVar("S")
 

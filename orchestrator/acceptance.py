@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmkit.kinds import DrafterKind, VerificationMode
-from orchestrator.free_ask import QualityMix
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.orchestrator.free_ask import QualityMix
 
 LENGTH_BUCKETS = (1, 2, 3, 5, 11)  # match length buckets: 1, 2, 3, 4-5, 6-11, 12+
 OCCURRENCE_BUCKETS = (1,)  # one earlier occurrence, or several
@@ -171,7 +171,7 @@ class AcceptanceStats:
         self.returns(pool).add(quality)
 
     def returns(self, pool: StatsKey) -> QualityMix:
-        """What asks of the free drafter of ``pool`` returned, every session's (``orchestrator.free_ask``)."""
+        """What asks of the free drafter of ``pool`` returned, every session's (``specsplit.orchestrator.free_ask``)."""
         mix = self._asked.get(pool)
         if mix is None:
             mix = self._asked[pool] = QualityMix(self.decay)

@@ -1,11 +1,11 @@
 """Choosing K per round from server-wide acceptance statistics, the round model and the target's load.
 
-Two choices, both maximising the round model's rate (``orchestrator.rate``):
+Two choices, both maximising the round model's rate (``specsplit.orchestrator.rate``):
 
 * **ask**: how many tokens to ask of a drafter that pays per token (a model),
   before it drafts. Acceptance is the session's own per-position record, shrunk
   towards what every session measured for that drafter and verification
-  (``orchestrator.acceptance``): a new session starts from the server's
+  (``specsplit.orchestrator.acceptance``): a new session starts from the server's
   figures, and its own rounds take over as they come (acceptance comes in runs).
 * **cut**: how many tokens of a block that cost nothing to make (prompt lookup
   drafts up to the free bound) to verify. Acceptance is the server-wide
@@ -23,7 +23,7 @@ Two choices, both maximising the round model's rate (``orchestrator.rate``):
   sync (and a fresh ask after a miss with overlap), or what of it outlasts the
   verification when sent ahead. It is asked when the block its asks have
   returned (this session's recent returns shrunk towards every session's:
-  ``orchestrator.free_ask``) is expected to save more than that, priced by the
+  ``specsplit.orchestrator.free_ask``) is expected to save more than that, priced by the
   same server-wide acceptance per match quality and ``free_scale`` as ``cut``.
   Not asked, the round is a target-only step: no draft request at all. The
   decision depends only on what earlier asks returned and on blocks already
@@ -58,10 +58,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmkit.kinds import DrafterKind
-from orchestrator.acceptance import AcceptanceStats, Quality, StatsKey, Verification
-from orchestrator.free_ask import QualityMix, best_saving_s
-from orchestrator.rate import ALONE, CostModel, Load, best_k, chain_rate
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.orchestrator.acceptance import AcceptanceStats, Quality, StatsKey, Verification
+from specsplit.orchestrator.free_ask import QualityMix, best_saving_s
+from specsplit.orchestrator.rate import ALONE, CostModel, Load, best_k, chain_rate
 
 
 @dataclass

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.models import DEFAULT_MODEL
-from lmkit.security import ClientTls
-from orchestrator.links import LinkPolicy
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.models import DEFAULT_MODEL
+from specsplit.lmkit.security import ClientTls
+from specsplit.orchestrator.links import LinkPolicy
 
 # Chosen by measurement on the bundled SmolLM2 target (docs/drafters.md, "Choosing the
 # default drafter"): prompt lookup costs ~0 per token and drafts long runs on

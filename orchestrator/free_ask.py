@@ -5,7 +5,7 @@ asking it does: in sync mode the round waits for the draft link's round trip
 before the target can verify; with overlap a block drafted ahead costs only
 the part of its round trip that the verification does not hide. Whether to
 ask is decided before the answer is known, so it is priced by what asks
-returned before: the mix of match qualities (``orchestrator.acceptance``'s
+returned before: the mix of match qualities (``specsplit.orchestrator.acceptance``'s
 buckets, or no block when nothing matched), this session's recent asks shrunk
 towards every session's.
 
@@ -17,7 +17,7 @@ seconds, the best over k of
 seconds, where E_q(k) is Leviathan's expected tokens per pass from the
 quality's acceptance, T(k) the round with the block cut to k (its draft round
 trip paid) and G the tokens the other rows of the target's batch commit
-(``orchestrator.rate``); k = 0 saves nothing, so a block never saves less
+(``specsplit.orchestrator.rate``); k = 0 saves nothing, so a block never saves less
 than 0. The expected saving of an ask is the mix's mean of that, and the ask
 pays when it exceeds what asking costs (``LinkCosts.ask_s``).
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from orchestrator.acceptance import Quality
+    from specsplit.orchestrator.acceptance import Quality
 
 NO_BLOCK = None  # an ask that returned no block of the free drafter (nothing in the context matched)
 

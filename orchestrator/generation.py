@@ -15,28 +15,29 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
 
-from lmkit import errors, logs, models
-from lmkit.kinds import TREE_MODES, DrafterKind, DrafterTraits, VerificationMode, default_chain
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.sampling import SamplingParams
-from lmkit.wire import sampling_to_proto
-from orchestrator import metrics
-from orchestrator.acceptance import AcceptanceStats, Verification
-from orchestrator.adaptive_k import AdaptiveK
-from orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
-from orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
-from orchestrator.links import DraftLink, TargetLink
-from orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
-from orchestrator.peers import ServiceClient, draft_client, target_client
-from orchestrator.rate import CostModel
-from orchestrator.tree_shape import BranchStats
+from specsplit.lmkit import errors, logs, models
+from specsplit.lmkit.kinds import TREE_MODES, DrafterKind, DrafterTraits, VerificationMode, default_chain
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.wire import sampling_to_proto
+from specsplit.orchestrator import metrics
+from specsplit.orchestrator.acceptance import AcceptanceStats, Verification
+from specsplit.orchestrator.adaptive_k import AdaptiveK
+from specsplit.orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
+from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
+from specsplit.orchestrator.links import DraftLink, TargetLink
+from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
+from specsplit.orchestrator.peers import ServiceClient, draft_client, target_client
+from specsplit.orchestrator.rate import CostModel
+from specsplit.orchestrator.tree_shape import BranchStats
+
+from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A validated request (see ``orchestrator.requests``)."""
+    """A validated request (see ``specsplit.orchestrator.requests``)."""
 
     prompt: str
     chat: bool

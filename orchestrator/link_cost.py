@@ -23,7 +23,7 @@ round trips R_t, R_d:
     overlap:  E[max(T + e, R_d + (k + 1) c)] + (1 - h)(R_d + k c)
     in hand:  T                                  (a free block already drafted, cut to k)
 
-Whether to ask a free drafter at all (``orchestrator.free_ask``) weighs what a
+Whether to ask a free drafter at all (``specsplit.orchestrator.free_ask``) weighs what a
 block saves against what the ask adds: R_d + c + rttvar before the
 verification (sync, or a fresh ask after a miss with overlap), and with
 overlap E[max(T + e, R_d + c)] - T for an ask sent ahead during it, where e is

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import grpc
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.wire import join_features
+from specsplit.orchestrator.link_cost import RttEstimator
+from specsplit.orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
+from specsplit.orchestrator.rate import CostModel
 
-from lmkit.kinds import DrafterKind
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.wire import join_features
-from orchestrator.link_cost import RttEstimator
-from orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
-from orchestrator.rate import CostModel
+from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
 

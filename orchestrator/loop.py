@@ -23,7 +23,7 @@ round's block if the guess comes true. A far draft link is then paid during
 the verification instead of before it.
 
 Token trees: with ``tree_branches`` > 1 the draft may answer several
-continuations as a tree; ``orchestrator.tree_shape`` keeps the nodes worth
+continuations as a tree; ``specsplit.orchestrator.tree_shape`` keeps the nodes worth
 their verify cost, the target verifies them in one pass and answers the
 accepted path, which is committed like a chain's accepted prefix. Drafting
 ahead assumes the tree's primary chain (the drafter's first choice) accepted,
@@ -46,16 +46,17 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
-from lmkit import token_tree
-from lmkit.kinds import DrafterKind
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.wire import drop_leading_rows
-from orchestrator.acceptance import AcceptanceStats, Quality, StatsKey, Verification, quality_of
-from orchestrator.adaptive_k import AdaptiveK
-from orchestrator.free_ask import NO_BLOCK
-from orchestrator.links import DraftCall, DraftLink, TargetLink, drafter_of
-from orchestrator.rate import ALONE, CostModel, Load, whole_probability
-from orchestrator.tree_shape import BranchStats, choose_nodes, node_acceptance
+from specsplit.lmkit import token_tree
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.wire import drop_leading_rows
+from specsplit.orchestrator.acceptance import AcceptanceStats, Quality, StatsKey, Verification, quality_of
+from specsplit.orchestrator.adaptive_k import AdaptiveK
+from specsplit.orchestrator.free_ask import NO_BLOCK
+from specsplit.orchestrator.links import DraftCall, DraftLink, TargetLink, drafter_of
+from specsplit.orchestrator.rate import ALONE, CostModel, Load, whole_probability
+from specsplit.orchestrator.tree_shape import BranchStats, choose_nodes, node_acceptance
+
+from specsplit.v1 import specsplit_pb2 as pb
 
 
 class Finish(enum.Enum):

@@ -21,9 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 import prometheus_client
-
-from orchestrator.link_cost import LinkCosts
-from orchestrator.loop import LoopStats
+from specsplit.orchestrator.link_cost import LinkCosts
+from specsplit.orchestrator.loop import LoopStats
 
 MAX_POSITION = 32  # per-position acceptance is kept for the first 32 draft positions
 _backend = "prometheus"

@@ -3,7 +3,7 @@
 Requests are validated strictly (JSON types as the API documents them; an
 unknown parameter is refused rather than ignored) and become the same
 ``GenerateRequest`` the gRPC API takes, so both APIs share one validation
-(``orchestrator.requests``). Parameters that specsplit cannot honour
+(``specsplit.orchestrator.requests``). Parameters that specsplit cannot honour
 (penalties, logit bias, tools, ``n > 1``...) are refused with a 400 naming
 them, never silently ignored.
 
@@ -19,12 +19,12 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.loop import Finish
 
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from orchestrator.config import OrchestratorConfig
-from orchestrator.loop import Finish
 from specsplit.client import drafter_value
+from specsplit.v1 import specsplit_pb2 as pb
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 _FINISH = {Finish.LENGTH: "length", Finish.CONTEXT: "length", Finish.EOS: "stop", Finish.STOP_STRING: "stop"}

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import grpc
+from specsplit.lmkit import errors
+from specsplit.lmkit.grpc_server import CHANNEL_OPTIONS
+from specsplit.lmkit.security import ClientTls
 
-from lmkit import errors
-from lmkit.grpc_server import CHANNEL_OPTIONS
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.security import ClientTls
 from specsplit import client
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 
 class PeerError(Exception):

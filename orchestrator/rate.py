@@ -22,7 +22,7 @@ reported line only until it has measured forwards of that kind.
 Load (continuous batching): the target reports the forward that verified the
 last block: B sessions, the tokens G_o the other sessions committed from it,
 and whether its rows were packed end to end or padded to the longest. Packed
-(the target's own forward, ``lmkit.packed_rows``), a block of k adds its k + 1
+(the target's own forward, ``specsplit.lmkit.packed_rows``), a block of k adds its k + 1
 tokens to the X_o the other rows took: the forward costs t(X_o + k + 1).
 Padded (models that forward cannot run), a block of k makes every row k + 1
 wide: t(B (k + 1)). A round's rate is the tokens everyone gets per unit time,
@@ -52,7 +52,7 @@ stays current, after ``QUIET_EVERY`` forwards with an ask in a row the next
 one runs without (``quiet_due``).
 
 Links: a round also pays the draft's and the target's round trips, measured
-per link with their jitter (``CostModel.links``, ``orchestrator.link_cost``,
+per link with their jitter (``CostModel.links``, ``specsplit.orchestrator.link_cost``,
 which gives the time of a round); a long target round trip favours longer
 blocks, a long draft round trip favours overlap, and where neither pays the
 choice is k = 0. With no samples the links cost nothing.
@@ -67,8 +67,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from lmkit.costs import LinearCost
-from orchestrator.link_cost import LinkCosts
+from specsplit.lmkit.costs import LinearCost
+from specsplit.orchestrator.link_cost import LinkCosts
 
 
 @dataclass(frozen=True)

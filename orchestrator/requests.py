@@ -9,13 +9,14 @@ from __future__ import annotations
 import secrets
 import string
 
-from lmkit import errors
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.sampling import SamplingParams
-from lmkit.wire import MAX_TOP_LOGPROBS, mode_from_proto, sampling_from_proto
-from orchestrator.config import MAX_TREE_BRANCHES
-from orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.lmkit import errors
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.wire import MAX_TOP_LOGPROBS, mode_from_proto, sampling_from_proto
+from specsplit.orchestrator.config import MAX_TREE_BRANCHES
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+
+from specsplit.v1 import specsplit_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_REQUEST_ID = 128

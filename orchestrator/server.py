@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import logging
 
-from lmkit import logs, models
-from lmkit.grpc_server import (
+from specsplit.lmkit import logs, models
+from specsplit.lmkit.grpc_server import (
     add_servicer,
     add_tls_flags,
     create_server,
@@ -17,22 +17,23 @@ from lmkit.grpc_server import (
     start_in_process,
     write_port_file,
 )
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.metrics import serve_metrics
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.security import BearerTokenInterceptor, ClientTls, load_token
-from orchestrator.config import (
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.metrics import serve_metrics
+from specsplit.lmkit.security import BearerTokenInterceptor, ClientTls, load_token
+from specsplit.orchestrator.config import (
     DEFAULT_DRAFTER,
     DEFAULT_K,
     DEFAULT_SAMPLING_MODE,
     DEFAULT_TREE_BRANCHES,
     OrchestratorConfig,
 )
-from orchestrator.generation import Orchestrator
-from orchestrator.links import LinkPolicy
-from orchestrator.servicer import GeneratorServicer
-from ray_deploy.options import add_ray_flags
+from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.servicer import GeneratorServicer
+from specsplit.ray_deploy.options import add_ray_flags
+
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 DEFAULT_PORT = 50050
@@ -139,7 +140,7 @@ async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0",
 
 async def serve(args) -> None:
     if args.ray:
-        from ray_deploy import front
+        from specsplit.ray_deploy import front
 
         return await front.serve(args)
     config = config_from_args(args)
@@ -167,7 +168,7 @@ async def serve(args) -> None:
 
 async def _start_http(args, orchestrator: Orchestrator, token: str):
     """The OpenAI-compatible HTTP API on --http-port, same host, TLS and token as the gRPC API."""
-    from orchestrator import openai_server
+    from specsplit.orchestrator import openai_server
 
     app = openai_server.build_app(orchestrator, token)
     http = await openai_server.start_http_server(app, args.host, args.http_port, server_tls(args), args.grace_s)

@@ -7,15 +7,15 @@ import logging
 import time
 
 import grpc
+from specsplit.lmkit import errors
+from specsplit.lmkit.grpc_server import status_for
+from specsplit.orchestrator import metrics
+from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.peers import PeerError
+from specsplit.orchestrator.requests import parse_request
 
-from lmkit import errors
-from lmkit.grpc_server import status_for
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from orchestrator import metrics
-from orchestrator.generation import Orchestrator
-from orchestrator.peers import PeerError
-from orchestrator.requests import parse_request
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The drafter offers candidates: a primary chain (its first choice) and
 branches (older n-gram matches, a model's second choices), as a token tree
-(``lmkit.token_tree``). Each node i gets an acceptance estimate a_i =
+(``specsplit.lmkit.token_tree``). Each node i gets an acceptance estimate a_i =
 P(node i accepted | its parent accepted): for first children the per-position
 acceptance of chains (``AdaptiveK.acceptance``), for later siblings
 ``BranchStats``. The node is accepted with its path probability P_i, the
@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from lmkit import token_tree
+from specsplit.lmkit import token_tree
 
 
 def path_probabilities(parents: Sequence[int], accept: Sequence[float]) -> list[float]:

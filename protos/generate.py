@@ -1,9 +1,9 @@
-"""Regenerate the Python gRPC stubs in ``lmkit/proto/`` from ``protos/``.
+"""Regenerate the Python gRPC stubs in ``specsplit/v1/`` from ``protos/``.
 
     python protos/generate.py           # write the stubs
     python protos/generate.py --check   # exit 1 if the committed stubs are stale
 
-The generated modules are imported as ``lmkit.proto.specsplit.v1.specsplit_pb2``;
+The generated modules are imported as ``specsplit.v1.specsplit_pb2``;
 they are never edited by hand.
 """
 
@@ -19,15 +19,7 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-OUT_ROOT = ROOT / "lmkit" / "proto"
-# Generated imports name the proto package path ("specsplit.v1"); the stubs
-# live under lmkit/proto, so rewrite that prefix to stay importable.
-IMPORT_FROM = "from specsplit.v1 import"
-IMPORT_TO = "from lmkit.proto.specsplit.v1 import"
-# Message classes take their __module__ from this argument; it must be the
-# importable path, or pickling a message (Ray Serve's gRPC proxy, Ray actors) fails.
-MODULE_FROM = "BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit."
-MODULE_TO = "BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lmkit.proto.specsplit."
+STUBS = Path("specsplit") / "v1"  # where protoc puts the stubs of package specsplit.v1, under the repository root
 
 
 def proto_files() -> list[Path]:
@@ -35,6 +27,7 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_root: Path) -> None:
+    """Write the stubs under ``out_root / STUBS``."""
     files = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
     args = [
         "grpc_tools.protoc",
@@ -46,11 +39,7 @@ def generate(out_root: Path) -> None:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed; see the message above")
-    for path in out_root.rglob("*.py*"):
-        text = path.read_text()
-        path.write_text(text.replace(IMPORT_FROM, IMPORT_TO).replace(MODULE_FROM, MODULE_TO))
-    for folder in [out_root, *[p for p in out_root.rglob("*") if p.is_dir()]]:
-        (folder / "__init__.py").touch()
+    (out_root / STUBS / "__init__.py").touch()
 
 
 def stale_files(expected_root: Path, actual_root: Path) -> list[str]:
@@ -72,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)
     if not args.check:
-        generate(OUT_ROOT)
-        print(f"wrote stubs for {len(proto_files())} proto file(s) to {OUT_ROOT.relative_to(ROOT)}")
+        generate(ROOT)
+        print(f"wrote stubs for {len(proto_files())} proto file(s) to {STUBS}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
-        stale = stale_files(Path(tmp), OUT_ROOT)
+        stale = stale_files(Path(tmp) / STUBS, ROOT / STUBS)
     if stale:
         print("stale gRPC stubs (run `python protos/generate.py`): " + ", ".join(stale), file=sys.stderr)
         return 1

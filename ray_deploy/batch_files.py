@@ -1,6 +1,6 @@
 """The JSONL formats of ``specsplit batch``: prompts in, one result per finished prompt out.
 
-Pure functions of text and bytes; the file handling is in ``ray_deploy.batch_job``.
+Pure functions of text and bytes; the file handling is in ``specsplit.ray_deploy.batch_job``.
 
 Input, one JSON object a line (blank lines are skipped)::
 
@@ -19,8 +19,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lmkit.kinds import DrafterKind
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from specsplit.lmkit.kinds import DrafterKind
+
+from specsplit.v1 import specsplit_pb2 as pb
 
 # key -> accepted JSON types (bool is not a number here)
 KEYS: dict[str, tuple[type, ...]] = {

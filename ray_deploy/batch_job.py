@@ -5,7 +5,7 @@ sets), else starts a local one. Each worker is a Ray actor holding one
 ``Orchestrator`` connected to the draft and target services; the driver hands
 out prompts and appends each result to the output the moment it arrives
 (flushed and fsynced), so a crash loses no finished result and a re-run skips
-every id already there. Formats: ``ray_deploy.batch_files``.
+every id already there. Formats: ``specsplit.ray_deploy.batch_files``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import server
-from ray_deploy import batch_files, cluster, options, resources
+from specsplit.orchestrator import server
+from specsplit.ray_deploy import batch_files, cluster, options, resources
 
 # Flags of `specsplit batch` that are not orchestrator flags (the rest configure every worker's orchestrator).
 BATCH_ONLY = options.FRONT_ONLY | {"input", "output", "workers", "concurrency", "worker_cpus"}
@@ -50,7 +50,7 @@ class BatchWorker:
     async def _connected(self):
         import asyncio
 
-        from orchestrator.generation import Orchestrator
+        from specsplit.orchestrator.generation import Orchestrator
 
         if self._connecting is None:
             config = server.config_from_args(options.parse_serve_argv(self.argv))
@@ -59,9 +59,9 @@ class BatchWorker:
 
     async def generate(self, fields: dict) -> dict:
         """The output record of one prompt; a transient failure (a service down) raises."""
-        from lmkit import errors
-        from lmkit.grpc_server import status_for
-        from orchestrator.requests import parse_request
+        from specsplit.lmkit import errors
+        from specsplit.lmkit.grpc_server import status_for
+        from specsplit.orchestrator.requests import parse_request
 
         orch = await self._connected()
         try:

@@ -17,8 +17,7 @@ import threading
 import time
 
 import grpc
-
-from lmkit.grpc_server import (
+from specsplit.lmkit.grpc_server import (
     add_servicer,
     create_server,
     serve_until_signal,
@@ -26,12 +25,13 @@ from lmkit.grpc_server import (
     set_serving,
     write_port_file,
 )
-from lmkit.metrics import serve_metrics
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.security import BearerTokenInterceptor, load_token
-from orchestrator import metrics, server
-from ray_deploy import cluster, options, resources, serve_app
+from specsplit.lmkit.metrics import serve_metrics
+from specsplit.lmkit.security import BearerTokenInterceptor, load_token
+from specsplit.orchestrator import metrics, server
+from specsplit.ray_deploy import cluster, options, resources, serve_app
+
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ray_deploy import cluster
+from specsplit.ray_deploy import cluster
 
 # Ray-side keys of ``build_app``'s args (``--ray-<key>`` on the command line);
 # every other key is a ``specsplit serve`` flag.
@@ -92,7 +92,7 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
 
 def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
     """Parse ``specsplit serve`` flags; a bad one is a ValueError naming it (not a SystemExit)."""
-    from orchestrator import server
+    from specsplit.orchestrator import server
 
     parser = server.build_parser()
     try:

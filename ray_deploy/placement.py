@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmkit.processes import start_service
-from orchestrator import server
-from ray_deploy import cluster, resources
-from ray_deploy.resources import Ask
+from specsplit.lmkit.processes import start_service
+from specsplit.orchestrator import server
+from specsplit.ray_deploy import cluster, resources
+from specsplit.ray_deploy.resources import Ask
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0  # a service drains its calls (its own --grace-s) and exits
@@ -138,12 +138,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def placements(args) -> dict[str, tuple[str, list[str], Placement]]:
     """What to start: role -> (module, argv, placement), from ``specsplit up`` flags."""
     wanted = {
-        "target": ("target_service.server", target_argv(args.target_args, args.target_num_gpus),
+        "target": ("specsplit.target_service.server", target_argv(args.target_args, args.target_num_gpus),
                    Placement(args.target_num_cpus, args.target_num_gpus,
                              parse_resources(args.target_resources, "--target-resources"))),
     }
     if not args.no_draft:
-        wanted["draft"] = ("draft_service.server", shlex.split(args.draft_args),
+        wanted["draft"] = ("specsplit.draft_service.server", shlex.split(args.draft_args),
                            Placement(args.draft_num_cpus, args.draft_num_gpus,
                                      parse_resources(args.draft_resources, "--draft-resources")))
     return wanted
@@ -168,7 +168,7 @@ def size_to_cluster(args, cap: resources.Capacity, local: bool) -> list[Ask]:
 
 
 def run(args) -> int:
-    from ray_deploy import front
+    from specsplit.ray_deploy import front
 
     target_model = model_in(target_argv(args.target_args, args.target_num_gpus))
     if target_model and args.tokenizer == server.build_parser().get_default("tokenizer"):

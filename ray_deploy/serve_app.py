@@ -3,19 +3,19 @@
 ``build_app(args)`` is a Serve application builder (``import_path:
 ray_deploy.serve_app:build_app``). ``args`` holds ``specsplit serve`` flags with
 underscores (``{"target": "...", "k": 8}``) plus the Ray keys in
-``ray_deploy.options.RAY_DEFAULTS``. Every replica owns one
+``specsplit.ray_deploy.options.RAY_DEFAULTS``. Every replica owns one
 ``Orchestrator`` and serves ``Generator.Generate`` through the same
 ``GeneratorServicer`` as the plain server, so validation, status codes and
 output are identical. Serve bounds each replica's work
 (``max_ongoing_requests``) and the queue in front of them
 (``max_queued_requests``); a request beyond both is answered RESOURCE_EXHAUSTED.
 
-Three ways in, one deployment: ``specsplit serve --ray`` (``ray_deploy.front``)
+Three ways in, one deployment: ``specsplit serve --ray`` (``specsplit.ray_deploy.front``)
 calls it through a DeploymentHandle; on KubeRay, Serve's own gRPC proxy (port
 9000 by default) calls it with ``SERVICER_FUNCTION`` registered in
 ``grpc_options``, and the replica then checks the bearer token itself; Serve's
 HTTP proxy (``serve --ray --http-port``, KubeRay's port 8000) reaches each
-replica's OpenAI-compatible API (``orchestrator.openai_server``), which checks
+replica's OpenAI-compatible API (``specsplit.orchestrator.openai_server``), which checks
 the token too. Replicas record their metrics through Ray's metrics API, which
 every node's metrics agent exports to Prometheus.
 """
@@ -29,13 +29,13 @@ from typing import Any
 
 import grpc
 from ray import serve
+from specsplit.lmkit.security import load_token
+from specsplit.orchestrator import server
+from specsplit.ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
 
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.security import load_token
-from orchestrator import server
-from ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
+from specsplit.v1 import specsplit_pb2 as pb
 
-SERVICER_FUNCTION = "lmkit.proto.specsplit.v1.specsplit_pb2_grpc.add_GeneratorServicer_to_server"
+SERVICER_FUNCTION = "specsplit.v1.specsplit_pb2_grpc.add_GeneratorServicer_to_server"
 HEALTH_PROBE_S = 5.0  # a target that does not answer Info this fast fails the replica's health check
 SHUTDOWN_POLL_S = 0.5  # a stopping replica checks this often for unfinished generations (Serve's default: 2 s)
 
@@ -97,9 +97,9 @@ class OrchestratorReplica:
     """One orchestrator; Serve runs ``num_replicas`` of them and routes Generate calls and HTTP requests over them."""
 
     async def __init__(self, argv: list[str]) -> None:
-        from orchestrator import metrics
-        from orchestrator.generation import Orchestrator
-        from orchestrator.servicer import GeneratorServicer
+        from specsplit.orchestrator import metrics
+        from specsplit.orchestrator.generation import Orchestrator
+        from specsplit.orchestrator.servicer import GeneratorServicer
 
         metrics.use_backend("ray")
         ns = parse_serve_argv(argv)
@@ -109,7 +109,7 @@ class OrchestratorReplica:
 
     def __serve_build_asgi_app__(self):
         """The replica's HTTP ingress: the OpenAI-compatible API over this replica's orchestrator."""
-        from orchestrator.openai_server import build_app
+        from specsplit.orchestrator.openai_server import build_app
 
         return build_app(self.orch, self.token)
 

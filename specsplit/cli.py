@@ -25,17 +25,17 @@ class Command:
 
 
 COMMANDS = (
-    Command("serve-draft", "run the draft service", "draft_service.server"),
-    Command("serve-target", "run the target service", "target_service.server"),
-    Command("serve", "run the orchestrator (public Generate API); --ray: on Ray Serve", "orchestrator.server",
+    Command("serve-draft", "run the draft service", "specsplit.draft_service.server"),
+    Command("serve-target", "run the target service", "specsplit.target_service.server"),
+    Command("serve", "run the orchestrator (public Generate API); --ray: on Ray Serve", "specsplit.orchestrator.server",
             "orchestrator"),
-    Command("up", "on Ray: place draft and target by resources, serve the orchestrator", "ray_deploy.placement",
+    Command("up", "on Ray: place draft and target by resources, serve the orchestrator", "specsplit.ray_deploy.placement",
             "specsplit-up"),
-    Command("batch", "generate for a JSONL file of prompts on Ray workers (resumable)", "ray_deploy.batch_job", quiet=True),
+    Command("batch", "generate for a JSONL file of prompts on Ray workers (resumable)", "specsplit.ray_deploy.batch_job", quiet=True),
     Command("generate", "stream a completion from a running orchestrator", "specsplit.generate"),
-    Command("demo", "start services on loopback and compare with target-only decoding", "bench.demo", quiet=True),
-    Command("bench", "benchmark speculative vs target-only decoding, write JSON", "bench.speculative", quiet=True),
-    Command("distill", "train a layer-skip exit adapter for a target (KL distillation)", "draft_service.distill"),
+    Command("demo", "start services on loopback and compare with target-only decoding", "specsplit.bench.demo", quiet=True),
+    Command("bench", "benchmark speculative vs target-only decoding, write JSON", "specsplit.bench.speculative", quiet=True),
+    Command("distill", "train a layer-skip exit adapter for a target (KL distillation)", "specsplit.draft_service.distill"),
 )
 _BY_NAME = {command.name: command for command in COMMANDS}
 
@@ -53,8 +53,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 # What only the full specsplit distribution has (the light specsplit-client runs `specsplit generate` alone).
-_MODEL_STACK = ("torch", "ray", "transformers", "orchestrator", "draft_service", "target_service", "ray_deploy",
-                "bench", "lmkit.")
+_MODEL_STACK = ("torch", "ray", "transformers", *(f"specsplit.{folder}" for folder in (
+    "orchestrator", "draft_service", "target_service", "ray_deploy", "bench")), "specsplit.lmkit.")
 
 
 def _module(command: Command):
@@ -79,12 +79,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser(_chosen(argv) or "").parse_args(argv)
     command: Command = args.command_spec
     if command.log_prefix is not None:
-        from lmkit import logs
+        from specsplit.lmkit import logs
 
         logs.configure(args.log_level, command.log_prefix, args.log_format)
     elif command.quiet:
         logging.basicConfig(level=logging.WARNING)
-    from lmkit import errors
+    from specsplit.lmkit import errors
 
     try:
         code = _module(command).run(args)

@@ -21,10 +21,10 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from lmkit.kinds import DrafterKind
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.security import ClientTls
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.security import ClientTls
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 # round_robin: a ``dns:///name:port`` address spreads calls over every replica the name resolves to.
 _BALANCED = (("grpc.lb_policy_name", "round_robin"),)

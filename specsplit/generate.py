@@ -9,10 +9,10 @@ import sys
 
 import grpc
 
-from lmkit.kinds import DrafterKind
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.security import ClientTls
 from specsplit.client import SAMPLING_MODES, AsyncClient, build_request, drafter_value
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.security import ClientTls
+from specsplit.v1 import specsplit_pb2 as pb
 
 
 def non_negative(text: str) -> int:

@@ -19,7 +19,7 @@ Long feeds (a prompt's prefill) do not join a batch: padding every row to the
 prompt's length would cost more than it saves.
 
 That padded gather is the path for models the packed forward does not run
-(``lmkit.packed_rows``: sliding windows, linear attention, a sharded model).
+(``specsplit.lmkit.packed_rows``: sliding windows, linear attention, a sharded model).
 A model with it installed packs the rows end to end instead, with no padding
 and no copy of any past: each row attends to its own cache in place.
 
@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from specsplit.lmkit import packed_rows
+from specsplit.lmkit.kvcache import SessionCache, cache_kwargs
+from specsplit.lmkit.transfer import to_device, to_host
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
-
-from lmkit import packed_rows
-from lmkit.kvcache import SessionCache, cache_kwargs
-from lmkit.transfer import to_device, to_host
 
 
 @dataclass(frozen=True)

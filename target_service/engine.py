@@ -1,7 +1,7 @@
 """The target engine: per-session KV caches and one-pass verification of draft blocks.
 
 No grpc here: the servicer converts protos to these calls and maps
-``lmkit.errors`` to status codes.
+``specsplit.lmkit.errors`` to status codes.
 """
 
 from __future__ import annotations
@@ -12,18 +12,17 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
-
-from lmkit import draws, errors, packed_rows, token_tree
-from lmkit.costs import LinearCost
-from lmkit.features import FeatureBlock
-from lmkit.kinds import TREE_MODES, VerificationMode
-from lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
-from lmkit.packed_linear import pack_linears
-from lmkit.sampling import SamplingParams, first_rows, logits_to_probs, rows_when_reached
-from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
-from target_service import rejection, tree_verify
-from target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
-from target_service.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, committed_logprobs
+from specsplit.lmkit import draws, errors, packed_rows, token_tree
+from specsplit.lmkit.costs import LinearCost
+from specsplit.lmkit.features import FeatureBlock
+from specsplit.lmkit.kinds import TREE_MODES, VerificationMode
+from specsplit.lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
+from specsplit.lmkit.packed_linear import pack_linears
+from specsplit.lmkit.sampling import SamplingParams, first_rows, logits_to_probs, rows_when_reached
+from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
+from specsplit.target_service import rejection, tree_verify
+from specsplit.target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
+from specsplit.target_service.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, committed_logprobs
 
 _MIN_FIT_SAMPLES = 8  # forwards before the cost fit is used
 
@@ -113,7 +112,7 @@ class TargetEngine:
         batch_invariant: bool = False,  # never share a forward between sessions (docs/protocol.md)
     ) -> None:
         """``fast_forward``: pack the linear layers for oneDNN (fp32 CPU) and run verify steps through the
-        packed-rows forward (``lmkit.packed_rows``) where the model allows (full attention only: a
+        packed-rows forward (``specsplit.lmkit.packed_rows``) where the model allows (full attention only: a
         sliding-window model keeps the stock forward); off, the model's stock forward."""
         check_cache_layout(model)
         if fast_forward and new_cache is None and next(model.parameters()).device.type == "cpu":

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
-from lmkit.wire import MAX_TOP_LOGPROBS
+from specsplit.lmkit.wire import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def spawn(world: int, argv: list[str], cuda: bool) -> list[subprocess.Popen]:
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         if not cuda:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one node: ranks talk over loopback
-        ranks.append(subprocess.Popen([sys.executable, "-m", "target_service.server", *argv], env=env))
+        ranks.append(subprocess.Popen([sys.executable, "-m", "specsplit.target_service.server", *argv], env=env))
     return ranks
 
 

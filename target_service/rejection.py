@@ -18,7 +18,7 @@ would have sampled them (greedy: exactly its argmax tokens), whatever the drafte
 Randomness is passed in, never drawn here: ``uniforms`` [k+1, 2] holds two
 float64 draws per position of the block, ``uniforms[i, 0]`` for the test of
 draft token i and ``uniforms[i, 1]`` for the recovered token at i (or the bonus
-token, i = k). The target takes them from ``lmkit.draws`` keyed by the absolute
+token, i = k). The target takes them from ``specsplit.lmkit.draws`` keyed by the absolute
 position of each row, so a position's verdict is a pure function of the block,
 the distributions and the seed, and no draw ever decides two positions.
 
@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
-from lmkit.draws import ACCEPT, SAMPLE, gumbel_max, inverse_cdf
+from specsplit.lmkit.draws import ACCEPT, SAMPLE, gumbel_max, inverse_cdf
 
 # Rows of target_probs / draft_probs must sum to 1 within this; catches logits passed by mistake
 # while tolerating bf16/fp16 softmax rounding.

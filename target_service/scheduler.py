@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from lmkit import errors
-from lmkit.grpc_server import ComputeThread
-from target_service.engine import TargetEngine, Verification, VerifyItem
+from specsplit.lmkit import errors
+from specsplit.lmkit.grpc_server import ComputeThread
+from specsplit.target_service.engine import TargetEngine, Verification, VerifyItem
 
 # Run on the compute thread just before the forward: the item with its tensors decoded (draft_probs).
 Prepare = Callable[[VerifyItem], VerifyItem]
@@ -56,7 +56,7 @@ class VerifyScheduler:
 
     async def verify(self, item: VerifyItem, prepare: Prepare | None = None) -> Verification:
         """``item``'s verification, batched with other sessions'. ``prepare`` (optional) completes the item on
-        the compute thread (tensor work stays off the event loop: ``lmkit.grpc_server.ComputeThread``); an
+        the compute thread (tensor work stays off the event loop: ``specsplit.lmkit.grpc_server.ComputeThread``); an
         ``errors.SpecsplitError`` it raises fails this item alone."""
         future = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(item, future, prepare))

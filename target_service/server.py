@@ -10,15 +10,15 @@ import signal
 import sys
 
 import torch
+from specsplit.lmkit import logs, models
+from specsplit.lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.target_service import ranks, tp
+from specsplit.target_service.engine import TargetEngine
+from specsplit.target_service.servicer import TargetServicer
 
-from lmkit import logs, models
-from lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.sessions import SessionLimits
-from target_service import ranks, tp
-from target_service.engine import TargetEngine
-from target_service.servicer import TargetServicer
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name

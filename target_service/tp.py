@@ -23,9 +23,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-
-from lmkit import errors
-from lmkit.kvcache import SessionCache
+from specsplit.lmkit import errors
+from specsplit.lmkit.kvcache import SessionCache
 
 log = logging.getLogger(__name__)
 

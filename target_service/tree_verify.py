@@ -4,7 +4,7 @@ Token trees (SpecInfer, Miao et al. 2024, "SpecInfer: Accelerating Large
 Language Model Serving with Tree-based Speculative Inference and
 Verification"; Sequoia, Chen et al. 2024; EAGLE-2, Li et al. 2024): the
 draft offers several continuations at once, merged into a tree
-(``lmkit.token_tree``), and the target scores every node in one forward.
+(``specsplit.lmkit.token_tree``), and the target scores every node in one forward.
 Row 0 of the target's output is p after the context; row i + 1 is p after
 node i (the sequence on node i's root path). The walk starts at the context:
 
@@ -25,7 +25,7 @@ node i (the sequence on node i's root path). The walk starts at the context:
 The answer is the accepted path (node indices, root first) and the next token;
 a chain gives the same verdict as the chain verifiers of ``rejection``.
 
-Randomness is passed in (``lmkit.draws``): the walk decides one node per
+Randomness is passed in (``specsplit.lmkit.draws``): the walk decides one node per
 depth, so the uniforms are indexed by depth, i.e. by absolute position:
 ``uniforms[d]`` decides the token at the d-th position after the context, its
 column ``ACCEPT`` tests a node's first child, ``SAMPLE`` samples the
@@ -38,9 +38,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from lmkit import token_tree
-from lmkit.draws import ACCEPT, SAMPLE, inverse_cdf
+from specsplit.lmkit import token_tree
+from specsplit.lmkit.draws import ACCEPT, SAMPLE, inverse_cdf
 
 ROW_SUM_TOLERANCE = 1e-2  # as the chain verifiers: catches logits passed as probabilities
 

@@ -97,9 +97,8 @@ VOCAB = 49152  # SmolLM2's vocabulary: tiny models share it, so any of them draf
 @pytest.fixture(scope="session")
 def gguf_tokenizer():
     """The SmolLM2 tokenizer, read straight from the bundled GGUF (no conversion needed)."""
+    from specsplit.lmkit.models import bundled_gguf
     from transformers import AutoTokenizer
-
-    from lmkit.models import bundled_gguf
 
     gguf = bundled_gguf()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -166,7 +165,7 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_target_dir, gguf_tokenizer):
     """The tiny target's own greedy continuations (24 tokens) of TINY_PROMPTS: what every equality test expects."""
-    from lmkit import models
+    from specsplit.lmkit import models
 
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
     prompts_ids = [gguf_tokenizer.encode(p) for p in TINY_PROMPTS]
@@ -200,8 +199,8 @@ class Services:
     """A target and a draft server on 127.0.0.1 with their engines (for session counts)."""
 
     def __init__(self, loop: BackgroundLoop, target_engine, draft_engine, max_batch: int = 32) -> None:
-        from draft_service.server import start_server as start_draft
-        from target_service.server import start_server as start_target
+        from specsplit.draft_service.server import start_server as start_draft
+        from specsplit.target_service.server import start_server as start_target
 
         self.loop = loop
         self.target_engine = target_engine
@@ -217,10 +216,10 @@ class Services:
 
 
 def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32):
-    from draft_service.engine import DraftEngine
-    from lmkit import models
-    from lmkit.sessions import SessionLimits
-    from target_service.engine import TargetEngine
+    from specsplit.draft_service.engine import DraftEngine
+    from specsplit.lmkit import models
+    from specsplit.lmkit.sessions import SessionLimits
+    from specsplit.target_service.engine import TargetEngine
 
     target_model = models.load_model(models.ModelSpec(target_ref))
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(target_ref))
@@ -249,9 +248,9 @@ def tiny_services(background_loop, tiny_target_dir, tiny_draft_dir):
 @pytest.fixture(scope="module")
 def public_api(tiny_services, tiny_target_dir, background_loop):
     """The public Generate API (an in-process orchestrator server) over ``tiny_services``."""
-    from orchestrator.config import OrchestratorConfig
-    from orchestrator.generation import Orchestrator
-    from orchestrator.server import start_server
+    from specsplit.orchestrator.config import OrchestratorConfig
+    from specsplit.orchestrator.generation import Orchestrator
+    from specsplit.orchestrator.server import start_server
 
     config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
     orch = background_loop.run(Orchestrator.connect(config))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from draft_service.drafter import DraftBlock, Drafter
-from draft_service.registry import DrafterEntry, register
-from lmkit.kinds import DrafterKind
+from specsplit.draft_service.drafter import DraftBlock, Drafter
+from specsplit.draft_service.registry import DrafterEntry, register
+from specsplit.lmkit.kinds import DrafterKind
 
 REPEAT = DrafterKind(90, "REPEAT")
 
@@ -41,6 +41,6 @@ class RepeatDrafter(Drafter):
 register(DrafterEntry(REPEAT, lambda c: RepeatDrafter(c.prompt)))
 
 if __name__ == "__main__":
-    from draft_service.server import main
+    from specsplit.draft_service.server import main
 
     main()

@@ -1,5 +1,5 @@
 """A proposal whose session closed stops at the next decoder layer, so the draft's compute thread serves the
-other sessions (``draft_service.abandon``).
+other sessions (``specsplit.draft_service.abandon``).
 
 The case it fixes: a draft service holding the int8 self-draft and an EAGLE head. The int8 drafter's first
 proposal prefills a long prompt for longer than the orchestrator's draft timeout; the orchestrator gives up
@@ -14,17 +14,17 @@ import asyncio
 import threading
 
 import pytest
+from specsplit.draft_service.abandon import decoder_layers
+from specsplit.draft_service.engine import DraftEngine
+from specsplit.draft_service.ngram import NgramConfig
+from specsplit.draft_service.self_draft import QuantizeMode, quantized_view
+from specsplit.lmkit import errors
+from specsplit.lmkit.features import FeatureBlock
+from specsplit.lmkit.grpc_server import ComputeThread
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
 
-from draft_service.abandon import decoder_layers
-from draft_service.engine import DraftEngine
-from draft_service.ngram import NgramConfig
-from draft_service.self_draft import QuantizeMode, quantized_view
-from lmkit import errors
-from lmkit.features import FeatureBlock
-from lmkit.grpc_server import ComputeThread
-from lmkit.kinds import DrafterKind
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits
 from tests.test_eagle import SEQUENCE, fresh_proposal, head, target_features, tiny  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.unit

@@ -1,13 +1,11 @@
 """The K controller: the round model, server-wide acceptance by quality, load, overlap, and the loop's use of them."""
 
 import pytest
-
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from orchestrator.acceptance import AcceptanceStats, StatsKey, Verification, quality_of
-from orchestrator.adaptive_k import AdaptiveK
-from orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
-from orchestrator.rate import (
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.orchestrator.acceptance import AcceptanceStats, StatsKey, Verification, quality_of
+from specsplit.orchestrator.adaptive_k import AdaptiveK
+from specsplit.orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
+from specsplit.orchestrator.rate import (
     ALONE,
     CostModel,
     Load,
@@ -16,6 +14,8 @@ from orchestrator.rate import (
     expected_tokens,
     expected_tokens_by_position,
 )
+
+from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
@@ -152,7 +152,7 @@ def test_a_block_in_a_packed_forward_adds_its_own_tokens_and_in_a_padded_one_wid
 
 
 def test_the_load_signal_reads_the_forwards_tokens_where_its_rows_were_packed():
-    from orchestrator.loop import load_of
+    from specsplit.orchestrator.loop import load_of
 
     packed = pb.VerifyResult(batch_size=8, batch_width=2, others_committed=9, batch_tokens=13, batch_packed=True)
     assert load_of(packed, fed=3) == Load(8, 9.0, others_tokens=10)

@@ -6,12 +6,12 @@ import asyncio
 
 import grpc
 import pytest
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.server import start_server
 
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Orchestrator
-from orchestrator.server import start_server
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
@@ -53,7 +53,7 @@ def test_generations_beyond_the_limit_are_refused_then_admitted(small_api, tiny_
 
 
 def test_target_session_limit_is_resource_exhausted(tiny_services):
-    from lmkit.sessions import SessionLimits
+    from specsplit.lmkit.sessions import SessionLimits
 
     engine = tiny_services.target_engine
     original = engine.sessions.limits

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from lmkit import models
-from lmkit.kvcache import SessionCache
-from target_service.batched_forward import Step, forward_batch, split_by_width
+from specsplit.lmkit import models
+from specsplit.lmkit.kvcache import SessionCache
+from specsplit.target_service.batched_forward import Step, forward_batch, split_by_width
 
 pytestmark = pytest.mark.unit
 
@@ -56,9 +55,9 @@ def test_similar_widths_or_a_dear_forward_keep_one_batch():
 def greedy_rounds(engine, contexts, blocks, together: bool) -> tuple[list[list[int]], list[int]]:
     """Sessions over ``contexts`` verify ``blocks`` round by round, all in one ``verify_batch`` or each alone;
     returns each session's tokens and the verifying forwards each round ran."""
-    from lmkit.kinds import VerificationMode
-    from lmkit.sampling import SamplingParams
-    from target_service.engine import VerifyItem
+    from specsplit.lmkit.kinds import VerificationMode
+    from specsplit.lmkit.sampling import SamplingParams
+    from specsplit.target_service.engine import VerifyItem
 
     sessions = [engine.open(f"s{i}", c, SamplingParams(), VerificationMode.GREEDY) for i, c in enumerate(contexts)]
     for session in sessions:  # prefills run alone on every path
@@ -81,8 +80,8 @@ def greedy_rounds(engine, contexts, blocks, together: bool) -> tuple[list[list[i
 
 def test_a_batch_invariant_target_verifies_every_session_alone_in_bf16(tiny_target_dir):
     """``batch_invariant=True`` never shares a forward: each session's bf16 greedy tokens are its solo ones."""
-    from lmkit.sessions import SessionLimits
-    from target_service.engine import TargetEngine
+    from specsplit.lmkit.sessions import SessionLimits
+    from specsplit.target_service.engine import TargetEngine
 
     model = models.load_model(models.ModelSpec(str(tiny_target_dir), dtype="bfloat16"))
     gen = torch.Generator().manual_seed(1)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from bench.bf16_flips import compare, first_divergence
+from specsplit.bench.bf16_flips import compare, first_divergence
 
 pytestmark = pytest.mark.unit
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from bench import interleaved
-from bench.speculative import build_parser
-from lmkit.kinds import DrafterKind
+from specsplit.bench import interleaved
+from specsplit.bench.speculative import build_parser
+from specsplit.lmkit.kinds import DrafterKind
 
 pytestmark = pytest.mark.unit
 

@@ -1,12 +1,11 @@
-"""bench.load's pure parts: Poisson arrivals, percentiles, and goodput against the SLOs."""
+"""specsplit.bench.load's pure parts: Poisson arrivals, percentiles, and goodput against the SLOs."""
 
 from __future__ import annotations
 
 import statistics
 
 import pytest
-
-from bench.load import Sample, arrivals, percentiles, summarise
+from specsplit.bench.load import Sample, arrivals, percentiles, summarise
 
 pytestmark = pytest.mark.unit
 

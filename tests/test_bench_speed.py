@@ -7,11 +7,10 @@ import json
 import time
 
 import pytest
-
-from bench import speed
-from bench.evaluation import RunResult, theoretical_speedup
-from bench.prompts import DemoPrompt
-from lmkit.processes import cpu_seconds, cpu_used
+from specsplit.bench import speed
+from specsplit.bench.evaluation import RunResult, theoretical_speedup
+from specsplit.bench.prompts import DemoPrompt
+from specsplit.lmkit.processes import cpu_seconds, cpu_used
 
 pytestmark = pytest.mark.unit
 

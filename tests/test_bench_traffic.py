@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from bench import traffic
-from bench.evaluation import RunResult
-from bench.prompts import MIXED_PROMPTS, PROMPT_SETS, DemoPrompt, load_prompt_set
+from specsplit.bench import traffic
+from specsplit.bench.evaluation import RunResult
+from specsplit.bench.prompts import MIXED_PROMPTS, PROMPT_SETS, DemoPrompt, load_prompt_set
 
 pytestmark = pytest.mark.unit
 

@@ -13,12 +13,11 @@ import random
 
 import pytest
 import torch
-
-from lmkit.kinds import VerificationMode
-from lmkit.kvcache import check_cache_layout, rows_share_rope
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits
-from target_service.engine import TargetEngine, Verification, VerifyItem
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.kvcache import check_cache_layout, rows_share_rope
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.target_service.engine import TargetEngine, Verification, VerifyItem
 
 pytestmark = pytest.mark.unit
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from bench.chaos import checker, schedule
-from bench.chaos.checker import Record
+from specsplit.bench.chaos import checker, schedule
+from specsplit.bench.chaos.checker import Record
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,8 @@ session (bench.chaos.checker); the long run and its figures are in docs/reliabil
 from __future__ import annotations
 
 import pytest
-
-from bench.chaos import schedule
-from bench.chaos.__main__ import build_parser, run
+from specsplit.bench.chaos import schedule
+from specsplit.bench.chaos.__main__ import build_parser, run
 
 pytestmark = pytest.mark.services
 

@@ -7,9 +7,8 @@ import sys
 
 import pytest
 import torch
-
-from lmkit import models
-from lmkit.processes import start_service
+from specsplit.lmkit import models
+from specsplit.lmkit.processes import start_service
 
 pytestmark = pytest.mark.services
 
@@ -19,12 +18,12 @@ def stack(tmp_path_factory, tiny_target_dir, tiny_draft_dir):
     work = tmp_path_factory.mktemp("cli")
     started = []
     try:
-        target = start_service("target_service.server", "target", ["--model", str(tiny_target_dir)], work, 300)
+        target = start_service("specsplit.target_service.server", "target", ["--model", str(tiny_target_dir)], work, 300)
         started.append(target)
-        draft = start_service("draft_service.server", "draft", ["--model", str(tiny_draft_dir)], work, 300)
+        draft = start_service("specsplit.draft_service.server", "draft", ["--model", str(tiny_draft_dir)], work, 300)
         started.append(draft)
         orch = start_service(
-            "orchestrator.server", "orchestrator",
+            "specsplit.orchestrator.server", "orchestrator",
             ["--target", target.address, "--draft", draft.address, "--tokenizer", str(tiny_target_dir)], work, 300,
         )
         started.append(orch)

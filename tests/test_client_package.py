@@ -71,8 +71,8 @@ def test_the_wheel_holds_the_light_client_and_pins_what_the_full_package_pins(wh
     assert modules == {
         "specsplit/__init__.py", "specsplit/cli.py", "specsplit/client.py", "specsplit/generate.py",
         "lmkit/__init__.py", "lmkit/errors.py", "lmkit/kinds.py", "lmkit/security.py", "lmkit/proto/__init__.py",
-        "lmkit/proto/specsplit/__init__.py", "lmkit/proto/specsplit/v1/__init__.py",
-        "lmkit/proto/specsplit/v1/specsplit_pb2.py", "lmkit/proto/specsplit/v1/specsplit_pb2_grpc.py",
+        "lmkit/proto/specsplit/__init__.py", "specsplit/v1/__init__.py",
+        "specsplit/v1/specsplit_pb2.py", "specsplit/v1/specsplit_pb2_grpc.py",
     }
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))).decode()
     requires = sorted(re.findall(r"^Requires-Dist: (\S+)", metadata, re.M))

@@ -2,7 +2,7 @@
 
 With OpenMP every thread that starts a parallel region gets its own team of
 helpers; a second team on a service's event loop makes libgomp stop spinning
-between regions and slows every forward (``lmkit.grpc_server.ComputeThread``).
+between regions and slows every forward (``specsplit.lmkit.grpc_server.ComputeThread``).
 The check: a torch function mode on the servers' event-loop thread records
 every torch call there that touches a tensor of ATen's parallel grain or more
 (the size from which a kernel opens a parallel region), while a DRAFT_PROBS
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from torch.overrides import TorchFunctionMode
 
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services

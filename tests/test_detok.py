@@ -6,8 +6,7 @@ import importlib.util
 import random
 
 import pytest
-
-from orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
+from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
 
 pytestmark = pytest.mark.unit
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from bench import gpu_models
-from lmkit import models
-from lmkit.kvcache import SessionCache, cache_kwargs
-from lmkit.transfer import to_device, to_host
+from specsplit.bench import gpu_models
+from specsplit.lmkit import models
+from specsplit.lmkit.kvcache import SessionCache, cache_kwargs
+from specsplit.lmkit.transfer import to_device, to_host
 
 pytestmark = pytest.mark.unit
 

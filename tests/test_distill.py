@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import torch
-
-from draft_service import distill, eagle_distill, eagle_head, self_draft
-from draft_service.server import build_parser as draft_parser
-from draft_service.server import check_self_draft_flags, derive_drafts
-from lmkit import models
-from lmkit.kinds import DrafterKind
+from specsplit.draft_service import distill, eagle_distill, eagle_head, self_draft
+from specsplit.draft_service.server import build_parser as draft_parser
+from specsplit.draft_service.server import check_self_draft_flags, derive_drafts
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
 
 pytestmark = pytest.mark.services
 

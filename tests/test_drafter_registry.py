@@ -7,11 +7,11 @@ import sys
 
 import grpc
 import pytest
+from specsplit.lmkit.processes import start_service
 
-from lmkit.processes import start_service
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from specsplit.client import AsyncClient
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import TINY_PROMPTS, run_async
 
 pytestmark = pytest.mark.services
@@ -22,10 +22,11 @@ REPEAT = 90  # tests/plugin_drafter.py's kind; this process never imports that m
 @pytest.fixture(scope="module")
 def plugin_stack(tmp_path_factory, tiny_target_dir, background_loop):
     """The plugin drafter's service (a process), the tiny target and an orchestrator (in-process) over them."""
-    from orchestrator.config import OrchestratorConfig
-    from orchestrator.generation import Orchestrator
-    from orchestrator.server import start_server
-    from target_service.server import start_server as start_target
+    from specsplit.orchestrator.config import OrchestratorConfig
+    from specsplit.orchestrator.generation import Orchestrator
+    from specsplit.orchestrator.server import start_server
+    from specsplit.target_service.server import start_server as start_target
+
     from tests.conftest import make_engines
 
     assert "tests.plugin_drafter" not in sys.modules

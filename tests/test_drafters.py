@@ -10,16 +10,15 @@ import copy
 
 import pytest
 import torch
-
-from draft_service import self_draft
-from draft_service.chain import ChainDrafter
-from draft_service.model_drafter import ModelDrafter
-from draft_service.ngram import NgramConfig, NgramDrafter
-from draft_service.registry import DRAFTERS, DraftRequestContext
-from draft_service.self_draft import ExitAdapter, QuantizeMode
-from lmkit import models
-from lmkit.kinds import DrafterKind, default_chain
-from lmkit.sampling import SamplingParams
+from specsplit.draft_service import self_draft
+from specsplit.draft_service.chain import ChainDrafter
+from specsplit.draft_service.model_drafter import ModelDrafter
+from specsplit.draft_service.ngram import NgramConfig, NgramDrafter
+from specsplit.draft_service.registry import DRAFTERS, DraftRequestContext
+from specsplit.draft_service.self_draft import ExitAdapter, QuantizeMode
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind, default_chain
+from specsplit.lmkit.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -14,18 +14,18 @@ import sys
 import grpc
 import pytest
 import torch
+from specsplit.draft_service import self_draft
+from specsplit.draft_service.engine import DraftEngine
+from specsplit.draft_service.registry import DRAFTERS
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.links import LinkPolicy
 
-from draft_service import self_draft
-from draft_service.engine import DraftEngine
-from draft_service.registry import DRAFTERS
-from lmkit import models
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.links import LinkPolicy
+from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_bad_input import GREEDY, draft_exchange, expect_status
 from tests.test_sampling_e2e import PROMPT, assert_distributed_as, exact_first_two
@@ -121,7 +121,7 @@ def test_info_lists_every_drafter(self_draft_services):
 
 
 async def _info(address):
-    from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+    from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         return await pb_grpc.DraftServiceStub(channel).Info(pb.InfoRequest())
@@ -221,8 +221,8 @@ def test_self_drafter_not_served_is_a_failed_precondition(tiny_services):
 
 
 def test_public_request_chain_is_validated(self_draft_services, tiny_target_dir):
-    from lmkit import errors
-    from orchestrator.requests import parse_request
+    from specsplit.lmkit import errors
+    from specsplit.orchestrator.requests import parse_request
 
     async def go():
         config = OrchestratorConfig(

@@ -7,17 +7,17 @@ import math
 
 import pytest
 import torch
+from specsplit.draft_service import eagle_head, eagle_train
+from specsplit.draft_service.eagle import EagleDrafter
+from specsplit.lmkit import errors, models
+from specsplit.lmkit.features import FeatureBlock, decode_features
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.lmkit.wire import features_from_proto, features_to_proto, join_features
+from specsplit.target_service.engine import TargetEngine, VerifyItem
 
-from draft_service import eagle_head, eagle_train
-from draft_service.eagle import EagleDrafter
-from lmkit import errors, models
-from lmkit.features import FeatureBlock, decode_features
-from lmkit.kinds import VerificationMode
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits
-from lmkit.wire import features_from_proto, features_to_proto, join_features
-from target_service.engine import TargetEngine, VerifyItem
+from specsplit.v1 import specsplit_pb2 as pb
 from tests.eagle_heads import write_eagle3_head
 
 pytestmark = pytest.mark.unit

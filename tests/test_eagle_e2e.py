@@ -14,17 +14,17 @@ import sys
 import grpc
 import pytest
 import torch
+from specsplit.draft_service import eagle_head
+from specsplit.draft_service.engine import DraftEngine
+from specsplit.draft_service.ngram import NgramConfig
+from specsplit.lmkit import errors, models
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 
-from draft_service import eagle_head
-from draft_service.engine import DraftEngine
-from draft_service.ngram import NgramConfig
-from lmkit import errors, models
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async, save_tiny_llama
 from tests.eagle_heads import write_eagle3_head
 from tests.test_bad_input import GREEDY, draft_exchange, expect_status, target_exchange
@@ -119,7 +119,7 @@ def test_features_travel_with_each_result_and_are_counted(eagle_services, tiny_t
 
 def test_info_names_the_layers_and_width_the_head_reads(eagle_services):
     async def info():
-        from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+        from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
         async with grpc.aio.insecure_channel(eagle_services.draft_address) as channel:
             draft = await pb_grpc.DraftServiceStub(channel).Info(pb.InfoRequest())
@@ -211,7 +211,7 @@ def narrow_target_services(background_loop, tmp_path_factory, gguf_tokenizer, ti
 
 
 def test_a_head_for_another_target_is_refused_at_session_open(narrow_target_services):
-    from orchestrator.requests import parse_request
+    from specsplit.orchestrator.requests import parse_request
 
     services, narrow = narrow_target_services
 

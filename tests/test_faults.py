@@ -13,14 +13,14 @@ import time
 
 import grpc
 import pytest
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import start_service
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.links import LinkPolicy
 
-from lmkit import models
-from lmkit.kinds import DrafterKind
-from lmkit.processes import start_service
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.links import LinkPolicy
 from tests.conftest import reference_greedy, run_async
 
 pytestmark = pytest.mark.services
@@ -36,7 +36,7 @@ def expected(tiny_target_dir, gguf_tokenizer):
 
 
 def free_port() -> int:
-    from target_service.ranks import free_port as pick
+    from specsplit.target_service.ranks import free_port as pick
 
     return pick()
 
@@ -62,7 +62,7 @@ async def generate_with_fault(target_address, draft_address, tokenizer_dir, faul
 
 
 def test_killed_draft_falls_back_to_target_only(tmp_path, tiny_target_dir, tiny_draft_dir, tiny_services, expected):
-    draft = start_service("draft_service.server", "draft", ["--model", str(tiny_draft_dir)], tmp_path, 300)
+    draft = start_service("specsplit.draft_service.server", "draft", ["--model", str(tiny_draft_dir)], tmp_path, 300)
     try:
         ids, stats = run_async(generate_with_fault(
             tiny_services.target_address, draft.address, tiny_target_dir,
@@ -98,7 +98,7 @@ class Restartable:
 
 
 def test_draft_is_reattached_when_it_comes_back(tmp_path, tiny_target_dir, tiny_draft_dir, tiny_services, expected):
-    draft = Restartable("draft_service.server", ["--model", str(tiny_draft_dir)], tmp_path)
+    draft = Restartable("specsplit.draft_service.server", ["--model", str(tiny_draft_dir)], tmp_path)
     try:
         policy = LinkPolicy(draft_retry_s=0.05)
         ids, stats = run_async(generate_with_fault(
@@ -110,8 +110,8 @@ def test_draft_is_reattached_when_it_comes_back(tmp_path, tiny_target_dir, tiny_
 
 
 def test_target_restarted_mid_generation_is_reopened(tmp_path, tiny_target_dir, tiny_draft_dir, expected):
-    target = Restartable("target_service.server", ["--model", str(tiny_target_dir)], tmp_path)
-    draft = start_service("draft_service.server", "draft", ["--model", str(tiny_draft_dir)], tmp_path, 300)
+    target = Restartable("specsplit.target_service.server", ["--model", str(tiny_target_dir)], tmp_path)
+    draft = start_service("specsplit.draft_service.server", "draft", ["--model", str(tiny_draft_dir)], tmp_path, 300)
     try:
         ids, stats = run_async(generate_with_fault(target.address, draft.address, tiny_target_dir, target.kill_and_restart))
     finally:
@@ -122,7 +122,7 @@ def test_target_restarted_mid_generation_is_reopened(tmp_path, tiny_target_dir, 
 
 
 def test_target_down_past_its_deadline_is_unavailable_not_a_hang(tmp_path, tiny_target_dir, tiny_services):
-    target = start_service("target_service.server", "target", ["--model", str(tiny_target_dir)], tmp_path, 300)
+    target = start_service("specsplit.target_service.server", "target", ["--model", str(tiny_target_dir)], tmp_path, 300)
     policy = LinkPolicy(target_deadline_s=2.0)
     started = time.monotonic()
     with pytest.raises(Exception) as info:
@@ -137,11 +137,11 @@ def test_target_down_past_its_deadline_is_unavailable_not_a_hang(tmp_path, tiny_
 def test_sigterm_drains_in_flight_generations_and_refuses_new_ones(tmp_path, tiny_target_dir, tiny_services):
     import grpc
 
-    from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-    from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+    from specsplit.v1 import specsplit_pb2 as pb
+    from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
     orch = start_service(
-        "orchestrator.server", "orchestrator",
+        "specsplit.orchestrator.server", "orchestrator",
         ["--target", tiny_services.target_address, "--draft", "", "--tokenizer", str(tiny_target_dir),
          "--grace-s", "20"], tmp_path, 300,
     )

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.orchestrator.acceptance import AcceptanceStats, StatsKey, Verification, quality_of
+from specsplit.orchestrator.adaptive_k import AdaptiveK
+from specsplit.orchestrator.free_ask import NO_BLOCK, QualityMix, best_saving_s
+from specsplit.orchestrator.link_cost import LinkCosts
+from specsplit.orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
+from specsplit.orchestrator.rate import ALONE, CostModel, Load
 
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from orchestrator.acceptance import AcceptanceStats, StatsKey, Verification, quality_of
-from orchestrator.adaptive_k import AdaptiveK
-from orchestrator.free_ask import NO_BLOCK, QualityMix, best_saving_s
-from orchestrator.link_cost import LinkCosts
-from orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
-from orchestrator.rate import ALONE, CostModel, Load
+from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
@@ -185,7 +185,7 @@ def test_what_an_ask_slows_the_forward_it_overlaps_by_is_measured_against_forwar
 
 
 def test_after_quiet_every_forwards_with_an_ask_one_runs_without():
-    from orchestrator.rate import QUIET_EVERY
+    from specsplit.orchestrator.rate import QUIET_EVERY
 
     costs = CostModel()
     for _ in range(QUIET_EVERY - 1):
@@ -224,7 +224,7 @@ def test_an_ask_ahead_that_slows_the_target_more_than_it_saves_is_not_made():
 
 
 def test_the_loop_sends_no_ask_ahead_when_a_quiet_forward_is_due():
-    from orchestrator.rate import QUIET_EVERY
+    from specsplit.orchestrator.rate import QUIET_EVERY
 
     stats = AcceptanceStats()
     weak_traffic(stats)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.services
 

@@ -8,12 +8,12 @@ tiny random target (fast) and on the real SmolLM2 target with the default
 from __future__ import annotations
 
 import pytest
+from specsplit.bench.prompts import DEMO_PROMPTS
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 
-from bench.prompts import DEMO_PROMPTS
-from lmkit.kinds import DrafterKind
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
 from tests.conftest import TINY_PROMPTS, Services, make_engines, reference_greedy, run_async
 
 pytestmark = pytest.mark.services
@@ -121,7 +121,7 @@ def smollm2_services(background_loop):
 def smollm2_reference():
     """The demo prompts (chat template) and the stock model's own greedy continuations: transformers' own
     forward, not the target's fast one (oneDNN linears, KV buffers, packed rows)."""
-    from lmkit import models
+    from specsplit.lmkit import models
 
     tokenizer = models.load_tokenizer("smollm2-135m")
     prompts_ids = [

@@ -14,12 +14,12 @@ import math
 
 import pytest
 import torch
+from specsplit.lmkit import errors, models
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.target_service.engine import TargetEngine, Verification, VerifyItem
 
-from lmkit import errors, models
-from lmkit.kinds import VerificationMode
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits
-from target_service.engine import TargetEngine, Verification, VerifyItem
 from tests.conftest import TINY_PROMPTS
 
 pytestmark = pytest.mark.unit
@@ -139,8 +139,7 @@ def test_a_bad_session_fails_alone_and_the_others_commit_their_solo_results(
 
 def test_an_internal_error_is_the_internal_status():
     import grpc
-
-    from lmkit.grpc_server import status_for
+    from specsplit.lmkit.grpc_server import status_for
 
     assert status_for(errors.Internal("x")) == grpc.StatusCode.INTERNAL
 
@@ -151,8 +150,8 @@ def test_a_block_whose_preparation_fails_fails_alone_in_the_scheduler(model, ggu
     import asyncio
     import threading
 
-    from lmkit.grpc_server import ComputeThread
-    from target_service.scheduler import VerifyScheduler
+    from specsplit.lmkit.grpc_server import ComputeThread
+    from specsplit.target_service.scheduler import VerifyScheduler
 
     expected = solo_results(model, gguf_tokenizer, fast_forward, "greedy")
     engine = new_engine(model, fast_forward)

@@ -162,7 +162,7 @@ def test_orchestrator_dials_headless_services(rendered, overlay):
 
 def test_client_channels_balance_per_call(monkeypatch):
     """What the headless Services rely on: open_channel asks gRPC for round_robin."""
-    from orchestrator import peers
+    from specsplit.orchestrator import peers
 
     seen = {}
     monkeypatch.setattr(peers.grpc.aio, "insecure_channel", lambda target, options: seen.update(options))
@@ -184,14 +184,14 @@ def test_container_args_parse_with_the_real_cli(rendered, overlay):
 
 def test_ray_service_app_args_build_an_orchestrator_config(rendered):
     """serveConfigV2's args go through the same parsing build_app does (without importing Ray)."""
-    from orchestrator import server
-    from ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
+    from specsplit.orchestrator import server
+    from specsplit.ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
 
     docs = rendered["gpu-prod"]
     spec = checks.find(docs, "RayService", "specsplit-orchestrator")["spec"]
     serve = yaml.safe_load(spec["serveConfigV2"])
     (app,) = serve["applications"]
-    assert app["import_path"] == "ray_deploy.serve_app:build_app"
+    assert app["import_path"] == "specsplit.ray_deploy.serve_app:build_app"
     flags = {k: v for k, v in app["args"].items() if k not in RAY_DEFAULTS}
     config = server.config_from_args(parse_serve_argv(flags_to_argv(flags)))
     assert config.peer_tls.enabled, "gpu-prod's orchestrator reaches draft and target over mTLS"
@@ -199,10 +199,10 @@ def test_ray_service_app_args_build_an_orchestrator_config(rendered):
         value, kind = app["args"][key], type(RAY_DEFAULTS[key])
         assert not isinstance(value, (str, bool)) and kind(value) == value, f"{key}: expected a {kind.__name__}"
     # The gRPC proxy serves Generate with our generated stubs, on the port the client Service exposes.
-    import lmkit.proto.specsplit.v1.specsplit_pb2_grpc as stubs
+    import specsplit.v1.specsplit_pb2_grpc as stubs
 
     (servicer,) = serve["grpc_options"]["grpc_servicer_functions"]
-    assert servicer == "lmkit.proto.specsplit.v1.specsplit_pb2_grpc.add_GeneratorServicer_to_server"
+    assert servicer == "specsplit.v1.specsplit_pb2_grpc.add_GeneratorServicer_to_server"
     assert hasattr(stubs, "add_GeneratorServicer_to_server")
     # ... and Serve's HTTP proxy the OpenAI-compatible API; the client Service exposes both.
     port, http_port = serve["grpc_options"]["port"], serve["http_options"]["port"]

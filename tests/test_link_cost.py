@@ -7,12 +7,11 @@ import random
 import statistics
 
 import pytest
-
-from lmkit.kinds import DrafterKind, VerificationMode
-from orchestrator.acceptance import AcceptanceStats, Verification
-from orchestrator.adaptive_k import AdaptiveK
-from orchestrator.link_cost import DEADLINE_FLOOR_S, LinkCosts, RttEstimator, expected_max
-from orchestrator.rate import CostModel
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.orchestrator.acceptance import AcceptanceStats, Verification
+from specsplit.orchestrator.adaptive_k import AdaptiveK
+from specsplit.orchestrator.link_cost import DEADLINE_FLOOR_S, LinkCosts, RttEstimator, expected_max
+from specsplit.orchestrator.rate import CostModel
 
 pytestmark = pytest.mark.unit
 

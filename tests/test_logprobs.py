@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
-
-from lmkit import errors, models
-from lmkit.kinds import VerificationMode
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits
-from target_service.engine import TargetEngine, VerifyItem
-from target_service.logprobs import committed_logprobs
+from specsplit.lmkit import errors, models
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.target_service.engine import TargetEngine, VerifyItem
+from specsplit.target_service.logprobs import committed_logprobs
 
 pytestmark = pytest.mark.unit
 

@@ -8,11 +8,11 @@ import grpc
 import openai
 import pytest
 import torch
+from specsplit.lmkit import models
+from specsplit.lmkit.processes import start_service
+from specsplit.target_service.ranks import free_port
 
-from lmkit import models
-from lmkit.processes import start_service
 from specsplit.client import Client
-from target_service.ranks import free_port
 
 pytestmark = pytest.mark.services
 
@@ -56,7 +56,7 @@ def test_json_log_lines_of_a_generation_carry_its_request_id(tiny_services, tiny
     and SIGTERM stopping both servers cleanly."""
     http_port = free_port()
     orchestrator = start_service(
-        "orchestrator.server", "orchestrator",
+        "specsplit.orchestrator.server", "orchestrator",
         ["--target", tiny_services.target_address, "--draft", tiny_services.draft_address, "--tokenizer",
          str(tiny_target_dir), "--log-format", "json", "--log-level", "DEBUG", "--http-port", str(http_port),
          "--served-model-name", "tiny"], tmp_path, 300,

@@ -8,11 +8,11 @@ import urllib.request
 import grpc
 import pytest
 from prometheus_client import REGISTRY
+from specsplit.lmkit.processes import start_service
+from specsplit.target_service.ranks import free_port
 
-from lmkit.processes import start_service
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from target_service.ranks import free_port
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
@@ -74,7 +74,7 @@ def test_orchestrator_counts_requests_tokens_acceptance_and_latencies(public_api
 
 def test_service_exports_sessions_over_http(tmp_path, tiny_target_dir):
     port = free_port()
-    target = start_service("target_service.server", "target",
+    target = start_service("specsplit.target_service.server", "target",
                            ["--model", str(tiny_target_dir), "--metrics-port", str(port)], tmp_path, 300)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from draft_service.model_drafter import ModelDrafter
-from lmkit import models
-from lmkit.sampling import SamplingParams
+from specsplit.draft_service.model_drafter import ModelDrafter
+from specsplit.lmkit import models
+from specsplit.lmkit.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -22,9 +22,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import pytest
-
-from lmkit import models
-from target_service.ranks import free_port
+from specsplit.lmkit import models
+from specsplit.target_service.ranks import free_port
 
 pytestmark = pytest.mark.services
 

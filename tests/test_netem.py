@@ -1,4 +1,4 @@
-"""The emulated link (``bench.netem``): its schedule, and a relay process measured against what it was asked.
+"""The emulated link (``specsplit.bench.netem``): its schedule, and a relay process measured against what it was asked.
 
 The schedule tests are pure (``unit``). The relay tests start real relay
 processes in front of a TCP echo server on 127.0.0.1 (``services``): the added
@@ -15,9 +15,8 @@ import threading
 import time
 
 import pytest
-
-from bench.netem import LinkProcess, Shape, _Schedule, start_link
-from bench.netem_check import _Echo, ping_pong_s, self_check
+from specsplit.bench.netem import LinkProcess, Shape, _Schedule, start_link
+from specsplit.bench.netem_check import _Echo, ping_pong_s, self_check
 
 
 def schedule(shape: Shape, seed: int = 0) -> _Schedule:

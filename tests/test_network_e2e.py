@@ -1,6 +1,6 @@
 """Speculation across emulated links keeps correctness.
 
-Relays (``bench.netem``, real processes) sit between the orchestrator and the
+Relays (``specsplit.bench.netem``, real processes) sit between the orchestrator and the
 draft and target services (real gRPC on 127.0.0.1) and delay, jitter or stall
 each link. Greedy output stays the target's own; with a tight draft deadline
 some blocks come late and are dropped, and replies arrive in either order,
@@ -18,13 +18,13 @@ import threading
 import time
 
 import pytest
+from specsplit.bench.netem import Shape, links
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.links import LinkPolicy
 
-from bench.netem import Shape, links
-from lmkit.kinds import DrafterKind
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.links import LinkPolicy
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_sampling_e2e import assert_distributed_as
 from tests.test_speed_e2e import PROMPT, exact_joint
@@ -129,7 +129,7 @@ def test_replies_in_either_order_and_late_blocks_keep_greedy_output(self_drafted
 def test_sampling_is_lossless_across_delayed_links_with_late_blocks(self_drafted, tiny_target_dir, tmp_path):
     """Overlapped sampling (draft probabilities from the target's own weights) over jittery links with a
     tight draft deadline: the output is the target's distribution; the same test rejects a nearby one."""
-    from lmkit import models
+    from specsplit.lmkit import models
 
     sampling = SamplingParams(temperature=4.0, top_k=3)
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
@@ -160,7 +160,8 @@ def test_a_stalled_draft_link_costs_a_round_at_most_its_deadline(tiny_services, 
     """The draft link stalls after a few rounds for longer than the draft's timeout, then recovers. No round
     waits past the deadline (without deadlines each would wait the 1 s timeout); the stream is dropped and
     re-attached in the background, speculation resumes, and the output is the target's own."""
-    from lmkit import models
+    from specsplit.lmkit import models
+
     from tests.conftest import reference_greedy
 
     prompt = gguf_tokenizer.encode(TINY_PROMPTS[2])
@@ -270,7 +271,7 @@ def test_a_cold_proposal_is_not_waited_for_past_what_its_block_could_save(tiny_s
 
 def stepping_at_50_ms():
     """Costs with a 50 ms target step measured: a block of 4 saves at most 0.2 s."""
-    from orchestrator.rate import CostModel
+    from specsplit.orchestrator.rate import CostModel
 
     costs = CostModel()
     for _ in range(4):
@@ -280,8 +281,9 @@ def stepping_at_50_ms():
 
 def model_draft_link(orch, costs):
     """A draft link for a MODEL session of ``orch``'s draft, pricing its waits with ``costs``."""
-    from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-    from orchestrator.links import DraftLink
+    from specsplit.orchestrator.links import DraftLink
+
+    from specsplit.v1 import specsplit_pb2 as pb
 
     return DraftLink(orch.draft, lambda sid, tokens: pb.DraftOpen(
         session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy(), costs, DrafterKind.MODEL)

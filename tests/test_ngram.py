@@ -6,9 +6,8 @@ import random
 
 import pytest
 import torch
-
-from draft_service.drafter import Drafter, MatchQuality
-from draft_service.ngram import MAX_MATCH, MAX_NGRAM, NgramConfig, NgramDrafter
+from specsplit.draft_service.drafter import Drafter, MatchQuality
+from specsplit.draft_service.ngram import MAX_MATCH, MAX_NGRAM, NgramConfig, NgramDrafter
 
 pytestmark = pytest.mark.unit
 

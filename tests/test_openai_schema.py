@@ -6,11 +6,9 @@ import json
 import logging
 
 import pytest
-
-from lmkit import logs
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from orchestrator.config import OrchestratorConfig
-from orchestrator.openai_schema import (
+from specsplit.lmkit import logs
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.openai_schema import (
     ChatCompletionRequest,
     ChatShape,
     CompletionRequest,
@@ -19,6 +17,8 @@ from orchestrator.openai_schema import (
     to_generate_request,
     validate,
 )
+
+from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
@@ -124,13 +124,13 @@ def test_shapes_of_chunks_and_whole_responses():
 
 def test_log_lines_carry_the_request_id_of_their_task(capsys):
     logs.configure("INFO", "orchestrator", "json")
-    log = logging.getLogger("orchestrator.test")
+    log = logging.getLogger("specsplit.orchestrator.test")
     with logs.request_context("req-7"):
         log.info("inside")
     log.info("outside")
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert [(line["message"], line.get("request_id")) for line in lines] == [("inside", "req-7"), ("outside", None)]
-    assert lines[0]["component"] == "orchestrator" and lines[0]["logger"] == "orchestrator.test"
+    assert lines[0]["component"] == "orchestrator" and lines[0]["logger"] == "specsplit.orchestrator.test"
     logs.configure("INFO", "orchestrator", "text")
     with logs.request_context("req-8"):
         log.warning("tagged")

@@ -6,10 +6,9 @@ import math
 import random
 
 import pytest
-
-from bench import gpu_models
-from bench.oracle_drafter import Oracle, OracleDrafter
-from lmkit import models
+from specsplit.bench import gpu_models
+from specsplit.bench.oracle_drafter import Oracle, OracleDrafter
+from specsplit.lmkit import models
 
 pytestmark = pytest.mark.unit
 

@@ -11,12 +11,11 @@ import copy
 
 import pytest
 import torch
-
-from lmkit import models, packed_rows, token_tree
-from lmkit.kv_buffer import KVBuffer
-from lmkit.kvcache import SessionCache
-from lmkit.packed_linear import PackedLinear, pack_linears
-from target_service.batched_forward import Step, forward_batch
+from specsplit.lmkit import models, packed_rows, token_tree
+from specsplit.lmkit.kv_buffer import KVBuffer
+from specsplit.lmkit.kvcache import SessionCache
+from specsplit.lmkit.packed_linear import PackedLinear, pack_linears
+from specsplit.target_service.batched_forward import Step, forward_batch
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from lmkit.probs_codec import MAX_DECODED_CELLS, EncodedProbs, decode_probs, encode_probs, quantize_probs
+from specsplit.lmkit.probs_codec import MAX_DECODED_CELLS, EncodedProbs, decode_probs, encode_probs, quantize_probs
 
 pytestmark = pytest.mark.unit
 

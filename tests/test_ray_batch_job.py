@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
+from specsplit.ray_deploy import batch_files
 
-from ray_deploy import batch_files
 from specsplit import cli
 from tests.conftest import run_async
 from tests.test_ray_serve import generate

@@ -14,10 +14,10 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from specsplit.target_service.ranks import free_port
 
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from target_service.ranks import free_port
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 from tests.ray_fixtures import start_cli
 from tests.test_ray_serve import generate

@@ -12,9 +12,9 @@ import time
 
 import pytest
 import torch
+from specsplit.ray_deploy.placement import Placement, model_in, parse_resources, target_argv
 
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from ray_deploy.placement import Placement, model_in, parse_resources, target_argv
+from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import run_async
 from tests.ray_fixtures import start_cli
 from tests.test_ray_serve import generate
@@ -61,7 +61,7 @@ def test_services_land_on_the_nodes_that_have_their_resources(up, ray_cluster):
 
 
 def test_up_serves_the_targets_greedy_output(up, tiny_target_dir):
-    from lmkit import models
+    from specsplit.lmkit import models
 
     tokenizer = models.load_tokenizer(str(tiny_target_dir))
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))

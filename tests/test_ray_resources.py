@@ -1,4 +1,4 @@
-"""`ray_deploy.resources`: sizing the defaults to a local cluster and refusing what can never be scheduled.
+"""`specsplit.ray_deploy.resources`: sizing the defaults to a local cluster and refusing what can never be scheduled.
 
 Plain arithmetic on resource dicts; no Ray is started (the waiting part runs in test_ray_placement.py).
 """
@@ -6,8 +6,7 @@ Plain arithmetic on resource dicts; no Ray is started (the waiting part runs in 
 from __future__ import annotations
 
 import pytest
-
-from ray_deploy.resources import Ask, Capacity, never_fits, refusal, replica_ask, require, size_cpus
+from specsplit.ray_deploy.resources import Ask, Capacity, never_fits, refusal, replica_ask, require, size_cpus
 
 pytestmark = pytest.mark.unit
 

@@ -12,10 +12,10 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specsplit.ray_deploy import options
 
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from ray_deploy import options
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async, wait_until
 from tests.ray_fixtures import start_cli
 
@@ -61,7 +61,7 @@ def request(prompt: str, max_new_tokens: int, **fields) -> pb.GenerateRequest:
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_ray_served_greedy_output_equals_the_plain_orchestrator(ray_front, public_api, drafter):
-    from lmkit.kinds import DrafterKind
+    from specsplit.lmkit.kinds import DrafterKind
 
     kind = DrafterKind[drafter.upper()].value
     for prompt in PROMPTS:
@@ -147,12 +147,12 @@ def test_invalid_request_keeps_its_status_and_message(ray_front):
 
 def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir, background_loop, monkeypatch):
     """check_health passes while the target answers and raises once it is gone (Serve then replaces the replica)."""
-    from orchestrator import metrics
-    from ray_deploy.serve_app import OrchestratorReplica
+    from specsplit.orchestrator import metrics
+    from specsplit.ray_deploy.serve_app import OrchestratorReplica
 
     # The replica's __init__ switches its process to Ray's metrics backend; here that process is pytest's worker.
     monkeypatch.setattr(metrics, "_backend", metrics._backend)
-    from target_service.server import start_server
+    from specsplit.target_service.server import start_server
 
     target_server, port = background_loop.run(start_server(tiny_services.target_engine))
     replica = OrchestratorReplica.func_or_class.__new__(OrchestratorReplica.func_or_class)
@@ -170,7 +170,7 @@ def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir,
 
 
 def test_build_app_turns_args_into_the_same_flags():
-    from ray_deploy.serve_app import build_app
+    from specsplit.ray_deploy.serve_app import build_app
 
     args = {"target": "dns:///target:50052", "draft": "", "k": 4, "fixed_k": True, "num_replicas": 3}
     assert options.flags_to_argv({k: v for k, v in args.items() if k != "num_replicas"}) == [

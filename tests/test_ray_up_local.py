@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import TINY_PROMPTS, run_async
 from tests.ray_fixtures import start_cli
 from tests.test_ray_serve import generate

@@ -10,11 +10,10 @@ import math
 
 import pytest
 import torch
-
-from lmkit import draws
-from lmkit.kinds import VerificationMode
-from lmkit.sampling import SamplingParams, logits_to_probs
-from target_service.rejection import (
+from specsplit.lmkit import draws
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
+from specsplit.target_service.rejection import (
     Verdict,
     verify_coupled,
     verify_coupled_rows,

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-
-from lmkit.draws import SAMPLE, inverse_cdf
-from lmkit.probs_codec import decode_probs, encode_probs, quantize_probs
-from target_service.rejection import (
+from specsplit.lmkit.draws import SAMPLE, inverse_cdf
+from specsplit.lmkit.probs_codec import decode_probs, encode_probs, quantize_probs
+from specsplit.target_service.rejection import (
     Verdict,
     verify_coupled,
     verify_draft_probs,
     verify_token_only,
 )
+
 from tests.test_rejection import seeded
 
 pytestmark = pytest.mark.stats

@@ -17,11 +17,10 @@ import collections
 import pytest
 import torch
 from scipy import stats
-
-from lmkit.kinds import VerificationMode
-from lmkit.sampling import SamplingParams, logits_to_probs
-from lmkit.sessions import SessionLimits
-from target_service.engine import TargetEngine
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.target_service.engine import TargetEngine
 
 pytestmark = pytest.mark.stats
 
@@ -90,7 +89,7 @@ def test_reopening_before_every_token_keeps_the_targets_distribution(engine):
 
 
 def test_negative_control_replaying_the_first_positions_draws_is_caught(engine, monkeypatch):
-    from lmkit import draws
+    from specsplit.lmkit import draws
 
     real = draws.uniforms
 

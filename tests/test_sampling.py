@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from lmkit.sampling import SamplingParams, first_rows, logits_to_probs, rows_when_reached
+from specsplit.lmkit.sampling import SamplingParams, first_rows, logits_to_probs, rows_when_reached
 
 pytestmark = pytest.mark.unit
 
@@ -200,7 +199,7 @@ def test_bad_logits_are_refused(logits, message):
 @pytest.mark.parametrize("scale", [0.3, 2.0, 6.0])  # flat rows (wide nucleus: the full sort) to peaked ones
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999])
 def test_nucleus_from_candidates_equals_the_full_sort(monkeypatch, scale, top_p):
-    from lmkit import sampling
+    from specsplit.lmkit import sampling
 
     generator = torch.Generator().manual_seed(int(scale * 10) + int(top_p * 1000))
     scaled = torch.randn(12, 5000, generator=generator) * scale
@@ -253,7 +252,7 @@ def test_first_rows_are_each_blocks_row_0_and_a_failing_group_fails_alone():
 @pytest.mark.parametrize("top_p", [1.0, 0.3, 0.9, 0.95])
 @pytest.mark.parametrize("scale", [0.3, 4.0])
 def test_top_k_from_candidates_equals_the_full_sort(top_k, top_p, scale):
-    from lmkit import sampling
+    from specsplit.lmkit import sampling
 
     scaled = torch.randn(8, 5000, generator=torch.Generator().manual_seed(top_k)) * scale
     scaled[2] = (scaled[2] * 4).round()  # many exact ties, some straddling the k-th place or the top-p cut

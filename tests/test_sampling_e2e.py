@@ -13,12 +13,12 @@ import collections
 import pytest
 import torch
 from scipy import stats
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.links import LinkPolicy
 
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.sampling import SamplingParams, logits_to_probs
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.links import LinkPolicy
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
@@ -79,7 +79,7 @@ def test_seeded_sampling_is_reproducible(tiny_services, tiny_target_dir, drafter
 
 def exact_first_two(model_dir, sampling: SamplingParams, prompt=PROMPT) -> dict[tuple[int, int], float]:
     """The target's own joint distribution of the first two sampled tokens."""
-    from lmkit import models
+    from specsplit.lmkit import models
 
     model = models.load_model(models.ModelSpec(str(model_dir)))
     with torch.inference_mode():

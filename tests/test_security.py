@@ -12,17 +12,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specsplit.lmkit import errors
+from specsplit.lmkit.grpc_server import ComputeThread, start_in_process
+from specsplit.lmkit.security import ClientTls, ServerTls
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.server import start_server
+from specsplit.target_service.server import SERVICE_NAME as TARGET_SERVICE
+from specsplit.target_service.servicer import TargetServicer
 
-from lmkit import errors
-from lmkit.grpc_server import ComputeThread, start_in_process
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.security import ClientTls, ServerTls
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Orchestrator
-from orchestrator.server import start_server
-from target_service.server import SERVICE_NAME as TARGET_SERVICE
-from target_service.servicer import TargetServicer
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
@@ -72,7 +72,8 @@ def tls_target(loop, engine, tls: ServerTls):
 async def generate_once(config: OrchestratorConfig) -> str:
     orch = await Orchestrator.connect(config)
     try:
-        from lmkit.kinds import DrafterKind
+        from specsplit.lmkit.kinds import DrafterKind
+
         from tests.test_greedy_e2e import generate_ids
 
         return await generate_ids(orch, [1, 2, 3], 0, DrafterKind.NGRAM, 4)
@@ -153,12 +154,13 @@ def test_tls_flags_are_checked():
 
 def test_health_port_answers_plaintext_probes_while_the_main_port_requires_mtls(pki, tmp_path):
     """Kubernetes gRPC probes cannot present certificates: --health-port serves health alone, plaintext."""
-    from lmkit.processes import start_service
+    from specsplit.lmkit.processes import start_service
+
     from tests.test_faults import free_port
 
     health_port = free_port()
     tls = ["--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"], "--tls-ca", pki["ca.pem"]]
-    draft = start_service("draft_service.server", "draft", [*tls, "--health-port", str(health_port)], tmp_path, 120)
+    draft = start_service("specsplit.draft_service.server", "draft", [*tls, "--health-port", str(health_port)], tmp_path, 120)
 
     async def probe():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:

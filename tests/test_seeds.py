@@ -1,6 +1,6 @@
 """Seeds through the whole system: what a seed promises, kept under faults, K, overlap and batching.
 
-Every draw is keyed by (seed, stream, absolute position, index) (``lmkit.draws``),
+Every draw is keyed by (seed, stream, absolute position, index) (``specsplit.lmkit.draws``),
 so a lost target session re-opened from the committed tokens decides each
 position with the same draws it would have used had nothing happened: the
 output of a seed does not depend on how often the target loses its sessions.
@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from specsplit.lmkit import errors
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.links import LinkPolicy
+from specsplit.target_service.engine import TargetEngine
 
-from lmkit import errors
-from lmkit.kinds import DrafterKind, VerificationMode
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.links import LinkPolicy
-from target_service.engine import TargetEngine
 from tests.conftest import Services, make_engines, run_async
 
 pytestmark = pytest.mark.services

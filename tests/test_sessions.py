@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
@@ -91,7 +91,7 @@ def test_many_sequential_sessions_leave_nothing_behind(public_api, tiny_services
 
 
 def test_idle_sessions_are_evicted_after_the_ttl(tiny_services):
-    from target_service.servicer import TargetServicer
+    from specsplit.target_service.servicer import TargetServicer
 
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
@@ -117,9 +117,9 @@ def test_idle_sessions_are_evicted_after_the_ttl(tiny_services):
 def test_a_model_draft_session_reads_its_context_before_its_first_proposal(tiny_services):
     """Right after the open the draft prefills the context on its compute thread (the orchestrator's first round
     runs meanwhile), so the first proposal drafts from a warm cache; its block is the one a cold proposal drafts."""
-    from draft_service.ngram import NgramConfig
-    from lmkit.kinds import DrafterKind
-    from lmkit.sampling import SamplingParams
+    from specsplit.draft_service.ngram import NgramConfig
+    from specsplit.lmkit.kinds import DrafterKind
+    from specsplit.lmkit.sampling import SamplingParams
 
     prompt = [(7 * i) % 200 + 3 for i in range(48)]
     engine = tiny_services.draft_engine

@@ -1,9 +1,8 @@
 """Session bookkeeping shared by both services: bounded, unique ids, counters."""
 
 import pytest
-
-from lmkit import errors
-from lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
+from specsplit.lmkit import errors
+from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 
 pytestmark = pytest.mark.unit
 

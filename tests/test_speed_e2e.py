@@ -14,12 +14,12 @@ import itertools
 
 import pytest
 import torch
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.links import LinkPolicy
 
-from lmkit.kinds import DrafterKind
-from lmkit.sampling import SamplingParams, logits_to_probs
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.links import LinkPolicy
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_sampling_e2e import assert_distributed_as
 
@@ -137,7 +137,7 @@ def test_overlapped_sampling_is_lossless(self_draft_services, tiny_target_dir):
     """Draft probabilities from the target's own weights: drafts are always accepted and the bonus guess
     is right about a third of the time, so 4 tokens mix used and discarded overlapped blocks; 16
     sessions at a time, so blocks are verified in shared forwards too."""
-    from lmkit import models
+    from specsplit.lmkit import models
 
     sampling = SamplingParams(temperature=4.0, top_k=3)
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
@@ -205,7 +205,7 @@ def test_free_drafts_cut_by_quality_keep_sampling_lossless(tiny_services, tiny_t
     statistics (which change as the sessions, two at a time, report): the cut, and whether to ask at all, depend on
     the block's quality and earlier blocks, never on its draws, so the output is the target's distribution; a
     nearby distribution is rejected."""
-    from lmkit import models
+    from specsplit.lmkit import models
 
     # The lookup always finds a match to copy, and the tiny target repeats its last token (p(504) = 0.63 after 504
     # at T = 4, top-k 3), so copies pass often enough that the controller keeps asking and cutting.

@@ -14,17 +14,17 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import start_service
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.links import LinkPolicy
+from specsplit.target_service.tp import check_divisible
 
-from lmkit import models
-from lmkit.kinds import DrafterKind
-from lmkit.processes import start_service
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from lmkit.sampling import SamplingParams
-from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import GenerationRequest, Orchestrator
-from orchestrator.links import LinkPolicy
-from target_service.tp import check_divisible
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import reference_greedy, run_async
 
 pytestmark = pytest.mark.services
@@ -35,7 +35,7 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "1, 2
 @pytest.fixture(scope="module")
 def tp2_target(tmp_path_factory, tiny_target_dir):
     service = start_service(
-        "target_service.server", "tp2", ["--model", str(tiny_target_dir), "--tp", "2", "--grace-s", "2"],
+        "specsplit.target_service.server", "tp2", ["--model", str(tiny_target_dir), "--tp", "2", "--grace-s", "2"],
         tmp_path_factory.mktemp("tp2"), 300,
     )
     yield service
@@ -115,10 +115,10 @@ async def health(address: str) -> str:
 def test_killing_a_rank_takes_the_target_down_and_the_client_sees_unavailable(
     tmp_path, tiny_target_dir, tiny_services, background_loop
 ):
-    from orchestrator.server import start_server
+    from specsplit.orchestrator.server import start_server
 
     target = start_service(
-        "target_service.server", "tp2-kill",
+        "specsplit.target_service.server", "tp2-kill",
         ["--model", str(tiny_target_dir), "--tp", "2", "--grace-s", "1", "--tp-timeout-s", "20"], tmp_path, 300,
     )
     try:

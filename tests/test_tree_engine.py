@@ -13,13 +13,13 @@ import random
 
 import pytest
 import torch
+from specsplit.lmkit import errors, models, token_tree
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.kvcache import SessionCache
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.target_service.engine import TargetEngine, VerifyItem
 
-from lmkit import errors, models, token_tree
-from lmkit.kinds import VerificationMode
-from lmkit.kvcache import SessionCache
-from lmkit.sampling import SamplingParams
-from lmkit.sessions import SessionLimits
-from target_service.engine import TargetEngine, VerifyItem
 from tests.conftest import reference_greedy
 
 pytestmark = pytest.mark.unit
@@ -147,7 +147,7 @@ def test_trees_need_a_tree_mode_and_the_packed_forward(engine, tiny_target_dir):
 
 
 def test_the_model_drafters_tree_leaves_nothing_behind_whichever_branch_wins(tiny_draft_dir):
-    from draft_service.model_drafter import ModelDrafter
+    from specsplit.draft_service.model_drafter import ModelDrafter
 
     model = models.load_model(models.ModelSpec(str(tiny_draft_dir)))
     prompt = [1, 400, 2000, 31, 77]

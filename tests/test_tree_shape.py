@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from specsplit.draft_service.chain import ChainDrafter
+from specsplit.draft_service.ngram import NgramConfig, NgramDrafter
+from specsplit.lmkit import token_tree
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.orchestrator.links import DraftCall
+from specsplit.orchestrator.loop import LoopConfig, LoopStats, _Ahead, _Loop
+from specsplit.orchestrator.tree_shape import BranchStats, choose_nodes, node_acceptance, path_probabilities
 
-from draft_service.chain import ChainDrafter
-from draft_service.ngram import NgramConfig, NgramDrafter
-from lmkit import token_tree
-from lmkit.kinds import DrafterKind
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from orchestrator.links import DraftCall
-from orchestrator.loop import LoopConfig, LoopStats, _Ahead, _Loop
-from orchestrator.tree_shape import BranchStats, choose_nodes, node_acceptance, path_probabilities
+from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.unit
 

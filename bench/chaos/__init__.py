@@ -1,9 +1,9 @@
 """A chaos soak: real processes under load while faults land, and a checker over what clients saw.
 
-    python -m bench.chaos --json bench/results/chaos.json --duration-s 1800 [--seed 7 --clients 12]
+    python -m specsplit.bench.chaos --json bench/results/chaos.json --duration-s 1800 [--seed 7 --clients 12]
 
 Target, draft and orchestrator run as processes on loopback, the draft behind
-an emulated link (``bench.netem``). Clients stream greedy and seeded sampling
+an emulated link (``specsplit.bench.netem``). Clients stream greedy and seeded sampling
 requests (COUPLED verification, so a seed's tokens are fixed) from a fixed
 catalogue while a fault schedule drawn from a seed
 (``schedule``) kills and restarts services, stalls and slows the draft link,

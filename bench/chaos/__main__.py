@@ -1,4 +1,4 @@
-"""``python -m bench.chaos``: a chaos soak against real processes, then the checks; writes JSON, exits 1 on a broken promise."""
+"""``python -m specsplit.bench.chaos``: a chaos soak against real processes, then the checks; writes JSON, exits 1 on a broken promise."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import grpc
-
-from bench.chaos import checker, schedule
-from bench.chaos.driver import (
+from specsplit.bench.chaos import checker, schedule
+from specsplit.bench.chaos.driver import (
     LinkControl,
     Load,
     catalogue,
@@ -23,9 +22,10 @@ from bench.chaos.driver import (
     run_faults,
     sample_rss,
 )
-from bench.chaos.stack import Stack
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from specsplit.bench.chaos.stack import Stack
+
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 
 async def _max_context(address: str) -> int:
@@ -94,7 +94,7 @@ def run(args, workdir: Path) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m specsplit.bench.chaos", description=__doc__)
     parser.add_argument("--json", default="", help="write the report here")
     parser.add_argument("--model", default="smollm2-135m", help="target model")
     parser.add_argument("--draft-model", default="", help="draft model (empty: n-gram only)")

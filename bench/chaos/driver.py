@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Callable
 
 import grpc
+from specsplit.bench.chaos import schedule
+from specsplit.bench.chaos.checker import Record, Window
+from specsplit.bench.chaos.stack import Stack
+from specsplit.bench.netem import LinkProcess, Shape
 
-from bench.chaos import schedule
-from bench.chaos.checker import Record, Window
-from bench.chaos.stack import Stack
-from bench.netem import LinkProcess, Shape
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as pb
-from lmkit.proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 # Grounded prompts (prompt lookup drafts them) and open ones (it rarely does), as a user's traffic mixes them.
 PROMPTS = (

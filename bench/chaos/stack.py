@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.netem import LinkProcess, Shape, start_link
-from lmkit.processes import ServiceProcess, start_service
-from target_service.ranks import free_port
+from specsplit.bench.netem import LinkProcess, Shape, start_link
+from specsplit.lmkit.processes import ServiceProcess, start_service
+from specsplit.target_service.ranks import free_port
 
 
 @dataclass
@@ -61,8 +61,8 @@ class Stack:
                  orchestrator_args: list[str]) -> None:
         self.workdir = workdir
         self.grace_s = grace_s
-        self.target = Restartable("target_service.server", "target", ["--model", target_model], workdir)
-        self.draft = Restartable("draft_service.server", "draft", draft_args, workdir)
+        self.target = Restartable("specsplit.target_service.server", "target", ["--model", target_model], workdir)
+        self.draft = Restartable("specsplit.draft_service.server", "draft", draft_args, workdir)
         self._orchestrator_args = [
             "--target", self.target.address, "--tokenizer", target_model, "--grace-s", str(grace_s),
             *orchestrator_args,
@@ -79,7 +79,7 @@ class Stack:
         self.draft.start()
         self.draft_link = start_link(self.draft.address, Shape(), self.workdir, "draft-link")
         args = [*self._orchestrator_args, "--draft", self.draft_link.address]
-        self.orchestrator = Restartable("orchestrator.server", "orchestrator", args, self.workdir)
+        self.orchestrator = Restartable("specsplit.orchestrator.server", "orchestrator", args, self.workdir)
         self.orchestrator.start()
 
     def restart(self, service: Restartable, down_s: float) -> None:

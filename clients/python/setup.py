@@ -12,15 +12,15 @@ from setuptools.command.build_py import build_py
 
 BUILD = Path(__file__).resolve().parent / "build"
 
-PACKAGES = ["specsplit", "lmkit", "lmkit.proto", "lmkit.proto.specsplit", "lmkit.proto.specsplit.v1"]
+PACKAGES = ["specsplit", "specsplit.v1", "specsplit.lmkit"]
 MODULES = {
     "specsplit": {"__init__", "cli", "client", "generate"},
-    "lmkit": {"__init__", "errors", "kinds", "security"},
+    "specsplit.lmkit": {"__init__", "errors", "kinds", "security"},
 }
 
 
 class LightModules(build_py):
-    """Only the listed modules of ``specsplit`` and ``lmkit`` (their other modules need the model stack)."""
+    """Only the listed modules of ``specsplit`` and ``specsplit.lmkit`` (their other modules need the model stack)."""
 
     def find_package_modules(self, package, package_dir):
         modules = super().find_package_modules(package, package_dir)
@@ -32,7 +32,8 @@ shutil.rmtree(BUILD / "lib", ignore_errors=True)  # no module of an earlier sele
 BUILD.mkdir(exist_ok=True)
 setup(
     packages=PACKAGES,
+    package_dir={"": "../..", "specsplit.lmkit": "../../lmkit"},  # the full distribution's mapping
     options={"egg_info": {"egg_base": "build"}},  # not into the repository root (package-dir)
-    package_data={"lmkit.proto.specsplit.v1": ["*.pyi"]},
+    package_data={"specsplit.v1": ["*.pyi"]},
     cmdclass={"build_py": LightModules},
 )

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from lmkit.proto.specsplit.v1 import specsplit_pb2 as specsplit_dot_v1_dot_specsplit__pb2
+from specsplit.v1 import specsplit_pb2 as specsplit_dot_v1_dot_specsplit__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

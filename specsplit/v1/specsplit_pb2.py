@@ -28,7 +28,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecsplit/v1/s
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lmkit.proto.specsplit.v1.specsplit_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.specsplit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFICATIONMODE']._serialized_start=4857
