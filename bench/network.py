@@ -55,7 +55,7 @@ from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.orchestrator.loop import LoopStats
-from specsplit.orchestrator.rate import expected_tokens
+from specsplit.orchestrator.policy.model import expected_tokens
 
 GREEDY = SamplingParams()
 
@@ -154,7 +154,7 @@ async def _level(addresses: dict[str, str], args, prompts, cells: list[Cell], ro
             for cell in cells[start:] + cells[:start]:
                 runs.setdefault(cell.name, []).append(await passes(cell))
             runs["target-only"].append(await passes(target_only))
-        links = orch.costs.links
+        links = orch.measured.costs.links
         measured = {name: {"srtt_ms": round(rtt.srtt * 1e3, 4), "rttvar_ms": round(rtt.rttvar * 1e3, 4),
                            "samples": rtt.samples}
                     for name, rtt in (("draft", links.draft), ("target", links.target))}

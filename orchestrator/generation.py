@@ -20,16 +20,13 @@ from specsplit.lmkit.kinds import TREE_MODES, DrafterKind, DrafterTraits, Verifi
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.wire import sampling_to_proto
 from specsplit.orchestrator import metrics
-from specsplit.orchestrator.acceptance import AcceptanceStats, Verification
-from specsplit.orchestrator.adaptive_k import AdaptiveK
 from specsplit.orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
 from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
-from specsplit.orchestrator.links import DraftLink, TargetLink
+from specsplit.orchestrator.links import NO_DRAFT, DraftLink, TargetLink
 from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from specsplit.orchestrator.peers import ServiceClient, draft_client, target_client
-from specsplit.orchestrator.rate import CostModel
-from specsplit.orchestrator.tree_shape import BranchStats
-
+from specsplit.orchestrator.policy.controller import AdaptiveK, Controller, Drafters, FixedK
+from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -50,7 +47,7 @@ class GenerationRequest:
     adaptive_k: bool = False  # k is then the per-round upper bound
     chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
     overlap: bool = False  # draft block i+1 while the target verifies block i
-    branch: bool = True  # with overlap, also draft past the drafter's second guess where that is free
+    second_guess: bool = True  # with overlap, also draft past the drafter's second guess where that is free
     messages: tuple[tuple[str, str], ...] = ()  # (role, content) turns for the chat template; prompt is then ""
     top_logprobs: int | None = None  # None: no logprobs; else each token's and this many alternatives
     request_id: str = ""  # in every log line of the generation
@@ -90,10 +87,9 @@ class Orchestrator:
         self.drafter_traits: dict[DrafterKind, DrafterTraits] = {
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())
         }
-        self.costs = CostModel()  # one target and one draft: their measured costs and links serve every session
+        # One target and one draft: their costs, links and acceptance, measured from every session, serve each.
+        self.measured = Measurements()
         self.active = 0  # generations in flight, over every API; bounded by config.max_concurrent
-        self.acceptance = AcceptanceStats()  # per drafter, verification and match quality, from every session
-        self.branch_stats: dict[DrafterKind, BranchStats] = {}  # token-tree branches' acceptance, per drafter
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -199,36 +195,36 @@ class Orchestrator:
                 top_logprobs=request.top_logprobs or 0, feature_layers=layers,
             ),
             policy,
-            self.costs.links.target,
+            self.measured.costs.links.target,
         )
-        draft = None
+        controller = self.controller(request, mode, speculating)
+        draft = NO_DRAFT
         if speculating:
             draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy,
-                              self.costs, request.drafter)
+                              controller)
         with logs.request_context(request.request_id):
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
             try:
                 await self._open(target, draft, prompt_ids)
                 timer.opened()
-                async for event in self._stream(request, mode, prompt_ids, target, draft, stats):
+                async for event in self._stream(request, mode, prompt_ids, target, draft, controller, stats):
                     timer.committed(len(event.token_ids))
                     if event.finish is not None:
                         event = replace(
                             event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft), loop=stats
                         )
                         self._record(event, timer, len(prompt_ids), draft, target)
-                        metrics.record_links(self.costs.links)
+                        metrics.record_links(self.measured.costs.links)
                     yield event
             finally:
                 await target.close()
-                if draft is not None:
-                    await draft.close()
+                await draft.close()
 
     @staticmethod
-    async def _open(target: TargetLink, draft: DraftLink | None, prompt_ids: list[int]) -> None:
+    async def _open(target: TargetLink, draft: DraftLink, prompt_ids: list[int]) -> None:
         """Open both sessions at once: a far draft's round trip (and its prefill) hides behind the target's.
         A draft that is down only means no speculation for now; the target's errors go to the client."""
-        if draft is None:
+        if draft is NO_DRAFT:
             await target.try_open(prompt_ids)
             return
         opened = await asyncio.gather(target.try_open(prompt_ids), draft.open(prompt_ids), return_exceptions=True)
@@ -240,40 +236,27 @@ class Orchestrator:
     def _record(event: GenerationEvent, timer: metrics.RequestTimer, prompt_tokens: int, draft, target) -> None:
         stats = event.stats
         timer.finished(event.finish.name.lower())
-        metrics.record_generation(event.loop, prompt_tokens, draft.fallback_rounds if draft else 0, target.reopens)
+        metrics.record_generation(event.loop, prompt_tokens, draft.fallback_rounds, target.reopens)
         log.info(
             "finished (%s): %d prompt + %d new tokens in %.2f s, first token after %.3f s, %d rounds, acceptance %.2f",
             event.finish.name.lower(), prompt_tokens, stats.new_tokens, stats.wall_s, timer.first_token_s or 0.0,
             stats.rounds, stats.acceptance_rate,
         )
 
-    async def _stream(self, request, mode, prompt_ids, target, draft, stats) -> AsyncIterator[GenerationEvent]:
+    async def _stream(self, request, mode, prompt_ids, target, draft, controller, stats) -> AsyncIterator[GenerationEvent]:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         stops = StopMatcher(request.stop)
-        members = self._chain(request) or (request.drafter,)
-        free = frozenset(m for m in members if m in self.drafter_traits and self.drafter_traits[m].free)
         aligned = TokenTextAlignment()  # ids are sent with their text: none past a stop string
         emitted = 0  # characters of text sent so far
+        speculating = draft is not NO_DRAFT
         config = LoopConfig(
-            k=request.k if draft is not None else 0,
             max_new_tokens=request.max_new_tokens,
             eos_ids=self.eos_ids,
             max_context=self.target.info.max_context or 1 << 30,
-            overlap=request.overlap and draft is not None,
-            ahead_max=min(request.k, self.draft.info.max_block - 1) if draft is not None else 0,
-            branch=request.branch,
-            drafter=request.drafter,
-            free_drafters=free,
-            tree_branches=self.tree_branches(request, mode) if draft is not None else 1,
+            ahead_max=min(request.k, self.draft.info.max_block - 1) if speculating else 0,
+            tree_branches=self.tree_branches(request, mode) if speculating else 1,
         )
-        controller = None
-        verification = Verification.of(mode, request.sampling.temperature)
-        if request.adaptive_k and config.k > 0:
-            paid = next((m for m in members if m not in free), None)
-            controller = AdaptiveK(config.k, self.costs, self.acceptance, verification, paid, overlap=config.overlap)
-        branches = self.branch_stats.setdefault(request.drafter, BranchStats())
-        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller, self.costs, branches,
-                                    (self.acceptance, verification))
+        rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller)
         pending: list[pb.TokenLogprob] = []  # the logprobs of committed ids not sent yet (ids wait for their text)
         last = None
         # A stop string ends the generation here: the loop (and the proposal it drafts ahead) is closed
@@ -313,6 +296,17 @@ class Orchestrator:
         both = self.target.info.token_trees and self.draft is not None and self.draft.info.token_trees
         chains_only = self.feature_traits(request).needs_features
         return request.tree_branches if both and mode in TREE_MODES and not chains_only else 1
+
+    def controller(self, request: GenerationRequest, mode: VerificationMode, speculating: bool) -> Controller:
+        """The session's round policy: adaptive K where the request asks for it, else a fixed K (0 without a draft)."""
+        members = self._chain(request) or (request.drafter,)
+        free = frozenset(m for m in members if m in self.drafter_traits and self.drafter_traits[m].free)
+        drafters = Drafters(request.drafter, free, next((m for m in members if m not in free), None))
+        policy = self.config.link_policy
+        kind = AdaptiveK if request.adaptive_k and request.k > 0 and speculating else FixedK
+        return kind(request.k if speculating else 0, self.measured, AcceptRule.of(mode, request.sampling.temperature),
+                    drafters, overlap=request.overlap and speculating, second_guess=request.second_guess,
+                    draft_timeout_s=policy.draft_timeout_s, draft_deadline_s=policy.draft_deadline_s)
 
     def _with_text(self, logprob: pb.TokenLogprob) -> pb.TokenLogprob:
         """The target's TokenLogprob with each token's text filled in."""
@@ -392,8 +386,8 @@ class Orchestrator:
             target_compute_s=stats.target_compute_s,
             adaptive_k=request.adaptive_k,
             mean_k=stats.mean_k,
-            draft_fallback_rounds=draft.fallback_rounds if draft else 0,
-            draft_reattached=draft.reattached if draft else 0,
+            draft_fallback_rounds=draft.fallback_rounds,
+            draft_reattached=draft.reattached,
             target_reopens=target.reopens,
             overlap=request.overlap,
             overlap_hits=stats.overlap_hits,

@@ -1,23 +1,16 @@
 """Fault-tolerant links from one generation to its draft and target sessions.
 
-Services hold caches, never truth: the orchestrator's committed tokens are the
-truth, so a lost session is rebuilt by opening a new one with them.
-
-* ``DraftLink``: a draft block late past its round's deadline is not waited
-  for (the target steps alone, k = 0; the block is dropped when it comes). A
-  draft that fails, stays silent past ``draft_timeout_s`` or is unreachable is
-  dropped and re-attached in the background, re-prefilled from the committed
-  tokens, once it answers again. Speculation is an optimisation; its loss
-  never fails a generation, and a slow draft costs a round at most its deadline.
-* ``TargetLink``: a target that restarts or drops the session is re-opened
-  from the committed tokens and the same block is verified again; only a
-  target that stays down past its deadline fails the generation (UNAVAILABLE).
-
-A failed round commits nothing, so no token is lost, duplicated or retracted.
+Services hold caches, never truth: a lost session is rebuilt from the
+orchestrator's committed tokens. ``DraftLink``: a block late past its round's
+deadline (``Controller.wait_s``) is not waited for and is dropped when it comes;
+a draft that fails, stalls or is unreachable is re-attached in the background,
+re-prefilled; losing it never fails a generation. ``TargetLink``: a target that
+restarts or drops the session is re-opened and the same block verified again;
+only one down past its deadline fails the generation (UNAVAILABLE). A failed
+round commits nothing, so no token is lost, duplicated or retracted.
 
 Deadlines use ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11
-``wait_for`` can swallow a cancellation that lands as its call completes, and
-a cancelled generation would run on.
+``wait_for`` can swallow a cancellation that lands as its call completes.
 """
 
 from __future__ import annotations
@@ -30,12 +23,12 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import grpc
+
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.wire import join_features
-from specsplit.orchestrator.link_cost import RttEstimator
 from specsplit.orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
-from specsplit.orchestrator.rate import CostModel
-
+from specsplit.orchestrator.policy.controller import Controller
+from specsplit.orchestrator.policy.measure import RttEstimator
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -196,11 +189,10 @@ class DraftLink(_SessionLink):
     """
 
     def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
-                 policy: LinkPolicy, costs: CostModel | None = None, drafter: DrafterKind | None = None) -> None:
+                 policy: LinkPolicy, controller: Controller) -> None:
         super().__init__(client, open_msg, policy)
         self._stream: DraftStream | None = None
-        self._costs = costs if costs is not None else CostModel()
-        self.drafter = drafter  # the session's drafter: whose costs a reply reports unless it names a chain member
+        self._controller = controller  # how long a round waits for a reply, and who learns from each
         self._synced = 0  # the draft holds committed[:_synced]
         self._down_since: float | None = None
         self._tail: DraftCall | None = None  # the last request sent (or the re-attaching open)
@@ -259,11 +251,7 @@ class DraftLink(_SessionLink):
             return None
         cold, self._cold = self._cold, False
         position = len(committed) + len(assumed)  # where the block starts; the draft read all before it at the open
-        budget = self._policy.draft_timeout_s if cold else self._deadline_s(max(k, free_k))
-        if budget >= self._policy.draft_timeout_s and not self._policy.draft_deadline_s:
-            budget = min(budget, self._worth_waiting_s(max(k, free_k)))
-            if cold and not self._first_arrives_within(position, max(k, free_k), budget):
-                budget = 0.0  # late: not waited for at all (the target's prefill goes on while the draft reads)
+        budget = self._controller.wait_s(max(k, free_k), cold, position, now - self._opened_at)
         task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
         self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget, position)
         return self._tail
@@ -279,36 +267,6 @@ class DraftLink(_SessionLink):
         if block is None or block.position != call.position:
             return None
         return block
-
-    def _worth_waiting_s(self, k: int) -> float:
-        """The longest a round waits for a block of k whose cost is unknown (a session's first, behind the
-        draft's read of the context; a drafter not measured yet): k target steps, the most a block of k could
-        save, on top of the link's round trip and 4 deviations, without slack. A slower reply is dropped when it comes and the rounds
-        meanwhile step the target alone; the proposals after it are warm. The draft timeout before any target
-        forward was measured (``CostModel.step_s``)."""
-        step_s = self._costs.step_s()
-        if step_s is None:
-            return self._policy.draft_timeout_s
-        return self._costs.links.draft.timeout(k * step_s, slack=0.0)
-
-    def _first_arrives_within(self, context: int, k: int, budget_s: float) -> bool:
-        """Whether a session's first block (k tokens after ``context``) is expected back within ``budget_s``,
-        the wait a block of k is worth: the draft reads the context from the open on, and what of that read is
-        left is priced from what reads of this drafter took before, per context token (True before one was
-        measured: it is then waited for). One expected later is not waited for at all."""
-        read = self._costs.read_s(context, self.drafter)
-        if read is None:
-            return True
-        left = max(read - (asyncio.get_running_loop().time() - self._opened_at), 0.0)
-        drafting = k * self._costs.draft_s_per_token(self.drafter)
-        return self._costs.links.draft.srtt + left + drafting <= budget_s
-
-    def _deadline_s(self, k: int) -> float:
-        if not self._costs.draft_measured:  # a draft's cost is unknown until it has answered once
-            return self._policy.draft_timeout_s
-        draft_s = self._costs.draft_s_per_token(self.drafter)
-        deadline = self._policy.draft_deadline_s or self._costs.links.draft_deadline_s(k, draft_s)
-        return min(deadline, self._policy.draft_timeout_s)
 
     def _track(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -336,17 +294,16 @@ class DraftLink(_SessionLink):
             self._mark_down(exc)
             return None
         self._synced = len(committed)  # ``assumed`` is not committed: it is re-sent or rolled back next time
-        # Waiting behind other sessions' proposals on the draft's one compute thread counts as link time
-        # here: no load model covers the draft, and a deadline must allow for it.
-        self._costs.links.draft.observe(time.perf_counter() - start - block.compute_us / 1e6)
-        self.compute_s += block.compute_us / 1e6
+        compute_s = block.compute_us / 1e6
+        self.compute_s += compute_s
+        read = None
         if cold:  # the draft read the context first: the time that took (a service without the read: all of it)
-            read_s = (block.read_us or block.compute_us) / 1e6
-            self._costs.observe_read(len(committed) + len(assumed), read_s, self.drafter)
+            read = (len(committed) + len(assumed), (block.read_us or block.compute_us) / 1e6)
         else:
-            self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6, drafter_of(block, self.drafter))
-            self.warm_s += block.compute_us / 1e6
+            self.warm_s += compute_s
             self.warm_tokens += len(block.tokens)
+        drafter = drafter_of(block, self._controller.drafters.session)
+        self._controller.observe_proposal(time.perf_counter() - start, compute_s, len(block.tokens), drafter, read)
         return block
 
     def _reattach_later(self, committed: Sequence[int]) -> None:
@@ -379,3 +336,23 @@ class DraftLink(_SessionLink):
                 stream, self._stream = self._stream, None
                 stream.abort()
         await super().close()
+
+
+class _NoDraft:
+    """The draft link of a session without a draft: it is never up, takes no request and counts nothing."""
+
+    up = False
+    fallback_rounds = busy_rounds = late_blocks = reattached = warm_tokens = 0
+    compute_s = warm_s = 0.0
+
+    def send(self, *args, **kwargs) -> None:
+        return None
+
+    def add_features(self, features: pb.HiddenFeatures) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+NO_DRAFT = _NoDraft()

@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 import prometheus_client
-from specsplit.orchestrator.link_cost import LinkCosts
+
 from specsplit.orchestrator.loop import LoopStats
+from specsplit.orchestrator.policy.measure import Links
 
 MAX_POSITION = 32  # per-position acceptance is kept for the first 32 draft positions
 _backend = "prometheus"
@@ -158,7 +159,7 @@ LINK_RTTVAR = Metric("gauge", "specsplit_link_rttvar_seconds", "mean deviation o
                      ("link",))
 
 
-def record_links(links: LinkCosts) -> None:
+def record_links(links: Links) -> None:
     for name, rtt in (("draft", links.draft), ("target", links.target)):
         if rtt.samples:
             LINK_RTT.set(rtt.srtt, link=name)

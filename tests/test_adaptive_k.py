@@ -1,52 +1,73 @@
 """The K controller: the round model, server-wide acceptance by quality, load, overlap, and the loop's use of them."""
 
 import pytest
+
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
-from specsplit.orchestrator.acceptance import AcceptanceStats, StatsKey, Verification, quality_of
-from specsplit.orchestrator.adaptive_k import AdaptiveK
-from specsplit.orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
-from specsplit.orchestrator.rate import (
+from specsplit.orchestrator.links import NO_DRAFT
+from specsplit.orchestrator.loop import LoopConfig, LoopStats, _Loop
+from specsplit.orchestrator.policy.controller import AdaptiveK, Ask, Block, Drafters, FixedK
+from specsplit.orchestrator.policy.measure import (
     ALONE,
-    CostModel,
+    AcceptanceStats,
+    AcceptRule,
+    Costs,
     Load,
+    Measurements,
+    StatsKey,
+    quality_of,
+)
+from specsplit.orchestrator.policy.model import (
+    Shape,
     best_k,
-    chain_rate,
+    chain_rounds,
     expected_tokens,
     expected_tokens_by_position,
+    rate,
 )
-
 from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
-GREEDY = Verification.of(VerificationMode.GREEDY, 0.0)
-SAMPLED = Verification.of(VerificationMode.TOKEN_ONLY, 0.7)
+GREEDY = AcceptRule.of(VerificationMode.GREEDY, 0.0)
+SAMPLED = AcceptRule.of(VerificationMode.TOKEN_ONLY, 0.7)
 MODEL, NGRAM = DrafterKind.MODEL, DrafterKind.NGRAM
+SYNC, AHEAD, IN_HAND = Shape.SYNC, Shape.AHEAD, Shape.IN_HAND
 
 
-def fitted(a=0.05, b=0.006, draft=0.0, widths=(1, 2, 3, 5, 9, 1, 4, 9), drafter=MODEL) -> CostModel:
+def fitted(a=0.05, b=0.006, draft=0.0, widths=(1, 2, 3, 5, 9, 1, 4, 9), drafter=MODEL) -> Costs:
     """Forwards of x tokens cost a + b (x - 1): a decode step costs a."""
-    costs = CostModel()
+    costs = Costs()
     for x in widths:
         costs.observe_verify(x, a + b * (x - 1))
         costs.observe_draft(x - 1, draft * (x - 1), drafter)
     return costs
 
 
-def cpu_like() -> CostModel:
+def cpu_like() -> Costs:
     """A forward costs 62 ms + 20 ms per token, measured over batch sizes 1..64 (SmolLM2, one core here)."""
     return fitted(a=0.062, b=0.02, widths=(1, 2, 5, 9, 8, 16, 32, 64, 9, 1))
 
 
-def paid(costs: CostModel, k_max=8, stats=None, **kw) -> AdaptiveK:
+def best(accept, limit, costs, load=ALONE, shape=SYNC, draft_s=0.0) -> int:
+    """The block size the round model picks for a chain of this acceptance."""
+    return best_k(accept, chain_rounds(costs, load, accept, limit, shape, draft_s), load.others_committed)[0]
+
+
+def chain_rate(k, accept, costs, load=ALONE, shape=SYNC, draft_s=0.0) -> float:
+    """The rate of a chain block of k."""
+    seconds = chain_rounds(costs, load, accept, k, shape, draft_s)[k]
+    return rate(expected_tokens_by_position(accept, k), seconds, load.others_committed)
+
+
+def paid(costs: Costs, k_max=8, stats=None, **kw) -> AdaptiveK:
     """A session whose drafter (a model) pays per token."""
-    return AdaptiveK(k_max, costs, stats or AcceptanceStats(), GREEDY, MODEL, **kw)
+    return AdaptiveK(k_max, Measurements(costs, stats or AcceptanceStats()), GREEDY, Drafters(MODEL, paid=MODEL), **kw)
 
 
 def feed(controller: AdaptiveK, rounds, key=None) -> None:
     key = key or controller.key(MODEL)
     for drafted, accepted in rounds:
-        controller.observe(key, drafted, accepted)
+        controller.record(key, drafted, accepted)
 
 
 # -- the round model ---------------------------------------------------------------------------------------
@@ -72,7 +93,7 @@ def test_the_targets_own_fit_stands_in_until_forwards_of_that_kind_are_measured(
 def test_a_target_step_is_known_roughly_from_the_first_measured_forward_of_any_width():
     """Before a one-token forward is measured or the target reports its fit, a session's first block is waited
     for up to k steps of the line through the wider forwards measured so far, not the draft timeout."""
-    costs = CostModel()
+    costs = Costs()
     assert costs.step_s() is None  # nothing measured: no scale at all
     costs.observe_verify(4, 0.1)
     assert 0.05 < costs.step_s() <= 0.1  # one token costs at most what four did
@@ -81,9 +102,9 @@ def test_a_target_step_is_known_roughly_from_the_first_measured_forward_of_any_w
     assert costs.step_s() == pytest.approx(0.06)  # measured
 
 
-def step_costs(one=0.065, two=0.12, nine=0.142) -> CostModel:
+def step_costs(one=0.065, two=0.12, nine=0.142) -> Costs:
     """A CPU's forwards: one token takes matrix-vector products, two or more matrix-matrix ones (a step)."""
-    costs = CostModel()
+    costs = Costs()
     costs.observe_target_fit(0.06, 0.01)  # the target's line through every width misses the step
     for _ in range(4):
         for x, t in ((1, one), (2, two), (9, nine), (1, one)):
@@ -102,13 +123,13 @@ def test_a_one_token_forward_is_priced_apart_from_the_line_through_wider_ones():
 def test_where_leaving_the_one_token_forward_costs_a_step_short_weak_blocks_are_not_verified():
     costs = step_costs()
     # A one-token block passing 7 times in 10: 1.7 tokens in 120 ms is slower than 1 in 65 ms.
-    assert best_k([0.7], 1, costs) == 0
+    assert best([0.7], 1, costs) == 0
     # Long blocks of the same first position, deeper ones passing 9 in 10, pay for the step.
-    assert best_k([0.7] + [0.9] * 7, 8, costs) == 8
+    assert best([0.7] + [0.9] * 7, 8, costs) == 8
     # On the target's line alone (no forwards measured) the same one-token block looked worth verifying.
-    line = CostModel()
+    line = Costs()
     line.observe_target_fit(0.06, 0.01)
-    assert best_k([0.7], 1, line) == 1
+    assert best([0.7], 1, line) == 1
 
 
 def test_expected_tokens_matches_leviathan():
@@ -129,18 +150,16 @@ def test_alone_the_rate_is_leviathans_tokens_over_time():
 def test_overlap_hides_drafting():
     dear = fitted(a=0.05, b=0.002, draft=0.008)
     accept, draft_s = [0.75] * 16, dear.draft_s_per_token(MODEL)
-    assert chain_rate(0, accept, dear, overlap=True, draft_s_per_token=draft_s) == chain_rate(0, accept, dear)
+    assert chain_rate(0, accept, dear, shape=AHEAD, draft_s=draft_s) == chain_rate(0, accept, dear)
     for k in range(1, 6):  # drafting k + 1 ahead (8 ms each) fits within one verification (>= 50 ms)
-        assert (chain_rate(k, accept, dear, overlap=True, draft_s_per_token=draft_s)
-                > chain_rate(k, accept, dear, overlap=False, draft_s_per_token=draft_s))
+        assert chain_rate(k, accept, dear, shape=AHEAD, draft_s=draft_s) > chain_rate(k, accept, dear, draft_s=draft_s)
     # a draft slower than the verification is waited for, and on a miss paid again: overlap can lose then
-    assert (chain_rate(16, accept, dear, overlap=True, draft_s_per_token=draft_s)
-            < chain_rate(16, accept, dear, overlap=False, draft_s_per_token=draft_s))
+    assert chain_rate(16, accept, dear, shape=AHEAD, draft_s=draft_s) < chain_rate(16, accept, dear, draft_s=draft_s)
 
 
 def test_k_shrinks_as_load_grows():
     accept = [0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]
-    ks = [best_k(accept, 8, cpu_like(), Load(b, b - 1)) for b in (1, 2, 4, 8, 32)]
+    ks = [best(accept, 8, cpu_like(), Load(b, b - 1)) for b in (1, 2, 4, 8, 32)]
     assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
 
 
@@ -165,8 +184,8 @@ def test_drafting_pays_under_load_where_rows_are_packed_and_not_where_they_are_p
     """Eight sessions on cpu_like costs (62 ms + 20 ms a token): drafts that pass 9 times in 10 add 20 ms a token
     to a 202 ms forward packed, but widen all eight rows padded."""
     accept = [0.9] * 8
-    assert best_k(accept, 8, cpu_like(), Load(8, 7.0)) == 0
-    assert best_k(accept, 8, cpu_like(), Load(8, 7.0, others_tokens=7)) > 0
+    assert best(accept, 8, cpu_like(), Load(8, 7.0)) == 0
+    assert best(accept, 8, cpu_like(), Load(8, 7.0, others_tokens=7)) > 0
 
 
 # -- acceptance statistics ------------------------------------------------------------------------------------
@@ -206,8 +225,8 @@ def test_greedy_and_sampled_verification_are_kept_apart():
     for _ in range(30):
         stats.observe(StatsKey(NGRAM, GREEDY, quality), 4, 4)
     assert stats.acceptance(StatsKey(NGRAM, SAMPLED, quality), 4) == pytest.approx([stats.prior] * 4)
-    assert Verification.of(VerificationMode.TOKEN_ONLY, 0.71) == SAMPLED  # temperatures to 0.1
-    assert Verification.of(VerificationMode.GREEDY, 0.7) == GREEDY
+    assert AcceptRule.of(VerificationMode.TOKEN_ONLY, 0.71) == SAMPLED  # temperatures to 0.1
+    assert AcceptRule.of(VerificationMode.GREEDY, 0.7) == GREEDY
 
 
 def test_quality_buckets_order_match_lengths_and_occurrences():
@@ -235,9 +254,9 @@ def test_runs_of_acceptance_keep_blocks_long():
     costs = fitted(a=0.07, b=0.01)
     controller = paid(costs)
     feed(controller, [(8, 8), (8, 0)] * 6)
-    accept = controller.acceptance()
+    accept = controller.paid_acceptance()
     assert accept[0] < 0.65 and min(accept[1:]) > 0.8
-    assert controller.ask(8) >= 4 > best_k([accept[0]] * 8, 8, costs)
+    assert controller.ask(8) >= 4 > best([accept[0]] * 8, 8, costs)
 
 
 def test_high_acceptance_and_cheap_drafts_use_the_bound():
@@ -285,8 +304,8 @@ def test_a_session_that_may_overlap_probes_where_only_overlap_pays():
     brings back the figures that would start overlap again; a sync-only session has nothing to probe for."""
     costs = fitted(a=0.07, b=0.01, draft=0.06)
     draft_s = costs.draft_s_per_token(MODEL)
-    assert best_k([0.9] * 8, 8, costs, overlap=False, draft_s_per_token=draft_s) == 0
-    assert best_k([0.9] * 8, 8, costs, overlap=True, draft_s_per_token=draft_s) > 0
+    assert best([0.9] * 8, 8, costs, shape=SYNC, draft_s=draft_s) == 0
+    assert best([0.9] * 8, 8, costs, shape=AHEAD, draft_s=draft_s) > 0
     for may_overlap, probes in ((True, [4, 12]), (False, [])):
         controller = paid(costs, probe_every=4, overlap=may_overlap)
         feed(controller, [(2, 0)] * 10)
@@ -318,31 +337,41 @@ def test_a_new_session_starts_from_what_other_sessions_measured():
     veteran = paid(costs, stats=stats)
     feed(veteran, [(4, 0)] * 30)  # this drafter's blocks fail on this server
     newcomer = paid(costs, stats=stats)
-    assert newcomer.acceptance()[0] < 0.1 and newcomer.ask(8) == 0
+    assert newcomer.paid_acceptance()[0] < 0.1 and newcomer.ask(8) == 0
     assert paid(costs).ask(8) > 0  # a server without that record would draft
     feed(newcomer, [(8, 8)] * 10)  # its own rounds take over
     assert newcomer.ask(8) > 0
 
 
 def test_a_session_without_a_paid_drafter_asks_for_nothing():
-    controller = AdaptiveK(8, fitted(), AcceptanceStats(), GREEDY, paid=None)
+    controller = AdaptiveK(8, Measurements(fitted()), GREEDY, Drafters(NGRAM, frozenset({NGRAM})))
     assert controller.ask(8) == 0
 
 
 def test_negative_bound_is_refused():
     with pytest.raises(ValueError, match="k_max"):
-        AdaptiveK(-1, CostModel(), AcceptanceStats(), GREEDY)
+        AdaptiveK(-1, Measurements(), GREEDY)
+    with pytest.raises(ValueError, match="k_max"):
+        FixedK(-1, Measurements(), GREEDY)
 
 
 # -- cut: a block drafted for free -----------------------------------------------------------------------------
-def free(costs: CostModel, stats: AcceptanceStats, verification=GREEDY, k_max=8, **kw) -> AdaptiveK:
-    return AdaptiveK(k_max, costs, stats, verification, paid=None, **kw)
+FREE_NGRAM = Drafters(NGRAM, frozenset({NGRAM}))
 
 
-def copy_traffic(stats: AcceptanceStats, verification=GREEDY, rounds=40) -> tuple[StatsKey, StatsKey]:
+def free(costs: Costs, stats: AcceptanceStats, rule=GREEDY, k_max=8, drafters=FREE_NGRAM, **kw) -> AdaptiveK:
+    return AdaptiveK(k_max, Measurements(costs, stats), rule, drafters, **kw)
+
+
+def cut(controller: AdaptiveK, key: StatsKey, available: int, load: Load = ALONE) -> int:
+    controller.load = load
+    return controller.cut_k(key, available)
+
+
+def copy_traffic(stats: AcceptanceStats, rule=GREEDY, rounds=40) -> tuple[StatsKey, StatsKey]:
     """Earlier sessions' blocks: long matches pass in runs, one-token matches rarely pass."""
-    long_match = StatsKey(NGRAM, verification, quality_of(16, 1))
-    short_match = StatsKey(NGRAM, verification, quality_of(1, 3))
+    long_match = StatsKey(NGRAM, rule, quality_of(16, 1))
+    short_match = StatsKey(NGRAM, rule, quality_of(1, 3))
     for i in range(rounds):
         stats.observe(long_match, 8, 8 if i % 5 else 2)
         stats.observe(short_match, 4, 1 if i % 8 == 0 else 0)
@@ -353,10 +382,10 @@ def test_a_new_session_cuts_by_quality_as_well_as_a_warm_one():
     stats, costs = AcceptanceStats(), cpu_like()
     long_match, short_match = copy_traffic(stats)
     new = free(costs, stats)
-    assert new.cut(long_match, 8) == 8  # no history of its own: the server's record of that quality decides
-    assert new.cut(short_match, 8) == 0
-    assert new.cut(long_match, 3) == 3  # never more than the block holds
-    assert new.cut(long_match, 8, Load(32, 31)) == 0  # under saturation even good copies do not pay
+    assert cut(new, long_match, 8) == 8  # no history of its own: the server's record of that quality decides
+    assert cut(new, short_match, 8) == 0
+    assert cut(new, long_match, 3) == 3  # never more than the block holds
+    assert cut(new, long_match, 8, Load(32, 31)) == 0  # under saturation even good copies do not pay
 
 
 def test_on_a_cheap_verify_a_fair_match_is_worth_one_token():
@@ -366,7 +395,7 @@ def test_on_a_cheap_verify_a_fair_match_is_worth_one_token():
     key = StatsKey(NGRAM, GREEDY, quality_of(1, 1))
     for i in range(40):
         stats.observe(key, 4, 1 if i % 4 == 0 else 0)
-    assert free(fitted(a=0.05, b=0.006), stats).cut(key, 8) == 1
+    assert cut(free(fitted(a=0.05, b=0.006), stats), key, 8) == 1
 
 
 def test_a_free_blocks_cut_ignores_the_draft_round_trip_it_already_paid():
@@ -381,9 +410,9 @@ def test_a_free_blocks_cut_ignores_the_draft_round_trip_it_already_paid():
     for _ in range(20):
         far.links.draft.observe(0.010)
         far.links.target.observe(0.001)
-    assert free(near, stats, SAMPLED).cut(key, 4) == free(far, stats, SAMPLED).cut(key, 4) == 1
+    assert cut(free(near, stats, SAMPLED), key, 4) == cut(free(far, stats, SAMPLED), key, 4) == 1
     accept = stats.acceptance(key, 4)
-    assert best_k(accept, 4, near) == 1 and best_k(accept, 4, far) == 0
+    assert best(accept, 4, near) == 1 and best(accept, 4, far) == 0
 
 
 def test_sampled_verification_stops_where_it_does_not_pay():
@@ -394,8 +423,8 @@ def test_sampled_verification_stops_where_it_does_not_pay():
     sampled = StatsKey(NGRAM, SAMPLED, long_match.quality)
     for _ in range(40):
         stats.observe(sampled, 8, 0)
-    assert free(costs, stats, GREEDY).cut(long_match, 8) == 8
-    assert free(costs, stats, SAMPLED).cut(sampled, 8) == 0
+    assert cut(free(costs, stats, GREEDY), long_match, 8) == 8
+    assert cut(free(costs, stats, SAMPLED), sampled, 8) == 0
 
 
 def test_a_session_whose_copies_fail_where_others_pass_stops_verifying_them():
@@ -406,14 +435,14 @@ def test_a_session_whose_copies_fail_where_others_pass_stops_verifying_them():
     failing, other = free(costs, stats), free(costs, stats)
     cuts = []
     for _ in range(6):
-        cuts.append(failing.cut(long_match, 8))
+        cuts.append(cut(failing, long_match, 8))
         if cuts[-1]:
-            failing.observe(long_match, cuts[-1], 0)
+            failing.record(long_match, cuts[-1], 0)
     assert cuts[0] == 8 and cuts[-1] == 0
     assert failing.free_scale() < 0.5
-    assert other.free_scale() == 1.0 and other.cut(long_match, 8) == 8
+    assert other.free_scale() == 1.0 and cut(other, long_match, 8) == 8
     for _ in range(3):  # blocks that pass as predicted keep a session's scale near 1
-        other.observe(long_match, 8, 8)
+        other.record(long_match, 8, 8)
     assert other.free_scale() == pytest.approx(1.0, abs=0.15)
 
 
@@ -421,16 +450,15 @@ def test_a_quality_cut_to_nothing_is_probed_now_and_then_server_wide():
     stats, costs = AcceptanceStats(), fitted(b=0.01)
     _, short_match = copy_traffic(stats)
     one, other = free(costs, stats, probe_every=4), free(costs, stats, probe_every=4)
-    cuts = [c.cut(short_match, 8) for c in (one, other) * 4]  # two sessions share the count
+    cuts = [cut(c, short_match, 8) for c in (one, other) * 4]  # two sessions share the count
     assert cuts == [0, 0, 0, 1, 0, 0, 0, 1]
-    assert [one.cut(short_match, 8, Load(32, 31)) for _ in range(200)] == [0] * 200  # not where it cannot pay
+    assert [cut(one, short_match, 8, Load(32, 31)) for _ in range(200)] == [0] * 200  # not where it cannot pay
 
 
 # -- the loop's use of them ----------------------------------------------------------------------------------
-def loop_with(controller, free_drafters=frozenset({NGRAM}), drafter=NGRAM) -> _Loop:
-    cfg = LoopConfig(k=8, max_new_tokens=100, eos_ids=frozenset(), max_context=1000, drafter=drafter,
-                     free_drafters=free_drafters)
-    return _Loop([1, 2, 3], cfg, None, LoopStats(), controller, controller.costs if controller else None)
+def loop_with(controller) -> _Loop:
+    cfg = LoopConfig(max_new_tokens=100, eos_ids=frozenset(), max_context=1000)
+    return _Loop([1, 2, 3], cfg, NO_DRAFT, LoopStats(), controller)
 
 
 def reply(tokens, length=0, occurrences=1, drafter=0) -> pb.DraftBlock:
@@ -444,11 +472,11 @@ def test_a_free_block_is_cut_by_its_quality_and_recorded_under_it():
     stats, costs = AcceptanceStats(), cpu_like()
     long_match, short_match = copy_traffic(stats)
     loop = loop_with(free(costs, stats))
-    assert loop.choose(8) == (0, 8)  # nothing asked of a paid drafter, up to 8 of the free one
+    assert loop.controller.plan(8) == Ask(0, 8)  # nothing asked of a paid drafter, up to 8 of the free one
     block = loop.finish_block(reply(list(range(10, 18)), length=16), k=0)
-    assert block.tokens == list(range(10, 18)) and block.key == long_match and block.proposed == 8
+    assert block.tokens == list(range(10, 18)) and loop.controller.key_of(block) == long_match and block.proposed == 8
     block = loop.finish_block(reply(list(range(10, 18)), length=1, occurrences=3), k=0)
-    assert block.tokens == [] and block.key == short_match
+    assert block.tokens == [] and loop.controller.key_of(block) == short_match
     before = stats.blocks(long_match)
     loop.commit(loop.finish_block(reply([5, 6, 7], length=16), 0), pb.VerifyResult(accepted=2, next_token=9))
     assert stats.blocks(long_match) > before and loop.committed[-3:] == [5, 6, 9]
@@ -458,37 +486,34 @@ def test_a_block_drafted_ahead_is_one_token_better_matched_after_its_guess():
     stats = AcceptanceStats()
     loop = loop_with(free(cpu_like(), stats))
     block = loop.finish_block(reply([4, 5, 6, 7], length=5), k=0, guess=4)
-    assert block.key.quality == quality_of(6, 1) and block.tokens[:1] == [5]
+    assert block.quality == quality_of(6, 1) and block.tokens[:1] == [5]
 
 
 def test_blocks_of_paid_drafters_and_fixed_k_sessions_are_not_cut():
     stats, costs = AcceptanceStats(), cpu_like()
     copy_traffic(stats)
-    model_loop = loop_with(paid(costs, stats=stats), free_drafters=frozenset(), drafter=MODEL)
+    model_loop = loop_with(paid(costs, stats=stats))
     block = model_loop.finish_block(reply([1, 2, 3, 4]), k=4)
-    assert block.tokens == [1, 2, 3, 4] and block.key == StatsKey(MODEL, GREEDY)
+    assert block.tokens == [1, 2, 3, 4] and model_loop.controller.key_of(block) == StatsKey(MODEL, GREEDY)
     # a chain's n-gram member is cut even though the session's drafter is a chain
-    chain_loop = loop_with(paid(costs, stats=stats), drafter=DrafterKind.CHAIN)
+    chain = Drafters(DrafterKind.CHAIN, frozenset({NGRAM}), MODEL)
+    chain_loop = loop_with(AdaptiveK(8, Measurements(costs, stats), GREEDY, chain))
     block = chain_loop.finish_block(reply([1, 2, 3, 4], length=1, occurrences=3, drafter=NGRAM.value), k=4)
-    assert block.tokens == [] and block.key.drafter is NGRAM
-    fixed = loop_with(None)
-    assert fixed.choose(8) == (8, 0)
+    assert block.tokens == [] and block.drafter is NGRAM
+    fixed = loop_with(FixedK(8, Measurements(costs, stats), GREEDY, FREE_NGRAM))
+    assert fixed.controller.plan(8) == Ask(8, 0)
     assert fixed.finish_block(reply([1, 2], length=1, occurrences=3), 8).tokens == [1, 2]
 
 
 def test_a_fixed_k_sessions_verified_blocks_count_for_every_session():
-    """A fixed-K session has no controller, but its blocks are real evidence: recorded server-wide, a new
-    adaptive session of the same drafter starts from them instead of the prior."""
+    """A fixed-K session's blocks are real evidence: recorded server-wide, a new adaptive session of the same
+    drafter starts from them instead of the prior."""
     stats = AcceptanceStats()
-    cfg = LoopConfig(k=3, max_new_tokens=100, eos_ids=frozenset(), max_context=1000, drafter=MODEL)
-    fixed = _Loop([1, 2, 3], cfg, None, LoopStats(), None, None, record=(stats, GREEDY))
+    fixed = loop_with(FixedK(3, Measurements(acceptance=stats), GREEDY, Drafters(MODEL, paid=MODEL)))
     for _ in range(20):
         fixed.commit(fixed.finish_block(reply([4, 5, 6]), 3), pb.VerifyResult(accepted=3, next_token=7))
     assert stats.blocks(StatsKey(MODEL, GREEDY)) > 15
-    assert min(paid(cpu_like(), stats=stats).acceptance()[:3]) > 0.8
-    unrecorded = _Loop([1, 2, 3], cfg, None, LoopStats(), None, None)  # no record: as before
-    unrecorded.commit(unrecorded.finish_block(reply([4, 5, 6]), 3), pb.VerifyResult(accepted=0, next_token=7))
-    assert stats.blocks(StatsKey(MODEL, GREEDY)) < 20
+    assert min(paid(cpu_like(), stats=stats).paid_acceptance()[:3]) > 0.8
 
 
 def test_a_session_joining_a_busy_target_starts_from_its_load():
@@ -499,7 +524,7 @@ def test_a_session_joining_a_busy_target_starts_from_its_load():
 
     def round_in(loop: _Loop, sessions: int) -> None:
         forward_us = int((0.062 + 0.02 * (sessions - 1)) * 1e6)  # as cpu_like() predicts
-        loop.commit(_Block([], k=0), pb.VerifyResult(accepted=0, next_token=7, batch_size=sessions,
+        loop.commit(Block([], k=0), pb.VerifyResult(accepted=0, next_token=7, batch_size=sessions,
                                                      others_committed=sessions - 1, compute_us=forward_us))
 
     def cut(loop: _Loop) -> int:
@@ -509,12 +534,12 @@ def test_a_session_joining_a_busy_target_starts_from_its_load():
     running = loop_with(free(costs, stats))
     round_in(running, 1)  # its prefill
     round_in(running, 8)  # a decode round among 8 sessions
-    assert running.load == costs.load == busy
+    assert running.controller.load == costs.load == busy
 
     joining = loop_with(free(costs, stats))
     assert cut(joining) == 0  # alone this block would be verified (below); here it would pad 7 rows
     round_in(joining, 1)  # its prefill ran alone
-    assert joining.load == busy and cut(joining) == 0
+    assert joining.controller.load == busy and cut(joining) == 0
     assert joining.stats.batch_sizes == [1]  # the stats still record the forward it ran in
     round_in(joining, 1)  # the others finished: its decode round ran alone
-    assert joining.load == costs.load == ALONE and cut(joining) > 0
+    assert joining.controller.load == costs.load == ALONE and cut(joining) > 0

@@ -3,26 +3,38 @@
 from __future__ import annotations
 
 import pytest
-from specsplit.lmkit.kinds import DrafterKind, VerificationMode
-from specsplit.orchestrator.acceptance import AcceptanceStats, StatsKey, Verification, quality_of
-from specsplit.orchestrator.adaptive_k import AdaptiveK
-from specsplit.orchestrator.free_ask import NO_BLOCK, QualityMix, best_saving_s
-from specsplit.orchestrator.link_cost import LinkCosts
-from specsplit.orchestrator.loop import LoopConfig, LoopStats, _Block, _Loop
-from specsplit.orchestrator.rate import ALONE, CostModel, Load
 
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.orchestrator.links import NO_DRAFT
+from specsplit.orchestrator.loop import LoopConfig, LoopStats, _Loop
+from specsplit.orchestrator.policy.controller import AdaptiveK, Ask, Block, Drafters
+from specsplit.orchestrator.policy.measure import (
+    ALONE,
+    NO_BLOCK,
+    QUIET_EVERY,
+    AcceptanceStats,
+    AcceptRule,
+    Costs,
+    Links,
+    Load,
+    Measurements,
+    QualityMix,
+    StatsKey,
+    quality_of,
+)
+from specsplit.orchestrator.policy.model import Shape, best_saving_s, round_s
 from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
-GREEDY = Verification.of(VerificationMode.GREEDY, 0.0)
+GREEDY = AcceptRule.of(VerificationMode.GREEDY, 0.0)
 NGRAM = DrafterKind.NGRAM
 LONG, SHORT = quality_of(16, 1), quality_of(1, 3)
 
 
-def costs_over(draft_rtt: float, target_rtt: float) -> CostModel:
+def costs_over(draft_rtt: float, target_rtt: float) -> Costs:
     """SmolLM2 on one core here: 65 ms for one token, 120 ms for two, 142 ms for nine; links as given."""
-    costs = CostModel(links=LinkCosts())
+    costs = Costs(links=Links())
     for _ in range(20):
         costs.links.draft.observe(draft_rtt)
         costs.links.target.observe(target_rtt)
@@ -39,10 +51,11 @@ def weak_traffic(stats: AcceptanceStats) -> None:
         stats.observe(StatsKey(NGRAM, GREEDY, LONG), 8, 8 if i % 10 else 3)
 
 
-def session(costs: CostModel, stats: AcceptanceStats, returns=(), **kw) -> AdaptiveK:
-    controller = AdaptiveK(8, costs, stats, GREEDY, paid=None, **kw)
+def session(costs: Costs, stats: AcceptanceStats, returns=(), overlap=False, **kw) -> AdaptiveK:
+    controller = AdaptiveK(8, Measurements(costs, stats), GREEDY, Drafters(NGRAM, frozenset({NGRAM})),
+                           overlap=overlap, **kw)
     for quality in returns:
-        controller.asked_free(NGRAM, quality)
+        controller.returned(NGRAM, quality)
     return controller
 
 
@@ -63,12 +76,10 @@ def test_a_mix_shrinks_towards_every_sessions_and_is_empty_without_asks():
 
 
 def test_a_block_saves_its_best_cut_and_never_less_than_nothing():
-    def round_s(k: int) -> float:
-        return 0.065 if k == 0 else 0.120 + 0.003 * k
-
-    assert best_saving_s([0.1] * 8, 0.065, round_s, 0.0) == 0.0  # no cut pays: k = 0
+    rounds = [0.065 if k == 0 else 0.120 + 0.003 * k for k in range(9)]
+    assert best_saving_s([0.1] * 8, rounds) == 0.0  # no cut pays: k = 0
     # all of 8 pass: 9 tokens for 0.144 s instead of 9 steps of 0.065 s
-    assert best_saving_s([1.0] * 8, 0.065, round_s, 0.0) == pytest.approx(9 * 0.065 - 0.144)
+    assert best_saving_s([1.0] * 8, rounds) == pytest.approx(9 * 0.065 - 0.144)
 
 
 def test_in_sync_a_long_draft_round_trip_is_not_paid_for_weak_matches():
@@ -104,7 +115,8 @@ def test_with_overlap_an_ask_ahead_whose_reply_is_back_in_time_is_made():
 
 
 def asked_rounds(controller: AdaptiveK, rounds: int, load: Load = ALONE) -> list[int]:
-    return [i for i in range(rounds) if controller.ask_free(NGRAM, 8, load)]
+    controller.load = load
+    return [i for i in range(rounds) if controller.ask_free(NGRAM, 8)]
 
 
 def test_a_free_drafter_not_asked_is_probed_ever_less_often():
@@ -120,7 +132,7 @@ def test_a_free_drafter_not_asked_is_probed_ever_less_often():
     assert asked_rounds(busy, 40, Load(4, 3.0)) == [15]  # 4 rounds x 4 sessions
     # probes that find long matches again turn asking back on, with the interval reset
     for _ in range(4):
-        far.asked_free(NGRAM, LONG)
+        far.returned(NGRAM, LONG)
     assert asked_rounds(far, 5) == [0, 1, 2, 3, 4]
 
 
@@ -141,30 +153,29 @@ def test_no_probe_where_even_drafts_that_nearly_always_pass_would_not_pay():
 
 
 def loop_of(controller: AdaptiveK) -> _Loop:
-    cfg = LoopConfig(k=8, max_new_tokens=100, eos_ids=frozenset(), max_context=1000, drafter=NGRAM,
-                     free_drafters=frozenset({NGRAM}), overlap=True, ahead_max=8)
-    return _Loop([1, 2, 3], cfg, None, LoopStats(), controller, controller.costs)
+    cfg = LoopConfig(max_new_tokens=100, eos_ids=frozenset(), max_context=1000, ahead_max=8)
+    return _Loop([1, 2, 3], cfg, NO_DRAFT, LoopStats(), controller)
 
 
 def test_the_loop_asks_nothing_where_the_controller_says_no_and_records_what_asks_return():
     stats = AcceptanceStats()
     weak_traffic(stats)
-    loop = loop_of(session(costs_over(0.052, 0.052), stats, MOSTLY_WEAK))
-    assert loop.choose(8) == (0, 0)  # a target-only step: no free bound, so no draft request
+    loop = loop_of(session(costs_over(0.052, 0.052), stats, MOSTLY_WEAK, overlap=True))
+    assert loop.controller.plan(8) == Ask(0, 0)  # a target-only step: no free bound, so no draft request
     # ahead during a verification it hides behind: asked (the block's acceptance gives the hit probability)
-    block = _Block([5, 6], key=StatsKey(NGRAM, GREEDY, LONG))
-    assert 0 < loop.hit_probability(block) < 1
-    assert loop.choose(8, overlap=True, during=2, hit=loop.hit_probability(block)) == (0, 8)
+    block = Block([5, 6], drafter=NGRAM, quality=LONG)
+    assert 0 < loop.controller.hit_probability(block) < 1
+    assert loop.controller.plan_ahead(block, 8) == Ask(0, 8)
     before = stats.returns(StatsKey(NGRAM, GREEDY)).total
-    loop.record_return(pb.DraftBlock(tokens=[4, 5], quality=pb.MatchQuality(length=16, occurrences=1)), 8)
-    loop.record_return(pb.DraftBlock(), 8)  # nothing matched
-    loop.record_return(None, 8)  # a late reply says nothing
-    loop.record_return(pb.DraftBlock(tokens=[4]), 0)  # the free drafter was not asked
+    loop.returned(pb.DraftBlock(tokens=[4, 5], quality=pb.MatchQuality(length=16, occurrences=1)), 8)
+    loop.returned(pb.DraftBlock(), 8)  # nothing matched
+    loop.returned(None, 8)  # a late reply says nothing
+    loop.returned(pb.DraftBlock(tokens=[4]), 0)  # the free drafter was not asked
     assert stats.returns(StatsKey(NGRAM, GREEDY)).total == pytest.approx(before * 0.998 ** 2 + 0.998 + 1)
 
 
 def test_what_an_ask_slows_the_forward_it_overlaps_by_is_measured_against_forwards_without():
-    costs = CostModel()
+    costs = Costs()
     for _ in range(3):  # asks before any quiet one-token forward was measured: nothing to compare with
         costs.observe_verify(1, 0.072, ahead=True)
     assert costs.ahead_excess_s() == 0.0
@@ -178,16 +189,14 @@ def test_what_an_ask_slows_the_forward_it_overlaps_by_is_measured_against_forwar
     costs.observe_verify(1, 0.072, ahead=True)
     assert costs.ahead_excess_s() == pytest.approx(0.007)
     assert costs.verify_s(1) == pytest.approx(0.065)
-    faster = CostModel()
+    faster = Costs()
     for t in (0.065,) * 5 + (0.060,) * 5:
         faster.observe_verify(1, t, ahead=t < 0.065)
     assert faster.ahead_excess_s() == 0.0  # never below nothing
 
 
 def test_after_quiet_every_forwards_with_an_ask_one_runs_without():
-    from specsplit.orchestrator.rate import QUIET_EVERY
-
-    costs = CostModel()
+    costs = Costs()
     for _ in range(QUIET_EVERY - 1):
         costs.observe_verify(1, 0.07, ahead=True)
     assert not costs.quiet_due()
@@ -219,19 +228,18 @@ def test_an_ask_ahead_that_slows_the_target_more_than_it_saves_is_not_made():
     assert session(far, stats, [LONG] * 10).ask_free(NGRAM, 8, during=0, hit=0.9)
     # and the excess prices overlapped rounds, not a sync one
     links = near.links
-    assert links.round_s(4, 0.1, 0.0, 0.5, True, excess_s=0.01) == pytest.approx(
-        links.round_s(4, 0.1, 0.0, 0.5, True) + 0.01, abs=1e-3)
+    assert round_s(Shape.AHEAD, 4, 0.1, 0.0, links, 0.5, excess_s=0.01) == pytest.approx(
+        round_s(Shape.AHEAD, 4, 0.1, 0.0, links, 0.5) + 0.01, abs=1e-3)
+    assert round_s(Shape.SYNC, 4, 0.1, 0.0, links, 0.5, excess_s=0.01) == round_s(Shape.SYNC, 4, 0.1, 0.0, links, 0.5)
 
 
 def test_the_loop_sends_no_ask_ahead_when_a_quiet_forward_is_due():
-    from specsplit.orchestrator.rate import QUIET_EVERY
-
     stats = AcceptanceStats()
     weak_traffic(stats)
-    controller = session(costs_over(0.0005, 0.0005), stats, [LONG] * 10)
+    controller = session(costs_over(0.0005, 0.0005), stats, [LONG] * 10, overlap=True)
     loop = loop_of(controller)
     loop.draft = _UpDraft()
-    block = _Block([5, 6], key=StatsKey(NGRAM, GREEDY, LONG))
+    block = Block([5, 6], drafter=NGRAM, quality=LONG)
     loop.start_ahead(block)
     assert len(loop.draft.sent) == 1
     for _ in range(QUIET_EVERY):
@@ -263,13 +271,14 @@ def test_the_bound_on_a_saving_answers_as_the_full_price_does():
     for returns in mixes:
         for load in (ALONE, Load(2, 1.0), Load(8, 7.0), Load(32, 31.0)):
             controller = session(costs, stats, returns)  # (its returns join every session's: price it alone)
+            controller.load = load
             priced_qualities = []
             price = controller.free_acceptance
             controller.free_acceptance = lambda key, n: priced_qualities.append(key) or price(key, n)
-            full = controller.free_saving_s(NGRAM, 8, load)
+            full = controller.free_saving_s(NGRAM, 8)
             priced_for_full = len(priced_qualities)
             for needed in (0.0, 0.0005, 0.002, 0.01, 0.05):
-                priced = controller.free_saving_s(NGRAM, 8, load, needed)
+                priced = controller.free_saving_s(NGRAM, 8, needed)
                 assert (priced > needed) == (full > needed), (returns, load, needed)
                 assert priced >= full - 1e-12  # a bound, never below the price
             if load.sessions == 32 and returns != [NO_BLOCK] * 5:

@@ -7,11 +7,11 @@ import random
 import statistics
 
 import pytest
+
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
-from specsplit.orchestrator.acceptance import AcceptanceStats, Verification
-from specsplit.orchestrator.adaptive_k import AdaptiveK
-from specsplit.orchestrator.link_cost import DEADLINE_FLOOR_S, LinkCosts, RttEstimator, expected_max
-from specsplit.orchestrator.rate import CostModel
+from specsplit.orchestrator.policy.controller import AdaptiveK, Drafters
+from specsplit.orchestrator.policy.measure import AcceptanceStats, AcceptRule, Costs, Links, Measurements, RttEstimator
+from specsplit.orchestrator.policy.model import DEADLINE_FLOOR_S, Shape, deadline_s, expected_max, round_s
 
 pytestmark = pytest.mark.unit
 
@@ -46,8 +46,8 @@ def test_expected_max_of_two_normals_matches_sampling():
     assert expected_max(1.0, 0.0, 0.5, 0.0) == 1.0  # no jitter: the slower leg
 
 
-def links(draft_s: float, target_s: float, jitter_s: float = 0.0, n: int = 50) -> LinkCosts:
-    out = LinkCosts()
+def links(draft_s: float, target_s: float, jitter_s: float = 0.0, n: int = 50) -> Links:
+    out = Links()
     rng = random.Random(2)
     for _ in range(n):
         out.draft.observe(draft_s + rng.gauss(0, jitter_s) if jitter_s else draft_s)
@@ -58,38 +58,40 @@ def links(draft_s: float, target_s: float, jitter_s: float = 0.0, n: int = 50) -
 def test_round_time_adds_each_link_where_it_is_paid():
     lk = links(draft_s=0.010, target_s=0.020)
     verify, c = 0.050, 0.004
-    assert lk.round_s(0, verify, c, hit=0.5, overlap=False) == pytest.approx(0.070)  # no draft call
-    assert lk.round_s(3, verify, c, hit=0.5, overlap=False) == pytest.approx(0.070 + 0.010 + 0.012)
-    # overlap: drafting ahead (10 + 16 ms) hides behind the target leg (70 ms); a miss pays the draft again
-    assert lk.round_s(3, verify, c, hit=0.5, overlap=True) == pytest.approx(0.070 + 0.5 * (0.010 + 0.012))
-    # no links measured: the loopback model the controller had before links
-    assert LinkCosts().round_s(3, verify, c, 0.5, True) == pytest.approx(verify + 0.5 * 3 * c)
+    for shape in Shape:  # no draft call
+        assert round_s(shape, 0, verify, c, lk, hit=0.5) == pytest.approx(0.070)
+    assert round_s(Shape.TARGET_ONLY, 3, verify, c, lk) == pytest.approx(0.070)
+    assert round_s(Shape.SYNC, 3, verify, c, lk, hit=0.5) == pytest.approx(0.070 + 0.010 + 0.012)
+    # drafted ahead: drafting (10 + 16 ms) hides behind the target leg (70 ms); a miss pays the draft again
+    assert round_s(Shape.AHEAD, 3, verify, c, lk, hit=0.5) == pytest.approx(0.070 + 0.5 * (0.010 + 0.012))
+    # no links measured: the round is the target's forward and the drafting it does not hide
+    assert round_s(Shape.AHEAD, 3, verify, c, Links(), 0.5) == pytest.approx(verify + 0.5 * 3 * c)
     # a block in hand (a free block being cut): its draft round trip is paid whatever k is
-    for overlap in (False, True):
-        assert lk.round_s(3, verify, 0.0, 0.5, overlap, in_hand=True) == pytest.approx(0.070)
+    assert round_s(Shape.IN_HAND, 3, verify, 0.0, lk, 0.5) == pytest.approx(0.070)
 
 
 def test_jitter_makes_two_parallel_legs_slower_on_average():
     calm, jittery = links(0.030, 0.030), links(0.030, 0.030, jitter_s=0.010, n=400)
-    assert jittery.round_s(2, 0.0, 0.0, 1.0, overlap=True) > calm.round_s(2, 0.0, 0.0, 1.0, overlap=True) + 0.003
+    assert round_s(Shape.AHEAD, 2, 0.0, 0.0, jittery) > round_s(Shape.AHEAD, 2, 0.0, 0.0, calm) + 0.003
 
 
 def test_draft_deadline_is_its_expected_time_plus_four_deviations_with_a_floor():
     lk = links(draft_s=0.020, target_s=0.0, jitter_s=0.002, n=200)
     expected = 4 * 0.005
-    assert lk.draft_deadline_s(4, 0.005) == pytest.approx(lk.draft.srtt + 1.5 * expected + 4 * lk.draft.rttvar)
-    assert LinkCosts().draft_deadline_s(4, 0.0) == DEADLINE_FLOOR_S
+    assert deadline_s(lk.draft, expected) == pytest.approx(lk.draft.srtt + 1.5 * expected + 4 * lk.draft.rttvar)
+    assert deadline_s(Links().draft, 0.0) == DEADLINE_FLOOR_S
 
 
 def controller(draft_rtt: float, target_rtt: float, alpha: float, draft_token_s: float, k_max: int = 8) -> AdaptiveK:
     """A warmed controller on a CPU-like target (t(x) = 60 ms + 5 ms x) with the given links."""
-    costs = CostModel(links=links(draft_rtt, target_rtt))
+    costs = Costs(links=links(draft_rtt, target_rtt))
     for x in (1, 2, 3, 5, 9, 1, 4, 9):
         costs.observe_verify(x, 0.060 + 0.005 * x)
     costs.observe_draft(4, 4 * draft_token_s, DrafterKind.MODEL)
     # Acceptance alpha at every position: the server-wide prior, with no evidence to move it.
     stats = AcceptanceStats(prior=alpha)
-    return AdaptiveK(k_max, costs, stats, Verification.of(VerificationMode.GREEDY, 0.0), DrafterKind.MODEL)
+    rule = AcceptRule.of(VerificationMode.GREEDY, 0.0)
+    return AdaptiveK(k_max, Measurements(costs, stats), rule, Drafters(DrafterKind.MODEL, paid=DrafterKind.MODEL))
 
 
 def test_a_long_target_round_trip_lengthens_blocks():

@@ -152,7 +152,7 @@ def test_a_reopened_sessions_prefill_is_not_fitted_as_a_decode_forward(tiny_serv
             request = GenerationRequest("", False, 12, SamplingParams(), (), 2, DrafterKind.MODEL, False, False)
             events = [e async for e in orch.generate(request, orch.encode(PROMPT, False))]
             assert events[-1].stats.rounds > 2
-            return orch.costs.verify.samples
+            return orch.measured.costs.verify.samples
         finally:
             await orch.close()
 

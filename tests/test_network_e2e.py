@@ -18,13 +18,13 @@ import threading
 import time
 
 import pytest
+
 from specsplit.bench.netem import Shape, links
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
-
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.test_sampling_e2e import assert_distributed_as
 from tests.test_speed_e2e import PROMPT, exact_joint
@@ -161,7 +161,6 @@ def test_a_stalled_draft_link_costs_a_round_at_most_its_deadline(tiny_services, 
     waits past the deadline (without deadlines each would wait the 1 s timeout); the stream is dropped and
     re-attached in the background, speculation resumes, and the output is the target's own."""
     from specsplit.lmkit import models
-
     from tests.conftest import reference_greedy
 
     prompt = gguf_tokenizer.encode(TINY_PROMPTS[2])
@@ -252,7 +251,8 @@ def test_a_cold_proposal_is_not_waited_for_past_what_its_block_could_save(tiny_s
             try:
                 async for _ in orch.generate(request(0, DrafterKind.NGRAM, max_new=8), prompt):
                     pass  # target-only: the orchestrator measures the target's step
-                assert orch.costs.one.samples >= orch.costs.min_samples
+                costs = orch.measured.costs
+                assert costs.one.samples >= costs.min_samples
                 start, first, ids, loop = time.perf_counter(), None, [], None
                 async for event in orch.generate(request(4, DrafterKind.MODEL, overlap=False, max_new=8), prompt):
                     first = first or time.perf_counter() - start
@@ -271,22 +271,26 @@ def test_a_cold_proposal_is_not_waited_for_past_what_its_block_could_save(tiny_s
 
 def stepping_at_50_ms():
     """Costs with a 50 ms target step measured: a block of 4 saves at most 0.2 s."""
-    from specsplit.orchestrator.rate import CostModel
+    from specsplit.orchestrator.policy.measure import Costs
 
-    costs = CostModel()
+    costs = Costs()
     for _ in range(4):
         costs.observe_verify(1, 0.05)
     return costs
 
 
 def model_draft_link(orch, costs):
-    """A draft link for a MODEL session of ``orch``'s draft, pricing its waits with ``costs``."""
+    """A draft link for a fixed-K MODEL session of ``orch``'s draft, pricing its waits with ``costs``."""
+    from specsplit.lmkit.kinds import VerificationMode
     from specsplit.orchestrator.links import DraftLink
-
+    from specsplit.orchestrator.policy.controller import Drafters, FixedK
+    from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
     from specsplit.v1 import specsplit_pb2 as pb
 
+    controller = FixedK(4, Measurements(costs), AcceptRule.of(VerificationMode.GREEDY, 0.0),
+                        Drafters(DrafterKind.MODEL, paid=DrafterKind.MODEL))
     return DraftLink(orch.draft, lambda sid, tokens: pb.DraftOpen(
-        session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy(), costs, DrafterKind.MODEL)
+        session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy(), controller)
 
 
 def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_read_fits(

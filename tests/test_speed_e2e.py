@@ -186,7 +186,7 @@ def test_free_drafts_are_cut_by_quality_and_keep_greedy_output(tiny_services, ti
         try:
             out = [await collect(orch, request(8, DrafterKind.NGRAM, adaptive=True, overlap=overlap), ids)
                    for ids in prompts_ids]
-            return out, orch.acceptance
+            return out, orch.measured.acceptance
         finally:
             await orch.close()
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from specsplit.draft_service.chain import ChainDrafter
 from specsplit.draft_service.ngram import NgramConfig, NgramDrafter
 from specsplit.lmkit import token_tree
-from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.orchestrator.links import DraftCall
 from specsplit.orchestrator.loop import LoopConfig, LoopStats, _Ahead, _Loop
-from specsplit.orchestrator.tree_shape import BranchStats, choose_nodes, node_acceptance, path_probabilities
-
+from specsplit.orchestrator.policy.controller import FixedK
+from specsplit.orchestrator.policy.measure import AcceptRule, Measurements, SiblingStats
+from specsplit.orchestrator.policy.model import choose_nodes, node_acceptance, path_probabilities
 from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -56,7 +58,7 @@ def test_the_choice_is_the_best_rate_over_every_subtree():
 def test_other_sessions_commits_make_a_block_dearer():
     accept = [0.5, 0.5, 0.5, 0.2, 0.5]
     alone = choose_nodes(PARENTS, accept, linear(1.0, 0.2))
-    loaded = choose_nodes(PARENTS, accept, linear(1.0, 0.2), others_committed=6.0)
+    loaded = choose_nodes(PARENTS, accept, linear(1.0, 0.2), others=6.0)
     assert len(loaded) < len(alone)
 
 
@@ -67,8 +69,8 @@ def test_choose_nodes_checks_its_input():
         choose_nodes([-1], [1.5], linear(1, 0))
 
 
-def test_branch_stats_learn_which_siblings_the_target_takes():
-    stats = BranchStats(prior=0.1, prior_weight=1.0, decay=1.0)
+def test_sibling_stats_learn_which_siblings_the_target_takes():
+    stats = SiblingStats(prior=0.1, prior_weight=1.0, decay=1.0)
     for _ in range(9):
         stats.observe(PARENTS, [3, 4])  # the target took the second root, rank 1 at depth 0
     stats.observe(PARENTS, [0, 1])
@@ -136,8 +138,9 @@ def _take_ahead(reply: pb.DraftBlock, bonus: int):
     it and commits ``bonus``."""
 
     async def go():
-        config = LoopConfig(k=8, max_new_tokens=100, eos_ids=frozenset(), max_context=1000, tree_branches=4)
-        loop = _Loop([1, 2, 3], config, _Answered(reply), LoopStats(), None, None)
+        config = LoopConfig(max_new_tokens=100, eos_ids=frozenset(), max_context=1000, tree_branches=4)
+        controller = FixedK(8, Measurements(), AcceptRule.of(VerificationMode.GREEDY, 0.0))
+        loop = _Loop([1, 2, 3], config, _Answered(reply), LoopStats(), controller)
         task = asyncio.get_running_loop().create_future()
         task.set_result(reply)
         loop.aheads = [_Ahead(DraftCall(task, 0.0, 5), 3, [5, 6], 3, guess=True)]
