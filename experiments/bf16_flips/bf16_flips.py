@@ -27,13 +27,13 @@ contexts differ and later differences are consequences, not flips): the flip
 rate per token is divergences / tokens compared, where a diverged session
 contributes its tokens up to and including the first differing one. Writes JSON:
 
-    python -m specsplit.bench.bf16_flips --json bench/results/bf16-flips.json
+    python experiments/bf16_flips/bf16_flips.py --json experiments/bf16_flips/bf16-flips.json
 
 ``--paths default batch-invariant`` also decodes the batched sessions on a
 target built with ``batch_invariant=True`` (``--batch-invariant``: each
 session's rows verified alone), chunk by chunk interleaved with the default
 path, and reports both paths' flips and batched tokens/s; the tokens/s ratio
-is only meaningful under ``/work/bin/cpu-exclusive``. Without it the bench
+is only meaningful with the cores to itself. Without it the bench
 counts tokens, not seconds, so it is valid on a shared machine.
 """
 

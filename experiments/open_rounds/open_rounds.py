@@ -1,6 +1,6 @@
 """What a round costs on open text, by how the draft is asked, with draft and target on one CPU.
 
-    python -m specsplit.bench.open_rounds --json bench/results/open-rounds.json [--kinds prose,chat,code-write] [--repeats 2]
+    python experiments/open_rounds/open_rounds.py --json experiments/open_rounds/open-rounds.json [--kinds prose,chat,code-write] [--repeats 2]
         [--decoding sampling|greedy]
 
 The traffic bench's set-up (SmolLM2 target with 2 threads, n-gram drafter with
@@ -87,7 +87,7 @@ async def _measure(target: str, draft: str, pids: dict[str, int], prompts, repea
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specsplit.bench.open_rounds", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python experiments/open_rounds/open_rounds.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--kinds", default="prose,chat,code-write")
     parser.add_argument("--repeats", type=int, default=2)

@@ -17,7 +17,7 @@ These are per-drafted-token acceptance rates at the first position of a block
 (what adaptive K and the expected accepted length are built on), on the same
 positions for every mode, so they compare like with like. Writes JSON:
 
-    python -m specsplit.bench.coupling --json bench/results/coupling.json
+    python experiments/coupling/coupling.py --json experiments/coupling/coupling.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Token trees against chains, and the fast verify forward against the stock one, end to end.
 
-    python -m specsplit.bench.trees --json bench/results/trees-demo.json [--prompt-set demo] [--repeats 2]
+    python experiments/trees/trees.py --json experiments/trees/trees-demo.json [--prompt-set demo] [--repeats 2]
 
 One run, the default pair (SmolLM2 target, n-gram drafter), greedy, chat
 template. Two targets run as separate processes on the same core (used one at
@@ -163,7 +163,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specsplit.bench.trees", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python experiments/trees/trees.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--prompt-set", default="demo", choices=sorted(PROMPT_SETS))

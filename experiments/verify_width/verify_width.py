@@ -1,6 +1,6 @@
 """What a verify pass of width w costs the target: t(w)/t(1), stock forward against the fast one.
 
-    python -m specsplit.bench.verify_width --json bench/results/verify-width.json [--threads 2,1]
+    python experiments/verify_width/verify_width.py --json experiments/verify_width/verify-width.json [--threads 2,1]
 
 One process, one model checkpoint loaded twice: ``stock`` is the model as
 transformers runs it (``DynamicCache``, MKL linears, SDPA with repeated
@@ -164,7 +164,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specsplit.bench.verify_width", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python experiments/verify_width/verify_width.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="write the report here")
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--threads", default="2,1", help="torch threads, one run each")

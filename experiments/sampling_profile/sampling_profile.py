@@ -1,4 +1,4 @@
-"""Where a sampling round's time goes, against a greedy round of the same width, before and after a change.
+"""Where a sampled verification's decision time goes, against a greedy one of the same width.
 
 A verification round is one target forward over w = k + 1 positions, then a
 decision over its [w, vocab] logits. The forward costs the same greedy or
@@ -15,11 +15,12 @@ for TOKEN_ONLY, DRAFT_PROBS and COUPLED at widths 2, 5 and 9, with every row
 rejected at the first position (``reject@0``) or every draft token accepted
 (``accept-all``), so a lazy verifier's best and worst cases both show.
 
-``--before REV`` loads ``lmkit/sampling.py`` and ``target_service/rejection.py``
-as they were at git revision REV and times their decision path interleaved
-with the current one, repetition by repetition, in one run. Writes JSON:
+``--before REV`` also loads ``lmkit/sampling.py`` and ``target_service/rejection.py``
+as they are at git revision REV and times their decision path interleaved
+with the working tree's, repetition by repetition, in one run (an A/B of a
+change to the verifier). Writes JSON:
 
-    python -m specsplit.bench.sampling_profile --before <rev> --json bench/results/sampling-profile.json
+    python experiments/sampling_profile/sampling_profile.py [--before REV] --json experiments/sampling_profile/sampling-profile.json
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.probs_codec import decode_probs, encode_probs, quantize_probs
 from specsplit.lmkit.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: --before reads its git history
 SETTINGS = {
     "T=0.7,top_p=0.95": SamplingParams(temperature=0.7, top_p=0.95, seed=1),
     "T=1.0": SamplingParams(temperature=1.0, seed=1),
