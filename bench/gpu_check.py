@@ -1,21 +1,15 @@
 """``bench/gpu_check``: the CUDA path measured in one command, random weights of real shapes; JSON + PNG.
 
-    bash bench/gpu_check --out DIR --device cuda  # on a GPU: real shapes in bf16, ≤ 8 minutes on an H200
+    bash bench/gpu_check --out DIR --device cuda  # on a GPU: real shapes in bf16
     bash bench/gpu_check --out DIR --size tiny    # anywhere: tiny shapes (on the CPU, the tests run this)
 
-It builds a Llama-3.2-1B-shaped draft and a Llama-3.1-8B-shaped target with
-random weights on one vocabulary (``specsplit.bench.gpu_models``), starts the real target
-service and a draft service that also serves the bench's ORACLE drafter
-(``specsplit.bench.oracle_drafter``) as separate processes on the device, and measures
-(``specsplit.bench.gpu_stages``): the device's copy bandwidth and the target step's
-memory floor; host syncs per forward; the target decode step and verify cost
-t(width)/t(1) for widths 1..16; the draft step and cost ratio c; the per-round
-overhead of the split; end-to-end tokens/s of speculative vs target-only
-decoding at controlled acceptance rates α with Leviathan et al.'s bound for
-each; batched verification at 1..64 sessions; greedy equality of batched vs
-solo decoding in the model's dtype. It writes ``gpu_check.json`` after every
-stage (a run cut short keeps what it measured), ``gpu_check.png`` and the
-services' log tails under ``--out``, and prints a summary.
+It builds a draft and a target of real shapes with random weights on one vocabulary
+(``specsplit.bench.gpu_models``), starts the real target service and a draft service
+that also serves the ORACLE drafter (``specsplit.bench.oracle_drafter``) as processes
+on the device, and runs the stages of ``specsplit.bench.gpu_stages``: copy bandwidth,
+host syncs, step and verify costs, end to end at controlled acceptance rates,
+batched verification, greedy equality. It writes ``gpu_check.json`` after every
+stage, ``gpu_check.png`` and the services' log tails under ``--out``.
 
 Exit code: 0 when every stage ran (goals unmet are figures, not failures), 1
 when a stage failed, 2 when the environment lacks something (the message says

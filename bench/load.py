@@ -3,17 +3,14 @@
     python -m specsplit.bench.load --json bench/results/load.json [--rates 0.25,0.5,1] [--requests 16] [--max-tokens 48]
     python -m specsplit.bench.load --url http://HOST:8000/v1 --model NAME --json out.json   # an already running server
 
-Without ``--url`` it starts the target, the draft (n-gram) and the orchestrator
-(``--http-port``) as processes on loopback, target pinned to ``--target-cpus``
-and the rest to ``--draft-cpus``, like the speed suite. Each request streams
-``/v1/chat/completions`` (greedy, one of the demo prompts in turn) and is timed
-on the client: time to first token (first content chunk), inter-token latency
-(gaps between content chunks; a speculative round may deliver several tokens in
-one chunk), time per output token ((e2e - TTFT) / (tokens - 1)) and end to end.
-At each rate the two modes run back to back with the same arrival times
+Without ``--url`` it starts target, n-gram draft and orchestrator (``--http-port``)
+on loopback, pinned like the speed suite. Each request streams
+``/v1/chat/completions`` (greedy, the demo prompts in turn), timed on the client:
+time to first token, inter-token latency (a speculative round may deliver several
+tokens in one chunk), time per output token ((e2e - TTFT) / (tokens - 1)) and end
+to end. At each rate the two modes run back to back on the same arrival times
 (speculation: the server's default adaptive K; none: ``k = 0``). Goodput
-(DistServe, Zhong et al. 2024) counts the requests per second that met both
-SLOs, ``--slo-ttft-s`` and ``--slo-tpot-s``.
+(DistServe, Zhong et al. 2024) counts the requests per second that met both SLOs.
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
 """An emulated network link: a TCP relay that delays, jitters and rate-limits each direction.
 
 This is an **emulation** on one machine, not a network: a process between a
-client and a service (e.g. the orchestrator and the draft service) that holds
-every chunk of bytes it relays for a one-way delay, so the code under test runs
-unchanged over a link that behaves like a slower one. It sits outside that
-code: the services and the orchestrator only see a different address.
-
-Each direction is shaped like Linux ``tc netem delay D J rate R`` over a byte
-stream. A chunk of b bytes read at time t leaves at
-
-    start = max(t, free);  free = start + 8 b / R        (serialisation at R bit/s)
-    due   = max(free + max(0, D + J z) + L, due of the chunk before)    z ~ N(0, 1)
-
-The max with the chunk before keeps bytes in order (TCP is a byte stream: a
-chunk drawn a shorter delay waits behind the one ahead, head-of-line blocking).
-The relay never drops bytes: a chunk "lost" (probability ``--loss``) arrives
-L = ``--retransmit-ms`` late, as TCP's retransmission would deliver it.
-One process relays one service; run one per link (draft and target apart).
+client and a service that holds every chunk of bytes it relays for a one-way
+delay, so the code under test runs unchanged over a slower link and only sees
+another address. Each direction is shaped like Linux ``tc netem delay D J rate R``
+over a byte stream (``_Schedule``); the relay never drops bytes, a chunk "lost"
+arrives late as TCP's retransmission would deliver it. One process per link:
 
     python -m specsplit.bench.netem --upstream 127.0.0.1:50051 --delay-ms 1 [--jitter-ms 0.2] [--rate-mbit 100]
                           [--loss 0.01 --retransmit-ms 200] [--port 0 --port-file F] [--stats-file F.json]
 
-SIGUSR1 stalls the link (bytes are held, connections stay open), SIGUSR2 resumes
-it; SIGHUP re-reads ``--control-file`` (a JSON of the up and down shapes) and
-shapes every byte read from then on by it (a delay spike, a slower rate; bytes
-already held keep their time, and order is kept); SIGTERM writes the
-per-direction statistics to ``--stats-file`` and exits. ``LinkProcess`` drives
-these from Python: ``stall``, ``resume``, ``set_shape``, ``stop``.
-Arrival times are the kernel's receive stamps (``SO_TIMESTAMPNS``), sleeps end
-early by the oversleep measured so far and spin the rest, and the relay asks
-for a real-time priority where allowed, so sub-millisecond delays hold to tens
-of microseconds on a busy host. ``specsplit.bench.netem_check`` measures a relay against
-what it was asked for.
+SIGUSR1 stalls the link, SIGUSR2 resumes it, SIGHUP re-reads ``--control-file``
+(new shapes from then on), SIGTERM writes ``--stats-file`` and exits;
+``LinkProcess`` drives these from Python. ``specsplit.bench.netem_check`` measures a
+relay against what it was asked for.
 """
 
 from __future__ import annotations
@@ -88,7 +70,15 @@ class Shape:
 
 
 class _Schedule:
-    """When each chunk of one direction leaves (the formula in the module docstring)."""
+    """When each chunk of one direction leaves. A chunk of b bytes read at time t leaves at
+
+        start = max(t, free);  free = start + 8 b / R        (serialisation at R bit/s)
+        due   = max(free + max(0, D + J z) + L, due of the chunk before)    z ~ N(0, 1)
+
+    The max with the chunk before keeps bytes in order (TCP is a byte stream: a
+    chunk drawn a shorter delay waits behind the one ahead, head-of-line
+    blocking). L is ``retransmit_s`` for a chunk "lost" (probability ``loss``), else 0.
+    """
 
     def __init__(self, shape: Callable[[], Shape], rng: random.Random) -> None:
         self.shape = shape  # read per chunk: the relay may change it while running

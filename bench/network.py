@@ -1,32 +1,15 @@
 """``specsplit bench --suite network``: speculation across emulated links, against target-only over the same links.
 
-The links are **emulated** (``specsplit.bench.netem``: a relay process per link, in front
-of the draft and of the target, both shaped alike), on one machine; each level's
-shape is checked against itself first (``specsplit.bench.netem_check``). For each added
-round trip in ``--link-rtt-ms`` (one-way delay RTT / 2 each direction, jitter
-``--link-jitter-fraction`` of it) a fresh orchestrator (its link estimates and
-costs start cold) runs, interleaved: target-only, then per drafter sync and
-overlap with fixed and adaptive K (the order rotates per level), then
-target-only again; with ``--network-repeats N`` the cells and a target-only
-pass after them run N times (the order rotating each time), and each cell's
-figures pool its N passes. Speedups are against the mean of the target-only
-passes, and their spread (max - min over the mean) is the level's noise band.
-
-Per cell: tokens/s, speedup, acceptance α, draft cost ratio c, mean k, overlap
-hit rate (blocks drafted ahead that were used / drafted ahead), late draft
-blocks, identical outputs, and a Leviathan-style bound. The bound is Leviathan
-et al. 2023's E(α, k) / (k c + 1) with the links added, verification of a
-block costing one target step T (their assumption; on this CPU it costs more):
-
-    sync:     E (T + R_t) / (T + R_t + R_d + k c T)
-    overlap:  E (T + R_t) / (max(T + R_t, R_d + (k + 1) c T) + (1 - α^(k+1)) (R_d + k c T))
-
-with R_t, R_d the round trips the orchestrator measured on each link, c the
-draft's time per token it drafted over T (every reply but a session's first,
-which reads the context: blocks drafted ahead and not used count, and so does
-the guess of the bonus token they start with); at k for fixed K, at the best k <= K
-for adaptive K with α from the fixed-K cell (adaptive K drafts where it
-expects acceptance, so its own α is selected).
+The links are **emulated** (``specsplit.bench.netem``: a relay process in front of
+the draft and one in front of the target, shaped alike), each level's shape checked
+against itself first (``specsplit.bench.netem_check``). For each added round trip
+in ``--link-rtt-ms`` a fresh orchestrator runs, interleaved: target-only, then per
+drafter sync and overlap with fixed and adaptive K (order rotating per level),
+then target-only again; ``--network-repeats N`` runs the cells N times and pools
+them. Speedups are against the mean of the target-only passes, whose spread is
+the level's noise band. Per cell: tokens/s, speedup, acceptance α, draft cost
+ratio c, mean k, overlap hit rate, late blocks, identical outputs, and a
+Leviathan-style bound with the links added (``bound``).
 
 Placement as in the speed suite: target pinned to ``--target-cpus``, draft to
 ``--draft-cpus``, the orchestrator on the draft's cores; the relays unpinned.
@@ -168,7 +151,21 @@ def _tokens_per_s(runs: list[Run]) -> float:
 
 
 def bound(alpha: float, k: int, c: float, step_s: float, rtt_t: float, rtt_d: float, overlap: bool) -> float:
-    """The Leviathan-style bound of the module docstring for one k."""
+    """Leviathan et al. 2023's E(α, k) / (k c + 1) with the links' round trips added, for one k.
+
+    Verification of a block costs one target step T (their assumption; on a CPU
+    a wider verify costs more), R_t and R_d are the round trips measured on the
+    target and draft links, c the draft's time per token it drafted over T:
+
+        sync:     E (T + R_t) / (T + R_t + R_d + k c T)
+        overlap:  E (T + R_t) / (max(T + R_t, R_d + (k + 1) c T) + (1 - α^(k+1)) (R_d + k c T))
+
+    c counts every reply but a session's first (which reads the context): blocks
+    drafted ahead and not used count, and so does the guess of the bonus token
+    they start with. A fixed-K cell is bounded at its k; an adaptive cell at the
+    best k <= K with α from the fixed-K cell (adaptive K drafts where it expects
+    acceptance, so its own α is selected).
+    """
     if k == 0:
         return 1.0
     e = expected_tokens(alpha, k)

@@ -3,17 +3,12 @@
 Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative
 Decoding", §3) model a drafter by one number α: each draft token is accepted
 with probability α, independently, so a round of k tokens commits
-E = (1 - α^(k+1)) / (1 - α) tokens. This drafter makes α exact under greedy
-decoding: it knows the target's greedy continuation of each prompt (the bench
-decodes it target-only first) and drafts that continuation's token with
-probability α, a different token otherwise. Every drafted token still costs one
-forward of the draft service's own model, fed the tokens proposed, so a round
-costs what the model drafter's does.
-
-The continuations and α come from a JSON file named by ``SPECSPLIT_ORACLE_FILE``,
-read when a session opens (the bench rewrites it between runs). Once a
-session's committed tokens leave the known continuation (a numerical flip in
-the target) the drafter has no truth left and drafts random tokens.
+E = (1 - α^(k+1)) / (1 - α) tokens. Under greedy decoding this drafter makes α
+exact: it knows the target's greedy continuation of each prompt (from a JSON file
+named by ``SPECSPLIT_ORACLE_FILE``, read when a session opens) and drafts that
+continuation's token with probability α, a different token otherwise. Every
+drafted token still costs one forward of the draft service's own model. Once a
+session leaves the known continuation (a numerical flip) it drafts random tokens.
 
 ``python -m specsplit.bench.oracle_drafter [serve-draft flags]`` serves it beside the
 built-in drafters, as ``tests/plugin_drafter.py`` does.

@@ -3,9 +3,9 @@
     python -m specsplit.bench.round_overhead --json bench/results/round-overhead.json
 
 Draft and target run as separate processes on loopback with a tiny model
-(compute ≈ 0), so the wall time of a round minus the compute the services
-report is what the split itself costs. Compare it with one target forward
-pass (≈ 50 ms for SmolLM2-135M on this CPU).
+(near-zero compute), so the wall time of a round minus the compute the services
+report is what the split itself costs; compare it with one target forward of a
+real model.
 """
 
 from __future__ import annotations

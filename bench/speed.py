@@ -1,28 +1,19 @@
 """``specsplit bench --suite speed``: traffic per kind, sync vs overlap, concurrency, HF anchors; JSON + PNG.
 
-One run, one target, the same prompts throughout, in parts (``--parts``; a
-run of every part on the mixed set takes longer than a machine should be held,
-so the parts run apart and each writes its own JSON):
+One target, the same prompts throughout, in parts (``--parts``), each part
+writing its own JSON:
 
 * ``traffic``: every prompt by target-only, specsplit, HF ``generate`` and HF
-  prompt lookup, interleaved, per kind, greedy and/or sampling
-  (``--decoding``; ``bench/traffic.py``). The bench process is not pinned: the
-  HF anchors run in it with the target's threads;
-* ``modes``: single stream, target-only and speculative in sync and overlap
-  modes with fixed and adaptive K, a K sweep (fixed K, sync) with per-position
-  acceptance, and HF anchors run after the services stop (plain
-  ``model.generate`` and assisted generation: ``prompt_lookup_num_tokens`` for
-  the n-gram drafter, ``assistant_model`` for a draft model), greedy;
-* ``concurrency``: 1..32 sessions, aggregate tokens/s with speculation
-  (adaptive, overlap) and without (k = 0), both through continuous batching;
-  each level runs ``--concurrency-repeats`` times per mode, the modes
-  interleaved (ABBA...), and the report gives medians (the per-repeat figures
-  beside them).
+  prompt lookup, interleaved, per kind, greedy and/or sampling (``bench/traffic.py``);
+* ``modes``: single stream, sync and overlap with fixed and adaptive K, a fixed-K
+  sweep with per-position acceptance, and HF anchors (``model.generate``, assisted
+  generation) run after the services stop; greedy;
+* ``concurrency``: 1..32 sessions, aggregate tokens/s with speculation and
+  without (k = 0), through continuous batching; each level ``--concurrency-repeats``
+  times per mode, the modes interleaved; medians, with each repeat beside them.
 
-Draft and target run as separate processes, pinned to different cores when
-``--target-cpus``/``--draft-cpus`` say so (they stand for separate devices);
-for ``modes`` and ``concurrency`` the orchestrator runs in this process on the
-draft's cores.
+Draft and target run as processes, pinned apart by ``--target-cpus``/``--draft-cpus``
+(standing for separate devices); the orchestrator runs on the draft's cores.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ head costs 2.5-4x a 1-row one, and a 9-token SmolLM2 forward costs about 2x a
 1-token one. oneDNN's matmul over a weight reordered once at load
 (``torch.ops.mkldnn._reorder_linear_weight``) streams the weight once whatever
 the row count, so verifying a block costs little more than decoding a token
-(``bench/verify_width.py``).
+(``experiments/verify_width/``).
 
 The products are the same fp32 products, summed in a different order:
 logits move by ~1e-5 relative, as between any two BLAS kernels (torch's own

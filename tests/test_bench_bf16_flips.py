@@ -1,9 +1,24 @@
-"""The bf16 flip bench's counting: outputs compared up to their first divergence."""
+"""The bf16 flip experiment's counting: outputs compared up to their first divergence."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
-from specsplit.bench.bf16_flips import compare, first_divergence
+
+
+def _experiment(name: str):
+    """experiments/<name>/<name>.py, imported by path: experiments/ is not a package."""
+    root = next(p for p in Path(__file__).resolve().parents if (p / "experiments").is_dir())
+    spec = importlib.util.spec_from_file_location(name, root / "experiments" / name / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bf16_flips = _experiment("bf16_flips")
+compare, first_divergence = bf16_flips.compare, bf16_flips.first_divergence
 
 pytestmark = pytest.mark.unit
 
