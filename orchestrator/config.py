@@ -17,7 +17,7 @@ DEFAULT_K = 8
 DEFAULT_TREE_BRANCHES = 4  # continuations a round may verify together; tree_shape keeps those that pay
 MAX_TREE_BRANCHES = 16
 # How sampled requests are verified unless they ask (docs/protocol.md, "Seeds"): chosen from the
-# acceptance figures of bench/coupling.py (bench/results/coupling.json).
+# acceptance figures of experiments/coupling/ (its README).
 DEFAULT_SAMPLING_MODE = VerificationMode.COUPLED
 
 

@@ -12,7 +12,7 @@ the modes run back to back, their order rotated each repeat:
 * ``target-only``: k = 0 on the fast target (the baseline of every ratio);
 * ``chain``: adaptive K, chains only (``tree_branches`` = 1);
 * ``tree``: adaptive K, up to ``--branches`` continuations per round, the
-  nodes kept by ``specsplit.orchestrator.tree_shape``;
+  nodes kept by the round policy (``specsplit.orchestrator.policy``);
 * ``tree, fixed K``: every node the drafter offers at K = ``--k``.
 
 Reported per kind and overall: tokens/s (tokens over wall time, summed),
