@@ -1,5 +1,5 @@
 """Loading causal LMs and their tokenizers, for both services and the orchestrator, and what their callers
-read off them (the forward's name for its cache).
+read off them (end-of-sequence ids, the forward's name for its cache).
 
 A model reference is one of:
 
@@ -295,6 +295,20 @@ def vocab_fingerprint(tokenizer) -> str:
     special = sorted(str(t) for t in tokenizer.all_special_tokens)
     payload = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def eos_ids(model_ref: str, tokenizer) -> set[int]:
+    """End-of-sequence ids: the tokenizer's plus the generation config's (often a list)."""
+    from transformers import GenerationConfig
+
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    try:
+        configured = GenerationConfig.from_pretrained(resolve(model_ref), local_files_only=True).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
+        configured = None
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    return ids
 
 
 def max_context(model) -> int:
