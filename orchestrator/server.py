@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from specsplit.lmkit import logs, models
+from specsplit.lmkit import entry, logs, models
 from specsplit.lmkit.grpc_server import (
     add_servicer,
     add_tls_flags,
@@ -182,11 +182,8 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import sys
-
-    from specsplit.cli import main as cli_main
-
-    cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+    """``python -m specsplit.orchestrator.server``: ``specsplit serve`` itself."""
+    entry.run_and_exit("serve", run, build_parser().parse_args(argv), log_prefix="orchestrator")
 
 
 if __name__ == "__main__":
