@@ -27,8 +27,8 @@ class Command:
 COMMANDS = (
     Command("serve-draft", "run the draft service", "specsplit.draft_service.server"),
     Command("serve-target", "run the target service", "specsplit.target_service.server"),
-    Command("serve", "run the orchestrator (public Generate API); --ray: on Ray Serve", "specsplit.orchestrator.server",
-            "orchestrator"),
+    Command("serve", "run the orchestrator (public Generate API); --ray: on Ray Serve",
+            "specsplit.ray_deploy.serve_command", "orchestrator"),
     Command("up", "on Ray: place draft and target by resources, serve the orchestrator", "specsplit.ray_deploy.placement",
             "specsplit-up"),
     Command("batch", "generate for a JSONL file of prompts on Ray workers (resumable)", "specsplit.ray_deploy.batch_job", quiet=True),
