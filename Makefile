@@ -10,7 +10,7 @@ K8S_VENV := .venv-k8s
 K8S_REQS := k8s/requirements-tools.txt
 K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_REQS) | sha256sum | cut -c1-12)
 
-.PHONY: install k8s-tools demo test test-unit bench bench-speed bench-network protos check-protos clean
+.PHONY: install k8s-tools demo test test-unit lint-imports bench bench-speed bench-network protos check-protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,8 +41,12 @@ demo: install
 
 # Two workers (CI has two cores); the Ray tests share one of them (tests/conftest.py). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
-test: install k8s-tools
+test: install k8s-tools lint-imports
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
+# The layers of pyproject's [tool.importlinter], checked on the layout the packages install as (tests/layers.py).
+lint-imports: install
+	$(PY) tests/layers.py
 
 # The fast tier: pure algorithms and small pieces; no service process, no Ray, no k8s linters.
 test-unit: install

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from specsplit.draft_service import self_draft
+from specsplit.draft_service import eagle_distill, self_draft
+from specsplit.draft_service.corpus import read_corpus
 from specsplit.lmkit import models
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "distill_report.json"
-_TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py"}
 
 
 @dataclass(frozen=True)
@@ -71,28 +71,6 @@ class DistillConfig:
             fields.pop(name)
         fields["corpus"] = list(fields["corpus"])
         return fields
-
-
-def read_corpus(paths: tuple[str, ...]) -> str:
-    """The training text: the given files/folders, or Python's own documentation (always installed)."""
-    if not paths:
-        from pydoc_data.topics import topics
-
-        return "\n\n".join(topics[key] for key in sorted(topics))
-    texts = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.suffix in _TEXT_SUFFIXES and p.is_file())
-        elif path.is_file():
-            files = [path]
-        else:
-            raise FileNotFoundError(f"--corpus {raw} does not exist; pass text files or folders of them")
-        texts += [f.read_text(errors="replace") for f in files]
-    text = "\n\n".join(texts)
-    if not text.strip():
-        raise ValueError(f"--corpus {list(paths)} holds no text (.txt, .md, .rst or .py files)")
-    return text
 
 
 def token_stream(tokenizer, text: str, limit: int) -> torch.Tensor:  # [n] int64
@@ -263,8 +241,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--max-corpus-tokens", type=int, default=d.max_corpus_tokens)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    from specsplit.draft_service import eagle_distill
-
     eagle_distill.add_flags(parser)
     return parser
 
@@ -286,8 +262,6 @@ def config_from_args(args) -> DistillConfig:
 
 
 def run(args) -> int:
-    from specsplit.draft_service import eagle_distill
-
     # ValueError on bad flags, before loading anything
     config = eagle_distill.config_from_args(args) if args.eagle else config_from_args(args)
     models.configure_torch_threads(args.threads)

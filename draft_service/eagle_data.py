@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from specsplit.draft_service.corpus import read_corpus
 
 # Chat prompts: templates x subjects. The benchmarks' prompts (bench/prompts.py, bench/prompt_sets/) are not
 # among them: no lighthouse keeper, blue sky, guitar, painting robot, tides, garden party, cats and dogs,
@@ -99,8 +100,6 @@ def prompt_pool(count: int, seed: int) -> list[str]:
 def corpus_documents(paths: Sequence[str] = ()) -> list[str]:
     """The local corpus: given files/folders, or Python's documentation and standard library sources."""
     if paths:
-        from specsplit.draft_service.distill import read_corpus
-
         return [read_corpus(tuple(paths))]
     from pydoc_data.topics import topics
 

@@ -106,9 +106,7 @@ class _Data:
         if manifest.is_file() and json.loads(manifest.read_text()) != wanted:
             raise ValueError(f"{self.folder} holds data made with other settings ({manifest}); use another --out")
         manifest.write_text(json.dumps(wanted, indent=2) + "\n")
-        from specsplit.orchestrator.generation import eos_ids
-
-        self.eos = eos_ids(config.target, tokenizer)
+        self.eos = models.eos_ids(config.target, tokenizer)
 
     def chunk(self, name: str, make) -> eagle_data.Segments:
         path = self.folder / f"{name}.pt"

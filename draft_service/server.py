@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 
 from specsplit.draft_service import eagle_head, self_draft
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.self_draft import QuantizeMode
 from specsplit.draft_service.servicer import DraftServicer
-from specsplit.lmkit import logs, models
+from specsplit.lmkit import entry, logs, models
 from specsplit.lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sessions import SessionLimits
@@ -144,9 +143,8 @@ def run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from specsplit.cli import main as cli_main
-
-    cli_main(["serve-draft", *(sys.argv[1:] if argv is None else argv)])
+    """``python -m specsplit.draft_service.server``: ``specsplit serve-draft`` itself."""
+    entry.run_and_exit("serve-draft", run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -111,6 +111,21 @@ DrafterKind.CHAIN = DrafterKind(5, "CHAIN")  # an ordered list of other kinds, t
 DrafterKind.EAGLE = DrafterKind(6, "EAGLE")  # a feature head over the target's hidden states (EAGLE-3 layout)
 
 
+def drafter_value(drafter: DrafterKind | str | int) -> int:
+    """The wire value of a drafter given as a kind, a built-in name (any case) or a number."""
+    if isinstance(drafter, DrafterKind):
+        return drafter.value
+    if isinstance(drafter, int):
+        return drafter
+    if drafter.isdigit():
+        return int(drafter)
+    try:
+        return DrafterKind[drafter].value
+    except KeyError:
+        names = ", ".join(kind.name.lower() for kind in DrafterKind)
+        raise ValueError(f"unknown drafter {drafter!r}; use one of {names} or a drafter's number") from None
+
+
 @dataclass(frozen=True)
 class DrafterTraits:
     """What a drafter can do, as its draft service reports it (``ModelInfo.drafter_info``)."""

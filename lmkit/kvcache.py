@@ -25,13 +25,12 @@ length) and runs its steps through ``forward_rows``; any other model keeps a
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Sequence
 
 import torch
 from specsplit.lmkit import packed_rows, token_tree
 from specsplit.lmkit.kv_buffer import KVBuffer
+from specsplit.lmkit.models import cache_kwargs
 from specsplit.lmkit.transfer import to_device, to_host
 from transformers import DynamicCache
 
@@ -49,17 +48,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         else:
             hi = mid
     return lo
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_kwarg(model_class: type) -> str:
-    """The forward's name for the cache: ``cache`` from transformers 5.2x on, ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def cache_kwargs(model, cache) -> dict:
-    """``{name: cache}`` for ``model(...)``, whichever transformers 5.x runs (GPU images may hold an older one)."""
-    return {_cache_kwarg(type(model)): cache}
 
 
 # Attention layer types whose whole state is keys and values per position (what SessionCache keeps).

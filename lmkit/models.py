@@ -1,4 +1,5 @@
-"""Loading causal LMs and their tokenizers, for both services and the orchestrator.
+"""Loading causal LMs and their tokenizers, for both services and the orchestrator, and what their callers
+read off them (end-of-sequence ids, the forward's name for its cache).
 
 A model reference is one of:
 
@@ -24,8 +25,10 @@ weights (``bench/gpu_check``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -294,9 +297,34 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def eos_ids(model_ref: str, tokenizer) -> set[int]:
+    """End-of-sequence ids: the tokenizer's plus the generation config's (often a list)."""
+    from transformers import GenerationConfig
+
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    try:
+        configured = GenerationConfig.from_pretrained(resolve(model_ref), local_files_only=True).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
+        configured = None
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    return ids
+
+
 def max_context(model) -> int:
     """Positions the model accepts; 0 when its config does not say."""
     return int(getattr(model.config, "max_position_embeddings", 0) or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(model_class: type) -> str:
+    """The forward's name for the cache: ``cache`` from transformers 5.2x on, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` for ``model(...)``, whichever transformers 5.x runs (GPU images may hold an older one)."""
+    return {_cache_kwarg(type(model)): cache}
 
 
 def configure_torch_threads(threads: int) -> None:

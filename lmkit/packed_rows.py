@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from specsplit.lmkit.kv_buffer import KVBuffer
+from specsplit.lmkit.models import cache_kwargs
 from specsplit.lmkit.transfer import to_host
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -103,12 +104,6 @@ def installed(model) -> bool:
     return bool(getattr(model, _INSTALLED, False))
 
 
-def _cache_kwargs(model, cache) -> dict:
-    from specsplit.lmkit.kvcache import cache_kwargs  # lmkit.kvcache imports this module
-
-    return cache_kwargs(model, cache)
-
-
 def causal_mask(start: int, width: int, device=None) -> torch.Tensor:  # -> [width, start + width] bool
     """Fed token i attends to every cached position and to fed tokens 0..i."""
     return torch.ones(width, start + width, dtype=torch.bool, device=device).tril(diagonal=start)
@@ -150,7 +145,7 @@ def forward_rows_with_features(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
         attention_mask=_NO_MODEL_MASK.to(device),
-        **_cache_kwargs(model, _RowsCache(rows, n_layers)),
+        **cache_kwargs(model, _RowsCache(rows, n_layers)),
         use_cache=True,
         logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
         output_hidden_states=any(step.feature_layers for step in steps),

@@ -1,4 +1,4 @@
-"""TLS / mTLS for every service and a bearer-token check for the public API.
+"""TLS / mTLS for every service and its clients' channels, and a bearer-token check for the public API.
 
 Both are off by default (the local demo runs on loopback) and meant on in
 production: ``--tls-cert/--tls-key`` serve TLS, adding ``--tls-ca`` requires
@@ -13,6 +13,7 @@ import hmac
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import grpc
 
@@ -68,6 +69,25 @@ class ClientTls:
             private_key=_read(self.key, "--peer-tls-key") if self.key else None,
             certificate_chain=_read(self.cert, "--peer-tls-cert") if self.cert else None,
         )
+
+
+# round_robin: a ``dns:///name:port`` address spreads calls over every replica the name resolves to.
+_BALANCED = (("grpc.lb_policy_name", "round_robin"),)
+
+
+def open_channel(address: str, tls: ClientTls | None = None, options: Sequence[tuple[str, object]] = ()):
+    """An asyncio channel to any specsplit gRPC endpoint (TLS when ``tls`` is enabled)."""
+    options = [*options, *_BALANCED]
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+def open_sync_channel(address: str, tls: ClientTls | None = None) -> grpc.Channel:
+    """A blocking channel to any specsplit gRPC endpoint, balanced and secured as ``open_channel``'s."""
+    if tls is not None and tls.enabled:
+        return grpc.secure_channel(address, tls.credentials(), options=list(_BALANCED))
+    return grpc.insecure_channel(address, options=list(_BALANCED))
 
 
 def load_token(path: str, env: str = "SPECSPLIT_AUTH_TOKEN") -> str:

@@ -82,7 +82,7 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.target = target
         self.draft = draft
-        self.eos_ids = frozenset(eos_ids(config.tokenizer, tokenizer))
+        self.eos_ids = frozenset(models.eos_ids(config.tokenizer, tokenizer))
         # The drafters the draft serves and what each can do, as it reports them.
         self.drafter_traits: dict[DrafterKind, DrafterTraits] = {
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())
@@ -420,18 +420,3 @@ def check_pair(a_name: str, a_model: str, a_fingerprint: str, b_name: str, b_inf
             f"{b_info.model_id} (fingerprint {b_info.vocab_fingerprint[:12] or 'none'}) do not share a tokenizer; "
             "pair models that use the same vocabulary"
         )
-
-
-def eos_ids(model_ref: str, tokenizer) -> set[int]:
-    """End-of-sequence ids: the tokenizer's plus the generation config's (often a list)."""
-    from transformers import GenerationConfig
-
-    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
-    try:
-        configured = GenerationConfig.from_pretrained(models.resolve(model_ref), local_files_only=True).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
-        configured = None
-    if configured is not None:
-        ids.update([configured] if isinstance(configured, int) else configured)
-    return ids
-

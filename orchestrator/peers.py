@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import grpc
-from specsplit.lmkit import errors
+from specsplit.lmkit import errors, security
 from specsplit.lmkit.grpc_server import CHANNEL_OPTIONS
 from specsplit.lmkit.security import ClientTls
 
-from specsplit import client
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
@@ -42,7 +41,7 @@ RECONNECT_OPTIONS = [
 
 def open_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
     """A channel to a draft or target service, sized for the largest message (draft probabilities)."""
-    return client.open_channel(address, tls, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+    return security.open_channel(address, tls, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
 
 
 class _Stream:

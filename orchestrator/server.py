@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from specsplit.lmkit import logs, models
+from specsplit.lmkit import entry, logs, models
 from specsplit.lmkit.grpc_server import (
     add_servicer,
     add_tls_flags,
@@ -30,7 +30,6 @@ from specsplit.orchestrator.config import (
 from specsplit.orchestrator.generation import Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
 from specsplit.orchestrator.servicer import GeneratorServicer
-from specsplit.ray_deploy.options import add_ray_flags
 
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
@@ -125,7 +124,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--auth-token-file", default="",
                         help="require `authorization: Bearer <token>` on Generate (file content; or SPECSPLIT_AUTH_TOKEN)")
     add_orchestrator_flags(parser)
-    add_ray_flags(parser)
     return parser
 
 
@@ -139,10 +137,6 @@ async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0",
 
 
 async def serve(args) -> None:
-    if args.ray:
-        from specsplit.ray_deploy import front
-
-        return await front.serve(args)
     config = config_from_args(args)
     serve_metrics(args.metrics_port, args.host, "orchestrator")
     token = load_token(args.auth_token_file)
@@ -182,11 +176,8 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import sys
-
-    from specsplit.cli import main as cli_main
-
-    cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+    """``python -m specsplit.orchestrator.server``: ``specsplit serve`` without ``--ray``."""
+    entry.run_and_exit("serve", run, build_parser().parse_args(argv), log_prefix="orchestrator")
 
 
 if __name__ == "__main__":

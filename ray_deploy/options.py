@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specsplit.orchestrator import server
 from specsplit.ray_deploy import cluster
 
 # Ray-side keys of ``build_app``'s args (``--ray-<key>`` on the command line);
@@ -91,9 +92,7 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
 
 
 def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
-    """Parse ``specsplit serve`` flags; a bad one is a ValueError naming it (not a SystemExit)."""
-    from specsplit.orchestrator import server
-
+    """Parse the orchestrator's ``specsplit serve`` flags; a bad one is a ValueError naming it (not a SystemExit)."""
     parser = server.build_parser()
     try:
         ns, unknown = parser.parse_known_args(argv)

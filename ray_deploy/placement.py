@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specsplit.lmkit.processes import start_service
 from specsplit.orchestrator import server
-from specsplit.ray_deploy import cluster, resources
+from specsplit.ray_deploy import cluster, options, resources
 from specsplit.ray_deploy.resources import Ask
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ def wait_serving(name: str, actor, timeout_s: float) -> dict:
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.build_parser(parser)  # the orchestrator's flags; --target/--draft are filled in from the actors
+    options.add_ray_flags(parser)
     group = parser.add_argument_group("placement of the services (specsplit up)")
     for role in ("target", "draft"):
         group.add_argument(f"--{role}-args", default="", help=f"arguments of `specsplit serve-{role}`, one string")

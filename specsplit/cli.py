@@ -8,11 +8,11 @@ nor ray.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
-import logging
 import sys
 from dataclasses import dataclass
+
+from specsplit.lmkit import entry
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class Command:
 COMMANDS = (
     Command("serve-draft", "run the draft service", "specsplit.draft_service.server"),
     Command("serve-target", "run the target service", "specsplit.target_service.server"),
-    Command("serve", "run the orchestrator (public Generate API); --ray: on Ray Serve", "specsplit.orchestrator.server",
-            "orchestrator"),
+    Command("serve", "run the orchestrator (public Generate API); --ray: on Ray Serve",
+            "specsplit.ray_deploy.serve_command", "orchestrator"),
     Command("up", "on Ray: place draft and target by resources, serve the orchestrator", "specsplit.ray_deploy.placement",
             "specsplit-up"),
     Command("batch", "generate for a JSONL file of prompts on Ray workers (resumable)", "specsplit.ray_deploy.batch_job", quiet=True),
@@ -78,26 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(_chosen(argv) or "").parse_args(argv)
     command: Command = args.command_spec
-    if command.log_prefix is not None:
-        from specsplit.lmkit import logs
-
-        logs.configure(args.log_level, command.log_prefix, args.log_format)
-    elif command.quiet:
-        logging.basicConfig(level=logging.WARNING)
-    from specsplit.lmkit import errors
-
-    try:
-        code = _module(command).run(args)
-    except (ValueError, FileNotFoundError, errors.SpecsplitError) as exc:
-        print(f"specsplit {command.name}: error: {exc}", file=sys.stderr)
-        code = 2
-    except KeyboardInterrupt:
-        code = 130
-    # Leave promptly: with torch, transformers or Ray loaded, the interpreter's last garbage collection
-    # of their object graph takes seconds. Frozen objects are skipped; logs are flushed by logging's
-    # atexit hook and the std streams by the interpreter, so nothing waits on that collection.
-    gc.freeze()
-    sys.exit(code or 0)
+    entry.run_and_exit(command.name, _module(command).run, args, command.log_prefix, command.quiet)
 
 
 if __name__ == "__main__":

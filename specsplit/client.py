@@ -19,30 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
-import grpc
-
-from specsplit.lmkit.kinds import DrafterKind
-from specsplit.lmkit.security import ClientTls
+from specsplit.lmkit.kinds import DrafterKind, drafter_value
+from specsplit.lmkit.security import ClientTls, open_channel, open_sync_channel
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-
-# round_robin: a ``dns:///name:port`` address spreads calls over every replica the name resolves to.
-_BALANCED = (("grpc.lb_policy_name", "round_robin"),)
-
-
-def open_channel(address: str, tls: ClientTls | None = None, options: Sequence[tuple[str, object]] = ()):
-    """An asyncio channel to any specsplit gRPC endpoint (TLS when ``tls`` is enabled)."""
-    options = [*options, *_BALANCED]
-    if tls is not None and tls.enabled:
-        return grpc.aio.secure_channel(address, tls.credentials(), options=options)
-    return grpc.aio.insecure_channel(address, options=options)
-
-
-def _open_sync_channel(address: str, tls: ClientTls | None) -> grpc.Channel:
-    if tls is not None and tls.enabled:
-        return grpc.secure_channel(address, tls.credentials(), options=list(_BALANCED))
-    return grpc.insecure_channel(address, options=list(_BALANCED))
-
 
 Message = tuple[str, str] | dict[str, str] | pb.ChatMessage  # a conversation turn
 
@@ -115,21 +95,6 @@ def mode_value(mode: str) -> int:
     return SAMPLING_MODES[mode]
 
 
-def drafter_value(drafter: DrafterKind | str | int) -> int:
-    """The wire value of a drafter given as a kind, a built-in name (any case) or a number."""
-    if isinstance(drafter, DrafterKind):
-        return drafter.value
-    if isinstance(drafter, int):
-        return drafter
-    if drafter.isdigit():
-        return int(drafter)
-    try:
-        return DrafterKind[drafter].value
-    except KeyError:
-        names = ", ".join(kind.name.lower() for kind in DrafterKind)
-        raise ValueError(f"unknown drafter {drafter!r}; use one of {names} or a drafter's number") from None
-
-
 @dataclass
 class Completion:
     """A whole generation: its text, token ids and logprobs (when asked for), finish reason and stats."""
@@ -192,7 +157,7 @@ class Client:
     """The Generate API over one blocking channel; use as ``with``."""
 
     def __init__(self, address: str, *, token: str = "", tls: ClientTls | None = None, timeout_s: float = 600.0):
-        self._channel = _open_sync_channel(address, tls)
+        self._channel = open_sync_channel(address, tls)
         self._stub = pb_grpc.GeneratorStub(self._channel)
         self._metadata = _metadata(token)
         self.timeout_s = timeout_s

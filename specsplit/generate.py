@@ -9,8 +9,8 @@ import sys
 
 import grpc
 
-from specsplit.client import SAMPLING_MODES, AsyncClient, build_request, drafter_value
-from specsplit.lmkit.kinds import DrafterKind
+from specsplit.client import SAMPLING_MODES, AsyncClient, build_request
+from specsplit.lmkit.kinds import DrafterKind, drafter_value
 from specsplit.lmkit.security import ClientTls
 from specsplit.v1 import specsplit_pb2 as pb
 

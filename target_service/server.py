@@ -10,7 +10,7 @@ import signal
 import sys
 
 import torch
-from specsplit.lmkit import logs, models
+from specsplit.lmkit import entry, logs, models
 from specsplit.lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
 from specsplit.lmkit.sessions import SessionLimits
 from specsplit.target_service import ranks, tp
@@ -148,9 +148,8 @@ def _service_argv() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from specsplit.cli import main as cli_main
-
-    cli_main(["serve-target", *(sys.argv[1:] if argv is None else argv)])
+    """``python -m specsplit.target_service.server``: ``specsplit serve-target`` itself."""
+    entry.run_and_exit("serve-target", run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import pytest
 import torch
 from specsplit.bench import gpu_models
 from specsplit.lmkit import models
-from specsplit.lmkit.kvcache import SessionCache, cache_kwargs
+from specsplit.lmkit.kvcache import SessionCache
+from specsplit.lmkit.models import cache_kwargs
 from specsplit.lmkit.transfer import to_device, to_host
 
 pytestmark = pytest.mark.unit
