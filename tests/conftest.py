@@ -19,8 +19,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
-pytest_plugins = ("tests.ray_fixtures",)  # the shared Ray cluster (one per session)
-
 TIERS = ("unit", "stats", "services", "ray", "k8s")  # pyproject.toml describes each
 
 
@@ -34,28 +32,29 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"give each test exactly one tier marker of {TIERS} (pytestmark): {wrong}")
     misnamed = sorted({
         item.nodeid.split("::")[0] for item in items
-        if item.get_closest_marker("ray") and not item.path.name.startswith("test_ray_")
+        if item.get_closest_marker("ray") and not item.nodeid.startswith(RAY_UNIT + "/")
     })
-    if misnamed:  # pytest_xdist_make_scheduler groups the Ray tests by this name
-        raise pytest.UsageError(f"Ray-tier tests live in tests/test_ray_*.py: {misnamed}")
+    if misnamed:  # pytest_xdist_make_scheduler groups the Ray tests by this folder
+        raise pytest.UsageError(f"Ray-tier tests live in {RAY_UNIT}/: {misnamed}")
 
 
 # The longest units, longest first (seconds alone on this machine, docs/testing.md#wall-time): they start before
 # everything else, so that no long unit starts late and leaves the other worker idle at the end of the run.
+RAY_UNIT = "tests/ray"  # one unit: every Ray module shares one local cluster
 LONGEST_UNITS = (
-    "ray",
-    "tests/test_speed_e2e.py",
-    "tests/test_sampling_e2e.py",
-    "tests/test_network_e2e.py",
-    "tests/test_fuzz.py",
-    "tests/test_chaos_short.py",
-    "tests/test_faults.py",
+    RAY_UNIT,
+    "tests/services/test_speed_e2e.py",
+    "tests/services/test_sampling_e2e.py",
+    "tests/services/test_network_e2e.py",
+    "tests/services/test_fuzz.py",
+    "tests/services/test_chaos_short.py",
+    "tests/services/test_faults.py",
 )
 
 
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs `pytest -n N --dist loadscope`: each test module runs whole on one worker, so its
-    module-scoped services start once, and the Ray modules (tests/test_ray_*.py) run as one unit, so only
+    module-scoped services start once, and the Ray modules (tests/ray/) run as one unit, so only
     one local Ray cluster exists at a time. Units start in LONGEST_UNITS' order, then xdist's (most tests
     first). (xdist's own loadgroup marks do not reach its scheduler under pytest 9, whose node ids are
     read-only.)"""
@@ -63,15 +62,15 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    stale = [unit for unit in LONGEST_UNITS if unit != "ray" and not (config.rootpath / unit).is_file()]
+    stale = [unit for unit in LONGEST_UNITS if not (config.rootpath / unit).exists()]
     if stale:
-        raise pytest.UsageError(f"LONGEST_UNITS in tests/conftest.py names modules that do not exist: {stale}")
+        raise pytest.UsageError(f"LONGEST_UNITS in tests/conftest.py names paths that do not exist: {stale}")
     rank = {unit: i for i, unit in enumerate(LONGEST_UNITS)}
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "ray" if module.rsplit("/", 1)[-1].startswith("test_ray_") else module
+            return RAY_UNIT if module.startswith(RAY_UNIT + "/") else module
 
         def _assign_work_unit(self, node) -> None:
             longest = min(self.workqueue, key=lambda unit: rank.get(unit, len(rank)))  # first of equals: xdist's
