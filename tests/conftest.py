@@ -19,28 +19,43 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
-TIERS = ("unit", "stats", "services", "ray", "k8s")  # pyproject.toml describes each
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "stats", "services", "ray", "k8s")  # a folder under tests/ each; pyproject.toml describes them
+
+
+def folder_tier(path: Path) -> str | None:
+    """The tier whose folder under tests/ holds ``path``; None outside the five."""
+    path = path.resolve()
+    parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test belongs to exactly one tier, so `make test-unit` and friends select what they say."""
-    wrong = sorted({
-        item.nodeid.split("::")[0] for item in items
-        if len({mark.name for mark in item.iter_markers()} & set(TIERS)) != 1
-    })
+    """Every test carries exactly one tier marker (its module's pytestmark), the one its folder names, so
+    `pytest tests/unit` and `pytest -m unit` select the same tests, and a test in the wrong place is refused."""
+    wrong: dict[str, list] = {}  # module -> its wrong tests as (node id, tier markers, folder's tier)
+    for item in items:
+        marked = sorted({mark.name for mark in item.iter_markers()} & set(TIERS))
+        folder = folder_tier(item.path)
+        if marked != [folder]:
+            wrong.setdefault(item.nodeid.split("::")[0], []).append((item.nodeid, marked, folder))
     if wrong:
-        raise pytest.UsageError(f"give each test exactly one tier marker of {TIERS} (pytestmark): {wrong}")
-    misnamed = sorted({
-        item.nodeid.split("::")[0] for item in items
-        if item.get_closest_marker("ray") and not item.nodeid.startswith(RAY_UNIT + "/")
-    })
-    if misnamed:  # pytest_xdist_make_scheduler groups the Ray tests by this folder
-        raise pytest.UsageError(f"Ray-tier tests live in {RAY_UNIT}/: {misnamed}")
+        lines = [_misplaced(*tests[0], more=len(tests) - 1) for tests in wrong.values()]
+        raise pytest.UsageError(
+            f"a test lives in tests/TIER/ and carries that one tier marker (pytestmark), TIER one of {TIERS}:\n"
+            + "\n".join(lines)
+        )
 
 
+def _misplaced(nodeid: str, marked: list[str], folder: str | None, more: int) -> str:
+    where = f"in tests/{folder}/" if folder else "outside the tier folders"
+    also = f" (and {more} more of its module)" if more else ""
+    return f"  {nodeid}{also}: marked {', '.join(marked) or 'with no tier'}, {where}"
+
+
+RAY_UNIT = "tests/ray"  # one unit: its modules share one local cluster (every `ray` test is in it, above)
 # The longest units, longest first (seconds alone on this machine, docs/testing.md#wall-time): they start before
 # everything else, so that no long unit starts late and leaves the other worker idle at the end of the run.
-RAY_UNIT = "tests/ray"  # one unit: every Ray module shares one local cluster
 LONGEST_UNITS = (
     RAY_UNIT,
     "tests/services/test_speed_e2e.py",
