@@ -44,9 +44,9 @@ TEST_WORKERS ?= 2
 test: install k8s-tools
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
-# The fast tier: pure algorithms and small pieces; no service process, no Ray, no k8s linters.
+# The fast tier, tests/unit/: pure algorithms and small pieces; no service process, no Ray, no k8s linters.
 test-unit: install
-	$(PY) -m pytest -q -m unit
+	$(PY) -m pytest -q -m unit tests/unit
 
 bench: install
 	$(VENV)/bin/specsplit bench --json bench/results/core-ngram.json --target-cpus 1 --draft-cpus 0
