@@ -16,7 +16,7 @@ session's committed tokens leave the known continuation (a numerical flip in
 the target) the drafter has no truth left and drafts random tokens.
 
 ``python -m specsplit.bench.oracle_drafter [serve-draft flags]`` serves it beside the
-built-in drafters, as ``tests/plugin_drafter.py`` does.
+built-in drafters, as ``tests/services/plugin_drafter.py`` does.
 """
 
 from __future__ import annotations
