@@ -48,9 +48,9 @@ test: install k8s-tools lint-imports
 lint-imports: install
 	$(PY) tests/layers.py
 
-# The fast tier: pure algorithms and small pieces; no service process, no Ray, no k8s linters.
+# The fast tier, tests/unit/: pure algorithms and small pieces; no service process, no Ray, no k8s linters.
 test-unit: install
-	$(PY) -m pytest -q -m unit
+	$(PY) -m pytest -q -m unit tests/unit
 
 bench: install
 	$(VENV)/bin/specsplit bench --json bench/results/core-ngram.json --target-cpus 1 --draft-cpus 0

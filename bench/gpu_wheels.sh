@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch the wheels bench/gpu_check needs on a GPU image that lacks them at our pins, into .gpu-wheels/
 # (gitignored; the device tool's run carries it: carry=[".gpu-wheels"]). What to fetch, and each wheel's
-# size and sha256, is bench/gpu-wheels.lock; tests/test_gpu_wheels.py checks the lock against
+# size and sha256, is bench/gpu-wheels.lock; tests/unit/bench/test_gpu_wheels.py checks the lock against
 # pyproject.toml's pins and the whole carried tree against the tool's 64 MiB.
 #
 #   bash bench/gpu_wheels.sh            # fetch and verify against the lock

@@ -11,7 +11,7 @@ drafted token still costs one forward of the draft service's own model. Once a
 session leaves the known continuation (a numerical flip) it drafts random tokens.
 
 ``python -m specsplit.bench.oracle_drafter [serve-draft flags]`` serves it beside the
-built-in drafters, as ``tests/plugin_drafter.py`` does.
+built-in drafters, as ``tests/services/plugin_drafter.py`` does.
 """
 
 from __future__ import annotations

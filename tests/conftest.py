@@ -19,43 +19,57 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
-pytest_plugins = ("tests.ray_fixtures",)  # the shared Ray cluster (one per session)
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "stats", "services", "ray", "k8s")  # a folder under tests/ each; pyproject.toml describes them
 
-TIERS = ("unit", "stats", "services", "ray", "k8s")  # pyproject.toml describes each
+
+def folder_tier(path: Path) -> str | None:
+    """The tier whose folder under tests/ holds ``path``; None outside the five."""
+    path = path.resolve()
+    parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test belongs to exactly one tier, so `make test-unit` and friends select what they say."""
-    wrong = sorted({
-        item.nodeid.split("::")[0] for item in items
-        if len({mark.name for mark in item.iter_markers()} & set(TIERS)) != 1
-    })
+    """Every test carries exactly one tier marker (its module's pytestmark), the one its folder names, so
+    `pytest tests/unit` and `pytest -m unit` select the same tests, and a test in the wrong place is refused."""
+    wrong: dict[str, list] = {}  # module -> its wrong tests as (node id, tier markers, folder's tier)
+    for item in items:
+        marked = sorted({mark.name for mark in item.iter_markers()} & set(TIERS))
+        folder = folder_tier(item.path)
+        if marked != [folder]:
+            wrong.setdefault(item.nodeid.split("::")[0], []).append((item.nodeid, marked, folder))
     if wrong:
-        raise pytest.UsageError(f"give each test exactly one tier marker of {TIERS} (pytestmark): {wrong}")
-    misnamed = sorted({
-        item.nodeid.split("::")[0] for item in items
-        if item.get_closest_marker("ray") and not item.path.name.startswith("test_ray_")
-    })
-    if misnamed:  # pytest_xdist_make_scheduler groups the Ray tests by this name
-        raise pytest.UsageError(f"Ray-tier tests live in tests/test_ray_*.py: {misnamed}")
+        lines = [_misplaced(*tests[0], more=len(tests) - 1) for tests in wrong.values()]
+        raise pytest.UsageError(
+            f"a test lives in tests/TIER/ and carries that one tier marker (pytestmark), TIER one of {TIERS}:\n"
+            + "\n".join(lines)
+        )
 
 
+def _misplaced(nodeid: str, marked: list[str], folder: str | None, more: int) -> str:
+    where = f"in tests/{folder}/" if folder else "outside the tier folders"
+    also = f" (and {more} more of its module)" if more else ""
+    return f"  {nodeid}{also}: marked {', '.join(marked) or 'with no tier'}, {where}"
+
+
+RAY_UNIT = "tests/ray"  # one unit: its modules share one local cluster (every `ray` test is in it, above)
 # The longest units, longest first (seconds alone on this machine, docs/testing.md#wall-time): they start before
 # everything else, so that no long unit starts late and leaves the other worker idle at the end of the run.
 LONGEST_UNITS = (
-    "ray",
-    "tests/test_speed_e2e.py",
-    "tests/test_sampling_e2e.py",
-    "tests/test_network_e2e.py",
-    "tests/test_fuzz.py",
-    "tests/test_chaos_short.py",
-    "tests/test_faults.py",
+    RAY_UNIT,
+    "tests/services/test_speed_e2e.py",
+    "tests/services/test_sampling_e2e.py",
+    "tests/services/test_network_e2e.py",
+    "tests/services/test_fuzz.py",
+    "tests/services/test_chaos_short.py",
+    "tests/services/test_faults.py",
 )
 
 
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs `pytest -n N --dist loadscope`: each test module runs whole on one worker, so its
-    module-scoped services start once, and the Ray modules (tests/test_ray_*.py) run as one unit, so only
+    module-scoped services start once, and the Ray modules (tests/ray/) run as one unit, so only
     one local Ray cluster exists at a time. Units start in LONGEST_UNITS' order, then xdist's (most tests
     first). (xdist's own loadgroup marks do not reach its scheduler under pytest 9, whose node ids are
     read-only.)"""
@@ -63,15 +77,15 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    stale = [unit for unit in LONGEST_UNITS if unit != "ray" and not (config.rootpath / unit).is_file()]
+    stale = [unit for unit in LONGEST_UNITS if not (config.rootpath / unit).exists()]
     if stale:
-        raise pytest.UsageError(f"LONGEST_UNITS in tests/conftest.py names modules that do not exist: {stale}")
+        raise pytest.UsageError(f"LONGEST_UNITS in tests/conftest.py names paths that do not exist: {stale}")
     rank = {unit: i for i, unit in enumerate(LONGEST_UNITS)}
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "ray" if module.rsplit("/", 1)[-1].startswith("test_ray_") else module
+            return RAY_UNIT if module.startswith(RAY_UNIT + "/") else module
 
         def _assign_work_unit(self, node) -> None:
             longest = min(self.workqueue, key=lambda unit: rank.get(unit, len(rank)))  # first of equals: xdist's

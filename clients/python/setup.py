@@ -1,6 +1,6 @@
 """Build specsplit-client from the repository's sources: the light client and what it imports, nothing else.
 
-The modules are the ones ``specsplit/client.py`` and ``specsplit generate`` load (tests/test_cli.py checks
+The modules are the ones ``specsplit/client.py`` and ``specsplit generate`` load (tests/services/test_cli.py checks
 that they pull in neither torch nor ray); the generated stubs come whole.
 """
 
