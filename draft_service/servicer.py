@@ -144,7 +144,6 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.block.tokens,
-            compute_us=int((done.compute_s + waited) * 1e6),
             parents=done.block.parents or [],
             drafter=done.block.drafter.value if done.block.drafter is not None else 0,
         )
@@ -155,7 +154,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             block.probs.CopyFrom(probs)
         if done.block.branch is not None:
             block.branch.index, block.branch.token = done.block.branch
-        block.read_us = int(read_s * 1e6)
-        block.service_us = int((time.perf_counter() - received) * 1e6)
+        block.timing.compute_us = int((done.compute_s + waited) * 1e6)
+        block.timing.read_us = int(read_s * 1e6)
+        block.timing.service_us = int((time.perf_counter() - received) * 1e6)
         return block
 

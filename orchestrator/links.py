@@ -142,7 +142,7 @@ class TargetLink(_SessionLink):
                 start = time.perf_counter()
                 async with asyncio.timeout(self._policy.target_timeout_s):
                     result = await call
-                self._rtt.observe(time.perf_counter() - start - (result.service_us or result.compute_us) / 1e6)
+                self._rtt.observe(time.perf_counter() - start - (result.timing.service_us or result.timing.compute_us) / 1e6)
                 self._verified += 1
                 self.last_prefilled = self._verified == 1  # a session's first block carries its prefill
                 return result
@@ -338,14 +338,14 @@ class DraftLink(_SessionLink):
         self._synced = len(committed)  # ``assumed`` is not committed: it is re-sent or rolled back next time
         # Waiting behind other sessions' proposals on the draft's one compute thread counts as link time
         # here: no load model covers the draft, and a deadline must allow for it.
-        self._costs.links.draft.observe(time.perf_counter() - start - block.compute_us / 1e6)
-        self.compute_s += block.compute_us / 1e6
+        self._costs.links.draft.observe(time.perf_counter() - start - block.timing.compute_us / 1e6)
+        self.compute_s += block.timing.compute_us / 1e6
         if cold:  # the draft read the context first: the time that took (a service without the read: all of it)
-            read_s = (block.read_us or block.compute_us) / 1e6
+            read_s = (block.timing.read_us or block.timing.compute_us) / 1e6
             self._costs.observe_read(len(committed) + len(assumed), read_s, self.drafter)
         else:
-            self._costs.observe_draft(len(block.tokens), block.compute_us / 1e6, drafter_of(block, self.drafter))
-            self.warm_s += block.compute_us / 1e6
+            self._costs.observe_draft(len(block.tokens), block.timing.compute_us / 1e6, drafter_of(block, self.drafter))
+            self.warm_s += block.timing.compute_us / 1e6
             self.warm_tokens += len(block.tokens)
         return block
 

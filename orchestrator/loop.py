@@ -143,11 +143,11 @@ def cut_at_finish(new: Sequence[int], eos_ids: frozenset[int], budget: int) -> t
 def load_of(result: pb.VerifyResult, fed: int) -> Load:
     """The load signal of a verification that fed ``fed`` tokens of this session (an old target without the
     fields reads as alone; one that does not report its forward's tokens, as padded)."""
-    sessions = max(result.batch_size, 1)
+    sessions = max(result.forward.batch_size, 1)
     others = None
-    if result.batch_packed and result.batch_tokens:
-        others = max(result.batch_tokens - fed, sessions - 1)
-    return Load(sessions, float(result.others_committed), others)
+    if result.forward.batch_packed and result.forward.batch_tokens:
+        others = max(result.forward.batch_tokens - fed, sessions - 1)
+    return Load(sessions, float(result.forward.others_committed), others)
 
 
 @dataclass
@@ -465,7 +465,7 @@ class _Loop:
         self, block: _Block, result: pb.VerifyResult, prefilled: bool = False
     ) -> tuple[list[int], Finish | None]:
         """Commit a verified block; ``prefilled``: the target re-read the context in this forward (a new session)."""
-        stats, target_s = self.stats, result.compute_us / 1e6
+        stats, target_s = self.stats, result.timing.compute_us / 1e6
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
         load = load_of(result, drafted + 1)
@@ -475,7 +475,7 @@ class _Loop:
             observer = self.controller if self.controller is not None else self.record[0]
             observer.observe(block.key, len(block.chain), self.primary_accepted(block, result))
         if self.costs is not None:
-            self.costs.observe_target_fit(result.cost_base_us / 1e6, result.cost_per_token_us / 1e6)
+            self.costs.observe_target_fit(result.forward.cost_base_us / 1e6, result.forward.cost_per_token_us / 1e6)
         # A forward that re-read the context (the first round's prompt, or a session re-opened after a
         # target restart) runs alone by design: it says nothing about the batch's load or a decode
         # forward's cost. The same for a proposal that re-read the context on a re-attached draft.
@@ -483,7 +483,7 @@ class _Loop:
             self.load = load
             if self.costs is not None:  # the draft link reports the draft's costs itself (late blocks too)
                 self.costs.load = load
-                tokens = result.batch_tokens or load.sessions * max(result.batch_width, drafted + 1)
+                tokens = result.forward.batch_tokens or load.sessions * max(result.forward.batch_width, drafted + 1)
                 self.costs.observe_verify(tokens, target_s, ahead=bool(self.aheads))
         if result.HasField("features"):
             stats.feature_bytes += len(result.features.values)

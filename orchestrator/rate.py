@@ -73,7 +73,7 @@ from specsplit.orchestrator.link_cost import LinkCosts
 
 @dataclass(frozen=True)
 class Load:
-    """The target's forward that verified a session's last block (``VerifyResult.batch_size``)."""
+    """The target's forward that verified a session's last block (``VerifyResult.forward``)."""
 
     sessions: int = 1
     others_committed: float = 0.0  # tokens the other sessions committed from that forward
@@ -160,7 +160,7 @@ class CostModel:
         return self.ahead_streak >= QUIET_EVERY
 
     def observe_target_fit(self, base_s: float, per_token_s: float) -> None:
-        """The target's own fit of t(x) (``VerifyResult.cost_base_us``, ``cost_per_token_us``); 0, 0 = none yet."""
+        """The target's own fit of t(x) (``VerifyResult.forward.cost_base_us``, ``cost_per_token_us``); 0, 0 = none yet."""
         if base_s > 0 or per_token_s > 0:
             self.reported = (max(base_s, 0.0), max(per_token_s, 0.0))
 
@@ -170,7 +170,7 @@ class CostModel:
             self._draft.setdefault(drafter, _PerUnit()).add(tokens, seconds, self.decay)
 
     def observe_read(self, context: int, seconds: float, drafter: object = None) -> None:
-        """``drafter`` read a new draft session's ``context`` tokens in ``seconds`` (``DraftBlock.read_us``; from
+        """``drafter`` read a new draft session's ``context`` tokens in ``seconds`` (``DraftBlock.timing.read_us``; from
         a service that does not report it, the session's first proposal's whole time)."""
         if context > 0:
             self._read.setdefault(drafter, _PerUnit()).add(context, seconds, self.decay)

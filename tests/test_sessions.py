@@ -149,4 +149,4 @@ def test_a_model_draft_session_reads_its_context_before_its_first_proposal(tiny_
         assert list(block.tokens) == engine.propose(cold, len(prompt), [], 4).block.tokens
     finally:
         engine.close("cold")
-    assert block.position == len(prompt) and block.compute_us > 0
+    assert block.position == len(prompt) and block.timing.compute_us > 0
