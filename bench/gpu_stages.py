@@ -92,7 +92,7 @@ async def target_steps(address: str, prompt: list[int], sizes: Sizes, vocab: int
                 wall_ms = (time.perf_counter() - start) * 1e3
                 position += result.accepted + 1
                 if rep >= sizes.warmup:
-                    samples[width].append((result.compute_us / 1e3, wall_ms))
+                    samples[width].append((result.timing.compute_us / 1e3, wall_ms))
     finally:
         await stream.close()
         await client.close()
@@ -126,7 +126,7 @@ async def draft_steps(address: str, prompt: list[int], sizes: Sizes, vocab: int,
                 block = await stream.propose(position, [rng.randrange(vocab)], k)  # one committed token, then k
                 position += 1
                 if rep >= sizes.warmup:
-                    per_k[k].append(block.compute_us / 1e3 / k)
+                    per_k[k].append(block.timing.compute_us / 1e3 / k)
     finally:
         await stream.close()
         await client.close()
@@ -176,10 +176,10 @@ async def batched_verify(address: str, prompts: list[list[int]], sizes: Sizes, v
         per_session = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
         results = [r for rs in per_session for r in rs]
-        forward_ms = _ms([r.compute_us / 1e3 for r in results])
+        forward_ms = _ms([r.timing.compute_us / 1e3 for r in results])
         levels.append({
             "sessions": n,
-            "mean_batch_size": round(statistics.mean(r.batch_size for r in results), 2),
+            "mean_batch_size": round(statistics.mean(r.forward.batch_size for r in results), 2),
             "forward_ms": forward_ms,
             "forward_over_step": round(forward_ms / step_ms, 3) if step_ms else 0.0,
             "verified_tokens_per_s": round(len(results) * (sizes.k + 1) / wall, 1),

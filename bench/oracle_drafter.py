@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from specsplit.draft_service.drafter import DraftBlock
+from specsplit.draft_service.drafter import Proposal
 from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.registry import DrafterEntry, DraftRequestContext, register
 from specsplit.lmkit import errors
@@ -73,7 +73,7 @@ class OracleDrafter(ModelDrafter):
         self._vocab = vocab_size
         self._rng = random.Random(oracle.seed * 1_000_003 + zlib.crc32(repr(list(prompt)).encode()))
 
-    def propose(self, k: int) -> DraftBlock:
+    def propose(self, k: int) -> Proposal:
         output = self._tokens[self._prompt_len :]
         on_script = output == self._truth[: len(output)]
         drafted: list[int] = []
@@ -82,7 +82,7 @@ class OracleDrafter(ModelDrafter):
             index = len(output) + i
             truth = self._truth[index] if on_script and index < len(self._truth) else None
             drafted.append(self._choose(truth))
-        return DraftBlock(tokens=drafted)
+        return Proposal(tokens=drafted)
 
     def _choose(self, truth: int | None) -> int:
         """``truth`` with probability α, else another token (any token when the truth is unknown)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specsplit.draft_service.drafter import DraftBlock, Drafter
+from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind
 
@@ -59,36 +59,36 @@ class ChainDrafter(Drafter):
             if drafter.needs_features:
                 drafter.add_features(block)
 
-    def propose(self, k: int) -> DraftBlock:
+    def propose(self, k: int) -> Proposal:
         return self.propose_within(k, 0)
 
-    def propose_within(self, k: int, free_k: int) -> DraftBlock:
+    def propose_within(self, k: int, free_k: int) -> Proposal:
         if k < 0 or free_k < 0:
             raise ValueError(f"k and free_k must be >= 0, got {k}, {free_k}")
         return self._first(lambda drafter: drafter.propose(max(k, free_k) if drafter.free else k))
 
-    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> Proposal:
         return self.propose_tree_within(k, 0, max_branches, max_nodes)
 
-    def propose_tree_within(self, k: int, free_k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+    def propose_tree_within(self, k: int, free_k: int, max_branches: int, max_nodes: int) -> Proposal:
         """The first member's non-empty proposal (a free member's up to ``free_k`` deep when larger), as a tree
         when that member drafts trees."""
         if k < 0 or free_k < 0:
             raise ValueError(f"k and free_k must be >= 0, got {k}, {free_k}")
         return self._first(lambda drafter: drafter.propose_tree_within(k, free_k, max_branches, max_nodes))
 
-    def _first(self, ask) -> DraftBlock:
+    def _first(self, ask) -> Proposal:
         self.last_kind = None
         for kind, drafter in self.members:
             block = ask(drafter)
             if block.tokens:
                 self.last_kind = kind
                 self.blocks_by_kind[kind] += 1
-                return DraftBlock(
+                return Proposal(
                     tokens=list(block.tokens), parents=block.parents, branch=block.branch,
                     quality=block.quality, drafter=kind,
                 )
-        return DraftBlock(tokens=[])
+        return Proposal(tokens=[])
 
     def close(self) -> None:
         for _, drafter in self.members:

@@ -43,7 +43,7 @@ class MatchQuality:
 
 
 @dataclass(frozen=True)
-class DraftBlock:
+class Proposal:
     """One proposal.
 
     ``tokens`` may be shorter than the ``k`` asked for (an n-gram drafter with
@@ -70,7 +70,7 @@ class Drafter(abc.ABC):
     needs_features = False  # drafts from the target's hidden features (they arrive through add_features)
     free = False  # proposals cost ~nothing to make: it may draft up to the free bound
 
-    def propose_within(self, k: int, free_k: int) -> DraftBlock:
+    def propose_within(self, k: int, free_k: int) -> Proposal:
         """Up to ``k`` tokens, or up to ``free_k`` (when larger) for a free drafter."""
         return self.propose(max(k, free_k) if self.free else k)
 
@@ -88,17 +88,17 @@ class Drafter(abc.ABC):
         """Append committed tokens to the context."""
 
     @abc.abstractmethod
-    def propose(self, k: int) -> DraftBlock:
+    def propose(self, k: int) -> Proposal:
         """Propose up to ``k`` tokens that continue the committed context."""
 
-    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> Proposal:
         """Up to ``max_branches`` continuations of up to ``k`` tokens, at most ``max_nodes`` tokens in all.
 
         Drafters with alternatives override it; the default is the chain of ``propose(k)``.
         """
         return self.propose(min(k, max_nodes))
 
-    def propose_tree_within(self, k: int, free_k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+    def propose_tree_within(self, k: int, free_k: int, max_branches: int, max_nodes: int) -> Proposal:
         """``propose_tree`` up to ``k`` tokens deep, or up to ``free_k`` (when larger) for a free drafter."""
         return self.propose_tree(max(k, free_k) if self.free else k, max_branches, max_nodes)
 

@@ -34,7 +34,7 @@ import math
 from typing import Sequence
 
 import torch
-from specsplit.draft_service.drafter import DraftBlock
+from specsplit.draft_service.drafter import Proposal
 from specsplit.draft_service.eagle_head import EagleHead
 from specsplit.draft_service.model_drafter import SamplingDrafter
 from specsplit.lmkit.features import FeatureBlock
@@ -144,16 +144,16 @@ class EagleDrafter(SamplingDrafter):
 
     # -- drafting --------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, k: int) -> DraftBlock:
+    def propose(self, k: int) -> Proposal:
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         last_row = len(self._tokens) - 2  # the row that predicts the next token
         if k == 0 or self._start is None or last_row < self._start:
-            return DraftBlock(tokens=[])
+            return Proposal(tokens=[])
         self._keep_valid_rows(last_row)
         self._add_true_rows(last_row)
         if not self._add_chained_rows(last_row):
-            return DraftBlock(tokens=[])
+            return Proposal(tokens=[])
         out = self._cache.output(last_row - self._start)
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
@@ -165,7 +165,7 @@ class EagleDrafter(SamplingDrafter):
             if i + 1 < k:
                 out = self._run_rows(out[None], [token], last_row + 1 + i)[0]
         probs = torch.cat(rows) if self._return_probs and rows else None
-        return DraftBlock(tokens=drafted, probs=probs)
+        return Proposal(tokens=drafted, probs=probs)
 
     def _keep_valid_rows(self, last_row: int) -> None:
         """Crop the cache to the rows whose tokens still match and that no newer features replace."""

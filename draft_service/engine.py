@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from specsplit.draft_service import abandon
-from specsplit.draft_service.drafter import DraftBlock, Drafter
+from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.registry import DRAFTERS, DraftRequestContext
 from specsplit.lmkit import errors
@@ -31,9 +31,9 @@ class DraftSession:
 
 
 @dataclass(frozen=True)
-class Proposed:
-    block: DraftBlock
-    compute_s: float
+class TimedProposal:
+    proposal: Proposal
+    compute_s: float  # the drafter's time on it
 
 
 class DraftEngine:
@@ -156,7 +156,7 @@ class DraftEngine:
     def propose(
         self, session: DraftSession, position: int, tokens: Sequence[int], k: int,
         free_k: int = 0, max_branches: int = 1, features: FeatureBlock | None = None,
-    ) -> Proposed:
+    ) -> TimedProposal:
         """Take the committed tokens (and a feature drafter's features) from ``position`` on, then draft up to ``k``.
 
         A free drafter may draft up to ``free_k`` when larger. ``max_branches``
@@ -186,12 +186,12 @@ class DraftEngine:
             if features is not None:
                 session.drafter.add_features(features)
             if max_branches > 1:
-                block = session.drafter.propose_tree_within(k, free_k, max_branches, self.limits.max_block)
+                proposal = session.drafter.propose_tree_within(k, free_k, max_branches, self.limits.max_block)
             else:
-                block = session.drafter.propose_within(k, free_k)
+                proposal = session.drafter.propose_within(k, free_k)
         session.rounds += 1
         self.sessions.count_round()
-        return Proposed(block, time.perf_counter() - start)
+        return TimedProposal(proposal, time.perf_counter() - start)
 
     @staticmethod
     def prepare(session: DraftSession) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from specsplit.draft_service.drafter import DraftBlock, Drafter
+from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.lmkit import draws, token_tree
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.probs_codec import quantize_probs
@@ -94,10 +94,10 @@ class ModelDrafter(SamplingDrafter):
             self._cache.reset()  # a half-written cache: the first proposal reads the context itself
             raise
 
-    def propose(self, k: int) -> DraftBlock:
+    def propose(self, k: int) -> Proposal:
         return self._draft(k, None)
 
-    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> Proposal:
         """Greedy: the chain plus up to max_branches - 1 second choices as leaves; sampling: the chain."""
         if not self._sampling.greedy or max_branches <= 1:
             return self.propose(min(k, max_nodes))
@@ -116,9 +116,9 @@ class ModelDrafter(SamplingDrafter):
             if position in by_position:
                 tokens.append(by_position[position])
                 parents.append(parent)
-        return DraftBlock(tokens=tokens, parents=parents)
+        return Proposal(tokens=tokens, parents=parents)
 
-    def _draft(self, k: int, runners_up: list | None) -> DraftBlock:
+    def _draft(self, k: int, runners_up: list | None) -> Proposal:
         """The chain; with ``runners_up`` (greedy), also the second choice at each position."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
@@ -140,7 +140,7 @@ class ModelDrafter(SamplingDrafter):
         if margins:
             index = min(range(len(margins)), key=lambda i: margins[i][0])
             branch = (index, margins[index][1])
-        return DraftBlock(tokens=drafted, probs=probs, branch=branch)
+        return Proposal(tokens=drafted, probs=probs, branch=branch)
 
 
 def _margin(logits: torch.Tensor, token: int) -> tuple[float, int]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from specsplit.draft_service.drafter import DraftBlock, Drafter, MatchQuality
+from specsplit.draft_service.drafter import Drafter, MatchQuality, Proposal
 from specsplit.lmkit import token_tree
 
 # Longer suffixes rarely match and each extra n costs one tuple per token in the index.
@@ -113,12 +113,12 @@ class NgramDrafter(Drafter):
                     del ends_by_gram[gram]  # keeps the index the size of the live context
         del self._tokens[position:]
 
-    def propose(self, k: int) -> DraftBlock:
+    def propose(self, k: int) -> Proposal:
         """Up to ``k`` tokens following the most recent earlier match of the longest matching suffix."""
         if k < 0:
             raise ValueError(f"propose needs k >= 0, got {k}")
         if k == 0:
-            return DraftBlock(tokens=[])
+            return Proposal(tokens=[])
         length = len(self._tokens)
         for n in range(min(self._config.max_n, length), self._config.min_n - 1, -1):
             ends = self._ends[n].get(tuple(self._tokens[length - n :]))
@@ -127,10 +127,10 @@ class NgramDrafter(Drafter):
                 start = ends[-2]
                 quality = MatchQuality(self._match_length(start, n), len(ends) - 1)
                 tokens = self._tokens[start : start + k]
-                return DraftBlock(tokens=tokens, quality=quality, branch=self._branch(start, tokens, n))
-        return DraftBlock(tokens=[])
+                return Proposal(tokens=tokens, quality=quality, branch=self._branch(start, tokens, n))
+        return Proposal(tokens=[])
 
-    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> DraftBlock:
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> Proposal:
         """The continuations of several earlier matches, merged into a token tree.
 
         Matches are taken in ``propose``'s order of preference: longest suffix
@@ -147,8 +147,8 @@ class NgramDrafter(Drafter):
         tokens, parents = token_tree.merge(sequences)
         tokens, parents = tokens[:max_nodes], parents[:max_nodes]  # parents come first: a prefix is a tree
         if token_tree.is_chain(parents):
-            return first if first.tokens == tokens else DraftBlock(tokens=tokens, quality=first.quality)
-        return DraftBlock(tokens=tokens, parents=parents, quality=first.quality)
+            return first if first.tokens == tokens else Proposal(tokens=tokens, quality=first.quality)
+        return Proposal(tokens=tokens, parents=parents, quality=first.quality)
 
     def _continuations(self, k: int, limit: int) -> list[list[int]]:
         length = len(self._tokens)

@@ -138,24 +138,24 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             done = engine.propose(
                 session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches, features
             )
-            return done, probs_to_proto(done.block.probs) if done.block.probs is not None else None
+            return done, probs_to_proto(done.proposal.probs) if done.proposal.probs is not None else None
 
         done, probs = await self.compute.run(propose)
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
-            tokens=done.block.tokens,
-            compute_us=int((done.compute_s + waited) * 1e6),
-            parents=done.block.parents or [],
-            drafter=done.block.drafter.value if done.block.drafter is not None else 0,
+            tokens=done.proposal.tokens,
+            parents=done.proposal.parents or [],
+            drafter=done.proposal.drafter.value if done.proposal.drafter is not None else 0,
         )
-        if done.block.quality is not None:
+        if done.proposal.quality is not None:
             block.quality.CopyFrom(pb.MatchQuality(
-                length=done.block.quality.length, occurrences=done.block.quality.occurrences))
+                length=done.proposal.quality.length, occurrences=done.proposal.quality.occurrences))
         if probs is not None:
             block.probs.CopyFrom(probs)
-        if done.block.branch is not None:
-            block.branch.index, block.branch.token = done.block.branch
-        block.read_us = int(read_s * 1e6)
-        block.service_us = int((time.perf_counter() - received) * 1e6)
+        if done.proposal.branch is not None:
+            block.branch.index, block.branch.token = done.proposal.branch
+        block.timing.compute_us = int((done.compute_s + waited) * 1e6)
+        block.timing.read_us = int(read_s * 1e6)
+        block.timing.service_us = int((time.perf_counter() - received) * 1e6)
         return block
 

@@ -135,7 +135,7 @@ class TargetLink(_SessionLink):
                 start = time.perf_counter()
                 async with asyncio.timeout(self._policy.target_timeout_s):
                     result = await call
-                self._rtt.observe(time.perf_counter() - start - (result.service_us or result.compute_us) / 1e6)
+                self._rtt.observe(time.perf_counter() - start - (result.timing.service_us or result.timing.compute_us) / 1e6)
                 self._verified += 1
                 self.last_prefilled = self._verified == 1  # a session's first block carries its prefill
                 return result
@@ -294,11 +294,11 @@ class DraftLink(_SessionLink):
             self._mark_down(exc)
             return None
         self._synced = len(committed)  # ``assumed`` is not committed: it is re-sent or rolled back next time
-        compute_s = block.compute_us / 1e6
+        compute_s = block.timing.compute_us / 1e6
         self.compute_s += compute_s
         read = None
         if cold:  # the draft read the context first: the time that took (a service without the read: all of it)
-            read = (len(committed) + len(assumed), (block.read_us or block.compute_us) / 1e6)
+            read = (len(committed) + len(assumed), (block.timing.read_us or block.timing.compute_us) / 1e6)
         else:
             self.warm_s += compute_s
             self.warm_tokens += len(block.tokens)

@@ -108,19 +108,19 @@ def cut_at_finish(new: Sequence[int], eos_ids: frozenset[int], budget: int) -> t
 def load_of(result: pb.VerifyResult, fed: int) -> Load:
     """The load signal of a verification that fed ``fed`` tokens of this session (a target that does not report
     its forward's tokens reads as padded)."""
-    sessions = max(result.batch_size, 1)
+    sessions = max(result.forward.batch_size, 1)
     others = None
-    if result.batch_packed and result.batch_tokens:
-        others = max(result.batch_tokens - fed, sessions - 1)
-    return Load(sessions, float(result.others_committed), others)
+    if result.forward.batch_packed and result.forward.batch_tokens:
+        others = max(result.forward.batch_tokens - fed, sessions - 1)
+    return Load(sessions, float(result.forward.others_committed), others)
 
 
 def forward_of(result: pb.VerifyResult, fed: int, prefill: bool, ahead: bool) -> Forward:
     """What a verify result says of the forward it came from, for the controller."""
     load = load_of(result, fed)
-    tokens = result.batch_tokens or load.sessions * max(result.batch_width, fed)
-    fit = (result.cost_base_us / 1e6, result.cost_per_token_us / 1e6)
-    return Forward(result.compute_us / 1e6, tokens, load, fit, prefill, ahead)
+    tokens = result.forward.batch_tokens or load.sessions * max(result.forward.batch_width, fed)
+    fit = (result.forward.cost_base_us / 1e6, result.forward.cost_per_token_us / 1e6)
+    return Forward(result.timing.compute_us / 1e6, tokens, load, fit, prefill, ahead)
 
 
 def block_of(reply: pb.DraftBlock | None, k: int, guess: int | None = None) -> Block | None:

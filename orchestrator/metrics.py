@@ -149,7 +149,7 @@ FALLBACKS = Metric("counter", "specsplit_draft_fallback_rounds", "rounds decoded
 REOPENS = Metric("counter", "specsplit_target_reopens", "target sessions rebuilt from committed tokens")
 ACCEPTANCE = Metric("gauge", "specsplit_acceptance_rate_last", "acceptance rate of the last finished generation")
 
-# -- links (issue 16) -----------------------------------------------------------------------------------
+# -- links ----------------------------------------------------------------------------------------------
 LATE_BLOCKS = Metric("counter", "specsplit_draft_late_blocks",
                      "draft blocks that missed their round's deadline (the target stepped alone)")
 OVERLAP_HITS = Metric("counter", "specsplit_overlap_hits", "blocks drafted during a verification that were used")

@@ -55,7 +55,9 @@ class BatchShare:
 
 
 @dataclass(frozen=True)
-class Verification:
+class VerifyOutcome:
+    """One verified block: the verdict, the time it took, the forward it shared, and what the session asked for."""
+
     accepted: int
     next_token: int
     compute_s: float
@@ -176,7 +178,7 @@ class TargetEngine:
         draft_tokens: Sequence[int],  # [k]
         draft_probs: torch.Tensor | None,  # [k, vocab] in DRAFT_PROBS mode, else None
         parents: Sequence[int] | None = None,  # [k] a token tree; None: a chain
-    ) -> Verification:
+    ) -> VerifyOutcome:
         """Run the block through the target in one forward pass and commit accepted + 1 tokens."""
         parents = tree_of(parents, len(draft_tokens))
         self._check_block(session, position, draft_tokens, draft_probs, parents)
@@ -186,12 +188,12 @@ class TargetEngine:
         result = self._commit(session, logits, draft_tokens, draft_probs, parents)
         logprobs = self._logprobs(session, logits, result)
         path = _tree_path(result, parents)
-        return Verification(
+        return VerifyOutcome(
             result.accepted, result.next_token, time.perf_counter() - start, path=path,
             features=committed_features(session.cache, position, result.accepted, path), logprobs=logprobs,
         )
 
-    def verify_batch(self, items: Sequence[VerifyItem]) -> list[Verification | errors.SpecsplitError]:
+    def verify_batch(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome | errors.SpecsplitError]:
         """Verify blocks of different sessions in shared forward passes; each result equals its solo ``verify``.
 
         A block that fails its checks gets its error in its slot and the others
@@ -199,7 +201,7 @@ class TargetEngine:
         and wide blocks run apart from narrow ones when the padding they would
         put on the narrow rows costs more than one more forward.
         """
-        results: list[Verification | errors.SpecsplitError | None] = [None] * len(items)
+        results: list[VerifyOutcome | errors.SpecsplitError | None] = [None] * len(items)
         batch: list[int] = []
         steps: list[Step] = []  # one per batched row
         for i, item in enumerate(items):
@@ -224,7 +226,7 @@ class TargetEngine:
             rows = [batch[g] for g in group]
             if len(rows) == 1:
                 results[rows[0]] = self._verify_checked(items[rows[0]])
-                if isinstance(results[rows[0]], Verification):
+                if isinstance(results[rows[0]], VerifyOutcome):
                     self.forward_cost.observe(widths[group[0]], results[rows[0]].compute_s)
             elif rows:
                 together = self._verify_together([items[i] for i in rows], [steps[g] for g in group])
@@ -238,7 +240,7 @@ class TargetEngine:
     @staticmethod
     def _share_step(results, batch: list[int], tokens: int, step_s: float) -> None:
         """Every block of a split step reports the step: all its sessions, its tokens, its time."""
-        done = [i for i in batch if isinstance(results[i], Verification)]
+        done = [i for i in batch if isinstance(results[i], VerifyOutcome)]
         committed = sum(results[i].accepted + 1 for i in done)
         width = -(-tokens // max(len(done), 1))  # mean row width, rounded up
         for i in done:
@@ -260,7 +262,7 @@ class TargetEngine:
             return float("inf")
         return max(self.forward_cost.intercept(), 0.0) / slope
 
-    def _verify_checked(self, item: VerifyItem) -> Verification | errors.SpecsplitError:
+    def _verify_checked(self, item: VerifyItem) -> VerifyOutcome | errors.SpecsplitError:
         try:
             return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs, item.parents)
         except errors.SpecsplitError as exc:
@@ -270,7 +272,7 @@ class TargetEngine:
 
     def _verify_together(
         self, items: Sequence[VerifyItem], steps: Sequence[Step]
-    ) -> list[Verification | errors.SpecsplitError]:
+    ) -> list[VerifyOutcome | errors.SpecsplitError]:
         """One forward over the planned steps of checked items (``steps[i]`` belongs to ``items[i]``).
 
         A failure stays with its session: if the shared forward fails (a bad
@@ -308,10 +310,10 @@ class TargetEngine:
         ]
 
     @staticmethod
-    def _verified(item: VerifyItem, d: Decided, elapsed: float, batch: BatchShare, parents, logprobs) -> Verification:
+    def _verified(item: VerifyItem, d: Decided, elapsed: float, batch: BatchShare, parents, logprobs) -> VerifyOutcome:
         path = _tree_path(d, parents)
         features = committed_features(item.session.cache, item.position, d.accepted, path)
-        return Verification(d.accepted, d.next_token, elapsed, batch, features, path, logprobs)
+        return VerifyOutcome(d.accepted, d.next_token, elapsed, batch, features, path, logprobs)
 
     @staticmethod
     def _logprobs(session: TargetSession, logits, verdict: Decided) -> tuple[TokenLogprob, ...]:

@@ -23,7 +23,7 @@ from typing import Callable
 
 from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import ComputeThread
-from specsplit.target_service.engine import TargetEngine, Verification, VerifyItem
+from specsplit.target_service.engine import TargetEngine, VerifyItem, VerifyOutcome
 
 # Run on the compute thread just before the forward: the item with its tensors decoded (draft_probs).
 Prepare = Callable[[VerifyItem], VerifyItem]
@@ -54,7 +54,7 @@ class VerifyScheduler:
         self._last_batch: set[str] = set()  # session ids verified together last time
         self._last_forward_s = 0.0
 
-    async def verify(self, item: VerifyItem, prepare: Prepare | None = None) -> Verification:
+    async def verify(self, item: VerifyItem, prepare: Prepare | None = None) -> VerifyOutcome:
         """``item``'s verification, batched with other sessions'. ``prepare`` (optional) completes the item on
         the compute thread (tensor work stays off the event loop: ``specsplit.lmkit.grpc_server.ComputeThread``); an
         ``errors.SpecsplitError`` it raises fails this item alone."""
@@ -103,9 +103,9 @@ class VerifyScheduler:
                 else:
                     waiting.future.set_result(result)
 
-    def _verify_batch(self, batch: list[_Waiting]) -> list[Verification | BaseException]:
+    def _verify_batch(self, batch: list[_Waiting]) -> list[VerifyOutcome | BaseException]:
         """On the compute thread: prepare each item, then verify those that prepared in one ``verify_batch``."""
-        results: list[Verification | BaseException | None] = [None] * len(batch)
+        results: list[VerifyOutcome | BaseException | None] = [None] * len(batch)
         ready: list[int] = []
         items: list[VerifyItem] = []
         for i, waiting in enumerate(batch):

@@ -95,21 +95,25 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             position=msg.position,
             accepted=done.accepted,
             next_token=done.next_token,
-            compute_us=int(done.compute_s * 1e6),
-            batch_size=done.batch.size,
-            batch_width=done.batch.width,
-            batch_tokens=done.batch.tokens,
-            batch_packed=done.batch.packed,
-            others_committed=done.batch.others_committed,
             path=done.path,
-            service_us=int((time.perf_counter() - received) * 1e6),
+            timing=pb.ServiceTiming(
+                compute_us=int(done.compute_s * 1e6),
+                service_us=int((time.perf_counter() - received) * 1e6),
+            ),
             logprobs=[
                 pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                 top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
                 for lp in done.logprobs
             ],
-            cost_base_us=base_s * 1e6,
-            cost_per_token_us=per_token_s * 1e6,
+            forward=pb.ForwardReport(
+                batch_size=done.batch.size,
+                batch_width=done.batch.width,
+                batch_tokens=done.batch.tokens,
+                batch_packed=done.batch.packed,
+                others_committed=done.batch.others_committed,
+                cost_base_us=base_s * 1e6,
+                cost_per_token_us=per_token_s * 1e6,
+            ),
         )
         if done.features is not None:
             result.features.CopyFrom(features_to_proto(done.features))

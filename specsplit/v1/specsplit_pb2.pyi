@@ -78,54 +78,6 @@ class DraftProbs(_message.Message):
     row_nnz: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., sparse: _Optional[bool] = ..., values: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "max_context", "max_block", "drafters", "tp_degree", "device", "drafter_info", "hidden_size", "num_layers", "token_trees")
-    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
-    VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    MAX_BLOCK_FIELD_NUMBER: _ClassVar[int]
-    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
-    TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_FIELD_NUMBER: _ClassVar[int]
-    DRAFTER_INFO_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
-    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_TREES_FIELD_NUMBER: _ClassVar[int]
-    model_id: str
-    vocab_size: int
-    vocab_fingerprint: str
-    max_context: int
-    max_block: int
-    drafters: _containers.RepeatedScalarFieldContainer[DrafterKind]
-    tp_degree: int
-    device: str
-    drafter_info: _containers.RepeatedCompositeFieldContainer[DrafterInfo]
-    hidden_size: int
-    num_layers: int
-    token_trees: bool
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., tp_degree: _Optional[int] = ..., device: _Optional[str] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., token_trees: _Optional[bool] = ...) -> None: ...
-
-class DrafterInfo(_message.Message):
-    __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width")
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    HAS_PROBS_FIELD_NUMBER: _ClassVar[int]
-    NEEDS_MODEL_FIELD_NUMBER: _ClassVar[int]
-    FREE_FIELD_NUMBER: _ClassVar[int]
-    NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
-    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
-    kind: DrafterKind
-    name: str
-    has_probs: bool
-    needs_model: bool
-    free: bool
-    needs_features: bool
-    feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    feature_width: int
-    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ..., free: _Optional[bool] = ..., needs_features: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ...) -> None: ...
-
 class HiddenFeatures(_message.Message):
     __slots__ = ("position", "rows", "width", "values")
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -137,14 +89,6 @@ class HiddenFeatures(_message.Message):
     width: int
     values: bytes
     def __init__(self, position: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., values: _Optional[bytes] = ...) -> None: ...
-
-class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
-    ROLE_FIELD_NUMBER: _ClassVar[int]
-    CONTENT_FIELD_NUMBER: _ClassVar[int]
-    role: str
-    content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token", "top")
@@ -168,9 +112,85 @@ class TopLogprob(_message.Message):
     token: str
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
 
+class ServiceTiming(_message.Message):
+    __slots__ = ("compute_us", "service_us", "read_us")
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_US_FIELD_NUMBER: _ClassVar[int]
+    READ_US_FIELD_NUMBER: _ClassVar[int]
+    compute_us: int
+    service_us: int
+    read_us: int
+    def __init__(self, compute_us: _Optional[int] = ..., service_us: _Optional[int] = ..., read_us: _Optional[int] = ...) -> None: ...
+
+class ForwardReport(_message.Message):
+    __slots__ = ("batch_size", "batch_width", "batch_tokens", "batch_packed", "others_committed", "cost_base_us", "cost_per_token_us")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PACKED_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    COST_BASE_US_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_TOKEN_US_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    batch_width: int
+    batch_tokens: int
+    batch_packed: bool
+    others_committed: int
+    cost_base_us: float
+    cost_per_token_us: float
+    def __init__(self, batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., batch_packed: _Optional[bool] = ..., others_committed: _Optional[int] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "device", "tp_degree", "max_context", "max_block", "token_trees", "hidden_size", "num_layers", "drafters", "drafter_info")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TREES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_INFO_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    vocab_size: int
+    vocab_fingerprint: str
+    device: str
+    tp_degree: int
+    max_context: int
+    max_block: int
+    token_trees: bool
+    hidden_size: int
+    num_layers: int
+    drafters: _containers.RepeatedScalarFieldContainer[DrafterKind]
+    drafter_info: _containers.RepeatedCompositeFieldContainer[DrafterInfo]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ...) -> None: ...
+
+class DrafterInfo(_message.Message):
+    __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROBS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_MODEL_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    kind: DrafterKind
+    name: str
+    has_probs: bool
+    needs_model: bool
+    free: bool
+    needs_features: bool
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    feature_width: int
+    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ..., free: _Optional[bool] = ..., needs_features: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -203,44 +223,44 @@ class SessionState(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "drafter", "return_probs", "ngram_min", "ngram_max", "chain", "feature_width", "mode")
+    __slots__ = ("session_id", "tokens", "sampling", "mode", "return_probs", "drafter", "chain", "ngram_min", "ngram_max", "feature_width")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     NGRAM_MIN_FIELD_NUMBER: _ClassVar[int]
     NGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
-    CHAIN_FIELD_NUMBER: _ClassVar[int]
     FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    drafter: DrafterKind
+    mode: VerificationMode
     return_probs: bool
+    drafter: DrafterKind
+    chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
     ngram_min: int
     ngram_max: int
-    chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
     feature_width: int
-    mode: VerificationMode
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., return_probs: _Optional[bool] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., feature_width: _Optional[int] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., return_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., feature_width: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("position", "tokens", "k", "features", "max_branches", "free_k")
+    __slots__ = ("position", "tokens", "k", "free_k", "max_branches", "features")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
-    MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     FREE_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
-    features: HiddenFeatures
-    max_branches: int
     free_k: int
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., max_branches: _Optional[int] = ..., free_k: _Optional[int] = ...) -> None: ...
+    max_branches: int
+    features: HiddenFeatures
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., free_k: _Optional[int] = ..., max_branches: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "propose")
@@ -251,28 +271,24 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("position", "tokens", "probs", "compute_us", "parents", "drafter", "quality", "service_us", "branch", "read_us")
+    __slots__ = ("position", "tokens", "parents", "probs", "drafter", "quality", "branch", "timing")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PROBS_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
-    SERVICE_US_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FIELD_NUMBER: _ClassVar[int]
-    READ_US_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    probs: DraftProbs
-    compute_us: int
     parents: _containers.RepeatedScalarFieldContainer[int]
+    probs: DraftProbs
     drafter: DrafterKind
     quality: MatchQuality
-    service_us: int
     branch: DraftBranch
-    read_us: int
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., compute_us: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ..., service_us: _Optional[int] = ..., branch: _Optional[_Union[DraftBranch, _Mapping]] = ..., read_us: _Optional[int] = ...) -> None: ...
+    timing: ServiceTiming
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ..., branch: _Optional[_Union[DraftBranch, _Mapping]] = ..., timing: _Optional[_Union[ServiceTiming, _Mapping]] = ...) -> None: ...
 
 class MatchQuality(_message.Message):
     __slots__ = ("length", "occurrences")
@@ -317,16 +333,16 @@ class TargetOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("position", "draft_tokens", "draft_probs", "parents")
+    __slots__ = ("position", "draft_tokens", "parents", "draft_probs")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     position: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    draft_probs: DraftProbs
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_probs: DraftProbs
+    def __init__(self, position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
     __slots__ = ("open", "verify")
@@ -337,38 +353,24 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "compute_us", "batch_size", "batch_width", "others_committed", "features", "path", "logprobs", "cost_base_us", "cost_per_token_us", "batch_tokens", "batch_packed", "service_us")
+    __slots__ = ("position", "accepted", "next_token", "path", "features", "logprobs", "timing", "forward")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    BATCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
-    OTHERS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    COST_BASE_US_FIELD_NUMBER: _ClassVar[int]
-    COST_PER_TOKEN_US_FIELD_NUMBER: _ClassVar[int]
-    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_PACKED_FIELD_NUMBER: _ClassVar[int]
-    SERVICE_US_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
     position: int
     accepted: int
     next_token: int
-    compute_us: int
-    batch_size: int
-    batch_width: int
-    others_committed: int
-    features: HiddenFeatures
     path: _containers.RepeatedScalarFieldContainer[int]
+    features: HiddenFeatures
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    cost_base_us: float
-    cost_per_token_us: float
-    batch_tokens: int
-    batch_packed: bool
-    service_us: int
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_width: _Optional[int] = ..., others_committed: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cost_base_us: _Optional[float] = ..., cost_per_token_us: _Optional[float] = ..., batch_tokens: _Optional[int] = ..., batch_packed: _Optional[bool] = ..., service_us: _Optional[int] = ...) -> None: ...
+    timing: ServiceTiming
+    forward: ForwardReport
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., timing: _Optional[_Union[ServiceTiming, _Mapping]] = ..., forward: _Optional[_Union[ForwardReport, _Mapping]] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
@@ -378,118 +380,126 @@ class TargetResponse(_message.Message):
     result: VerifyResult
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "max_new_tokens", "sampling", "stop", "k", "drafter", "draft_probs", "return_token_ids", "adaptive_k", "chain", "overlap", "tree_branches", "messages", "return_logprobs", "top_logprobs", "request_id", "mode")
+    __slots__ = ("prompt", "chat", "messages", "max_new_tokens", "stop", "sampling", "mode", "draft_probs", "drafter", "chain", "k", "adaptive_k", "overlap", "tree_branches", "return_token_ids", "return_logprobs", "top_logprobs", "request_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
-    K_FIELD_NUMBER: _ClassVar[int]
-    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
-    RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     TREE_BRANCHES_FIELD_NUMBER: _ClassVar[int]
-    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: bool
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_new_tokens: int
-    sampling: SamplingParams
     stop: _containers.RepeatedScalarFieldContainer[str]
-    k: int
-    drafter: DrafterKind
+    sampling: SamplingParams
+    mode: VerificationMode
     draft_probs: bool
-    return_token_ids: bool
-    adaptive_k: bool
+    drafter: DrafterKind
     chain: _containers.RepeatedScalarFieldContainer[DrafterKind]
+    k: int
+    adaptive_k: bool
     overlap: bool
     tree_branches: int
-    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    return_token_ids: bool
     return_logprobs: bool
     top_logprobs: int
     request_id: str
-    mode: VerificationMode
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., draft_probs: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., adaptive_k: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[VerificationMode, str]] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., draft_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., k: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., return_token_ids: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "wall_s", "k", "drafter", "mode", "seed", "draft_compute_s", "target_compute_s", "adaptive_k", "mean_k", "draft_fallback_rounds", "draft_reattached", "target_reopens", "overlap", "overlap_hits", "mean_batch_size", "feature_bytes", "feature_bytes_per_round", "tree_rounds", "tree_nodes", "branch_accepted", "request_id")
+    __slots__ = ("request_id", "prompt_tokens", "new_tokens", "tokens_per_s", "wall_s", "drafter", "mode", "seed", "k", "adaptive_k", "mean_k", "overlap", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "overlap_hits", "tree_rounds", "tree_nodes", "branch_accepted", "draft_compute_s", "target_compute_s", "mean_batch_size", "feature_bytes", "feature_bytes_per_round", "draft_fallback_rounds", "draft_reattached", "target_reopens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
+    MEAN_K_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
-    WALL_S_FIELD_NUMBER: _ClassVar[int]
-    K_FIELD_NUMBER: _ClassVar[int]
-    DRAFTER_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
-    TARGET_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
-    ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
-    MEAN_K_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_REATTACHED_FIELD_NUMBER: _ClassVar[int]
-    TARGET_REOPENS_FIELD_NUMBER: _ClassVar[int]
-    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
-    MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    FEATURE_BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REATTACHED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REOPENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
     prompt_tokens: int
     new_tokens: int
+    tokens_per_s: float
+    wall_s: float
+    drafter: DrafterKind
+    mode: VerificationMode
+    seed: int
+    k: int
+    adaptive_k: bool
+    mean_k: float
+    overlap: bool
     rounds: int
     drafted_tokens: int
     accepted_tokens: int
     acceptance_rate: float
     mean_accepted_length: float
-    tokens_per_s: float
-    wall_s: float
-    k: int
-    drafter: DrafterKind
-    mode: VerificationMode
-    seed: int
-    draft_compute_s: float
-    target_compute_s: float
-    adaptive_k: bool
-    mean_k: float
-    draft_fallback_rounds: int
-    draft_reattached: int
-    target_reopens: int
-    overlap: bool
     overlap_hits: int
-    mean_batch_size: float
-    feature_bytes: int
-    feature_bytes_per_round: float
     tree_rounds: int
     tree_nodes: int
     branch_accepted: int
-    request_id: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., k: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., overlap: _Optional[bool] = ..., overlap_hits: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., feature_bytes_per_round: _Optional[float] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branch_accepted: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    draft_compute_s: float
+    target_compute_s: float
+    mean_batch_size: float
+    feature_bytes: int
+    feature_bytes_per_round: float
+    draft_fallback_rounds: int
+    draft_reattached: int
+    target_reopens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., k: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., overlap: _Optional[bool] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., overlap_hits: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branch_accepted: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., mean_batch_size: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., feature_bytes_per_round: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs")
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stats")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: FinishReason
     stats: GenerationStats
-    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...

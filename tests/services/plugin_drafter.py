@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specsplit.draft_service.drafter import DraftBlock, Drafter
+from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.draft_service.registry import DrafterEntry, register
 from specsplit.lmkit.kinds import DrafterKind
 
@@ -33,9 +33,9 @@ class RepeatDrafter(Drafter):
     def extend(self, tokens: Sequence[int]) -> None:
         self._tokens.extend(tokens)
 
-    def propose(self, k: int) -> DraftBlock:
+    def propose(self, k: int) -> Proposal:
         pair = self._tokens[-2:] if len(self._tokens) >= 2 else self._tokens[-1:] * 2
-        return DraftBlock(tokens=[pair[i % 2] for i in range(k)])
+        return Proposal(tokens=[pair[i % 2] for i in range(k)])
 
 
 register(DrafterEntry(REPEAT, lambda c: RepeatDrafter(c.prompt)))

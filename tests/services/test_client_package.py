@@ -114,30 +114,31 @@ print(plain.finish_reason, len(plain.token_ids), chat.stats.new_tokens, len(chat
     assert "Traceback" not in serve.stderr
 
 
-def test_an_old_client_without_the_new_fields_is_served_as_before(public_api):
-    """A GenerateRequest from before messages/logprobs (its schema built here without them) keeps working."""
+def test_a_client_that_knows_only_some_fields_is_served(public_api):
+    """A client whose schema holds a few of GenerateRequest's fields (built here, under the contract's numbers,
+    without messages, sampling or logprobs) is served: what it does not send takes the server's defaults."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-    old = descriptor_pb2.FileDescriptorProto(name="old_specsplit.proto", package="specsplit.v1", syntax="proto3")
-    request = old.message_type.add(name="GenerateRequest")
-    for name, number, kind in (("prompt", 1, "TYPE_STRING"), ("chat", 2, "TYPE_BOOL"),
-                               ("max_new_tokens", 3, "TYPE_UINT32"), ("k", 6, "TYPE_UINT32"),
-                               ("return_token_ids", 10, "TYPE_BOOL")):
-        request.field.add(name=name, number=number, type=getattr(descriptor_pb2.FieldDescriptorProto, kind),
-                          label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
-    response = old.message_type.add(name="GenerateResponse")
-    response.field.add(name="text", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
-                       label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
-    response.field.add(name="token_ids", number=2, type=descriptor_pb2.FieldDescriptorProto.TYPE_INT32,
-                       label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED)
+    from specsplit.v1 import specsplit_pb2 as pb
+
+    field = descriptor_pb2.FieldDescriptorProto
+    subset = descriptor_pb2.FileDescriptorProto(name="subset_specsplit.proto", package="specsplit.v1", syntax="proto3")
+    for message, names in ((pb.GenerateRequest, ("prompt", "chat", "max_new_tokens", "k", "return_token_ids")),
+                           (pb.GenerateResponse, ("text", "token_ids"))):
+        known = subset.message_type.add(name=message.DESCRIPTOR.name)
+        for name in names:
+            ours = message.DESCRIPTOR.fields_by_name[name]
+            label = field.LABEL_REPEATED if ours.is_repeated else field.LABEL_OPTIONAL
+            known.field.add(name=name, number=ours.number, type=ours.type, label=label)
     pool = descriptor_pool.DescriptorPool()
-    pool.Add(old)
-    OldRequest = message_factory.GetMessageClass(pool.FindMessageTypeByName("specsplit.v1.GenerateRequest"))
-    OldResponse = message_factory.GetMessageClass(pool.FindMessageTypeByName("specsplit.v1.GenerateResponse"))
+    pool.Add(subset)
+    SubsetRequest = message_factory.GetMessageClass(pool.FindMessageTypeByName("specsplit.v1.GenerateRequest"))
+    SubsetResponse = message_factory.GetMessageClass(pool.FindMessageTypeByName("specsplit.v1.GenerateResponse"))
 
     with grpc.insecure_channel(public_api) as channel:
-        call = channel.unary_stream("/specsplit.v1.Generator/Generate", request_serializer=OldRequest.SerializeToString,
-                                    response_deserializer=OldResponse.FromString)
-        replies = list(call(OldRequest(prompt="a b a b a b", chat=False, max_new_tokens=8, k=4,
-                                       return_token_ids=True), timeout=120))
+        call = channel.unary_stream("/specsplit.v1.Generator/Generate",
+                                    request_serializer=SubsetRequest.SerializeToString,
+                                    response_deserializer=SubsetResponse.FromString)
+        replies = list(call(SubsetRequest(prompt="a b a b a b", chat=False, max_new_tokens=8, k=4,
+                                          return_token_ids=True), timeout=120))
     assert sum(len(r.token_ids) for r in replies) == 8 and "".join(r.text for r in replies)

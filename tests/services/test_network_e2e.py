@@ -315,7 +315,7 @@ def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_re
                 out.append(call.deadline - asyncio.get_running_loop().time())
                 first = await call.task
                 second = await link.send(prompt, [], 2).task
-                reads.append((first.read_us, second.read_us))
+                reads.append((first.timing.read_us, second.timing.read_us))
                 await link.close()
             return out, reads
         finally:

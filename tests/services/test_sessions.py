@@ -146,7 +146,7 @@ def test_a_model_draft_session_reads_its_context_before_its_first_proposal(tiny_
     assert cached == len(prompt) - 1  # all but the last token, which the first proposal feeds
     cold = engine.open("cold", prompt, SamplingParams(), DrafterKind.MODEL, False, NgramConfig())
     try:
-        assert list(block.tokens) == engine.propose(cold, len(prompt), [], 4).block.tokens
+        assert list(block.tokens) == engine.propose(cold, len(prompt), [], 4).proposal.tokens
     finally:
         engine.close("cold")
-    assert block.position == len(prompt) and block.compute_us > 0
+    assert block.position == len(prompt) and block.timing.compute_us > 0

@@ -72,7 +72,7 @@ def test_a_closed_sessions_proposal_stops_and_the_eagle_session_is_served(tiny, 
     stalled, queued = asyncio.run(serve())
     assert isinstance(stalled, errors.NotFound), f"the closed session's proposal ran on: {stalled}"
     assert after_close == []
-    assert queued.block.tokens == fresh_proposal(head, features, PROMPT, 3)
+    assert queued.proposal.tokens == fresh_proposal(head, features, PROMPT, 3)
     # The check is off again once the abandoned proposal stopped: a new session drafts.
     assert len(engine.propose(open_session(engine, "int8-again", DrafterKind.QUANTIZED), len(PROMPT), [], 2)
-               .block.tokens) == 2
+               .proposal.tokens) == 2

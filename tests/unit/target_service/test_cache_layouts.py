@@ -17,7 +17,7 @@ from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.kvcache import check_cache_layout, rows_share_rope
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
-from specsplit.target_service.engine import TargetEngine, Verification, VerifyItem
+from specsplit.target_service.engine import TargetEngine, VerifyItem, VerifyOutcome
 
 pytestmark = pytest.mark.unit
 
@@ -110,7 +110,7 @@ def test_greedy_with_rollbacks_past_the_window_equals_generate_batched(model):
                 items.append(VerifyItem(s, len(s.tokens), guess(e, done, min(rng.choice([1, 3, 5]), NEW - done - 1), rng),
                                         None))
         results = engine.verify_batch(items)
-        assert all(isinstance(r, Verification) for r in results), results
+        assert all(isinstance(r, VerifyOutcome) for r in results), results
         shared = max(shared, *(r.batch.size for r in results))
     for s, p, e in zip(sessions, PROMPTS, expected):
         assert s.tokens[len(p):][:NEW] == e

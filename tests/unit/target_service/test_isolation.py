@@ -18,7 +18,7 @@ from specsplit.lmkit import errors, models
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
-from specsplit.target_service.engine import TargetEngine, Verification, VerifyItem
+from specsplit.target_service.engine import TargetEngine, VerifyItem, VerifyOutcome
 
 from tests.conftest import TINY_PROMPTS
 
@@ -120,7 +120,7 @@ def test_a_bad_session_fails_alone_and_the_others_commit_their_solo_results(
             assert len(session.tokens) == committed[i]  # nothing committed
             assert len(session.cache) == 0  # the bad cache was dropped
         else:
-            assert isinstance(result, Verification), result
+            assert isinstance(result, VerifyOutcome), result
             assert (result.accepted, result.next_token) == expected[i]
             assert len(session.tokens) == committed[i] + result.accepted + 1
     if poison is poison_nothing:

@@ -173,11 +173,12 @@ def test_a_block_in_a_packed_forward_adds_its_own_tokens_and_in_a_padded_one_wid
 def test_the_load_signal_reads_the_forwards_tokens_where_its_rows_were_packed():
     from specsplit.orchestrator.loop import load_of
 
-    packed = pb.VerifyResult(batch_size=8, batch_width=2, others_committed=9, batch_tokens=13, batch_packed=True)
+    packed = pb.VerifyResult(forward=pb.ForwardReport(batch_size=8, batch_width=2, others_committed=9, batch_tokens=13,
+                                                      batch_packed=True))
     assert load_of(packed, fed=3) == Load(8, 9.0, others_tokens=10)
-    padded = pb.VerifyResult(batch_size=8, batch_width=3, others_committed=9, batch_tokens=24)
+    padded = pb.VerifyResult(forward=pb.ForwardReport(batch_size=8, batch_width=3, others_committed=9, batch_tokens=24))
     assert load_of(padded, fed=3) == Load(8, 9.0)  # padded rows: every row as wide as the widest
-    assert load_of(pb.VerifyResult(), fed=1) == ALONE  # an older target that reports neither
+    assert load_of(pb.VerifyResult(), fed=1) == ALONE  # a result without a forward report reads as alone
 
 
 def test_drafting_pays_under_load_where_rows_are_packed_and_not_where_they_are_padded():
@@ -524,8 +525,9 @@ def test_a_session_joining_a_busy_target_starts_from_its_load():
 
     def round_in(loop: _Loop, sessions: int) -> None:
         forward_us = int((0.062 + 0.02 * (sessions - 1)) * 1e6)  # as cpu_like() predicts
-        loop.commit(Block([], k=0), pb.VerifyResult(accepted=0, next_token=7, batch_size=sessions,
-                                                     others_committed=sessions - 1, compute_us=forward_us))
+        loop.commit(Block([], k=0), pb.VerifyResult(
+            accepted=0, next_token=7, timing=pb.ServiceTiming(compute_us=forward_us),
+            forward=pb.ForwardReport(batch_size=sessions, others_committed=sessions - 1)))
 
     def cut(loop: _Loop) -> int:
         return len(loop.finish_block(reply(list(range(10, 18)), length=5), k=0).tokens)
