@@ -85,7 +85,7 @@ class ChainDrafter(Drafter):
                 self.last_kind = kind
                 self.blocks_by_kind[kind] += 1
                 return Proposal(
-                    tokens=list(block.tokens), parents=block.parents, branch=block.branch,
+                    tokens=list(block.tokens), parents=block.parents, second_guess=block.second_guess,
                     quality=block.quality, drafter=kind,
                 )
         return Proposal(tokens=[])

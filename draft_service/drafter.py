@@ -50,8 +50,8 @@ class Proposal:
     no match proposes nothing). ``probs`` is set only when the drafter sampled
     the tokens and was asked for its distributions (probability mode): row i is
     the distribution token i was drawn from. ``parents`` is set for a token
-    tree (``specsplit.lmkit.token_tree``), None for a chain. ``branch`` (chains only) is
-    the drafter's second guess where it is least sure: (index into ``tokens``,
+    tree (``specsplit.lmkit.token_tree``), None for a chain. ``second_guess`` (chains only)
+    is the drafter's second guess where it is least sure: (index into ``tokens``,
     the token it would put there instead); the orchestrator may draft past that
     outcome too.
     """
@@ -59,7 +59,7 @@ class Proposal:
     tokens: list[int]  # [k']
     probs: torch.Tensor | None = None  # [k', vocab] float32, rows sum to 1
     parents: list[int] | None = None  # [k'] parent index of each token, -1 = the context
-    branch: tuple[int, int] | None = None  # (index < k', runner-up token)
+    second_guess: tuple[int, int] | None = None  # (index < k', runner-up token)
     quality: MatchQuality | None = None  # set by drafters that copy from the context
     drafter: DrafterKind | None = None  # the member that drafted it, in a chain
 

@@ -136,11 +136,11 @@ class ModelDrafter(SamplingDrafter):
                 top = torch.softmax(logits[0], dim=-1).topk(2)
                 runners_up.append((float(top.values[1]), position, int(top.indices[1])))
         probs = torch.cat(rows) if self._return_probs and rows else None
-        branch = None
+        second_guess = None
         if margins:
             index = min(range(len(margins)), key=lambda i: margins[i][0])
-            branch = (index, margins[index][1])
-        return Proposal(tokens=drafted, probs=probs, branch=branch)
+            second_guess = (index, margins[index][1])
+        return Proposal(tokens=drafted, probs=probs, second_guess=second_guess)
 
 
 def _margin(logits: torch.Tensor, token: int) -> tuple[float, int]:

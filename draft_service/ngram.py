@@ -30,7 +30,7 @@ from specsplit.lmkit import token_tree
 
 # Longer suffixes rarely match and each extra n costs one tuple per token in the index.
 MAX_NGRAM = 32
-_BRANCH_CANDIDATES = 4  # earlier occurrences per suffix length looked at for a second guess
+_SECOND_GUESS_CANDIDATES = 4  # earlier occurrences per suffix length looked at for a second guess
 MAX_MATCH = 32  # a match length is counted up to this many tokens
 # Earlier occurrences looked at per suffix length for a tree (a frequent 1-gram can have thousands).
 _SCAN_PER_N = 64
@@ -127,7 +127,7 @@ class NgramDrafter(Drafter):
                 start = ends[-2]
                 quality = MatchQuality(self._match_length(start, n), len(ends) - 1)
                 tokens = self._tokens[start : start + k]
-                return Proposal(tokens=tokens, quality=quality, branch=self._branch(start, tokens, n))
+                return Proposal(tokens=tokens, quality=quality, second_guess=self._second_guess(start, tokens, n))
         return Proposal(tokens=[])
 
     def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> Proposal:
@@ -170,13 +170,13 @@ class NgramDrafter(Drafter):
             length += 1
         return length
 
-    def _branch(self, start: int, tokens: list[int], n: int) -> tuple[int, int] | None:
+    def _second_guess(self, start: int, tokens: list[int], n: int) -> tuple[int, int] | None:
         """Where the next most recent earlier occurrence (of this suffix, or of a shorter one) goes on
         differently from ``tokens``: the first index at which the two copies differ, and its token."""
         length = len(self._tokens)
         for m in range(n, self._config.min_n - 1, -1):
             earlier = self._ends[m].get(tuple(self._tokens[length - m :]), [])[:-1]
-            for other in [e for e in reversed(earlier) if e != start][:_BRANCH_CANDIDATES]:
+            for other in [e for e in reversed(earlier) if e != start][:_SECOND_GUESS_CANDIDATES]:
                 for i, token in enumerate(tokens[: length - other]):
                     if self._tokens[other + i] != token:
                         return i, self._tokens[other + i]

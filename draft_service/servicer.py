@@ -152,8 +152,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
                 length=done.proposal.quality.length, occurrences=done.proposal.quality.occurrences))
         if probs is not None:
             block.probs.CopyFrom(probs)
-        if done.proposal.branch is not None:
-            block.branch.index, block.branch.token = done.proposal.branch
+        if done.proposal.second_guess is not None:
+            block.second_guess.index, block.second_guess.token = done.proposal.second_guess
         block.timing.compute_us = int((done.compute_s + waited) * 1e6)
         block.timing.read_us = int(read_s * 1e6)
         block.timing.service_us = int((time.perf_counter() - received) * 1e6)

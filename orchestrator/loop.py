@@ -149,8 +149,8 @@ def block_of(reply: pb.DraftBlock | None, k: int, guess: int | None = None) -> B
             skip = 1
             probs = drop_leading_rows(probs, 1) if probs is not None else None
     second = None  # a chain's only: a tree carries its alternatives itself
-    if chain and reply.HasField("branch") and 0 <= reply.branch.index - skip < len(tokens):
-        second = (reply.branch.index - skip, reply.branch.token)
+    if chain and reply.HasField("second_guess") and 0 <= reply.second_guess.index - skip < len(tokens):
+        second = (reply.second_guess.index - skip, reply.second_guess.token)
     return Block(tokens, probs, k, parents, second, proposed=len(reply.tokens))
 
 

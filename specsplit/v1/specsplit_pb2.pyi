@@ -271,14 +271,14 @@ class DraftRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("position", "tokens", "parents", "probs", "drafter", "quality", "branch", "timing")
+    __slots__ = ("position", "tokens", "parents", "probs", "drafter", "quality", "second_guess", "timing")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
-    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    SECOND_GUESS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -286,9 +286,9 @@ class DraftBlock(_message.Message):
     probs: DraftProbs
     drafter: DrafterKind
     quality: MatchQuality
-    branch: DraftBranch
+    second_guess: SecondGuess
     timing: ServiceTiming
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ..., branch: _Optional[_Union[DraftBranch, _Mapping]] = ..., timing: _Optional[_Union[ServiceTiming, _Mapping]] = ...) -> None: ...
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., quality: _Optional[_Union[MatchQuality, _Mapping]] = ..., second_guess: _Optional[_Union[SecondGuess, _Mapping]] = ..., timing: _Optional[_Union[ServiceTiming, _Mapping]] = ...) -> None: ...
 
 class MatchQuality(_message.Message):
     __slots__ = ("length", "occurrences")
@@ -298,7 +298,7 @@ class MatchQuality(_message.Message):
     occurrences: int
     def __init__(self, length: _Optional[int] = ..., occurrences: _Optional[int] = ...) -> None: ...
 
-class DraftBranch(_message.Message):
+class SecondGuess(_message.Message):
     __slots__ = ("index", "token")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
