@@ -160,6 +160,7 @@ class Check:
 
     def device_stage(self) -> dict:
         import torch
+
         from specsplit.bench import gpu_stages
         from specsplit.lmkit import models
 
@@ -256,6 +257,7 @@ def plot(report: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from specsplit.bench.gpu_stages import leviathan_curve
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))

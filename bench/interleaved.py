@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from specsplit.bench import demo, runs
 from specsplit.bench.evaluation import Comparison, Summary, run_one, summarise, theoretical_speedup
 from specsplit.bench.prompts import PROMPT_SETS

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+
 from specsplit.bench.prompts import DEMO_PROMPTS
 
 MODES = {"speculation": {}, "none": {"k": 0}}  # extra request fields per mode

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from specsplit.bench import netem
 from specsplit.bench.evaluation import theoretical_speedup
 from specsplit.bench.netem_check import self_check

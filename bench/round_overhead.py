@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import local_services
 from specsplit.lmkit.sampling import SamplingParams
@@ -27,8 +28,9 @@ from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 
 
 def tiny_model(path: Path) -> Path:
-    from specsplit.lmkit import models
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specsplit.lmkit import models
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

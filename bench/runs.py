@@ -8,6 +8,7 @@ import platform
 from pathlib import Path
 
 import torch
+
 from specsplit.bench import demo, traffic
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind

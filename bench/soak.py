@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import grpc
-from specsplit.lmkit.processes import start_service
 
+from specsplit.lmkit.processes import start_service
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

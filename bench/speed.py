@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from specsplit.bench import runs, traffic
 from specsplit.bench.evaluation import RunResult, run_one, theoretical_speedup
 from specsplit.bench.prompts import PROMPT_SETS, chat_ids

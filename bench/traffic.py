@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
+
 from specsplit.bench.evaluation import RunResult, run_one
 from specsplit.bench.prompts import DemoPrompt, chat_ids
 from specsplit.lmkit.kinds import DrafterKind

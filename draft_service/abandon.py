@@ -20,6 +20,7 @@ import threading
 from typing import Callable, Iterable, Iterator
 
 import torch
+
 from specsplit.lmkit import errors
 
 _HOOKED = "_specsplit_abandon_check"  # set on a layer once its hook is in place

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from specsplit.draft_service import eagle_distill, self_draft
 from specsplit.draft_service.corpus import read_corpus
 from specsplit.lmkit import models

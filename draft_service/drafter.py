@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind
 

@@ -34,6 +34,7 @@ import math
 from typing import Sequence
 
 import torch
+
 from specsplit.draft_service.drafter import Proposal
 from specsplit.draft_service.eagle_head import EagleHead
 from specsplit.draft_service.model_drafter import SamplingDrafter

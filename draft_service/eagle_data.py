@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+
 from specsplit.draft_service.corpus import read_corpus
 
 # Chat prompts: templates x subjects. The benchmarks' prompts (bench/prompts.py, bench/prompt_sets/) are not

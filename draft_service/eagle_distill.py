@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
 from specsplit.draft_service import eagle_data, eagle_head, eagle_train
 from specsplit.lmkit import models
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from specsplit.draft_service.eagle_data import Segments
 from specsplit.draft_service.eagle_head import EagleHead, HeadConfig
 

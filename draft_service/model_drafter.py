@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
 from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.lmkit import draws, token_tree
 from specsplit.lmkit.kvcache import SessionCache

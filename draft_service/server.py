@@ -14,7 +14,6 @@ from specsplit.lmkit import entry, logs, models
 from specsplit.lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sessions import SessionLimits
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

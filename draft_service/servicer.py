@@ -7,13 +7,13 @@ import logging
 import time
 
 import grpc
+
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.wire import features_from_proto, mode_from_proto, probs_to_proto, sampling_from_proto
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

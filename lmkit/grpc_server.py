@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+
 from specsplit.lmkit import errors, logs
 from specsplit.lmkit.metrics import serve_metrics
 from specsplit.lmkit.security import ServerTls

@@ -28,11 +28,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from transformers import DynamicCache
+
 from specsplit.lmkit import packed_rows, token_tree
 from specsplit.lmkit.kv_buffer import KVBuffer
 from specsplit.lmkit.models import cache_kwargs
 from specsplit.lmkit.transfer import to_device, to_host
-from transformers import DynamicCache
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -30,13 +30,14 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from specsplit.lmkit.kv_buffer import KVBuffer
-from specsplit.lmkit.models import cache_kwargs
-from specsplit.lmkit.transfer import to_host
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from specsplit.lmkit.kv_buffer import KVBuffer
+from specsplit.lmkit.models import cache_kwargs
+from specsplit.lmkit.transfer import to_host
 
 ATTENTION = "specsplit_packed_rows"
 _INSTALLED = "_specsplit_packed_rows"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+
 from specsplit.lmkit.draws import SEED_LIMIT
 
 

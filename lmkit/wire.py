@@ -7,12 +7,12 @@ Anything that arrives over the wire passes through here; a bad field becomes
 from __future__ import annotations
 
 import torch
+
 from specsplit.lmkit import errors
 from specsplit.lmkit.features import FeatureBlock, decode_features, encode_features
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.probs_codec import EncodedProbs, decode_probs, encode_probs
 from specsplit.lmkit.sampling import SamplingParams
-
 from specsplit.v1 import specsplit_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20  # most likely alternatives a session may ask for per token (OpenAI's limit)

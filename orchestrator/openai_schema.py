@@ -19,10 +19,10 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode, drafter_value
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.loop import Finish
-
 from specsplit.v1 import specsplit_pb2 as pb
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit

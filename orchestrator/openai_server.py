@@ -34,6 +34,8 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import status_for
 from specsplit.lmkit.security import ServerTls
@@ -52,7 +54,6 @@ from specsplit.orchestrator.openai_schema import (
 from specsplit.orchestrator.peers import PeerError
 from specsplit.orchestrator.requests import parse_request
 from specsplit.orchestrator.servicer import peer_status
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024

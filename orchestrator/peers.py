@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import grpc
+
 from specsplit.lmkit import errors, security
 from specsplit.lmkit.grpc_server import CHANNEL_OPTIONS
 from specsplit.lmkit.security import ClientTls
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

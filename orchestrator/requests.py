@@ -15,7 +15,6 @@ from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.wire import MAX_TOP_LOGPROBS, mode_from_proto, sampling_from_proto
 from specsplit.orchestrator.config import MAX_TREE_BRANCHES
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-
 from specsplit.v1 import specsplit_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant")

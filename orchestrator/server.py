@@ -30,7 +30,6 @@ from specsplit.orchestrator.config import (
 from specsplit.orchestrator.generation import Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
 from specsplit.orchestrator.servicer import GeneratorServicer
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

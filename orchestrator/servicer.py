@@ -7,13 +7,13 @@ import logging
 import time
 
 import grpc
+
 from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import status_for
 from specsplit.orchestrator import metrics
 from specsplit.orchestrator.generation import Orchestrator
 from specsplit.orchestrator.peers import PeerError
 from specsplit.orchestrator.requests import parse_request
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

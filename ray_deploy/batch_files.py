@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from specsplit.lmkit.kinds import DrafterKind
-
 from specsplit.v1 import specsplit_pb2 as pb
 
 # key -> accepted JSON types (bool is not a number here)

@@ -17,6 +17,7 @@ import threading
 import time
 
 import grpc
+
 from specsplit.lmkit.grpc_server import (
     add_servicer,
     create_server,
@@ -29,7 +30,6 @@ from specsplit.lmkit.metrics import serve_metrics
 from specsplit.lmkit.security import BearerTokenInterceptor, load_token
 from specsplit.orchestrator import metrics, server
 from specsplit.ray_deploy import cluster, options, resources, serve_app
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

@@ -29,10 +29,10 @@ from typing import Any
 
 import grpc
 from ray import serve
+
 from specsplit.lmkit.security import load_token
 from specsplit.orchestrator import server
 from specsplit.ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
-
 from specsplit.v1 import specsplit_pb2 as pb
 
 SERVICER_FUNCTION = "specsplit.v1.specsplit_pb2_grpc.add_GeneratorServicer_to_server"

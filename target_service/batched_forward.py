@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
 from specsplit.lmkit import packed_rows
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.models import cache_kwargs
 from specsplit.lmkit.transfer import to_device, to_host
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 
 @dataclass(frozen=True)

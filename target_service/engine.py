@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
+
 from specsplit.lmkit import draws, errors, packed_rows, token_tree
 from specsplit.lmkit.costs import LinearCost
 from specsplit.lmkit.features import FeatureBlock

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
 from specsplit.lmkit.wire import MAX_TOP_LOGPROBS
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
 from specsplit.lmkit.draws import ACCEPT, SAMPLE, gumbel_max, inverse_cdf
 
 # Rows of target_probs / draft_probs must sum to 1 within this; catches logits passed by mistake

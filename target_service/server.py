@@ -10,13 +10,13 @@ import signal
 import sys
 
 import torch
+
 from specsplit.lmkit import entry, logs, models
 from specsplit.lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
 from specsplit.lmkit.sessions import SessionLimits
 from specsplit.target_service import ranks, tp
 from specsplit.target_service.engine import TargetEngine
 from specsplit.target_service.servicer import TargetServicer
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

@@ -6,11 +6,11 @@ import time
 from dataclasses import replace
 
 import grpc
+
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from specsplit.lmkit.wire import features_to_proto, mode_from_proto, probs_from_proto, sampling_from_proto
 from specsplit.target_service.engine import TargetEngine, VerifyItem
 from specsplit.target_service.scheduler import VerifyScheduler
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

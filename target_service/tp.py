@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
 from specsplit.lmkit import errors
 from specsplit.lmkit.kvcache import SessionCache
 

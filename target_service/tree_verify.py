@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from specsplit.lmkit import token_tree
 from specsplit.lmkit.draws import ACCEPT, SAMPLE, inverse_cdf
 

@@ -111,8 +111,9 @@ VOCAB = 49152  # SmolLM2's vocabulary: tiny models share it, so any of them draf
 @pytest.fixture(scope="session")
 def gguf_tokenizer():
     """The SmolLM2 tokenizer, read straight from the bundled GGUF (no conversion needed)."""
-    from specsplit.lmkit.models import bundled_gguf
     from transformers import AutoTokenizer
+
+    from specsplit.lmkit.models import bundled_gguf
 
     gguf = bundled_gguf()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

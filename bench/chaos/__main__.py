@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+
 from specsplit.bench.chaos import checker, schedule
 from specsplit.bench.chaos.driver import (
     LinkControl,
@@ -23,7 +24,6 @@ from specsplit.bench.chaos.driver import (
     sample_rss,
 )
 from specsplit.bench.chaos.stack import Stack
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Callable
 
 import grpc
+
 from specsplit.bench.chaos import schedule
 from specsplit.bench.chaos.checker import Record, Window
 from specsplit.bench.chaos.stack import Stack
 from specsplit.bench.netem import LinkProcess, Shape
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+
 from specsplit.bench.prompts import SETS_DIR, chat_ids, load_prompt_set
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import VerificationMode

@@ -30,12 +30,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
+
 from specsplit.bench.prompts import DEMO_PROMPTS
 from specsplit.draft_service.ngram import NgramConfig, NgramDrafter
 from specsplit.draft_service.self_draft import QuantizeMode, layerskip_view, quantized_view
 from specsplit.lmkit import models
 from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
-from transformers import DynamicCache
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
 from specsplit.bench.evaluation import run_one
 from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit import models

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
 from specsplit.lmkit import draws, models
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.probs_codec import decode_probs, encode_probs, quantize_probs

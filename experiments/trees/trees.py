@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind

@@ -30,6 +30,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
 from specsplit.lmkit import models, packed_rows
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.packed_linear import pack_linears

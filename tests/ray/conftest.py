@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from specsplit.lmkit.processes import ServiceProcess
 
 OBJECT_STORE = 80 * 1024 * 1024

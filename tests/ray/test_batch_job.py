@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
-from specsplit.ray_deploy import batch_files
 
 from specsplit import cli
+from specsplit.ray_deploy import batch_files
 from tests.conftest import run_async
 from tests.ray.test_serve import generate
 

@@ -14,8 +14,8 @@ import urllib.request
 import grpc
 import openai
 import pytest
-from specsplit.target_service.ranks import free_port
 
+from specsplit.target_service.ranks import free_port
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async

@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from specsplit.ray_deploy.placement import Placement, model_in, parse_resources, target_argv
 
+from specsplit.ray_deploy.placement import Placement, model_in, parse_resources, target_argv
 from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import run_async
 from tests.ray.conftest import start_cli

@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from specsplit.ray_deploy import options
 
+from specsplit.ray_deploy import options
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async, wait_until

@@ -6,10 +6,10 @@ import asyncio
 
 import grpc
 import pytest
+
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
 from specsplit.orchestrator.server import start_server
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async

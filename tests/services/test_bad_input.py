@@ -7,9 +7,9 @@ import sys
 
 import grpc
 import pytest
+
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import VOCAB, run_async
@@ -202,7 +202,6 @@ def test_tokenizer_target_mismatch_is_refused_naming_both(tiny_services, tmp_pat
 
 def test_draft_target_mismatch_is_refused_naming_both(tiny_services, tiny_target_dir, tmp_path, background_loop):
     from specsplit.draft_service.server import start_server
-
     from tests.conftest import make_engines
 
     other = other_vocabulary_model(tmp_path / "other")

@@ -7,6 +7,7 @@ session (bench.chaos.checker); the long run and its figures are in docs/reliabil
 from __future__ import annotations
 
 import pytest
+
 from specsplit.bench.chaos import schedule
 from specsplit.bench.chaos.__main__ import build_parser, run
 

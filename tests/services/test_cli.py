@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+
 from specsplit.lmkit import models
 from specsplit.lmkit.processes import start_service
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from torch.overrides import TorchFunctionMode
-
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from specsplit.draft_service import distill, eagle_distill, eagle_head, self_draft
 from specsplit.draft_service.server import build_parser as draft_parser
 from specsplit.draft_service.server import check_self_draft_flags, derive_drafts

@@ -7,9 +7,9 @@ import sys
 
 import grpc
 import pytest
-from specsplit.lmkit.processes import start_service
 
 from specsplit.client import AsyncClient
+from specsplit.lmkit.processes import start_service
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import TINY_PROMPTS, run_async
@@ -26,7 +26,6 @@ def plugin_stack(tmp_path_factory, tiny_target_dir, background_loop):
     from specsplit.orchestrator.generation import Orchestrator
     from specsplit.orchestrator.server import start_server
     from specsplit.target_service.server import start_server as start_target
-
     from tests.conftest import make_engines
 
     assert "tests.services.plugin_drafter" not in sys.modules

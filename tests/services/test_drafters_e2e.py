@@ -14,6 +14,7 @@ import sys
 import grpc
 import pytest
 import torch
+
 from specsplit.draft_service import self_draft
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.draft_service.registry import DRAFTERS
@@ -24,7 +25,6 @@ from specsplit.lmkit.sessions import SessionLimits
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
-
 from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.services.test_bad_input import GREEDY, draft_exchange, expect_status

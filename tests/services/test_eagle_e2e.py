@@ -14,6 +14,7 @@ import sys
 import grpc
 import pytest
 import torch
+
 from specsplit.draft_service import eagle_head
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.draft_service.ngram import NgramConfig
@@ -23,7 +24,6 @@ from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-
 from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async, save_tiny_llama
 from tests.eagle_heads import write_eagle3_head

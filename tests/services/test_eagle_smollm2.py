@@ -4,13 +4,13 @@ the head really drafts (its tokens are accepted), alone and behind n-gram lookup
 from __future__ import annotations
 
 import pytest
+
 from specsplit.bench.prompts import DEMO_PROMPTS
 from specsplit.draft_service import eagle_head
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sessions import SessionLimits
-
 from tests.conftest import Services, make_engines, reference_greedy, run_async
 from tests.services.test_drafters_e2e import run_greedy
 

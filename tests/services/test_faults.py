@@ -13,6 +13,7 @@ import time
 
 import grpc
 import pytest
+
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import start_service
@@ -20,7 +21,6 @@ from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
-
 from tests.conftest import reference_greedy, run_async
 
 pytestmark = pytest.mark.services

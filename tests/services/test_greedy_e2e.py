@@ -8,12 +8,12 @@ tiny random target (fast) and on the real SmolLM2 target with the default
 from __future__ import annotations
 
 import pytest
+
 from specsplit.bench.prompts import DEMO_PROMPTS
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-
 from tests.conftest import TINY_PROMPTS, Services, make_engines, reference_greedy, run_async
 
 pytestmark = pytest.mark.services

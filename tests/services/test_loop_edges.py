@@ -20,13 +20,13 @@ import time
 
 import grpc
 import pytest
+
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import Services, run_async

@@ -8,11 +8,11 @@ import grpc
 import openai
 import pytest
 import torch
+
+from specsplit.client import Client
 from specsplit.lmkit import models
 from specsplit.lmkit.processes import start_service
 from specsplit.target_service.ranks import free_port
-
-from specsplit.client import Client
 
 pytestmark = pytest.mark.services
 

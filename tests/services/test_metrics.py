@@ -8,9 +8,9 @@ import urllib.request
 import grpc
 import pytest
 from prometheus_client import REGISTRY
+
 from specsplit.lmkit.processes import start_service
 from specsplit.target_service.ranks import free_port
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async

@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import pytest
+
 from specsplit.lmkit import models
 from specsplit.target_service.ranks import free_port
 

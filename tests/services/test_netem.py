@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+
 from specsplit.bench.netem import LinkProcess, Shape, start_link
 from specsplit.bench.netem_check import _Echo, ping_pong_s, self_check
 

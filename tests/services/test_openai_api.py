@@ -17,11 +17,11 @@ import time
 import openai
 import pytest
 import torch
+
 from specsplit.lmkit import models
 from specsplit.orchestrator import openai_server
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
-
 from tests.conftest import run_async, wait_until
 
 pytestmark = pytest.mark.services

@@ -13,12 +13,12 @@ import collections
 import pytest
 import torch
 from scipy import stats
+
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
-
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services

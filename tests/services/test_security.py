@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import ComputeThread, start_in_process
 from specsplit.lmkit.security import ClientTls, ServerTls
@@ -20,7 +21,6 @@ from specsplit.orchestrator.generation import Orchestrator
 from specsplit.orchestrator.server import start_server
 from specsplit.target_service.server import SERVICE_NAME as TARGET_SERVICE
 from specsplit.target_service.servicer import TargetServicer
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
@@ -73,7 +73,6 @@ async def generate_once(config: OrchestratorConfig) -> str:
     orch = await Orchestrator.connect(config)
     try:
         from specsplit.lmkit.kinds import DrafterKind
-
         from tests.services.test_greedy_e2e import generate_ids
 
         return await generate_ids(orch, [1, 2, 3], 0, DrafterKind.NGRAM, 4)
@@ -155,7 +154,6 @@ def test_tls_flags_are_checked():
 def test_health_port_answers_plaintext_probes_while_the_main_port_requires_mtls(pki, tmp_path):
     """Kubernetes gRPC probes cannot present certificates: --health-port serves health alone, plaintext."""
     from specsplit.lmkit.processes import start_service
-
     from tests.services.test_faults import free_port
 
     health_port = free_port()

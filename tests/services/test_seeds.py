@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from specsplit.lmkit import errors
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
@@ -23,7 +24,6 @@ from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
 from specsplit.target_service.engine import TargetEngine
-
 from tests.conftest import Services, make_engines, run_async
 
 pytestmark = pytest.mark.services

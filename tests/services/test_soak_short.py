@@ -1,6 +1,7 @@
 """The short CI variant of bench/soak.py: load above the admission limit, nothing but RESOURCE_EXHAUSTED, no leaks."""
 
 import pytest
+
 from specsplit.bench.soak import run
 
 pytestmark = pytest.mark.services

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import start_service
@@ -22,7 +23,6 @@ from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
 from specsplit.target_service.tp import check_divisible
-
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import reference_greedy, run_async

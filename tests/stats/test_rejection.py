@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+
 from specsplit.lmkit.draws import SAMPLE, inverse_cdf
 from specsplit.lmkit.probs_codec import decode_probs, encode_probs, quantize_probs
 from specsplit.target_service.rejection import (
@@ -23,7 +24,6 @@ from specsplit.target_service.rejection import (
     verify_draft_probs,
     verify_token_only,
 )
-
 from tests.unit.target_service.test_rejection import seeded
 
 pytestmark = pytest.mark.stats

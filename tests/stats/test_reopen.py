@@ -17,6 +17,7 @@ import collections
 import pytest
 import torch
 from scipy import stats
+
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
 from specsplit.lmkit.sessions import SessionLimits

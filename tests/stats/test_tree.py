@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from specsplit.lmkit import token_tree
 from specsplit.lmkit.draws import ACCEPT, SAMPLE, inverse_cdf
 from specsplit.target_service.tree_verify import TreeVerdict, uniform_columns, verify_tree_token_only
-
 from tests.stats.test_rejection import DRAFT, EMITTED, START, TARGET, fit_to_target
 from tests.unit.target_service.test_rejection import seeded
 

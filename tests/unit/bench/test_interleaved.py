@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from specsplit.bench import interleaved
 from specsplit.bench.speculative import build_parser
 from specsplit.lmkit.kinds import DrafterKind

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+
 from specsplit.bench.load import Sample, arrivals, percentiles, summarise
 
 pytestmark = pytest.mark.unit

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from specsplit.bench.netem import Shape, _Schedule
 
 pytestmark = pytest.mark.unit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from specsplit.bench import network
 from specsplit.bench.evaluation import theoretical_speedup
 

@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+
 from specsplit.bench import gpu_models
 from specsplit.bench.oracle_drafter import Oracle, OracleDrafter
 from specsplit.lmkit import models

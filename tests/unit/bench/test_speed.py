@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+
 from specsplit.bench import speed
 from specsplit.bench.evaluation import RunResult, theoretical_speedup
 from specsplit.bench.prompts import DemoPrompt

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from specsplit.bench import traffic
 from specsplit.bench.evaluation import RunResult
 from specsplit.bench.prompts import MIXED_PROMPTS, PROMPT_SETS, DemoPrompt, load_prompt_set

@@ -14,6 +14,7 @@ import asyncio
 import threading
 
 import pytest
+
 from specsplit.draft_service.abandon import decoder_layers
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.draft_service.ngram import NgramConfig
@@ -24,7 +25,6 @@ from specsplit.lmkit.grpc_server import ComputeThread
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
-
 from tests.unit.draft_service.test_eagle import SEQUENCE, fresh_proposal, head, target_features, tiny  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.unit

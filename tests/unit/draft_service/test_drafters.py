@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+
 from specsplit.draft_service import self_draft
 from specsplit.draft_service.chain import ChainDrafter
 from specsplit.draft_service.model_drafter import ModelDrafter

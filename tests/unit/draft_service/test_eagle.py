@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from specsplit.draft_service import eagle_head, eagle_train
 from specsplit.draft_service.eagle import EagleDrafter
 from specsplit.lmkit import errors, models
@@ -16,7 +17,6 @@ from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
 from specsplit.lmkit.wire import features_from_proto, features_to_proto, join_features
 from specsplit.target_service.engine import TargetEngine, VerifyItem
-
 from specsplit.v1 import specsplit_pb2 as pb
 from tests.eagle_heads import write_eagle3_head
 

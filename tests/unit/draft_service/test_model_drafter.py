@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.lmkit import models
 from specsplit.lmkit.sampling import SamplingParams

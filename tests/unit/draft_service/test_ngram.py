@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from specsplit.draft_service.drafter import Drafter, MatchQuality
 from specsplit.draft_service.ngram import MAX_MATCH, MAX_NGRAM, NgramConfig, NgramDrafter
 

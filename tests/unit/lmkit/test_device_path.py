@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from specsplit.bench import gpu_models
 from specsplit.lmkit import models
 from specsplit.lmkit.kvcache import SessionCache

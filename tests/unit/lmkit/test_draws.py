@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+
 from specsplit.lmkit.draws import Stream, gumbel, inverse_cdf, position_keys, uniforms
 
 pytestmark = pytest.mark.unit

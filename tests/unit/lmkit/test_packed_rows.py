@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+
 from specsplit.lmkit import models, packed_rows, token_tree
 from specsplit.lmkit.kv_buffer import KVBuffer
 from specsplit.lmkit.kvcache import SessionCache

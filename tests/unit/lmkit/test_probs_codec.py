@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from specsplit.lmkit.probs_codec import MAX_DECODED_CELLS, EncodedProbs, decode_probs, encode_probs, quantize_probs
 
 pytestmark = pytest.mark.unit

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from specsplit.lmkit.sampling import SamplingParams, first_rows, logits_to_probs, rows_when_reached
 
 pytestmark = pytest.mark.unit

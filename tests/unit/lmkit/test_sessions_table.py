@@ -1,6 +1,7 @@
 """Session bookkeeping shared by both services: bounded, unique ids, counters."""
 
 import pytest
+
 from specsplit.lmkit import errors
 from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 

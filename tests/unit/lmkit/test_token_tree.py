@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from specsplit.lmkit import token_tree
 from specsplit.target_service.rejection import verify_greedy, verify_token_only
 from specsplit.target_service.tree_verify import uniform_columns, verify_tree_greedy, verify_tree_token_only

@@ -6,6 +6,7 @@ import importlib.util
 import random
 
 import pytest
+
 from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
 
 pytestmark = pytest.mark.unit

@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+
 from specsplit.lmkit import logs
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.openai_schema import (
@@ -17,7 +18,6 @@ from specsplit.orchestrator.openai_schema import (
     to_generate_request,
     validate,
 )
-
 from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.unit

@@ -6,6 +6,7 @@ Plain arithmetic on resource dicts; no Ray is started (the waiting part runs in 
 from __future__ import annotations
 
 import pytest
+
 from specsplit.ray_deploy.resources import Ask, Capacity, never_fits, refusal, replica_ask, require, size_cpus
 
 pytestmark = pytest.mark.unit

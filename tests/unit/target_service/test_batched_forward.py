@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from specsplit.lmkit import models
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.target_service.batched_forward import Step, forward_batch, split_by_width

@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.kvcache import check_cache_layout, rows_share_rope
 from specsplit.lmkit.sampling import SamplingParams

@@ -14,12 +14,12 @@ import math
 
 import pytest
 import torch
+
 from specsplit.lmkit import errors, models
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
 from specsplit.target_service.engine import TargetEngine, VerifyItem, VerifyOutcome
-
 from tests.conftest import TINY_PROMPTS
 
 pytestmark = pytest.mark.unit
@@ -139,6 +139,7 @@ def test_a_bad_session_fails_alone_and_the_others_commit_their_solo_results(
 
 def test_an_internal_error_is_the_internal_status():
     import grpc
+
     from specsplit.lmkit.grpc_server import status_for
 
     assert status_for(errors.Internal("x")) == grpc.StatusCode.INTERNAL

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from specsplit.lmkit import errors, models
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.sampling import SamplingParams

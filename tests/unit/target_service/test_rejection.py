@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+
 from specsplit.lmkit import draws
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.sampling import SamplingParams, logits_to_probs

@@ -13,13 +13,13 @@ import random
 
 import pytest
 import torch
+
 from specsplit.lmkit import errors, models, token_tree
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
 from specsplit.target_service.engine import TargetEngine, VerifyItem
-
 from tests.conftest import reference_greedy
 
 pytestmark = pytest.mark.unit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from specsplit.bench.chaos import checker, schedule
 from specsplit.bench.chaos.checker import Record
 
