@@ -58,8 +58,12 @@ def header(args) -> dict:
         "target_cpus": args.target_cpus or "unpinned",
         "draft_cpus": args.draft_cpus or "unpinned",
         "hf_anchors": "in the bench process, the target's threads, interleaved with the services' runs",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": machine(),
     }
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
 
 
 def write(report: dict, path: str) -> Path:

@@ -91,6 +91,7 @@ class TargetLink(_SessionLink):
         self._rtt = rtt if rtt is not None else RttEstimator()  # this target's link, shared by its sessions
         self._verified = 0  # verifications on the current session
         self.last_prefilled = False  # the last verify ran on a fresh session: its time includes a prefill
+        self.last_wall_s = 0.0  # the last verify's wall time here, send to result
 
     @property
     def reopens(self) -> int:
@@ -135,7 +136,8 @@ class TargetLink(_SessionLink):
                 start = time.perf_counter()
                 async with asyncio.timeout(self._policy.target_timeout_s):
                     result = await call
-                self._rtt.observe(time.perf_counter() - start - (result.timing.service_us or result.timing.compute_us) / 1e6)
+                self.last_wall_s = time.perf_counter() - start
+                self._rtt.observe(self.last_wall_s - (result.timing.service_us or result.timing.compute_us) / 1e6)
                 self._verified += 1
                 self.last_prefilled = self._verified == 1  # a session's first block carries its prefill
                 return result
@@ -203,6 +205,8 @@ class DraftLink(_SessionLink):
         self.busy_rounds = 0  # rounds decoded without a draft because a late reply was still due
         self.late_blocks = 0  # replies that missed their deadline (dropped when they came)
         self.compute_s = 0.0  # drafting time of every reply, used or not
+        self.wall_s = 0.0  # every reply's wall time here, request to reply (with overlap, mostly hidden)
+        self.service_s = 0.0  # ... and the draft's time on it, receipt to answer
         self.warm_s = 0.0  # ... of the replies that were not a session's first (those read the context too)
         self.warm_tokens = 0  # tokens of those replies, used or not (with ``warm_s``: the time a token costs)
         self.reattached = 0
@@ -294,8 +298,10 @@ class DraftLink(_SessionLink):
             self._mark_down(exc)
             return None
         self._synced = len(committed)  # ``assumed`` is not committed: it is re-sent or rolled back next time
-        compute_s = block.timing.compute_us / 1e6
+        compute_s, wall_s = block.timing.compute_us / 1e6, time.perf_counter() - start
         self.compute_s += compute_s
+        self.wall_s += wall_s
+        self.service_s += block.timing.service_us / 1e6
         read = None
         if cold:  # the draft read the context first: the time that took (a service without the read: all of it)
             read = (len(committed) + len(assumed), (block.timing.read_us or block.timing.compute_us) / 1e6)
@@ -303,7 +309,7 @@ class DraftLink(_SessionLink):
             self.warm_s += compute_s
             self.warm_tokens += len(block.tokens)
         drafter = drafter_of(block, self._controller.drafters.session)
-        self._controller.observe_proposal(time.perf_counter() - start, compute_s, len(block.tokens), drafter, read)
+        self._controller.observe_proposal(wall_s, compute_s, len(block.tokens), drafter, read)
         return block
 
     def _reattach_later(self, committed: Sequence[int]) -> None:
@@ -343,7 +349,7 @@ class _NoDraft:
 
     up = False
     fallback_rounds = busy_rounds = late_blocks = reattached = warm_tokens = 0
-    compute_s = warm_s = 0.0
+    compute_s = warm_s = wall_s = service_s = 0.0
 
     def send(self, *args, **kwargs) -> None:
         return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
@@ -56,6 +57,14 @@ class LoopStats:
     draft_warm_s: float = 0.0  # draft time of replies that were not a session's first, used or not
     draft_warm_tokens: int = 0  # tokens of those replies, used or not (drafted ahead for a miss included)
     target_compute_s: float = 0.0
+    # Where a round's time went (the overhead suite): waits here for the target's results and the draft's replies,
+    # and the services' own times on them (service: receipt to answer; forward: the target model alone).
+    target_wait_s: float = 0.0
+    target_service_s: float = 0.0
+    target_forward_s: float = 0.0
+    draft_wait_s: float = 0.0  # rounds waiting for a block (drafted after the verification, or ahead and late)
+    draft_wall_s: float = 0.0  # every reply's wall time, request to reply (with overlap, mostly hidden)
+    draft_service_s: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
     k_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
@@ -218,9 +227,17 @@ class _Loop:
             return Block([], k=ask.k)
         call = self.draft.send(self.committed, (), ask.k, ask.free_k, self.config.tree_branches)
         self.stats.draft_requests += call is not None
-        reply = await self.draft.receive(call) if call is not None else None
+        reply = await self.received(call) if call is not None else None
         self.returned(reply, ask.free_k)
         return self.finish_block(reply, ask.k)
+
+    async def received(self, call: DraftCall) -> pb.DraftBlock | None:
+        """The call's reply, by its deadline (``DraftLink.receive``); the round's wait for it is counted."""
+        start = time.perf_counter()
+        try:
+            return await self.draft.receive(call)
+        finally:
+            self.stats.draft_wait_s += time.perf_counter() - start
 
     def returned(self, reply: pb.DraftBlock | None, free_k: int, guessed: bool = False) -> None:
         """Tell the controller what an ask of the free drafter returned (nothing to tell for a late reply)."""
@@ -268,7 +285,7 @@ class _Loop:
         if ahead is None:
             return None
         waiting = ahead.call.task.done()  # the reply came before the verification's
-        reply = await self.draft.receive(ahead.call)
+        reply = await self.received(ahead.call)
         self.returned(reply, ahead.free_k, guessed=ahead.guess)
         # Usable iff (a guess) the guessed bonus token is the one the target committed, and tokens follow.
         block = block_of(reply, ahead.k, self.committed[-1] if ahead.guess else None)
@@ -318,10 +335,15 @@ class _Loop:
         if aheads:
             await self.draft.close()
 
-    def commit(self, block: Block, result: pb.VerifyResult, prefilled: bool = False) -> tuple[list[int], Finish | None]:
+    def commit(self, block: Block, result: pb.VerifyResult, prefilled: bool = False,
+               wall_s: float = 0.0) -> tuple[list[int], Finish | None]:
         """Commit a verified block; ``prefilled``: the target re-read the context in this forward (a new session,
-        or one re-opened after a target restart: such a forward runs alone by design)."""
+        or one re-opened after a target restart: such a forward runs alone by design); ``wall_s``: the verify's
+        wall time here."""
         stats = self.stats
+        stats.target_wait_s += wall_s
+        stats.target_service_s += result.timing.service_us / 1e6
+        stats.target_forward_s += result.timing.forward_us / 1e6
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
         forward = forward_of(result, drafted + 1, stats.rounds == 0 or prefilled, bool(self.aheads))
@@ -344,6 +366,7 @@ class _Loop:
         stats.late_blocks, stats.busy_rounds = self.draft.late_blocks, self.draft.busy_rounds
         stats.draft_compute_s = self.draft.compute_s  # every reply's, used or not
         stats.draft_warm_s, stats.draft_warm_tokens = self.draft.warm_s, self.draft.warm_tokens
+        stats.draft_wall_s, stats.draft_service_s = self.draft.wall_s, self.draft.service_s
         if finish is None and len(self.committed) >= self.config.max_context:
             finish = Finish.CONTEXT
         return new, finish
@@ -400,7 +423,7 @@ async def speculative_decode(
                 result = await verifying
             finally:
                 verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
-            new, finish = loop.commit(block, result, target.last_prefilled)
+            new, finish = loop.commit(block, result, target.last_prefilled, target.last_wall_s)
             if finish is not None:
                 await loop.close()  # nothing is drafted past the end: the look-ahead stops before the last yield
             yield new, finish, list(result.logprobs[: len(new)])

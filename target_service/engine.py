@@ -66,6 +66,7 @@ class VerifyOutcome:
     features: FeatureBlock | None = None  # the committed positions' hidden features, when the session asked
     path: tuple[int, ...] = ()  # a tree block's accepted nodes, root first; empty for a chain
     logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token when the session asked for them
+    forward_s: float = 0.0  # the model's forward alone, within compute_s
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,7 @@ class TargetEngine:
         self._check_block(session, position, draft_tokens, draft_probs, parents)
         start = time.perf_counter()
         logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
+        forward_s = time.perf_counter() - start
         self.forward_passes += 1
         result = self._commit(session, logits, draft_tokens, draft_probs, parents)
         logprobs = self._logprobs(session, logits, result)
@@ -192,6 +194,7 @@ class TargetEngine:
         return VerifyOutcome(
             result.accepted, result.next_token, time.perf_counter() - start, path=path,
             features=committed_features(session.cache, position, result.accepted, path), logprobs=logprobs,
+            forward_s=forward_s,
         )
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome | errors.SpecsplitError]:
@@ -291,8 +294,9 @@ class TargetEngine:
             for step in steps:  # the step may have left caches half-written; they re-prefill
                 step.cache.reset()
             return [self._verify_checked(item) for item in items]
+        forward_s = time.perf_counter() - start
         self.forward_passes += 1
-        self.forward_cost.observe(tokens, time.perf_counter() - start)
+        self.forward_cost.observe(tokens, forward_s)
         firsts = self._first_rows(items, logits, steps)
         decided = [
             self._commit_isolated(item, rows, step.parents, first)
@@ -306,15 +310,17 @@ class TargetEngine:
         packed = packed_rows.installed(self.model)
         share = lambda d: BatchShare(len(done), width, committed - (d.accepted + 1), tokens, packed)  # noqa: E731
         return [
-            d if isinstance(d, errors.SpecsplitError) else self._verified(item, d, elapsed, share(d), step.parents, lp)
+            d if isinstance(d, errors.SpecsplitError)
+            else self._verified(item, d, elapsed, share(d), step.parents, lp, forward_s)
             for item, d, lp, step in zip(items, decided, logprobs, steps)
         ]
 
     @staticmethod
-    def _verified(item: VerifyItem, d: Decided, elapsed: float, batch: BatchShare, parents, logprobs) -> VerifyOutcome:
+    def _verified(item: VerifyItem, d: Decided, elapsed: float, batch: BatchShare, parents, logprobs,
+                  forward_s: float) -> VerifyOutcome:
         path = _tree_path(d, parents)
         features = committed_features(item.session.cache, item.position, d.accepted, path)
-        return VerifyOutcome(d.accepted, d.next_token, elapsed, batch, features, path, logprobs)
+        return VerifyOutcome(d.accepted, d.next_token, elapsed, batch, features, path, logprobs, forward_s)
 
     @staticmethod
     def _logprobs(session: TargetSession, logits, verdict: Decided) -> tuple[TokenLogprob, ...]:

@@ -99,6 +99,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             timing=pb.ServiceTiming(
                 compute_us=int(done.compute_s * 1e6),
                 service_us=int((time.perf_counter() - received) * 1e6),
+                forward_us=int(done.forward_s * 1e6),
             ),
             logprobs=[
                 pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,

@@ -113,14 +113,16 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
 
 class ServiceTiming(_message.Message):
-    __slots__ = ("compute_us", "service_us", "read_us")
+    __slots__ = ("compute_us", "service_us", "read_us", "forward_us")
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     SERVICE_US_FIELD_NUMBER: _ClassVar[int]
     READ_US_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_US_FIELD_NUMBER: _ClassVar[int]
     compute_us: int
     service_us: int
     read_us: int
-    def __init__(self, compute_us: _Optional[int] = ..., service_us: _Optional[int] = ..., read_us: _Optional[int] = ...) -> None: ...
+    forward_us: int
+    def __init__(self, compute_us: _Optional[int] = ..., service_us: _Optional[int] = ..., read_us: _Optional[int] = ..., forward_us: _Optional[int] = ...) -> None: ...
 
 class ForwardReport(_message.Message):
     __slots__ = ("batch_size", "batch_width", "batch_tokens", "batch_packed", "others_committed", "cost_base_us", "cost_per_token_us")

@@ -1,0 +1,243 @@
+"""``specsplit bench --suite overhead``: what the split itself costs a round, against a GPU step.
+
+The real services run as processes on loopback with a near-zero-compute
+model (one layer, hidden size 16, the default vocabulary), one thread each,
+and the orchestrator runs in this process. Part one: one session per mode
+(k = 0; k = 4 n-gram, sync and overlapped; k = 4 model), each round's wall
+time split into the orchestrator's share, each hop (wire and both gRPC
+stacks) and each service's time outside its compute, from the services' own
+reports (``ServiceTiming``). Part two: CPU per generated token of each
+process and the stack's tokens/s at several concurrent sessions. Every
+figure is also set against GPU decode steps (``GPU_STEPS``) as a fraction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from specsplit.bench import runs
+from specsplit.bench.round_overhead import tiny_model
+from specsplit.lmkit import processes
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.loop import LoopStats
+
+# What a target's decode step costs on GPUs, seconds: the budget the split's own cost is held against.
+GPU_STEPS = {"8B on one H200 (CUDA graphs)": 0.006, "70B on 4 GPUs, tensor parallel": 0.015}
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8] * 4  # repeats: the n-gram drafter finds matches
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    k: int
+    drafter: DrafterKind
+    overlap: bool
+
+
+MODES = (
+    Mode("k0", 0, DrafterKind.NGRAM, False),
+    Mode("ngram4-sync", 4, DrafterKind.NGRAM, False),
+    Mode("ngram4-overlap", 4, DrafterKind.NGRAM, True),
+    Mode("model4-sync", 4, DrafterKind.MODEL, False),
+)
+
+
+def add_flags(parser) -> None:
+    parser.add_argument("--overhead-rounds", type=int, default=400, help="--suite overhead: rounds per mode, one session")
+    parser.add_argument("--overhead-sessions", default="1,8,32,64",
+                        help="--suite overhead: concurrent sessions for the CPU per token part")
+    parser.add_argument("--overhead-tokens", type=int, default=128,
+                        help="--suite overhead: new tokens per session in the CPU per token part")
+    parser.add_argument("--overhead-repeats", type=int, default=2,
+                        help="--suite overhead: interleaved passes over the modes; medians are reported")
+
+
+def request(mode: Mode, tokens: int) -> GenerationRequest:
+    """A fixed-K greedy request (the adaptive controller would stop drafting on a model that costs nothing)."""
+    return GenerationRequest("", False, tokens, SamplingParams(), (), mode.k, mode.drafter, False, adaptive_k=False,
+                             overlap=mode.overlap)
+
+
+async def one_session(orch: Orchestrator, mode: Mode, rounds: int) -> dict:
+    """One session's rounds: the wall time of each (the first, with the opens, left out) and where it went."""
+    walls, loop, last = [], LoopStats(), None
+    async for event in orch.generate(request(mode, rounds * (mode.k + 1)), PROMPT):
+        now = time.perf_counter()
+        if last is not None:
+            walls.append(now - last)
+        last = now
+        loop = event.loop or loop
+    return parts_per_round(walls, loop, mode)
+
+
+def parts_per_round(walls: list[float], loop: LoopStats, mode: Mode) -> dict:
+    """A round's wall time and its parts, ms: the services' compute, each service's time outside it, each hop,
+    and the orchestrator's share (what is left: its Python, its gRPC stack's share is in the hops)."""
+    n = max(loop.rounds, 1)
+    wall = statistics.fmean(walls) if walls else 0.0
+    target_compute, target_service = loop.target_compute_s / n, loop.target_service_s / n
+    draft_compute, draft_service = loop.draft_compute_s / n, loop.draft_service_s / n
+    # The part of the draft's replies the rounds waited for (a wait longer than the reply's own round trip is the
+    # orchestrator's: the request's task not started yet, or the reply not read at once).
+    waited = min(loop.draft_wait_s, loop.draft_wall_s) / n
+    waited_share = waited / (loop.draft_wall_s / n) if loop.draft_wall_s else 0.0
+    ms = 1e3
+    parts = {
+        "target_forward": loop.target_forward_s / n * ms,
+        "target_verification": (target_compute - loop.target_forward_s / n) * ms,
+        "target_service_outside_compute": (target_service - target_compute) * ms,
+        "target_hop": (loop.target_wait_s / n - target_service) * ms,
+        "draft_compute_waited": draft_compute * waited_share * ms,
+        "draft_service_outside_compute_waited": (draft_service - draft_compute) * waited_share * ms,
+        "draft_hop_waited": (loop.draft_wall_s / n - draft_service) * waited_share * ms,
+        "orchestrator": (wall - loop.target_wait_s / n - waited) * ms,
+    }
+    compute = parts["target_forward"] + parts["target_verification"] + parts["draft_compute_waited"]
+    return {
+        "mode": mode.name, "k": mode.k, "drafter": mode.drafter.name.lower(), "overlap": mode.overlap,
+        "rounds": loop.rounds, "tokens_per_round": round(loop.committed / n, 3),
+        "round_wall_ms": round(wall * ms, 3),
+        "round_wall_ms_median": round(statistics.median(walls) * ms, 3) if walls else 0.0,
+        "compute_ms": round(compute, 3),
+        "round_less_compute_ms": round(wall * ms - compute, 3),
+        "parts_ms": {name: round(value, 3) for name, value in parts.items()},
+    }
+
+
+async def concurrent(orch: Orchestrator, mode: Mode, sessions: int, tokens: int, pids: dict[str, int]) -> dict:
+    """``sessions`` at once, each ``tokens`` new tokens: CPU per generated token of each process, tokens/s."""
+    before, start = processes.cpu_seconds(pids), time.perf_counter()
+    done = await asyncio.gather(*(collect(orch, mode, tokens) for _ in range(sessions)))
+    wall, used = time.perf_counter() - start, processes.cpu_used(pids, before)
+    generated = sum(n for n, _ in done)
+    rounds = sum(r for _, r in done)
+    return {
+        "mode": mode.name, "sessions": sessions, "tokens": generated, "wall_s": round(wall, 3),
+        "tokens_per_s": round(generated / wall, 1), "tokens_per_round": round(generated / max(rounds, 1), 3),
+        "cpu_ms_per_token": {name: round(s / generated * 1e3, 4) for name, s in used.items()},
+    }
+
+
+async def collect(orch: Orchestrator, mode: Mode, tokens: int) -> tuple[int, int]:
+    generated, rounds = 0, 0
+    async for event in orch.generate(request(mode, tokens), PROMPT):
+        generated += len(event.token_ids)
+        rounds = event.loop.rounds if event.loop is not None else rounds
+    return generated, rounds
+
+
+async def measure(target: str, draft: str, model: str, args, pids: dict[str, int]) -> dict:
+    orch = await Orchestrator.connect(OrchestratorConfig(target, draft, tokenizer=model))
+    sessions = [int(s) for s in args.overhead_sessions.split(",") if s.strip()]
+    per_round: dict[str, list[dict]] = {m.name: [] for m in MODES}
+    cpu: dict[tuple[str, int], list[dict]] = {}
+    try:
+        for mode in MODES:  # warm-up: first calls pay one-off allocations
+            await one_session(orch, mode, 20)
+        for repeat in range(args.overhead_repeats):
+            order = MODES[repeat % len(MODES):] + MODES[: repeat % len(MODES)]  # rotate: no mode always first
+            for mode in order:
+                per_round[mode.name].append(await one_session(orch, mode, args.overhead_rounds))
+            for n in sessions:
+                for mode in (MODES[0], MODES[1]):  # k = 0 and k = 4 n-gram
+                    cpu.setdefault((mode.name, n), []).append(await concurrent(orch, mode, n, args.overhead_tokens,
+                                                                               pids))
+    finally:
+        await orch.close()
+    return {"per_round": [median_of(rows) for rows in per_round.values()],
+            "concurrency": [median_of(rows) for rows in cpu.values()]}
+
+
+def median_of(rows: list[dict]) -> dict:
+    """The row of the repeat whose headline figure is the median (every figure of one run, not a mix)."""
+    key = "round_wall_ms" if "round_wall_ms" in rows[0] else "tokens_per_s"
+    ordered = sorted(rows, key=lambda r: r[key])
+    return {**ordered[len(ordered) // 2], "repeats": [r[key] for r in rows]}
+
+
+def against_gpu(result: dict) -> list[dict]:
+    """Each mode's round less compute, and the orchestrator's CPU per round at every concurrency, as a fraction of
+    a GPU decode step."""
+    rows = []
+    for r in result["per_round"]:
+        rows.append({"what": f"one session, {r['mode']}: round less compute", "ms": r["round_less_compute_ms"],
+                     **{gpu: round(r["round_less_compute_ms"] / (s * 1e3), 3) for gpu, s in GPU_STEPS.items()}})
+    for c in result["concurrency"]:
+        per_round = c["cpu_ms_per_token"].get("orchestrator", 0.0) * c["tokens_per_round"] * c["sessions"]
+        rows.append({"what": f"{c['sessions']} sessions, {c['mode']}: orchestrator CPU per target step",
+                     "ms": round(per_round, 3),
+                     **{gpu: round(per_round / (s * 1e3), 3) for gpu, s in GPU_STEPS.items()}})
+    return rows
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    rows = result["per_round"]
+    bottoms = [0.0] * len(rows)
+    for part in rows[0]["parts_ms"]:
+        values = [max(r["parts_ms"][part], 0.0) for r in rows]
+        left.bar([r["mode"] for r in rows], values, bottom=bottoms, label=part.replace("_", " "))
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for gpu, s in GPU_STEPS.items():
+        left.axhline(s * 1e3, linestyle="--", linewidth=1, color="grey")
+        left.text(-0.4, s * 1e3, gpu, fontsize=7, va="bottom")
+    left.set(ylabel="ms per round", title="One session: where a round goes (near-zero model)")
+    left.legend(fontsize=6)
+    for mode in {c["mode"] for c in result["concurrency"]}:
+        points = sorted((c["sessions"], c["cpu_ms_per_token"]) for c in result["concurrency"] if c["mode"] == mode)
+        for process in points[0][1]:
+            right.plot([p[0] for p in points], [p[1][process] for p in points], marker="o", label=f"{process}, {mode}")
+    right.set(xscale="log", yscale="log", xlabel="concurrent sessions", ylabel="CPU ms per generated token",
+              title="CPU per token by process")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def run(args) -> int:
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(tiny_model(Path(tmp) / "tiny"))
+        service = ["--model", model, "--threads", "1"]
+        with processes.local_services(service, service) as (target, draft):
+            pids = {"orchestrator": os.getpid(), "target": target.process.pid, "draft": draft.process.pid}
+            result = asyncio.run(measure(target.address, draft.address, model, args, pids))
+    report = {
+        "benchmark": "overhead",
+        "model": "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)",
+        "services": "processes on 127.0.0.1, 1 thread each; the orchestrator in the bench process; greedy, fixed K",
+        "machine": runs.machine(),
+        **result,
+        "against_gpu_steps": against_gpu(result),
+        "duration_s": round(time.time() - started, 1),
+    }
+    path = runs.write(report, args.json)
+    png = plot(result, path)
+    for r in result["per_round"]:
+        print(f"{r['mode']:15s} round {r['round_wall_ms']:6.3f} ms, less compute {r['round_less_compute_ms']:6.3f} ms "
+              f"({r['tokens_per_round']:.2f} tokens a round): " +
+              ", ".join(f"{k} {v:.3f}" for k, v in r["parts_ms"].items()))
+    for c in result["concurrency"]:
+        print(f"{c['mode']:15s} {c['sessions']:3d} sessions: {c['tokens_per_s']:8.1f} tok/s, CPU ms/token " +
+              " ".join(f"{k} {v:.3f}" for k, v in c["cpu_ms_per_token"].items()))
+    print(f"-> {path}" + (f", {png}" if png else ""))
+    return 0
