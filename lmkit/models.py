@@ -106,8 +106,8 @@ def convert_gguf(gguf: Path, dtype: str = "float32") -> Path:
 
     ``save_pretrained`` refuses a model that still carries its GGUF
     quantization config, so the weights move into a fresh model built from a
-    config without it. Each dtype has its own folder (float32 keeps the
-    unsuffixed name of earlier versions).
+    config without it. Each dtype has its own folder (float32's is unsuffixed,
+    so folders already converted stay in use).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
