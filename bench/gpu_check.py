@@ -4,16 +4,14 @@
     bash bench/gpu_check --out DIR --size tiny    # anywhere: tiny shapes (on the CPU, the tests run this)
 
 It builds a draft and a target of real shapes with random weights on one vocabulary
-(``specsplit.bench.gpu_models``), starts the real target service and a draft service
-that also serves the ORACLE drafter (``specsplit.bench.oracle_drafter``) as processes
-on the device, and runs the stages of ``specsplit.bench.gpu_stages``: copy bandwidth,
-host syncs, step and verify costs, end to end at controlled acceptance rates,
-batched verification, greedy equality. It writes ``gpu_check.json`` after every
-stage, ``gpu_check.png`` and the services' log tails under ``--out``.
+(``specsplit.bench.gpu_models``), starts the target service and a draft service that also serves the
+ORACLE drafter (``specsplit.bench.oracle_drafter``) as processes on the device, and runs the stages of
+``specsplit.bench.gpu_stages`` (copy bandwidth, host syncs, step and verify costs, end to end at
+controlled acceptance, batched verification, greedy equality), writing ``gpu_check.json`` after
+every stage, ``gpu_check.png`` and the services' log tails under ``--out``.
 
-Exit code: 0 when every stage ran (goals unmet are figures, not failures), 1
-when a stage failed, 2 when the environment lacks something (the message says
-what to carry).
+Exit code: 0 when every stage ran (goals unmet are figures, not failures), 1 when a stage failed, 2
+when the environment lacks something (the message says what to carry).
 """
 
 from __future__ import annotations
@@ -236,7 +234,7 @@ class Check:
 
 
 def goals(report: dict) -> dict:
-    """The issue's goals on a GPU, from this run's figures (not meaningful for --size tiny)."""
+    """The GPU goals of docs/performance.md, from this run's figures (not meaningful for --size tiny)."""
     steps = report.get("target_steps", {})
     runs = report.get("end_to_end", {}).get("runs", [])
     at = next((r for r in runs if r.get("alpha") == 0.8 and r.get("k") == 4 and "speedup" in r), {})

@@ -1,19 +1,17 @@
 """An emulated network link: a TCP relay that delays, jitters and rate-limits each direction.
 
-This is an **emulation** on one machine, not a network: a process between a
-client and a service that holds every chunk of bytes it relays for a one-way
-delay, so the code under test runs unchanged over a slower link and only sees
-another address. Each direction is shaped like Linux ``tc netem delay D J rate R``
-over a byte stream (``_Schedule``); the relay never drops bytes, a chunk "lost"
-arrives late as TCP's retransmission would deliver it. One process per link:
+An **emulation** on one machine, not a network: a process between a client and a service holds
+every chunk it relays for a one-way delay, so the code under test runs unchanged and only sees
+another address. Each direction is shaped like Linux ``tc netem delay D J rate R`` over a byte
+stream (``_Schedule``); the relay never drops bytes: a chunk "lost" arrives late, as TCP's
+retransmission would deliver it. One process per link:
 
     python -m specsplit.bench.netem --upstream 127.0.0.1:50051 --delay-ms 1 [--jitter-ms 0.2] [--rate-mbit 100]
                           [--loss 0.01 --retransmit-ms 200] [--port 0 --port-file F] [--stats-file F.json]
 
-SIGUSR1 stalls the link, SIGUSR2 resumes it, SIGHUP re-reads ``--control-file``
-(new shapes from then on), SIGTERM writes ``--stats-file`` and exits;
-``LinkProcess`` drives these from Python. ``specsplit.bench.netem_check`` measures a
-relay against what it was asked for.
+SIGUSR1 stalls the link, SIGUSR2 resumes it, SIGHUP re-reads ``--control-file``, SIGTERM writes
+``--stats-file`` and exits; ``LinkProcess`` drives these from Python, and
+``specsplit.bench.netem_check`` measures a relay against what it was asked for.
 """
 
 from __future__ import annotations

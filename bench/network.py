@@ -1,18 +1,14 @@
 """``specsplit bench --suite network``: speculation across emulated links, against target-only over the same links.
 
-The links are **emulated** (``specsplit.bench.netem``: a relay process in front of
-the draft and one in front of the target, shaped alike), each level's shape checked
-against itself first (``specsplit.bench.netem_check``). For each added round trip
-in ``--link-rtt-ms`` a fresh orchestrator runs, interleaved: target-only, then per
-drafter sync and overlap with fixed and adaptive K (order rotating per level),
-then target-only again; ``--network-repeats N`` runs the cells N times and pools
-them. Speedups are against the mean of the target-only passes, whose spread is
-the level's noise band. Per cell: tokens/s, speedup, acceptance α, draft cost
-ratio c, mean k, overlap hit rate, late blocks, identical outputs, and a
-Leviathan-style bound with the links added (``bound``).
-
-Placement as in the speed suite: target pinned to ``--target-cpus``, draft to
-``--draft-cpus``, the orchestrator on the draft's cores; the relays unpinned.
+The links are **emulated** (``specsplit.bench.netem``: a relay in front of the draft and one in front
+of the target, shaped alike), each level's shape checked against itself first
+(``specsplit.bench.netem_check``). For each added round trip in ``--link-rtt-ms`` a fresh
+orchestrator runs, interleaved: target-only, then per drafter sync and overlap with fixed and
+adaptive K (order rotating per level), then target-only again; ``--network-repeats N`` pools N runs
+of the cells. Speedups are against the mean of the target-only passes, whose spread is the level's
+noise band. Per cell: tokens/s, speedup, acceptance α, draft cost ratio c, mean k, overlap hit rate,
+late blocks, identical outputs, and a Leviathan-style bound with the links added (``bound``).
+Placement as in the speed suite; the relays are unpinned.
 """
 
 from __future__ import annotations
@@ -249,7 +245,7 @@ def level_report(rtt_ms: float, measured: dict, cells: list[Cell], check: dict |
 
 
 def goals(levels: list[dict], drafters: list[str]) -> dict:
-    """The issue's goals as measured in this run."""
+    """The goals of docs/performance.md for links, as this run met them."""
     def cell(level, name):
         return next(c for c in level["cells"] if c["cell"] == name)
 

@@ -1,19 +1,17 @@
 """``specsplit bench --suite speed``: traffic per kind, sync vs overlap, concurrency, HF anchors; JSON + PNG.
 
-One target, the same prompts throughout, in parts (``--parts``), each part
-writing its own JSON:
+One target, the same prompts throughout, in parts (``--parts``), each writing its own JSON:
 
-* ``traffic``: every prompt by target-only, specsplit, HF ``generate`` and HF
-  prompt lookup, interleaved, per kind, greedy and/or sampling (``bench/traffic.py``);
-* ``modes``: single stream, sync and overlap with fixed and adaptive K, a fixed-K
-  sweep with per-position acceptance, and HF anchors (``model.generate``, assisted
-  generation) run after the services stop; greedy;
-* ``concurrency``: 1..32 sessions, aggregate tokens/s with speculation and
-  without (k = 0), through continuous batching; each level ``--concurrency-repeats``
-  times per mode, the modes interleaved; medians, with each repeat beside them.
+* ``traffic``: every prompt by target-only, specsplit, HF ``generate`` and HF prompt lookup,
+  interleaved, per kind, greedy and/or sampling (``bench/traffic.py``);
+* ``modes``: single stream, sync and overlap with fixed and adaptive K, a fixed-K sweep with
+  per-position acceptance, and HF anchors (``model.generate``, assisted generation) run after the
+  services stop; greedy;
+* ``concurrency``: 1..32 sessions through continuous batching, aggregate tokens/s with speculation
+  and without (k = 0), ``--concurrency-repeats`` times per level and mode, interleaved; medians.
 
-Draft and target run as processes, pinned apart by ``--target-cpus``/``--draft-cpus``
-(standing for separate devices); the orchestrator runs on the draft's cores.
+Draft and target run as processes, pinned apart by ``--target-cpus``/``--draft-cpus`` (standing for
+separate devices); the orchestrator runs on the draft's cores.
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ def summarise(traffic: Traffic, decoding: str) -> dict[str, dict]:
 
 
 def goals(rows: dict[str, dict], decoding: str) -> dict:
-    """The issue's goals for this decoding, as measured (None where a figure is missing)."""
+    """The goals of docs/performance.md for this decoding, from this run (None where a figure is missing)."""
     kinds = {k: r for k, r in rows.items() if k.startswith("kind:")}
     grounded = _kinds_of_group(rows, "grounded")
     overall = rows.get("all", {})

@@ -1,18 +1,13 @@
 """``specsplit distill``: train a layer-skip exit adapter for a target by distillation (``--eagle``: an EAGLE head).
 
-The draft is the target's own first L layers, then a small ``ExitAdapter``
-(h + W·rmsnorm(h)), then the target's final norm and LM head — all frozen but
-W. Training minimises KL(p_target ‖ q_draft) per position (Hinton et al. 2015,
-"Distilling the knowledge in a neural network"; the early-exit set-up follows
-LayerSkip, Elhoushi et al. 2024) on windows of a local text corpus. One target
-forward per step gives both p_target and the layer-L hidden state, so a step
-costs about one target forward and backward through the adapter and head.
-
-Writes ``--out``: ``checkpoint.pt`` every ``--save-every`` steps (a rerun with
-the same ``--out`` resumes from it), then the adapter folder that
-``serve-draft --model TARGET --layerskip-adapter OUT`` loads, and
-``distill_report.json`` with greedy agreement with the target on held-out text
-before and after training.
+The draft is the target's own first L layers, then a small ``ExitAdapter`` (h + W·rmsnorm(h)), then
+the target's final norm and LM head, all frozen but W. Training minimises KL(p_target ‖ q_draft) per
+position (Hinton et al. 2015, "Distilling the knowledge in a neural network"; the early-exit set-up
+follows LayerSkip, Elhoushi et al. 2024) on windows of a local text corpus; one target forward per
+step gives both p_target and the layer-L hidden state. Writes ``--out``: ``checkpoint.pt`` every
+``--save-every`` steps (a rerun resumes from it), the adapter folder that ``serve-draft --model
+TARGET --layerskip-adapter OUT`` loads, and ``distill_report.json`` (greedy agreement with the
+target on held-out text, before and after).
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """The drafter interface every proposer implements.
 
-A drafter is per session: it holds the session's committed context (prompt plus
-committed output) and proposes the next block of tokens. The draft service owns
-one drafter per session and drives it with two calls per round:
-
-* ``commit(position, tokens)`` — the orchestrator's committed tokens from
-  ``position`` on; anything the drafter held beyond ``position`` (its own
-  speculative tokens) is rolled back first.
-* ``propose(k)`` — up to ``k`` draft tokens continuing the committed context;
-  ``propose_tree(k, max_branches, max_nodes)`` — several continuations merged
-  into a token tree (``specsplit.lmkit.token_tree``); by default the chain of ``propose``.
-
-A feature drafter (``needs_features``, e.g. EAGLE) also takes the target's
-hidden features of committed positions between the two (``add_features``).
-
-A drafter whose proposals cost nothing to make (prompt lookup) says so with
-``free``: the draft service then lets it propose up to the orchestrator's
-``free_k`` bound, and the orchestrator cuts the block by the ``quality`` it
-reports (a pure function of the committed context, never of random draws).
+A drafter is per session: it holds the session's committed context (prompt plus committed output)
+and proposes the next block. The draft service drives it with two calls per round:
+``commit(position, tokens)`` (the committed tokens from ``position`` on; its own speculative tokens
+past ``position`` are rolled back first), then ``propose(k)`` (up to ``k`` draft tokens) or
+``propose_tree`` (several continuations merged into a token tree; by default the chain). A feature
+drafter (``needs_features``, e.g. EAGLE) also takes the target's hidden features of committed
+positions between the two (``add_features``). A drafter whose proposals cost nothing (prompt
+lookup) says so with ``free``: it may propose up to the orchestrator's ``free_k``, which cuts the
+block by the ``quality`` it reports (a function of the committed context, never of random draws).
 
 Adding a drafter means one module implementing this class and one entry in
 ``specsplit.draft_service.registry`` (its ``DrafterKind``, traits and how to build it).

@@ -1,31 +1,17 @@
 """The EAGLE drafter: drafts from the target's hidden features with an EAGLE-3 head, on the draft's device.
 
-EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
-Uncertainty"; EAGLE-3, Li et al. 2025) runs one decoder layer over the target's
-own hidden states. Row j of the head reads the target's features f_j of
-committed position j and the embedding of token t_{j+1}, and predicts t_{j+2}
-(``specsplit.draft_service.eagle_head``). The target sends the features of the positions
-it commits with each verification; this drafter takes them with the next
-proposal (``add_features``), so the head runs on the draft's device, not in the
-target's process.
+EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty";
+EAGLE-3, Li et al. 2025) runs one decoder layer over the target's own hidden states: row j of the
+head reads the features f_j of committed position j and the embedding of token t_{j+1}, and predicts
+t_{j+2} (``specsplit.draft_service.eagle_head``). The target sends the features of the positions it
+commits with each verification and this drafter takes them with the next proposal
+(``add_features``), so the head runs on the draft's device, not in the target's process. A session's
+first proposal has no features yet, so its first round decodes target-only.
 
-State per session: the head's own KV cache over rows [start, start + cached).
-Rows computed from the target's features are *true* rows; rows past the
-features the draft has (its own drafted tokens, or tokens it was told before
-their features arrived) are *provisional*: they chain the previous row's
-output in place of fc(f_j), as EAGLE does when drafting several tokens. When
-the features of a provisional row arrive, it is recomputed. Rolled-back
-tokens are dropped lazily: a proposal keeps the longest prefix of cached rows
-whose tokens still match the committed context.
-
-The first proposal of a session has no features yet (the target sends the
-prompt's with its first verification), so it proposes nothing: the first round
-decodes target-only. Greedy drafts take the argmax over the draft vocabulary;
-sampling drafts sample from q, the head's distribution spread over the target
-vocabulary (zero outside the draft vocabulary) and processed by the same
-``logits_to_probs`` as the target's p, with the session's uniform for the
-token's absolute position (``specsplit.lmkit.draws``); in coupled verification they
-take argmax(log q + G) with the target's Gumbel noise, as the model drafter.
+Greedy drafts take the argmax over the draft vocabulary; sampled drafts come from q, the head's
+distribution over the target vocabulary (zero outside the draft vocabulary) processed by the same
+``logits_to_probs`` as the target's p, with the uniform of the token's absolute position
+(``specsplit.lmkit.draws``); coupled verification takes argmax(log q + G), the target's Gumbel noise.
 """
 
 from __future__ import annotations
@@ -83,6 +69,15 @@ class HeadCache:
 
 
 class EagleDrafter(SamplingDrafter):
+    """Per session, the head's own KV cache over rows [start, start + cached).
+
+    Rows computed from the target's features are *true* rows; rows past the features the draft has
+    (its own drafted tokens, or tokens it was told before their features arrived) are *provisional*:
+    they chain the previous row's output in place of fc(f_j), as EAGLE does when drafting several
+    tokens, and are recomputed when their features arrive. Rolled-back tokens are dropped lazily: a
+    proposal keeps the longest prefix of cached rows whose tokens still match the committed context.
+    """
+
     needs_features = True
 
     def __init__(

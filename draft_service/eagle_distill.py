@@ -1,20 +1,11 @@
-"""``specsplit distill --eagle``: train an EAGLE-3 head for a target, on this machine, from the target itself.
+"""``specsplit distill --eagle``: train an EAGLE-3 head for a target, locally, from the target itself.
 
-Phases, each resumable (a rerun with the same ``--out`` picks up where the last
-one stopped; other settings are refused):
-
-1. data (``OUT/data/``, one file per chunk): the target's features over a local
-   corpus, and over its own greedy and sampled answers to a prompt pool,
-   generated in batches (``specsplit.draft_service.eagle_data``);
-2. training with training-time test (``specsplit.draft_service.eagle_train``), a
-   checkpoint every ``--save-every`` steps (``OUT/checkpoint.pt``);
-   ``--max-minutes`` stops training after that long (checkpointed): on a
-   shared machine, train in slices and rerun to continue;
-3. the report (``OUT/distill_report.json``): top-1 agreement, acceptance per
-   depth and tokens per round at k = 1..4 on held-out answers (prompts never
-   trained on), top-1 agreement on held-out corpus text; and the head itself in
-   the EAGLE-3 layout (``OUT/config.json``, ``OUT/model.safetensors``), which
-   ``serve-draft --model TARGET --eagle-head OUT`` serves.
+Three phases, each resumable (a rerun with the same ``--out`` picks up where the last one stopped;
+other settings are refused): the data, the target's features over a local corpus and over its own
+answers to a prompt pool (``specsplit.draft_service.eagle_data``); training with training-time test
+(``specsplit.draft_service.eagle_train``), checkpointed; and the report on held-out answers, with
+the head itself in the EAGLE-3 layout (``OUT/config.json``, ``OUT/model.safetensors``), which
+``serve-draft --model TARGET --eagle-head OUT`` serves. Phases in detail: ``distill_eagle``.
 """
 
 from __future__ import annotations
@@ -216,7 +207,15 @@ def _train(config: EagleDistillConfig, head, train: eagle_data.Segments, target_
 
 
 def distill_eagle(config: EagleDistillConfig) -> dict:
-    """Make the data (or load it), train (or resume), write the head and the report; return the report."""
+    """Make the data (or load it), train (or resume), write the head and the report; return the report.
+
+    Data: the target's features over a local corpus and over its own greedy and sampled answers to a
+    prompt pool, generated in batches, one file per chunk under ``OUT/data/``. Training: a checkpoint
+    every ``--save-every`` steps (``OUT/checkpoint.pt``); ``--max-minutes`` stops after that long,
+    checkpointed, so a shared machine can train in slices. Report (``OUT/distill_report.json``): top-1
+    agreement, acceptance per depth and tokens per round at k = 1..4 on held-out answers (prompts never
+    trained on), and top-1 agreement on held-out corpus text.
+    """
     started = time.perf_counter()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)

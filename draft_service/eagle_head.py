@@ -1,9 +1,8 @@
 """The EAGLE-3 draft head: one decoder layer over the target's hidden features and the token embeddings.
 
-EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large
-Language Models via Training-Time Test"; EAGLE, Li et al. 2024) drafts with a
-single decoder layer that reads the target's own hidden states. For row j (the
-target's features f_j of committed position j, and the next token t_{j+1}):
+EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test"; EAGLE, Li et al. 2024). For row j (the target's features f_j of committed
+position j, and the next token t_{j+1}):
 
     g      = fc([f_low, f_mid, f_high])                     # first step; later steps chain ``out``
     x      = [input_layernorm(embed(t_{j+1})), hidden_norm(g)]  # 2H wide
@@ -11,20 +10,8 @@ target's features f_j of committed position j, and the next token t_{j+1}):
     out    = h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(out))                             # over the draft vocabulary: predicts t_{j+2}
 
-The LM head covers a reduced draft vocabulary; draft id d is target id
-``d + d2t[d]``, and ``t2d`` marks the target ids it covers (FR-Spec / EAGLE-3).
-
-Checkpoints use the layout EAGLE-3 released (e.g. for Llama-3.1-8B-Instruct):
-``config.json`` with Llama keys (``hidden_size``, ``intermediate_size``,
-``num_attention_heads``, ``num_key_value_heads``, ``rms_norm_eps``,
-``rope_theta``/``rope_scaling``, ``vocab_size``) plus ``draft_vocab_size`` and
-optionally ``target_hidden_size``; weights in ``model.safetensors`` or
-``pytorch_model.bin`` named ``fc.weight``, ``midlayer.*`` (``layers.0.*`` is read
-too), ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d`` and optionally
-``embed_tokens.weight`` (else the target's embedding is used, shared). The
-target layers read default to EAGLE-3's ``[2, L/2, L-3]``; a config may name
-them in ``eagle_aux_hidden_state_layer_ids``. specsplit writes the same layout
-(fp16) plus that key and a ``specsplit`` block (target, vocabulary fingerprint).
+The LM head covers a reduced draft vocabulary (draft id d is target id ``d + d2t[d]``; ``t2d`` marks
+the target ids it covers: FR-Spec / EAGLE-3). Checkpoints: EAGLE-3's released layout (``load_head``).
 """
 
 from __future__ import annotations
@@ -310,7 +297,18 @@ def check_fits(config: HeadConfig, target_config, where: str) -> None:
 
 
 def load_head(ref: str, target_model) -> EagleHead:
-    """Load a head for ``target_model`` (its config and embedding); ValueError says what does not fit."""
+    """Load a head for ``target_model`` (its config and embedding); ValueError says what does not fit.
+
+    The folder has the layout EAGLE-3 released (e.g. for Llama-3.1-8B-Instruct): ``config.json`` with
+    Llama keys (``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
+    ``rms_norm_eps``, ``rope_theta``/``rope_scaling``, ``vocab_size``) plus ``draft_vocab_size`` and
+    optionally ``target_hidden_size``; weights in ``model.safetensors`` or ``pytorch_model.bin`` named
+    ``fc.weight``, ``midlayer.*`` (``layers.0.*`` is read too), ``norm.weight``, ``lm_head.weight``,
+    ``d2t``, ``t2d`` and optionally ``embed_tokens.weight`` (else the target's embedding is shared).
+    The target layers read default to EAGLE-3's ``[2, L/2, L-3]``; a config may name them in
+    ``eagle_aux_hidden_state_layer_ids``. ``save_head`` writes the same layout (fp16) plus that key and
+    a ``specsplit`` block (target, vocabulary fingerprint).
+    """
     from dataclasses import replace
 
     folder = resolve_head(ref)

@@ -1,18 +1,16 @@
 """Training an EAGLE-3 head for a target: training-time test over the target's own features.
 
-EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large
-Language Models via Training-Time Test") trains the head on its own chained
-outputs: at step s, row r reads the step-(s-1) output of row r-1 in place of
-the target's features, as it will when drafting the (s+1)-th token of a block,
-and attends to the true rows up to its branch point r-s plus its own chained
-rows (the "training-time test" mask below). Step s is weighted 0.8^s. The loss
-is the cross-entropy of the head's draft-vocabulary distribution against the
-target's, restricted to the draft vocabulary and renormalised (as EAGLE-3
-does), recomputed from the target's final hidden state.
+EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test") trains the head on its own chained outputs: at step s, row r reads the
+step-(s-1) output of row r-1 in place of the target's features, as when drafting the (s+1)-th token
+of a block, and attends to the true rows up to its branch point r-s plus its own chained rows
+(``ttt_mask``). Step s is weighted 0.8^s. The loss is the cross-entropy of the head's distribution
+against the target's (recomputed from its final hidden state), both restricted to the draft
+vocabulary and renormalised (as EAGLE-3 does).
 
-The draft vocabulary is the target's most frequent greedy choices on the
-training data (FR-Spec, Zhao et al. 2025; EAGLE-3's d2t/t2d). The head starts
-with the target's LM head rows for it and its final norm.
+The draft vocabulary is the target's most frequent greedy choices on the training data (FR-Spec,
+Zhao et al. 2025; EAGLE-3's d2t/t2d). The head starts from the target's LM head rows for it and its
+final norm.
 """
 
 from __future__ import annotations

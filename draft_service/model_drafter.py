@@ -1,20 +1,13 @@
 """The model drafter: a causal LM sharing the target's vocabulary, with its own KV cache.
 
-It drafts autoregressively (greedy argmax, or sampling from q processed by the
-same ``logits_to_probs`` as the target's p, the token at absolute position n
-drawn with the session's ``specsplit.lmkit.draws`` uniform for (DRAFT, n)). In coupled
-verification it proposes argmax(log q_n + G(seed, n)) with the target's own
-Gumbel noise at n, so it is accepted whenever q and p pick the same token under
-the same noise. Rolled-back tokens are dropped
-lazily: the session cache keeps the longest prefix shared with the committed
-context and crops the rest on the next proposal. ``SamplingDrafter`` is what it
-shares with the EAGLE drafter: the committed context and drawing one token.
-
-Greedy token trees (``propose_tree``): the chain as ``propose`` drafts it,
-plus, at the positions where the draft was least sure (the largest
-second-best probability), its second choice as a leaf beside its first
-(the top-2 branching of EAGLE-2, Li et al. 2024, kept to leaves so that a
-tree costs no extra draft forward).
+It drafts autoregressively: greedy argmax, or sampling from q processed by the same
+``logits_to_probs`` as the target's p, the token at absolute position n drawn with the session's
+``specsplit.lmkit.draws`` uniform for (DRAFT, n). In coupled verification it proposes
+argmax(log q_n + G(seed, n)) with the target's own Gumbel noise at n, so it is accepted whenever q
+and p pick the same token under the same noise. Rolled-back tokens are dropped lazily: the session
+cache keeps the longest prefix shared with the committed context and crops the rest on the next
+proposal. ``SamplingDrafter`` is what it shares with the EAGLE drafter; greedy token trees add its
+second choices as leaves (``ModelDrafter.propose_tree``; EAGLE-2, Li et al. 2024).
 """
 
 from __future__ import annotations
@@ -99,7 +92,12 @@ class ModelDrafter(SamplingDrafter):
         return self._draft(k, None)
 
     def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> Proposal:
-        """Greedy: the chain plus up to max_branches - 1 second choices as leaves; sampling: the chain."""
+        """Greedy: the chain plus up to max_branches - 1 second choices as leaves; sampling: the chain.
+
+        The second choices go where the draft was least sure (the largest second-best probability), each
+        as a leaf beside its first: the top-2 branching of EAGLE-2 (Li et al. 2024), kept to leaves so
+        that a tree costs no extra draft forward.
+        """
         if not self._sampling.greedy or max_branches <= 1:
             return self.propose(min(k, max_nodes))
         k = min(k, max_nodes)

@@ -1,23 +1,17 @@
 """Prompt-lookup (n-gram) drafter: model-free proposals copied from the context.
 
-The idea is prompt lookup decoding (Saxena, 2023; HF transformers'
-``PromptLookupCandidateGenerator``, ``prompt_lookup_num_tokens``): outputs often
-repeat spans of the prompt or of themselves (code edits, quotes, summaries), so
-if the last n committed tokens occurred earlier, the tokens that followed that
-earlier occurrence are a cheap guess for what comes next. The target verifies
-the guess like any other draft; a wrong guess only costs the rejected tokens.
+Prompt lookup decoding (Saxena, 2023; HF transformers' ``PromptLookupCandidateGenerator``): outputs
+often repeat spans of the prompt or of themselves (code edits, quotes, summaries), so if the last n
+committed tokens occurred earlier, the tokens that followed that occurrence are a cheap guess at
+what comes next; a wrong guess costs only the rejected tokens. Unlike transformers it takes the
+*most recent* earlier occurrence (recent text predicts the continuation better than the prompt's
+first mention), and looks it up in an incremental index, so a proposal costs O(max_n) dictionary
+lookups whatever the context length.
 
-Two choices differ from transformers: among earlier occurrences of the matched
-n-gram we take the *most recent* one (recent text predicts the continuation
-better than the prompt's first mention), and lookups go through an incremental
-index instead of a scan, so a proposal costs O(max_n) dictionary lookups
-whatever the context length.
-
-Each block reports its match quality (``MatchQuality``): how many tokens the
-context's suffix shares with the text before the copied span (counted past
-the n-gram, up to ``MAX_MATCH``), and how many earlier occurrences the matched
-n-gram has. Acceptance grows with the first and falls with the second, so the
-orchestrator sizes the verified block by them.
+Each block reports its ``MatchQuality``: how many tokens the context's suffix shares with the text
+before the copied span (past the n-gram, up to ``MAX_MATCH``), and how many earlier occurrences the
+n-gram has. Acceptance grows with the first and falls with the second, so the orchestrator sizes
+the verified block by them.
 """
 
 from __future__ import annotations

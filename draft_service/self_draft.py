@@ -1,21 +1,17 @@
 """Self-drafting: drafts derived from the target's own checkpoint, no separate draft model.
 
-Two derivations, both built once at start-up from the model the draft service
-loaded (``serve-draft --model``) and served through the ordinary
-``ModelDrafter`` (own KV cache per session, same lazy crop-on-rollback):
+Two derivations, both built once at start-up from the model the draft service loaded
+(``serve-draft --model``) and served through the ordinary ``ModelDrafter`` (own KV cache per
+session, the same lazy crop-on-rollback):
 
-* **layer-skip** (early exit; Elhoushi et al. 2024, "LayerSkip"; Zhang et al.
-  2023, "Draft & Verify: self-speculative decoding"): run only the first L
-  decoder layers, then the final norm and the LM head. The view *shares* the
-  full model's tensors (embedding, first L layers, norm, head); only the module
-  tree and config are new, so it costs no extra weight memory. An optional
-  trained ``ExitAdapter`` (``specsplit distill``) maps the layer-L hidden state
-  towards what the last layer would produce.
-* **quantized**: the transformer layers in int8 (per-output-channel weight
-  scales; ``int8`` also quantizes activations per token and multiplies in int8);
-  the embedding and the LM head stay in the model's precision, because the
-  head decides the argmax and a coarse head costs most of the agreement
-  (shared/models/README.md: int8 everywhere, per-tensor, agreed only 54 %).
+* **layer-skip** (early exit; Elhoushi et al. 2024, "LayerSkip"; Zhang et al. 2023, "Draft &
+  Verify: self-speculative decoding"): the first L decoder layers, then the final norm and the LM
+  head, as a view that *shares* the full model's tensors (no extra weight memory); an optional
+  trained ``ExitAdapter`` (``specsplit distill``) maps the layer-L hidden state towards the last's.
+* **quantized**: the transformer layers in int8 (per-output-channel weight scales; ``int8`` also
+  quantizes activations per token and multiplies in int8); the embedding and the LM head stay in
+  the model's precision, because the head decides the argmax and a coarse head costs most of the
+  agreement (docs/drafters.md).
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Counter-based random draws: every uniform is a pure function of (seed, stream, position, index).
 
-A session's randomness is not a generator that advances as it is used, but a
-fixed table: the draw with index ``i`` at absolute token position ``position``
-of ``stream`` is the same number whenever and wherever it is computed — after a
-target reopen, a draft re-attach, an eviction, in a batch or alone, on any
-process. So a uniform is never used for two decisions: position ``n`` is decided
-once in a generation's committed sequence, with the draws keyed by ``n``, and a
-replayed round recomputes the same draws and reaches the same verdict.
-Counter-based generation follows Salmon et al. 2011, "Parallel Random Numbers:
-As Easy as 1, 2, 3"; the mixing function is SplitMix64's (Steele, Lea and Flood
-2014, "Fast Splittable Pseudorandom Number Generators").
+A session's randomness is a fixed table, not a generator that advances as it is used: the draw with
+index ``i`` at absolute token position ``position`` of ``stream`` is the same number whenever and
+wherever it is computed (after a target reopen, a draft re-attach, an eviction, in a batch or alone,
+in any process). Position n is decided once in a generation's committed sequence, with the draws
+keyed by n, so no uniform decides two positions and a replayed round reaches the same verdict.
 
-Construction: ``key = BLAKE2b-64(seed, stream, position)``, then the draw with
-index ``i`` is the SplitMix64 output ``mix(key + (i + 1) * GAMMA)``, whose top
-53 bits give a float64 in the open interval (0, 1). Any index can be computed
-without the others, so Gumbel noise is made only for the tokens a truncated
-(top-k / top-p) distribution keeps.
-
-Which draw means what (``index``):
-
-* ``Stream.TARGET`` at position n: index 0 tests the draft token at n
-  (accept iff u < p/q), index 1 samples the recovered or bonus token at n.
-  Indices 2 and up are free for verifying further candidates at n (token trees).
-* ``Stream.DRAFT`` at position n: index 0 samples a model drafter's token at n.
-* ``Stream.COUPLED`` at position n: index t is the Gumbel noise of token id t,
-  shared by target and draft in ``VerificationMode.COUPLED``.
+Counter-based generation follows Salmon et al. 2011, "Parallel Random Numbers: As Easy as 1, 2, 3":
+``key = BLAKE2b-64(seed, stream, position)``, and draw ``i`` is SplitMix64's output
+``mix(key + (i + 1) * GAMMA)`` (Steele, Lea and Flood 2014, "Fast Splittable Pseudorandom Number
+Generators"), whose top 53 bits give a float64 in (0, 1). Any index is computed without the others,
+so Gumbel noise is made only for the tokens a truncated distribution keeps. Which draw means what:
+``Stream``.
 """
 
 from __future__ import annotations
@@ -50,7 +37,13 @@ _PERSON = b"specsplit.draws"  # BLAKE2b personalisation: these keys are for noth
 
 
 class Stream(enum.Enum):
-    """Who draws: disjoint tables, so draft and target never share a uniform (COUPLED shares on purpose)."""
+    """Who draws: disjoint tables, so draft and target never share a uniform (COUPLED shares on purpose).
+
+    At position n: TARGET's index 0 (``ACCEPT``) tests the draft token at n (accept iff u < p/q), index 1
+    (``SAMPLE``) samples the recovered or bonus token at n, and indices 2 and up test a token tree's later
+    siblings; DRAFT's index 0 samples a model drafter's token at n; COUPLED's index t is the Gumbel noise
+    of token id t, shared by target and draft in ``VerificationMode.COUPLED``.
+    """
 
     TARGET = 1  # acceptance tests and recovered / bonus samples of the target
     DRAFT = 2  # a model drafter's sampled tokens

@@ -1,26 +1,15 @@
 """A session's KV cache over a token sequence, reused across rounds and cropped on rejection.
 
-Both the target and the model drafter run a model over a context that grows by
-a few tokens per round and sometimes loses its tail (rejected draft tokens).
-``SessionCache`` keeps the tokens whose keys/values are cached, reuses the
-longest common prefix with the next sequence, crops the rest
-(``DynamicCache.crop(-n)``: transformers 5.x refuses a positive argument) and
-feeds only what is new, so no round re-reads the prompt.
+Both the target and the model drafter run a model over a context that grows by a few tokens per
+round and sometimes loses its tail (rejected draft tokens). ``SessionCache`` keeps the tokens whose
+keys/values are cached, reuses the longest common prefix with the next sequence, crops the rest and
+feeds only what is new, so no round re-reads the prompt. Every layer keeps every position, sliding
+windows included, so any rejected token can be rolled back; layer types with other state (linear
+attention, chunked attention, shared KV) are refused at start-up (``check_cache_layout``).
 
-Every layer keeps all its positions, sliding-window layers included (Mistral,
-Gemma 2/3, Qwen2 with the window on): their window is applied by the model's
-attention mask, which transformers builds from the config's window whatever
-the cache holds. transformers' own ``DynamicSlidingWindowLayer`` keeps only
-the last window - 1 positions and cannot be cropped once it is full, so a
-rejected draft token past the window could not be rolled back. Memory is
-O(context) per layer instead of O(window). Layer types with other state
-(linear attention, chunked attention, shared KV) are refused at start-up
-(``check_cache_layout``).
-
-A model with the packed-rows forward installed (``specsplit.lmkit.packed_rows``) keeps
-its keys/values in a ``KVBuffer`` instead (written in place, cropped by
-length) and runs its steps through ``forward_rows``; any other model keeps a
-``DynamicCache`` and its stock forward.
+A model with the packed-rows forward installed (``specsplit.lmkit.packed_rows``) keeps its
+keys/values in a ``KVBuffer`` (written in place, cropped by length) and runs its steps through
+``forward_rows``; any other model keeps a ``DynamicCache`` and its stock forward.
 """
 
 from __future__ import annotations
@@ -87,14 +76,22 @@ def rows_share_rope(model) -> bool:
 
 
 class SessionCache:
-    """KV cache of one session; not thread-safe (one compute thread per service)."""
+    """KV cache of one session; not thread-safe (one compute thread per service).
+
+    Every layer keeps all its positions, sliding-window layers included (Mistral, Gemma 2/3, Qwen2
+    with the window on): the window is applied by the model's attention mask, which transformers
+    builds from the config's window whatever the cache holds. transformers' own
+    ``DynamicSlidingWindowLayer`` keeps only the last window - 1 positions and cannot be cropped once
+    full, so a rejected draft token past the window could not be rolled back. Memory is O(context)
+    per layer instead of O(window).
+    """
 
     def __init__(self, model) -> None:
         self._model = model
         self._device = next(model.parameters()).device
         packed = packed_rows.installed(model)
         self.kv = KVBuffer(int(model.config.num_hidden_layers)) if packed else None
-        # full layers only: a sliding window is the mask's job (module docstring)
+        # full layers only: a sliding window is the mask's job (class docstring)
         self.cache = None if packed else DynamicCache()
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache
         # Feature drafters (EAGLE): hidden states to keep from each forward, as indices into the
@@ -200,5 +197,5 @@ class SessionCache:
             if self.kv is not None:
                 self.kv.crop(length)
             else:
-                self.cache.crop(-extra)
+                self.cache.crop(-extra)  # a negative count: transformers 5.x refuses a positive one
             self.tokens = self.tokens[:length]

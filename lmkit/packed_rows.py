@@ -1,26 +1,17 @@
 """Several sessions' tokens in one forward, packed into one sequence, each row attending to its own cache.
 
-A step feeds some tokens of one session (a row): the tail of its context that
-is not cached yet, then its draft block or token tree. All rows of a forward
-are packed end to end into one sequence of T tokens, with no padding:
+A step feeds some tokens of one session (a row): the tail of its context not cached yet, then its
+draft block or token tree. All rows of a forward are packed end to end, with no padding:
 
     packed:  [ row 0 (n_0 tokens) | row 1 (n_1) | ... ]      input_ids, position_ids: [1, T]
 
-The linear layers see T tokens whatever the rows are. Attention runs per row
-(``_attention``, registered with transformers' ``AttentionInterface``): row
-i's queries attend to its own session's cached keys/values (a ``KVBuffer``, no
-copy) plus its new ones, written there in place by the cache adapter before
-attention reads them, under the row's mask (causal, or a token tree's
-ancestor mask). Each row therefore computes what its solo step computes, and
-a wide row costs the forward its own tokens only. Only the positions whose
-logits are needed go through the LM head (``logits_to_keep``).
-
-Grouped-query attention runs through ``enable_gqa`` instead of repeating the
-keys/values per query head (the same numbers, without the copy).
-
-A model whose layers are not all full attention (sliding windows, linear
-attention) or that does not dispatch attention through ``AttentionInterface``
-is not installed and keeps its stock forward and ``DynamicCache``.
+The linear layers see T tokens whatever the rows are; attention runs per row (``_attention``,
+registered with transformers' ``AttentionInterface``) against the row's own cache in place, so each
+row computes what its solo step computes, and a wide row costs the forward its own tokens only.
+Only the positions whose logits are needed go through the LM head (``logits_to_keep``). A model
+whose layers are not all full attention (sliding windows, linear attention) or that does not
+dispatch attention through ``AttentionInterface`` is not installed and keeps its stock forward and
+``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -206,7 +197,11 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     """Per-row attention of a packed forward; anything else goes to transformers' SDPA attention.
 
     query: [1, heads, T, head_dim]. Returns [1, T, heads, head_dim], as the
-    attention interface expects.
+    attention interface expects. Row i's queries attend to its own session's cached
+    keys/values (a ``KVBuffer``, no copy) plus its new ones, which the cache adapter
+    wrote there before attention reads them, under the row's mask (causal, or a token
+    tree's ancestor mask). Grouped-query attention runs through ``enable_gqa`` instead
+    of repeating the keys/values per query head (the same numbers, without the copy).
     """
     rows = kwargs.pop("specsplit_rows", None)
     if rows is None:

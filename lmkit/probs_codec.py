@@ -1,27 +1,17 @@
 """Compact, exact wire encoding of draft distributions q for probability-mode verification.
 
-In speculative sampling (Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large
-Language Model Decoding with Speculative Sampling") the target accepts a draft
-token x with probability min(1, p(x)/q(x)) and on rejection samples from
-norm(max(0, p - q)). This is lossless only if q is *exactly* the distribution
-the draft sampled x from. We send q as fp16 to save bytes, so the draft must
-sample from the fp16-rounded q, not from its float32 original:
+Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling")
+accepts x with probability min(1, p(x)/q(x)) and is lossless only if q is *exactly* the
+distribution x was sampled from. q travels as fp16, so the draft samples from the fp16-rounded q:
 
     q_wire = quantize_probs(q)           # draft samples x from q_wire
     decode_probs(encode_probs(q_wire))   # == q_wire, bit for bit, on the target
 
-How the round trip is made exact: each row is divided by its maximum before
-rounding to fp16, so the most likely token is exactly 1.0 (a row can never
-round to all zeros, and small probabilities keep more fp16 precision), and the
-decoder sums each row in float64, where a sum of fp16 values in [0, 1] is exact
-in any order, on any device, before dividing by it. Re-encoding a decoded row
-divides by its maximum again, which lands within a few float32 ulps of the same
-fp16 values and so rounds back to them exactly. Probabilities below 2**-25 of
-the row's maximum underflow to 0 on both sides alike.
-
-A row with few non-zeros (the draft sampled from a top-k / top-p truncated
-distribution) is sent sparse: fp16 values plus int32 column indices.
+Each row is divided by its maximum before rounding (the top token is exactly 1.0, so no row rounds
+to all zeros), and the decoder sums each row in float64, exact in any order on any device, before
+dividing by it. A row with few non-zeros (top-k / top-p truncated) is sent sparse: fp16 values plus
+int32 column indices.
 """
 
 from __future__ import annotations
@@ -54,7 +44,10 @@ def quantize_probs(probs: torch.Tensor) -> torch.Tensor:  # probs: [k, vocab] ->
     """The distribution the draft must sample from: ``probs`` rounded through fp16, renormalised in float32.
 
     Equals ``decode_probs(encode_probs(probs))`` and is a fixed point of that
-    round trip. Rows need not be normalised on input, only non-negative with a
+    round trip: re-encoding a decoded row divides by its maximum again, which lands
+    within a few float32 ulps of the same fp16 values and so rounds back to them
+    exactly. Probabilities below 2**-25 of the row's maximum underflow to 0 on both
+    sides alike. Rows need not be normalised on input, only non-negative with a
     positive entry.
     """
     return _renormalise(_round_fp16(probs))

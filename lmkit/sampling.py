@@ -118,7 +118,7 @@ def rows_when_reached(
     return row
 
 
-FIRST_ROWS_PER_CALL = 8  # wider calls measured slower per row on this CPU (experiments/sampling_profile/sampling-profile.json)
+FIRST_ROWS_PER_CALL = 8  # past it a call costs more per row (experiments/sampling_profile/sampling-profile.json)
 
 
 def first_rows(blocks: Sequence[tuple[torch.Tensor, SamplingParams]]) -> list[torch.Tensor | None]:

@@ -1,19 +1,15 @@
 """Token trees: several draft continuations verified in one forward pass.
 
-A tree block is ``tokens`` plus ``parents``: ``parents[i]`` is the index of
-token i's parent in the block, or -1 when token i directly continues the
-committed context. Parents come before their children (``parents[i] < i``),
-so a block is already in an order where one forward can feed it. A chain is
-the special case ``parents[i] = i - 1``. Siblings are ranked by their order
-in the block: the first child of a node is its drafter's first choice.
+A tree block is ``tokens`` plus ``parents``: ``parents[i]`` is the index of token i's parent in the
+block, or -1 when token i directly continues the committed context. Parents come before their
+children (``parents[i] < i``), so one forward can feed a block in its order; a chain is the special
+case ``parents[i] = i - 1``. Siblings are ranked by their order: a node's first child is its
+drafter's first choice.
 
-In the forward (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024;
-EAGLE-2, Li et al. 2024) every node sits at position ``base + depth`` (its
-depth counts from 0 under the context) and attends to the context and to its
-own ancestors only, so each node's logits are those of the sequence on its
-root path, exactly as if that path had been fed as a chain.
-
-Pure: no I/O, no model. torch only for the mask.
+In the forward (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024; EAGLE-2, Li et al. 2024)
+every node sits at position ``base + depth`` and attends to the context and its own ancestors only,
+so its logits are those of the sequence on its root path, as if that path had been fed as a chain.
+Pure: no I/O, no model; torch only for the mask.
 """
 
 from __future__ import annotations

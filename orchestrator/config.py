@@ -14,7 +14,7 @@ from specsplit.orchestrator.links import LinkPolicy
 # input-grounded tasks, while proposing nothing (plain decoding) on open prose.
 DEFAULT_DRAFTER = DrafterKind.NGRAM
 DEFAULT_K = 8
-DEFAULT_TREE_BRANCHES = 4  # continuations a round may verify together; tree_shape keeps those that pay
+DEFAULT_TREE_BRANCHES = 4  # continuations a round may verify together; the policy keeps those that pay
 MAX_TREE_BRANCHES = 16
 # How sampled requests are verified unless they ask (docs/protocol.md, "Seeds"): chosen from the
 # acceptance figures of experiments/coupling/ (its README).

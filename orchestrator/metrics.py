@@ -1,17 +1,11 @@
 """Metrics of the orchestrator: requests, latencies, tokens, speculation, K, fallbacks.
 
-Names follow vLLM's where they mean the same thing, with ``specsplit_`` for
-``vllm:`` (``vllm:spec_decode_num_accepted_tokens_total`` is
-``specsplit_spec_decode_num_accepted_tokens_total``), so dashboards written for
-vLLM map by a prefix. Each metric is declared once here and recorded through
-one of two backends:
-
-* ``prometheus`` (default): ``prometheus_client``'s registry, served by
-  ``--metrics-port`` of a plain ``specsplit serve``;
-* ``ray``: Ray's metrics API (``ray.util.metrics``), for Serve replicas. Ray
-  aggregates every replica's metrics on each node's metrics agent, where
-  Prometheus scrapes them (names prefixed ``ray_`` by Ray).
-
+Names follow vLLM's where they mean the same thing, with ``specsplit_`` for ``vllm:``
+(``vllm:spec_decode_num_accepted_tokens_total`` is ``specsplit_spec_decode_num_accepted_tokens_total``),
+so dashboards written for vLLM map by a prefix. Each metric is declared once here and recorded
+through one of two backends: ``prometheus`` (default; ``prometheus_client``'s registry, served by
+``--metrics-port`` of a plain ``specsplit serve``) or ``ray`` (``ray.util.metrics``, for Serve
+replicas: each node's metrics agent aggregates them for Prometheus, with Ray's ``ray_`` prefix).
 ``use_backend("ray")`` switches a process (a replica calls it first thing).
 """
 

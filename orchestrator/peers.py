@@ -1,7 +1,7 @@
 """Clients of the draft and target services: one open bidi stream per session.
 
-Per-round traffic rides an open stream (a ping-pong on loopback costs
-~0.3 ms, against ~0.7 ms for a unary call).
+Per-round traffic rides an open stream rather than unary calls: a message on a stream already open
+skips a call's set-up on every round.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """The orchestrator as a Ray Serve application: replicas that scale, each health-checked, behind a bounded queue.
 
-``build_app(args)`` is a Serve application builder (``import_path:
-ray_deploy.serve_app:build_app``). ``args`` holds ``specsplit serve`` flags with
-underscores (``{"target": "...", "k": 8}``) plus the Ray keys in
-``specsplit.ray_deploy.options.RAY_DEFAULTS``. Every replica owns one
-``Orchestrator`` and serves ``Generator.Generate`` through the same
-``GeneratorServicer`` as the plain server, so validation, status codes and
-output are identical. Serve bounds each replica's work
-(``max_ongoing_requests``) and the queue in front of them
-(``max_queued_requests``); a request beyond both is answered RESOURCE_EXHAUSTED.
+``build_app(args)`` is a Serve application builder (``import_path: ray_deploy.serve_app:build_app``);
+``args`` holds ``specsplit serve`` flags with underscores (``{"target": "...", "k": 8}``) plus the
+Ray keys in ``specsplit.ray_deploy.options.RAY_DEFAULTS``. Every replica owns one ``Orchestrator``
+and serves ``Generator.Generate`` through the same ``GeneratorServicer`` as the plain server, so
+validation, status codes and output are identical. Serve bounds each replica's work
+(``max_ongoing_requests``) and the queue in front of them (``max_queued_requests``); a request
+beyond both is answered RESOURCE_EXHAUSTED.
 
-Three ways in, one deployment: ``specsplit serve --ray`` (``specsplit.ray_deploy.front``)
-calls it through a DeploymentHandle; on KubeRay, Serve's own gRPC proxy (port
-9000 by default) calls it with ``SERVICER_FUNCTION`` registered in
-``grpc_options``, and the replica then checks the bearer token itself; Serve's
-HTTP proxy (``serve --ray --http-port``, KubeRay's port 8000) reaches each
-replica's OpenAI-compatible API (``specsplit.orchestrator.openai_server``), which checks
-the token too. Replicas record their metrics through Ray's metrics API, which
-every node's metrics agent exports to Prometheus.
+Three ways in, one deployment: ``specsplit serve --ray`` (``specsplit.ray_deploy.front``) calls it
+through a DeploymentHandle; Serve's gRPC proxy (KubeRay) calls it with ``SERVICER_FUNCTION``
+registered in ``grpc_options``; Serve's HTTP proxy reaches each replica's OpenAI-compatible API.
+Behind either proxy the replica checks the bearer token itself; metrics go through Ray's metrics API.
 """
 
 from __future__ import annotations
@@ -78,8 +72,8 @@ async def _until_cancelled(responses):
     On Python 3.11 ``asyncio.wait_for`` returns its call's result instead of
     raising when the cancellation lands just as the call completes, so a
     cancel can vanish inside the speculative loop and the generation run on to
-    max_new_tokens (measured: 2 of 16 cancelled calls through Serve). The
-    task's ``cancelling()`` count still records the request.
+    max_new_tokens, as happens through Serve. The task's ``cancelling()``
+    count still records the request.
     """
     task = asyncio.current_task()
     try:

@@ -1,29 +1,12 @@
 """Verification blocks of several sessions in one forward pass (continuous batching).
 
-Each session keeps its own KV cache and position. For a step, the sessions'
-cached keys/values are gathered into one padded batch:
-
-    row i:  [ pad (P - p_i) | past_i (p_i) | fed_i (n_i) | pad (Q - n_i) ]
-
-with an attention mask that hides the pads and position ids p_i + j, so row i
-attends exactly to its own past and, causally, to its own fed tokens: the same
-computation as the session's solo step. Pasts end where the fed tokens start,
-so distances in cache slots equal distances in positions, which is what a
-sliding-window mask measures (transformers builds masks by slot). A pad slot
-repeats its row's last position, so no position exceeds what the row itself
-reaches (learned absolute positions have a table that ends at the context).
-Afterwards each session's cache gets its own new keys/values appended and
-nothing else.
-
-Long feeds (a prompt's prefill) do not join a batch: padding every row to the
-prompt's length would cost more than it saves.
-
-That padded gather is the path for models the packed forward does not run
-(``specsplit.lmkit.packed_rows``: sliding windows, linear attention, a sharded model).
-A model with it installed packs the rows end to end instead, with no padding
-and no copy of any past: each row attends to its own cache in place.
-
-No grpc here.
+Each session keeps its own KV cache and position; a batched step computes for every session what
+its solo step would, and afterwards each session's cache gets its own new keys/values appended and
+nothing else. A model with the packed forward installed (``specsplit.lmkit.packed_rows``) packs the
+rows end to end, with no padding and no copy of any past; any other (sliding windows, linear
+attention, a sharded model) gathers the pasts into one padded batch (``forward_batch``). Long feeds
+(a prompt's prefill) do not join a batch: padding every row to the prompt's length would cost more
+than it saves. No grpc here.
 """
 
 from __future__ import annotations
@@ -99,7 +82,17 @@ def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
     """Run every step in one forward; returns per step its last ``n_logits`` rows [n_logits, vocab] (float32, CPU).
 
     Afterwards each step's cache holds its kept prefix plus its fed tokens, as
-    after ``SessionCache.apply``.
+    after ``SessionCache.apply``. Without the packed forward the sessions' pasts
+    are gathered into one padded batch:
+
+        row i:  [ pad (P - p_i) | past_i (p_i) | fed_i (n_i) | pad (Q - n_i) ]
+
+    with a mask that hides the pads and position ids p_i + j, so row i attends
+    exactly to its own past and, causally, its own fed tokens. Pasts end where the
+    fed tokens start, so distances in cache slots equal distances in positions
+    (what a sliding-window mask measures: transformers builds masks by slot). A
+    pad slot repeats its row's last position, so no position exceeds what the row
+    itself reaches (a learned position table ends at the context).
     """
     if not steps:
         return []

@@ -1,36 +1,17 @@
 """Verification of a draft block: which draft tokens the target accepts, and the one token it adds.
 
-Speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers
-via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model
-Decoding with Speculative Sampling"). The draft proposes tokens x_0..x_{k-1};
-the target runs one forward pass over them and row i of its output is p_i, its
-distribution for the token at draft position i (row k is the one after the
-whole block). Positions are examined in order:
+Speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
+Sampling"). Row i of the target's output is p_i, its distribution at draft position i (row k
+follows the whole block). **Accepted**: the leading draft tokens that pass the mode's test;
+**recovered**: at the first rejection, a token drawn so that the one emitted there is distributed
+exactly as p_i; **bonus**: when all k pass, one more drawn from p_k. Each call emits
+``accepted + 1`` tokens distributed as the target alone samples them (greedy: its argmax), whatever the drafter.
 
-* **accepted** tokens: the leading draft tokens that pass the test of the mode;
-* **recovered** token: at the first rejected position i, a replacement drawn so
-  that the emitted token is distributed exactly as p_i;
-* **bonus** token: when all k pass, one more token drawn from p_k for free.
-
-Each call emits ``accepted + 1`` tokens, distributed exactly as the target alone
-would have sampled them (greedy: exactly its argmax tokens), whatever the drafter.
-
-Randomness is passed in, never drawn here: ``uniforms`` [k+1, 2] holds two
-float64 draws per position of the block, ``uniforms[i, 0]`` for the test of
-draft token i and ``uniforms[i, 1]`` for the recovered token at i (or the bonus
-token, i = k). The target takes them from ``specsplit.lmkit.draws`` keyed by the absolute
-position of each row, so a position's verdict is a pure function of the block,
-the distributions and the seed, and no draw ever decides two positions.
-
-In coupled mode (``verify_coupled``) the draws are Gumbel noise over token ids
-per row, G_i, and the emitted token at row i is argmax(log p_i + G_i): a sample
-from p_i whatever the drafter proposed, so the output is a function of the
-draws alone; a draft token is accepted iff it equals that token.
-
-The target's rows are made and checked one at a time, only while reached
-(``*_rows``: a block rejected at position j makes rows 0..j, and decides as the
-whole block would); the eager functions over a whole [k+1, vocab] block are
-those with the block's shape checked first.
+Randomness is passed in: ``uniforms`` [k+1, 2] holds per position the test of its draft token
+(column 0) and the draw of its recovered or bonus token (column 1), keyed by absolute position
+(``specsplit.lmkit.draws``) so that no draw decides two positions; coupled mode takes Gumbel
+noise. ``*_rows`` variants make each target row only when it is reached.
 """
 
 from __future__ import annotations

@@ -1,35 +1,17 @@
 """Verification of a token tree: the longest root path the target accepts, and the one token it adds.
 
-Token trees (SpecInfer, Miao et al. 2024, "SpecInfer: Accelerating Large
-Language Model Serving with Tree-based Speculative Inference and
-Verification"; Sequoia, Chen et al. 2024; EAGLE-2, Li et al. 2024): the
-draft offers several continuations at once, merged into a tree
-(``specsplit.lmkit.token_tree``), and the target scores every node in one forward.
-Row 0 of the target's output is p after the context; row i + 1 is p after
-node i (the sequence on node i's root path). The walk starts at the context:
+Token trees (SpecInfer, Miao et al. 2024, "SpecInfer: Accelerating Large Language Model Serving
+with Tree-based Speculative Inference and Verification"; Sequoia, Chen et al. 2024; EAGLE-2, Li et
+al. 2024): the draft offers several continuations merged into a tree (``specsplit.lmkit.token_tree``)
+and the target scores every node in one forward. Row 0 of its output is p after the context, row
+i + 1 is p after node i. Greedy follows the target's argmax; sampling (token-only: the children are
+point proposals, as from an n-gram drafter) tries each node's children against the residual, so
+every emitted token is distributed exactly as p whatever the candidates.
 
-* **greedy**: go to the child equal to the target's argmax while there is one;
-  the **recovered** token is the argmax where no child matches, the **bonus**
-  token the argmax after a leaf. Output equals the target's greedy output.
-* **sampling, token-only** (the children are point proposals, as from an n-gram
-  drafter): at a node with target distribution p, try its children c_1, c_2,
-  ... in order. With r the residual left by the children rejected so far
-  (r = p without them), accept c_j with probability r(c_j) / sum(r); if every
-  child is rejected, sample the **recovered** token from r normalised; after a
-  leaf, sample the **bonus** token from p. Each test asks "is the target's
-  token c_j, given that it is none of c_1..c_{j-1}?", so the token emitted at
-  every position is distributed exactly as p, whatever the candidates
-  (SpecInfer's multi-step speculative sampling for deterministic proposals).
-  With one child this is ``rejection.verify_token_only``.
-
-The answer is the accepted path (node indices, root first) and the next token;
-a chain gives the same verdict as the chain verifiers of ``rejection``.
-
-Randomness is passed in (``specsplit.lmkit.draws``): the walk decides one node per
-depth, so the uniforms are indexed by depth, i.e. by absolute position:
-``uniforms[d]`` decides the token at the d-th position after the context, its
-column ``ACCEPT`` tests a node's first child, ``SAMPLE`` samples the
-recovered or bonus token, and column ``1 + j`` tests its child of rank j >= 1.
+The answer is the accepted path (node indices, root first) and the next token; a chain gets the
+same verdict as from the chain verifiers of ``rejection``. Randomness is passed in
+(``specsplit.lmkit.draws``), indexed by depth, i.e. by absolute position, so no draw decides two
+positions.
 """
 
 from __future__ import annotations
@@ -62,7 +44,11 @@ def verify_tree_greedy(
     draft_tokens: torch.Tensor,  # [n] int64
     parents: list[int],  # [n], see lmkit.token_tree
 ) -> TreeVerdict:
-    """Follow the target's argmax down the tree; ties go to the lowest token id, as in ``verify_greedy``."""
+    """Follow the target's argmax down the tree; ties go to the lowest token id, as in ``verify_greedy``.
+
+    The **recovered** token is the argmax where no child matches, the **bonus** token the argmax after
+    a leaf, so the output equals the target's own greedy output.
+    """
     tokens = _check_tree(target_logits, draft_tokens, parents)
     best, argmax = target_logits.max(dim=-1)  # [n+1] each
     if any(math.isnan(v) for v in best.tolist()):
@@ -90,7 +76,18 @@ def verify_tree_token_only(
     parents: list[int],  # [n], see lmkit.token_tree
     uniforms: torch.Tensor,  # [depth + 2, uniform_columns(parents)] float64 in (0, 1), row d for depth d
 ) -> TreeVerdict:
-    """Walk down the tree trying each node's children in turn against the residual; lossless for any tree."""
+    """Walk down the tree trying each node's children in turn against the residual; lossless for any tree.
+
+    At a node with target distribution p, children c_1, c_2, ... are tried in rank order: with r the
+    residual left by those rejected so far (p without them), c_j is accepted with probability
+    r(c_j) / sum(r); if every child is rejected the **recovered** token is sampled from r normalised,
+    and after a leaf the **bonus** token from p. Each test asks "is the target's token c_j, given that it
+    is none of c_1..c_{j-1}?", so every emitted token is distributed exactly as p (SpecInfer's
+    multi-step speculative sampling for deterministic proposals; with one child it is
+    ``rejection.verify_token_only``). ``uniforms[d]`` decides the d-th position after the context:
+    column ``ACCEPT`` tests the first child, ``SAMPLE`` draws the recovered or bonus token, ``1 + j``
+    tests the child of rank j >= 1.
+    """
     tokens = _check_tree(target_probs, draft_tokens, parents)
     depth = max(token_tree.depths(parents), default=-1) + 2  # rows: every position the walk can decide
     columns = uniform_columns(parents)

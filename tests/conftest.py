@@ -54,7 +54,7 @@ def _misplaced(nodeid: str, marked: list[str], folder: str | None, more: int) ->
 
 
 RAY_UNIT = "tests/ray"  # one unit: its modules share one local cluster (every `ray` test is in it, above)
-# The longest units, longest first (seconds alone on this machine, docs/testing.md#wall-time): they start before
+# The longest units, longest first (their seconds alone: docs/testing.md#wall-time): they start before
 # everything else, so that no long unit starts late and leaves the other worker idle at the end of the run.
 LONGEST_UNITS = (
     RAY_UNIT,

@@ -1,40 +1,17 @@
 """How often batched verification changes a greedy token, in bfloat16 and (as the control) float32.
 
-Greedy decoding picks the argmax of the target's logits. A batched forward
-computes the same rows with different matmul shapes (more rows, padding to the
-longest context), so a logit can differ in its last bits from the solo forward;
-where the two best logits are that close, the argmax flips and the rest of the
-generation follows another path. In float32 such near-ties are rare; in
-bfloat16 (8 bits of mantissa) they are not.
-
-The bench drives the target engine in-process (``specsplit.target_service.engine``, the
-code the target service runs) on the real SmolLM2-135M target. For each dtype
-and each block size k it decodes every prompt's greedy continuation
-
-* alone: one session, ``TargetEngine.verify`` per round;
-* batched: ``--batch`` sessions at a time, ``TargetEngine.verify_batch`` per
-  round, one shared forward (the path the target service takes when sessions
-  arrive together).
-
-With k > 0 the draft tokens are the solo run's own continuation (an oracle
-drafter): every block is accepted unless the batched forward disagrees, so the
-rows are k + 1 wide, as in a real speculative round. The first token after the
-prompt comes from the prefill, which always runs alone, so position 0 never
-differs.
-
-A session's outputs are compared up to their first divergence (after it the
-contexts differ and later differences are consequences, not flips): the flip
-rate per token is divergences / tokens compared, where a diverged session
-contributes its tokens up to and including the first differing one. Writes JSON:
+A batched forward computes the same rows with other matmul shapes (more rows, padding to the longest
+context), so a logit can differ in its last bits from the solo forward; where the two best logits are
+that close, the argmax flips. The target engine runs in-process (``specsplit.target_service.engine``)
+on the SmolLM2-135M target: for each dtype and block size k, every prompt's greedy continuation is
+decoded alone (``TargetEngine.verify``) and ``--batch`` sessions at a time (``verify_batch``); with
+k > 0 the draft tokens are the solo run's own continuation (an oracle drafter), so rows are k + 1
+wide as in a speculative round. Sessions are compared up to their first divergence; the flip rate is
+divergences / tokens compared. ``--paths default batch-invariant`` also decodes the batched sessions
+on a ``batch_invariant=True`` target, interleaved, and reports both paths' batched tokens/s. Method
+in full and findings: README.md.
 
     python experiments/bf16_flips/bf16_flips.py --json experiments/bf16_flips/bf16-flips.json
-
-``--paths default batch-invariant`` also decodes the batched sessions on a
-target built with ``batch_invariant=True`` (``--batch-invariant``: each
-session's rows verified alone), chunk by chunk interleaved with the default
-path, and reports both paths' flips and batched tokens/s; the tokens/s ratio
-is only meaningful with the cores to itself. Without it the bench
-counts tokens, not seconds, so it is valid on a shared machine.
 """
 
 from __future__ import annotations

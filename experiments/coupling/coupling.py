@@ -1,23 +1,16 @@
 """Acceptance of rejection sampling against Gumbel-max coupling, on the same prompts, paths and drafters.
 
-For each prompt the target samples its own continuation (the committed path);
-at every position n of it, with context = prompt + path[:n], the target's p_n
-and each drafter's q_n (or the n-gram drafter's proposal x_n) give the chance
-that a drafted token at n is accepted:
+For each prompt the target samples its own continuation (the committed path); at every position n,
+with context = prompt + path[:n], the target's p_n and each drafter's q_n (or the n-gram drafter's
+proposal x_n) give the chance that a drafted token at n is accepted:
 
-* DRAFT_PROBS (model drafter sends q): sum min(p, q), exactly;
-* TOKEN_ONLY (model drafter samples x ~ q, sends x): sum p q, exactly;
-  with a deterministic proposal x (n-gram): p(x);
-* COUPLED: P(argmax(log q + G) == argmax(log p + G)) over Gumbel noise G,
-  estimated with ``--noise-draws`` draws per position; for an n-gram proposal x
-  it is P(argmax(log p + G) == x) = p(x), the same as TOKEN_ONLY (the estimate
-  checks it).
+* DRAFT_PROBS (the model drafter sends q): sum min(p, q), exactly;
+* TOKEN_ONLY (it samples x ~ q and sends x): sum p q, exactly; for an n-gram proposal x, p(x);
+* COUPLED: P(argmax(log q + G) == argmax(log p + G)) over Gumbel noise G, estimated with
+  ``--noise-draws`` draws a position (for an n-gram proposal it is p(x): the estimate checks it).
 
-These are per-drafted-token acceptance rates at the first position of a block
-(what adaptive K and the expected accepted length are built on), on the same
-positions for every mode, so they compare like with like. Writes JSON:
-
-    python experiments/coupling/coupling.py --json experiments/coupling/coupling.json
+Per-drafted-token rates at a block's first position, on the same positions for every mode, so they
+compare like with like. ``python experiments/coupling/coupling.py --json experiments/coupling/coupling.json``
 """
 
 from __future__ import annotations

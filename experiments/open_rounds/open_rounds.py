@@ -1,18 +1,15 @@
 """What a round costs on open text, by how the draft is asked, with draft and target on one CPU.
 
     python experiments/open_rounds/open_rounds.py --json experiments/open_rounds/open-rounds.json [--kinds prose,chat,code-write] [--repeats 2]
-        [--decoding sampling|greedy]
+        [--decoding sampling|greedy] [--split dev|heldout]
 
-The traffic bench's set-up (SmolLM2 target with 2 threads, n-gram drafter with
-1, nothing pinned, the orchestrator in this process), sampling at T 0.7 and
-top-p 0.95 with a seed per prompt (or greedy), on the dev split of the mixed set's open
-kinds, where drafts are rarely accepted. Each prompt runs target-only (k = 0),
-adaptive K in sync, and adaptive K with overlap, interleaved, ``--repeats``
-times. Per mode: milliseconds a round, draft requests a round (sent before a
-verification or ahead during one), drafted and accepted tokens, the
-target's own compute a round (what the target service reports), so a dearer
-round shows whether the target's forward got slower or the time went around it,
-and the CPU each process (target, draft, this orchestrator) spent a round.
+The traffic bench's set-up (SmolLM2 target with 2 threads, n-gram drafter with 1, nothing pinned, the
+orchestrator in this process), sampling at T 0.7 and top-p 0.95 with a seed per prompt (or greedy),
+on the mixed set's open kinds, where drafts are rarely accepted. Each prompt runs target-only
+(k = 0), adaptive K in sync, and adaptive K with overlap, interleaved, ``--repeats`` times. Per mode,
+a round's wall time, draft requests (sent before a verification or ahead during one), drafted and
+accepted tokens, the target's own compute (what the target service reports: did the forward get
+slower, or did the time go around it?), and the CPU each process spent.
 """
 
 from __future__ import annotations

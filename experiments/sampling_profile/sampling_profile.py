@@ -1,24 +1,15 @@
 """Where a sampled verification's decision time goes, against a greedy one of the same width.
 
-A verification round is one target forward over w = k + 1 positions, then a
-decision over its [w, vocab] logits. The forward costs the same greedy or
-sampled; the decision does not. This measures, on real logits of the bundled
-SmolLM2 target, each part of the decision:
-
-* greedy: argmax per row;
-* sampling: temperature and top-k/top-p over the vocabulary (``probs``), the
-  verifier itself (acceptance tests, residual, inverse CDF; ``verify``), the
-  random draws (``draws``), and in DRAFT_PROBS mode the fp16 encoding of q on
-  the draft and its decoding on the target (``codec``);
-
-for TOKEN_ONLY, DRAFT_PROBS and COUPLED at widths 2, 5 and 9, with every row
-rejected at the first position (``reject@0``) or every draft token accepted
-(``accept-all``), so a lazy verifier's best and worst cases both show.
-
-``--before REV`` also loads ``lmkit/sampling.py`` and ``target_service/rejection.py``
-as they are at git revision REV and times their decision path interleaved
-with the working tree's, repetition by repetition, in one run (an A/B of a
-change to the verifier). Writes JSON:
+A verification round is one target forward over w = k + 1 positions, then a decision over its
+[w, vocab] logits; the forward costs the same greedy or sampled, the decision does not. On real
+logits of the bundled SmolLM2 target this times each part of the decision: greedy argmax per row;
+for sampling, temperature and top-k/top-p (``probs``), the verifier itself (``verify``), the random
+draws (``draws``) and in DRAFT_PROBS mode the fp16 codec of q (``codec``); for TOKEN_ONLY,
+DRAFT_PROBS and COUPLED at widths 2, 5 and 9, every block rejected at its first position
+(``reject@0``) or accepted whole (``accept-all``), a lazy verifier's best and worst cases.
+``--before REV`` also loads ``lmkit/sampling.py`` and ``target_service/rejection.py`` as they are at
+git revision REV and times their decision path interleaved with the working tree's, repetition by
+repetition (an A/B of a change to the verifier). Writes JSON:
 
     python experiments/sampling_profile/sampling_profile.py [--before REV] --json experiments/sampling_profile/sampling-profile.json
 """

@@ -2,22 +2,15 @@
 
     python experiments/trees/trees.py --json experiments/trees/trees-demo.json [--prompt-set demo] [--repeats 2]
 
-One run, the default pair (SmolLM2 target, n-gram drafter), greedy, chat
-template. Two targets run as separate processes on the same core (used one at
-a time): the fast forward (what ``serve-target`` runs) and ``--stock-forward``
-(transformers' own), with the draft on the other core. Per prompt and repeat
-the modes run back to back, their order rotated each repeat:
-
-* ``stock target-only`` / ``stock chain``: k = 0 and chains on the stock target;
-* ``target-only``: k = 0 on the fast target (the baseline of every ratio);
-* ``chain``: adaptive K, chains only (``tree_branches`` = 1);
-* ``tree``: adaptive K, up to ``--branches`` continuations per round, the
-  nodes kept by the round policy (``specsplit.orchestrator.policy``);
-* ``tree, fixed K``: every node the drafter offers at K = ``--k``.
-
-Reported per kind and overall: tokens/s (tokens over wall time, summed),
-ratios, acceptance figures, tree rounds and the tokens accepted off a tree's
-primary chain; and whether every output equals fast target-only decoding.
+The default pair (SmolLM2 target, n-gram drafter), greedy, chat template. Two targets run as
+processes on the same core, used one at a time: the fast forward (what ``serve-target`` runs) and
+``--stock-forward``, with the draft on the other core. Per prompt and repeat the modes run back to
+back, their order rotated: ``stock target-only`` and ``stock chain``; ``target-only`` (k = 0 on the
+fast target, the baseline of every ratio); ``chain`` (adaptive K, ``tree_branches`` = 1); ``tree``
+(adaptive K, up to ``--branches`` continuations, the nodes kept by ``specsplit.orchestrator.policy``);
+``tree, fixed K`` (every node the drafter offers at K = ``--k``). Reported per kind and overall:
+tokens/s (tokens over wall time, summed), ratios, acceptance, tree rounds and the tokens accepted off
+a tree's primary chain, and whether every output equals fast target-only decoding.
 """
 
 from __future__ import annotations

@@ -2,20 +2,15 @@
 
     python experiments/verify_width/verify_width.py --json experiments/verify_width/verify-width.json [--threads 2,1]
 
-One process, one model checkpoint loaded twice: ``stock`` is the model as
-transformers runs it (``DynamicCache``, MKL linears, SDPA with repeated
-keys/values, a padded gather for batches), ``fast`` is what the target runs
-(``TargetEngine(fast_forward=True)``: oneDNN-packed linears, ``KVBuffer``,
-packed rows). Widths, variants and repeats are interleaved, so drift on a
-shared machine hits both alike; figures are medians.
-
-* ``solo``: a session with a warm cache of C tokens feeds its last token plus
-  a block of w - 1 (what a verify does), for C in ``--contexts``;
-* ``batched``: B sessions in one forward, equal widths and one wide row among
-  narrow ones;
-* ``breakdown``: where the stock forward's time goes at each width (torch
-  profiler, self time by kind of op; Python is wall time minus op time);
-* ``agreement``: the fraction of positions where both variants' argmax agree.
+One process, one checkpoint loaded twice: ``stock`` as transformers runs it (``DynamicCache``, MKL
+linears, SDPA with repeated keys/values, a padded gather for batches), ``fast`` as the target runs
+it (``TargetEngine(fast_forward=True)``: oneDNN-packed linears, ``KVBuffer``, packed rows). Widths,
+variants and repeats are interleaved, so drift on a shared machine hits both alike; figures are
+medians. Parts: ``solo`` (a session with a warm cache of C tokens feeds its last token plus a block
+of w - 1, for C in ``--contexts``); ``batched`` (B sessions in one forward, equal widths, and one
+wide row among narrow ones); ``breakdown`` (where the stock forward's time goes at each width:
+torch profiler self time by kind of op, Python as wall time minus op time); ``agreement`` (the
+share of positions where both variants' argmax agree).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from tests.ray.test_serve import generate
 pytestmark = pytest.mark.ray
 
 LOCAL_CPUS = "2"  # the CI machine's size, whatever machine runs the test
-STOP_BOUND_S = 60.0  # generous for a loaded 2-core machine; the stop measured ~15 s here
+STOP_BOUND_S = 60.0  # generous: the stop takes a fraction of it, even on a loaded 2-core machine
 RAY_ERRORS = re.compile(
     r"Failed to connect to GCS|Failed to push error|SIGTERM received|Traceback|ERROR|^\[[^\]]* E \d+ \d+\]", re.M
 )

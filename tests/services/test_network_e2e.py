@@ -221,8 +221,8 @@ def test_with_overlap_a_round_without_a_block_drafts_the_next_one_ahead(tiny_ser
     """Both links 20 ms round trips: a round that verifies no block still asks the free drafter during its
     verification (a guess of the target's next token, then the next block), where the ask hides behind the
     target's leg and asking after it would cost the draft's round trip; the output stays the target's own.
-    (With a near draft, an ask after costs ~1 ms, and whether one ahead costs less turns on what an ask slows
-    the forward by on this shared CPU: under a loaded test run, not reliably.)"""
+    (With a near draft an ask after the verification costs little, and whether one ahead costs less turns on
+    what an ask slows the forward by on a shared CPU, which a loaded test run does not make reliable.)"""
     prompts_ids, expected = tiny_reference
     jobs = [(request(4, DrafterKind.NGRAM, adaptive=True, overlap=True), ids) for ids in prompts_ids[:3]]
     upstreams = {"draft": tiny_services.draft_address, "target": tiny_services.target_address}

@@ -94,7 +94,7 @@ def test_negative_control_replaying_the_first_positions_draws_is_caught(engine, 
 
     real = draws.uniforms
 
-    def restarted(seed, stream, positions, count):  # the old per-session generator: every session starts over
+    def restarted(seed, stream, positions, count):  # a per-session generator: every session starts over
         return real(seed, stream, range(len(positions)), count)
 
     monkeypatch.setattr(draws, "uniforms", restarted)

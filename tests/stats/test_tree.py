@@ -1,20 +1,11 @@
 """Token-tree sampling is lossless: a full loop over toy bigram models emits the target's own distribution.
 
-The drafter is deterministic (like n-gram lookup) and proposes a tree: three
-candidates after the last token, the first one expanded by two more, the
-second by one. Rounds run until three tokens are emitted, and the joint of
-those tokens is compared with the target's exact joint (chi-square and total
-variation, as for chains in stats/test_rejection.py). The negative control
-accepts a later sibling with its plain probability p(c) instead of its share
-of the residual, and the same test catches it.
-
-Trials: 25,000 per run (a quarter of the chain tests' 10⁵; each trial here is a Python loop
-over tree verifications). Power at that size, with cells of expected count < 5 pooled as
-fit_to_target pools them: the negative control's expected χ² is about 25,800 on 29 degrees of
-freedom (its empirical distribution over 10⁵ trials, scaled), against 80.4 for p = 10⁻⁶, some
-110 standard deviations above, so it fails whatever the seed; the lossless rule's false-failure
-rate stays α = 10⁻³ (χ²), and its TV bound (0.026 here, 0.013 at 10⁵) holds with probability
-1 - 10⁻⁶ at any size.
+The drafter is deterministic (like n-gram lookup) and proposes a tree: three candidates after the last
+token, the first one expanded by two more, the second by one. Rounds run until three tokens are
+emitted, and the joint of those tokens is compared with the target's exact joint (chi-square and total
+variation, as for chains in stats/test_rejection.py). The negative control accepts a later sibling
+with its plain probability p(c) instead of its share of the residual, and the same test catches it.
+Why 25,000 trials a run suffice: docs/testing.md ("Wall time").
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from tests.unit.target_service.test_rejection import seeded
 
 pytestmark = pytest.mark.stats
 
-TRIALS = 25_000  # power at this size: the module docstring
+TRIALS = 25_000  # a quarter of the chain tests' 10**5 (each trial is a Python loop); its power: docs/testing.md
 
 
 def tree_after(last: int) -> tuple[list[int], list[int]]:

@@ -25,7 +25,7 @@ from tests.conftest import TINY_PROMPTS
 pytestmark = pytest.mark.unit
 
 SESSIONS = 8
-BAD = 3  # in the middle: on the old code the sessions before it were committed, then the whole batch failed
+BAD = 3  # in the middle, so that sessions both before and after the failing one are checked
 
 
 @pytest.fixture(scope="module")

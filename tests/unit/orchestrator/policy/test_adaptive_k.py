@@ -44,7 +44,7 @@ def fitted(a=0.05, b=0.006, draft=0.0, widths=(1, 2, 3, 5, 9, 1, 4, 9), drafter=
 
 
 def cpu_like() -> Costs:
-    """A forward costs 62 ms + 20 ms per token, measured over batch sizes 1..64 (SmolLM2, one core here)."""
+    """A forward costs 62 ms + 20 ms per token over batch sizes 1..64, as SmolLM2 does on one CPU core."""
     return fitted(a=0.062, b=0.02, widths=(1, 2, 5, 9, 8, 16, 32, 64, 9, 1))
 
 
@@ -390,7 +390,7 @@ def test_a_new_session_cuts_by_quality_as_well_as_a_warm_one():
 
 
 def test_on_a_cheap_verify_a_fair_match_is_worth_one_token():
-    """On this CPU a decode step costs ~50 ms and each extra token ~6 ms: a first token passing 1 time in 4
+    """With a CPU-like decode step of ~50 ms and ~6 ms an extra token, a first token passing 1 time in 4
     already pays, deeper ones (1 in 4 times 1 in 4) do not."""
     stats = AcceptanceStats()
     key = StatsKey(NGRAM, GREEDY, quality_of(1, 1))

@@ -33,7 +33,7 @@ LONG, SHORT = quality_of(16, 1), quality_of(1, 3)
 
 
 def costs_over(draft_rtt: float, target_rtt: float) -> Costs:
-    """SmolLM2 on one core here: 65 ms for one token, 120 ms for two, 142 ms for nine; links as given."""
+    """SmolLM2-like on one CPU core: 65 ms for one token, 120 ms for two, 142 ms for nine; links as given."""
     costs = Costs(links=Links())
     for _ in range(20):
         costs.links.draft.observe(draft_rtt)
