@@ -136,9 +136,7 @@ class ComputeThread:
     starts a parallel region gets its own team of helpers; once two teams
     exist there are more OpenMP threads than cores and libgomp stops spinning
     between regions, so each of a forward's hundreds of regions waits for a
-    wake-up. Measured through the services (SmolLM2 target with 2 threads):
-    target-only 5.8-8.0 tok/s with the model loaded off this thread, 12.0-14.0
-    with everything here.
+    wake-up.
     """
 
     def __init__(self, name: str) -> None:
