@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specsplit.bench import runs
-from specsplit.bench.round_overhead import tiny_model
 from specsplit.lmkit import processes
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
@@ -49,6 +48,22 @@ MODES = (
     Mode("ngram4-overlap", 4, DrafterKind.NGRAM, True),
     Mode("model4-sync", 4, DrafterKind.MODEL, False),
 )
+
+
+def tiny_model(path: Path) -> Path:
+    """A random Llama whose forward costs almost nothing (1 layer, hidden 16) on the default vocabulary, saved with
+    the default tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specsplit.lmkit import models
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(path)
+    models.load_tokenizer(models.DEFAULT_MODEL).save_pretrained(path)
+    return path
 
 
 def add_flags(parser) -> None:
