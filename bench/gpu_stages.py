@@ -76,7 +76,7 @@ def _open_target(prompt: list[int], session_id: str) -> pb.TargetOpen:
 async def target_steps(address: str, prompt: list[int], sizes: Sizes, vocab: int) -> dict:
     """t(width) for each width, interleaved in shuffled order each repeat; ratios to t(1)."""
     client = target_client(address)
-    stream = TargetStream(client.stub.Session())
+    stream = TargetStream.over(client.stub.Session())
     rng = random.Random(1)
     samples: dict[int, list[tuple[float, float]]] = {w: [] for w in sizes.widths}
     try:
@@ -114,7 +114,7 @@ async def target_steps(address: str, prompt: list[int], sizes: Sizes, vocab: int
 async def draft_steps(address: str, prompt: list[int], sizes: Sizes, vocab: int, target_step_ms: float) -> dict:
     """The model drafter's cost per drafted token at k = 1 and k = sizes.k, and c against the target step."""
     client = draft_client(address)
-    stream = DraftStream(client.stub.Session())
+    stream = DraftStream.over(client.stub.Session())
     rng = random.Random(2)
     per_k: dict[int, list[float]] = {1: [], sizes.k: []}
     try:
@@ -144,7 +144,7 @@ async def _batched_session(address: str, index: int, prompt: list[int], rounds: 
     rng = random.Random(100 + index)
     results = []
     client = target_client(address)
-    stream = TargetStream(client.stub.Session())
+    stream = TargetStream.over(client.stub.Session())
     try:
         try:
             await stream.open(_open_target(prompt, f"gpu-check-batch-{index}"))

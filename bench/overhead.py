@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specsplit.bench import runs
-from specsplit.bench.round_overhead import tiny_model
 from specsplit.lmkit import processes
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
@@ -51,6 +50,22 @@ MODES = (
 )
 
 
+def tiny_model(path: Path) -> Path:
+    """A random Llama whose forward costs almost nothing (1 layer, hidden 16) on the default vocabulary, saved with
+    the default tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specsplit.lmkit import models
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(path)
+    models.load_tokenizer(models.DEFAULT_MODEL).save_pretrained(path)
+    return path
+
+
 def add_flags(parser) -> None:
     parser.add_argument("--overhead-rounds", type=int, default=400, help="--suite overhead: rounds per mode, one session")
     parser.add_argument("--overhead-sessions", default="1,8,32,64",
@@ -59,6 +74,9 @@ def add_flags(parser) -> None:
                         help="--suite overhead: new tokens per session in the CPU per token part")
     parser.add_argument("--overhead-repeats", type=int, default=2,
                         help="--suite overhead: interleaved passes over the modes; medians are reported")
+    parser.add_argument("--overhead-transports", default="shared,own",
+                        help="--suite overhead: how the orchestrator reaches the services, interleaved: shared (every "
+                             "session on one Sessions stream per service) and/or own (a stream per session)")
 
 
 def request(mode: Mode, tokens: int) -> GenerationRequest:
@@ -136,23 +154,33 @@ async def collect(orch: Orchestrator, mode: Mode, tokens: int) -> tuple[int, int
 
 
 async def measure(target: str, draft: str, model: str, args, pids: dict[str, int]) -> dict:
-    orch = await Orchestrator.connect(OrchestratorConfig(target, draft, tokenizer=model))
+    transports = [name.strip() for name in args.overhead_transports.split(",") if name.strip()]
+    if not transports or set(transports) - {"shared", "own"}:
+        raise ValueError(f"--overhead-transports: shared and/or own, got {args.overhead_transports!r}")
+    orchs = {name: await Orchestrator.connect(OrchestratorConfig(target, draft, tokenizer=model,
+                                                                 multiplex=name == "shared"))
+             for name in transports}
     sessions = [int(s) for s in args.overhead_sessions.split(",") if s.strip()]
-    per_round: dict[str, list[dict]] = {m.name: [] for m in MODES}
-    cpu: dict[tuple[str, int], list[dict]] = {}
+    per_round: dict[tuple[str, str], list[dict]] = {}
+    cpu: dict[tuple[str, str, int], list[dict]] = {}
     try:
-        for mode in MODES:  # warm-up: first calls pay one-off allocations
-            await one_session(orch, mode, 20)
+        for orch in orchs.values():
+            for mode in MODES:  # warm-up: first calls pay one-off allocations
+                await one_session(orch, mode, 20)
         for repeat in range(args.overhead_repeats):
             order = MODES[repeat % len(MODES):] + MODES[: repeat % len(MODES)]  # rotate: no mode always first
             for mode in order:
-                per_round[mode.name].append(await one_session(orch, mode, args.overhead_rounds))
+                for name, orch in orchs.items():
+                    row = {"transport": name, **await one_session(orch, mode, args.overhead_rounds)}
+                    per_round.setdefault((name, mode.name), []).append(row)
             for n in sessions:
                 for mode in (MODES[0], MODES[1]):  # k = 0 and k = 4 n-gram
-                    cpu.setdefault((mode.name, n), []).append(await concurrent(orch, mode, n, args.overhead_tokens,
-                                                                               pids))
+                    for name, orch in orchs.items():
+                        row = {"transport": name, **await concurrent(orch, mode, n, args.overhead_tokens, pids)}
+                        cpu.setdefault((name, mode.name, n), []).append(row)
     finally:
-        await orch.close()
+        for orch in orchs.values():
+            await orch.close()
     return {"per_round": [median_of(rows) for rows in per_round.values()],
             "concurrency": [median_of(rows) for rows in cpu.values()]}
 
@@ -169,11 +197,12 @@ def against_gpu(result: dict) -> list[dict]:
     a GPU decode step."""
     rows = []
     for r in result["per_round"]:
-        rows.append({"what": f"one session, {r['mode']}: round less compute", "ms": r["round_less_compute_ms"],
+        rows.append({"what": f"one session, {r['mode']} ({r['transport']}): round less compute",
+                     "ms": r["round_less_compute_ms"],
                      **{gpu: round(r["round_less_compute_ms"] / (s * 1e3), 3) for gpu, s in GPU_STEPS.items()}})
     for c in result["concurrency"]:
         per_round = c["cpu_ms_per_token"].get("orchestrator", 0.0) * c["tokens_per_round"] * c["sessions"]
-        rows.append({"what": f"{c['sessions']} sessions, {c['mode']}: orchestrator CPU per target step",
+        rows.append({"what": f"{c['sessions']} sessions, {c['mode']} ({c['transport']}): orchestrator CPU per step",
                      "ms": round(per_round, 3),
                      **{gpu: round(per_round / (s * 1e3), 3) for gpu, s in GPU_STEPS.items()}})
     return rows
@@ -190,19 +219,23 @@ def plot(result: dict, path: Path) -> Path | None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     rows = result["per_round"]
     bottoms = [0.0] * len(rows)
+    labels = [f"{r['mode']}\n{r['transport']}" for r in rows]
     for part in rows[0]["parts_ms"]:
         values = [max(r["parts_ms"][part], 0.0) for r in rows]
-        left.bar([r["mode"] for r in rows], values, bottom=bottoms, label=part.replace("_", " "))
+        left.bar(labels, values, bottom=bottoms, label=part.replace("_", " "))
         bottoms = [b + v for b, v in zip(bottoms, values)]
     for gpu, s in GPU_STEPS.items():
         left.axhline(s * 1e3, linestyle="--", linewidth=1, color="grey")
         left.text(-0.4, s * 1e3, gpu, fontsize=7, va="bottom")
     left.set(ylabel="ms per round", title="One session: where a round goes (near-zero model)")
     left.legend(fontsize=6)
-    for mode in {c["mode"] for c in result["concurrency"]}:
-        points = sorted((c["sessions"], c["cpu_ms_per_token"]) for c in result["concurrency"] if c["mode"] == mode)
+    left.tick_params(axis="x", labelsize=6)
+    for key in sorted({(c["transport"], c["mode"]) for c in result["concurrency"]}):
+        points = sorted((c["sessions"], c["cpu_ms_per_token"]) for c in result["concurrency"]
+                        if (c["transport"], c["mode"]) == key)
         for process in points[0][1]:
-            right.plot([p[0] for p in points], [p[1][process] for p in points], marker="o", label=f"{process}, {mode}")
+            right.plot([p[0] for p in points], [p[1][process] for p in points], marker="o",
+                       label=f"{process}, {key[1]}, {key[0]}")
     right.set(xscale="log", yscale="log", xlabel="concurrent sessions", ylabel="CPU ms per generated token",
               title="CPU per token by process")
     right.legend(fontsize=7)
@@ -225,6 +258,7 @@ def run(args) -> int:
         "benchmark": "overhead",
         "model": "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)",
         "services": "processes on 127.0.0.1, 1 thread each; the orchestrator in the bench process; greedy, fixed K",
+        "transports": "shared: every session on one Sessions stream per service; own: a stream per session",
         "machine": runs.machine(),
         **result,
         "against_gpu_steps": against_gpu(result),
@@ -233,11 +267,11 @@ def run(args) -> int:
     path = runs.write(report, args.json)
     png = plot(result, path)
     for r in result["per_round"]:
-        print(f"{r['mode']:15s} round {r['round_wall_ms']:6.3f} ms, less compute {r['round_less_compute_ms']:6.3f} ms "
+        print(f"{r['transport']:6s} {r['mode']:15s} round {r['round_wall_ms']:6.3f} ms, less compute {r['round_less_compute_ms']:6.3f} ms "
               f"({r['tokens_per_round']:.2f} tokens a round): " +
               ", ".join(f"{k} {v:.3f}" for k, v in r["parts_ms"].items()))
     for c in result["concurrency"]:
-        print(f"{c['mode']:15s} {c['sessions']:3d} sessions: {c['tokens_per_s']:8.1f} tok/s, CPU ms/token " +
+        print(f"{c['transport']:6s} {c['mode']:15s} {c['sessions']:3d} sessions: {c['tokens_per_s']:8.1f} tok/s, CPU ms/token " +
               " ".join(f"{k} {v:.3f}" for k, v in c["cpu_ms_per_token"].items()))
     print(f"-> {path}" + (f", {png}" if png else ""))
     return 0

@@ -28,6 +28,7 @@ class DraftSession:
     rounds: int = 0
     feature_width: int = 0  # values per position of the target's features (feature drafters), else 0
     closed: bool = False  # set by DraftEngine.close (event loop); a running proposal then stops (abandon.py)
+    free: bool = False  # every drafter of it proposes at ~no cost (``DraftEngine.free``): served on the event loop
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,15 @@ class DraftEngine:
         context = DraftRequestContext(
             list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled
         )
-        return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context), feature_width=width))
+        return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context), feature_width=width,
+                                                          free=self.free(kind, chain)))
+
+    @staticmethod
+    def free(kind: DrafterKind, chain: Sequence[DrafterKind] = ()) -> bool:
+        """Whether every drafter of a session (a chain's members) proposes at ~no cost: such a session's calls are
+        served on the event loop, with no hop to the compute thread and no wait behind a model's work there."""
+        members = chain if kind is DrafterKind.CHAIN else (kind,)
+        return bool(members) and all(DRAFTERS[m].free for m in members if m in DRAFTERS)
 
     def _check_features(self, kind: DrafterKind, chain: Sequence[DrafterKind], sent_width: int) -> int:
         """The features width a feature drafter (alone or in the chain) reads, checked against what the target sends."""

@@ -13,6 +13,7 @@ from specsplit.draft_service.ngram import NgramConfig
 from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.session_mux import SessionMux
 from specsplit.lmkit.wire import features_from_proto, mode_from_proto, probs_to_proto, sampling_from_proto
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
@@ -103,21 +104,32 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             if session is not None:
                 engine.close(session.session_id)
 
+    async def Sessions(self, request_iterator, context):
+        engine = await self._require_engine(context)
+        await SessionMux(context, _DraftCalls(self, engine), self.session_ttl_s).run()
+
     async def _open(self, engine: DraftEngine, msg: pb.DraftOpen):
         sampling = sampling_from_proto(msg.sampling)
         kind = drafter_from_proto(msg.drafter, engine.drafters)
         ngram = ngram_from_proto(msg, self.ngram_default)
         chain = [drafter_from_proto(value, engine.drafters) for value in msg.chain]
         coupled = msg.mode != pb.VERIFICATION_MODE_UNSPECIFIED and mode_from_proto(msg.mode) is VerificationMode.COUPLED
-        return await self.compute.run(
-            engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs, ngram, chain, coupled,
-            msg.feature_width,
+        return await self._run(
+            engine.free(kind, chain), engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs,
+            ngram, chain, coupled, msg.feature_width,
         )
 
-    def _prepare(self, engine: DraftEngine, session) -> asyncio.Future:
+    async def _run(self, free: bool, fn, *args):
+        """``fn(*args)``: at once for a free drafter's session, else on the compute thread."""
+        return fn(*args) if free else await self.compute.run(fn, *args)
+
+    def _prepare(self, engine: DraftEngine, session) -> asyncio.Future | None:
         """Read the new session's context on the compute thread while the orchestrator's first round runs
         elsewhere (the target's prefill, or target-only steps): the first proposal then drafts from a warm
-        cache. A failure here only leaves the first proposal to read the context itself."""
+        cache. A failure here only leaves the first proposal to read the context itself. A free drafter keeps
+        no cache: nothing to read."""
+        if session.free:
+            return None
         prepared = asyncio.ensure_future(self.compute.run(engine.prepare, session))
         prepared.add_done_callback(_log_failed_prepare)
         return prepared
@@ -140,7 +152,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             )
             return done, probs_to_proto(done.proposal.probs) if done.proposal.probs is not None else None
 
-        done, probs = await self.compute.run(propose)
+        done, probs = await self._run(session.free, propose)
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.proposal.tokens,
@@ -159,3 +171,45 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         block.timing.service_us = int((time.perf_counter() - received) * 1e6)
         return block
 
+
+
+class _DraftSlot:
+    """A draft session on a ``Sessions`` stream, and its context read still running (until its first propose)."""
+
+    def __init__(self, session, prepared: asyncio.Future | None) -> None:
+        self.session = session
+        self.prepared = prepared
+
+
+class _DraftCalls:
+    """The draft's calls on a ``Sessions`` stream: the same open and propose as a session's own stream."""
+
+    def __init__(self, servicer: DraftServicer, engine: DraftEngine) -> None:
+        self._servicer = servicer
+        self._engine = engine
+
+    async def open(self, session_id: str, msg: pb.DraftOpen):
+        opened = pb.DraftOpen()
+        opened.CopyFrom(msg)
+        opened.session_id = session_id
+        session = await self._servicer._open(self._engine, opened)
+        return _DraftSlot(session, self._servicer._prepare(self._engine, session)), self._servicer.session_state(session)
+
+    async def serve(self, slot: _DraftSlot, kind: str, msg):
+        if kind != "propose":
+            raise errors.FailedPrecondition(f"session {slot.session.session_id!r} is open; send `propose` calls")
+        prepared, slot.prepared = slot.prepared, None
+        return "block", await self._servicer._propose(self._engine, slot.session, msg, prepared)
+
+    def close(self, slot: _DraftSlot) -> pb.SessionState:
+        state = self._servicer.session_state(slot.session)
+        self._engine.close(slot.session.session_id)
+        return state
+
+    @staticmethod
+    def reply(session_id: str, kind: str, message) -> pb.DraftReply:
+        return pb.DraftReply(session_id=session_id, **{kind: message})
+
+    @staticmethod
+    def replies(replies: list) -> pb.DraftReplies:
+        return pb.DraftReplies(replies=replies)

@@ -173,20 +173,27 @@ class EngineServicer:
         self.compute = compute
 
     async def session_requests(self, context):
-        """The stream's requests, in order; a session idle past the TTL is evicted (the stream ends)."""
-        while True:
-            try:
-                request = await asyncio.wait_for(context.read(), self.session_ttl_s)
-            except asyncio.TimeoutError:
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"session evicted after {self.session_ttl_s:g} s idle; open a new one from the committed tokens",
-                )
-            if request is grpc.aio.EOF:
-                return
-            if isinstance(request, Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
-            yield request
+        """The stream's requests, in order; a session idle past the TTL is evicted (the stream ends).
+
+        One timeout per stream, re-armed around each read (not a task and a timer per message, as
+        ``asyncio.wait_for`` makes): the idle clock runs only while the stream waits for its next request."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None) as idle:
+                while True:
+                    idle.reschedule(loop.time() + self.session_ttl_s)
+                    request = await context.read()
+                    idle.reschedule(None)
+                    if request is grpc.aio.EOF:
+                        return
+                    if isinstance(request, Malformed):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+                    yield request
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"session evicted after {self.session_ttl_s:g} s idle; open a new one from the committed tokens",
+            )
 
     def attach(self, engine) -> None:
         self.engine = engine

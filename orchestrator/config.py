@@ -42,6 +42,7 @@ class OrchestratorConfig:
     link_policy: LinkPolicy = LinkPolicy()
     peer_tls: ClientTls = ClientTls()  # TLS/mTLS towards the draft and target services
     served_model_names: tuple[str, ...] = ()  # names the HTTP API answers to; empty: the target's model name
+    multiplex: bool = True  # every session on one Sessions stream per service; False: a stream per session
 
     def __post_init__(self) -> None:
         if not self.target_address:

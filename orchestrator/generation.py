@@ -24,6 +24,7 @@ from specsplit.orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorCon
 from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
 from specsplit.orchestrator.links import NO_DRAFT, DraftLink, TargetLink
 from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
+from specsplit.orchestrator.mux import Mux
 from specsplit.orchestrator.peers import ServiceClient, draft_client, target_client
 from specsplit.orchestrator.policy.controller import AdaptiveK, Controller, Drafters, FixedK
 from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
@@ -97,6 +98,10 @@ class Orchestrator:
         tokenizer = models.load_tokenizer(config.tokenizer)
         target = target_client(config.target_address, config.peer_tls)
         draft = draft_client(config.draft_address, config.peer_tls) if config.draft_address else None
+        if config.multiplex:
+            target.mux = Mux(target.stub.Sessions, pb.TargetCall, pb.TargetCalls, "target")
+            if draft is not None:
+                draft.mux = Mux(draft.stub.Sessions, pb.DraftCall, pb.DraftCalls, "draft")
         target_info = await target.fetch_info(config.connect_timeout_s)
         check_pair(
             "tokenizer", config.tokenizer, models.vocab_fingerprint(tokenizer), "target", target_info

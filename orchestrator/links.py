@@ -26,7 +26,7 @@ import grpc
 
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.wire import join_features
-from specsplit.orchestrator.peers import DraftStream, PeerError, ServiceClient, TargetStream
+from specsplit.orchestrator.peers import DraftStream, OwnStream, PeerError, ServiceClient, TargetStream
 from specsplit.orchestrator.policy.controller import Controller
 from specsplit.orchestrator.policy.measure import RttEstimator
 from specsplit.v1 import specsplit_pb2 as pb
@@ -81,6 +81,11 @@ class _SessionLink:
             stream, self._stream = self._stream, None
             await stream.close()
 
+    def _transport(self, request_type, peer: str):
+        """A new session's calls: on the client's shared stream where it has one, else on a stream of its own."""
+        mux = self._client.mux
+        return mux.session() if mux is not None else OwnStream(self._client.stub.Session(), request_type, peer)
+
 
 class TargetLink(_SessionLink):
     def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
@@ -99,7 +104,7 @@ class TargetLink(_SessionLink):
         return max(self._opened - 1, 0)
 
     async def open(self, committed: Sequence[int]) -> None:
-        stream = TargetStream(self._client.stub.Session())
+        stream = TargetStream(self._transport(pb.TargetRequest, "target"))
         try:
             async with asyncio.timeout(self._policy.target_timeout_s):
                 await stream.open(self._open_msg(_new_id(), committed))
@@ -221,7 +226,7 @@ class DraftLink(_SessionLink):
         return self._tail is not None and not self._tail.task.done()
 
     async def open(self, committed: Sequence[int]) -> bool:
-        stream = DraftStream(self._client.stub.Session())
+        stream = DraftStream(self._transport(pb.DraftRequest, "draft"))
         try:
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 await stream.open(self._open_msg(_new_id(), committed))

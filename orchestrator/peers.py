@@ -44,17 +44,18 @@ def open_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel
     return security.open_channel(address, tls, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
 
 
-class _Stream:
-    """A request/response stream where each write is answered by one read."""
+class OwnStream:
+    """A session's own stream: each call written is answered by one read; the session ends with the stream."""
 
-    peer = "service"
-
-    def __init__(self, call) -> None:
+    def __init__(self, call, request_type, peer: str) -> None:
         self._call = call
+        self._request_type = request_type  # TargetRequest or DraftRequest: the stream's message
+        self.peer = peer
 
-    async def _ask(self, request):
+    async def call(self, kind: str, message):
+        """Send ``message`` as the request's ``kind``; the response's payload."""
         try:
-            await self._call.write(request)
+            await self._call.write(self._request_type(**{kind: message}))
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise PeerError(self.peer, exc.code(), exc.details() or "") from None
@@ -65,7 +66,7 @@ class _Stream:
             code = await self._call.code()
             details = await self._call.details()
             raise PeerError(self.peer, code, details or "stream ended")
-        return response
+        return getattr(response, response.WhichOneof("kind"))
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """End the stream cleanly and wait until the service has freed the session.
@@ -93,27 +94,46 @@ class _Stream:
             pass
 
 
-class TargetStream(_Stream):
-    peer = "target"
+class _Session:
+    """A session's calls, over its own stream (``OwnStream``) or a shared one (``orchestrator.mux``)."""
+
+    def __init__(self, transport) -> None:
+        self._transport = transport
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        await self._transport.close(timeout_s)
+
+    def abort(self) -> None:
+        self._transport.abort()
+
+
+class TargetStream(_Session):
+    @classmethod
+    def over(cls, call) -> "TargetStream":
+        """A target session on a stream of its own (``TargetService.Session``)."""
+        return cls(OwnStream(call, pb.TargetRequest, "target"))
 
     async def open(self, open_msg: pb.TargetOpen) -> None:
-        await self._ask(pb.TargetRequest(open=open_msg))
+        await self._transport.call("open", open_msg)
 
     async def verify(
         self, position: int, draft_tokens: Sequence[int], draft_probs: pb.DraftProbs | None,
         parents: Sequence[int] = (),
-    ):
+    ) -> pb.VerifyResult:
         msg = pb.VerifyRequest(position=position, draft_tokens=draft_tokens, parents=parents)
         if draft_probs is not None:
             msg.draft_probs.CopyFrom(draft_probs)
-        return (await self._ask(pb.TargetRequest(verify=msg))).result
+        return await self._transport.call("verify", msg)
 
 
-class DraftStream(_Stream):
-    peer = "draft"
+class DraftStream(_Session):
+    @classmethod
+    def over(cls, call) -> "DraftStream":
+        """A draft session on a stream of its own (``DraftService.Session``)."""
+        return cls(OwnStream(call, pb.DraftRequest, "draft"))
 
     async def open(self, open_msg: pb.DraftOpen) -> None:
-        await self._ask(pb.DraftRequest(open=open_msg))
+        await self._transport.call("open", open_msg)
 
     async def propose(
         self, position: int, tokens: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1,
@@ -122,7 +142,7 @@ class DraftStream(_Stream):
         msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k, max_branches=max_branches)
         if features is not None:
             msg.features.CopyFrom(features)
-        return (await self._ask(pb.DraftRequest(propose=msg))).block
+        return await self._transport.call("propose", msg)
 
 
 @dataclass
@@ -133,6 +153,7 @@ class ServiceClient:
     channel: grpc.aio.Channel
     stub: object
     info: pb.ModelInfo | None = None
+    mux: object | None = None  # every session on one Sessions stream (orchestrator.mux.Mux); None: a stream each
 
     async def fetch_info(self, timeout_s: float) -> pb.ModelInfo:
         """Wait up to ``timeout_s`` for the service to load and answer ``Info``."""
@@ -155,6 +176,8 @@ class ServiceClient:
         return await self.stub.Stats(pb.StatsRequest())
 
     async def close(self) -> None:
+        if self.mux is not None:
+            await self.mux.close()
         await self.channel.close()
 
 

@@ -79,6 +79,9 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
                              "(0: from the draft link's measured round trip, jitter and cost)")
     parser.add_argument("--target-deadline-s", type=float, default=30.0,
                         help="a target down this long fails in-flight generations with UNAVAILABLE")
+    parser.add_argument("--stream-per-session", action="store_true",
+                        help="give each session its own stream to each service instead of carrying every session "
+                             "on one stream per service (one message per batched step)")
 
 
 def config_from_args(args) -> OrchestratorConfig:
@@ -102,6 +105,7 @@ def config_from_args(args) -> OrchestratorConfig:
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
         link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,
                                target_deadline_s=args.target_deadline_s),
+        multiplex=not args.stream_per_session,
     )
 
 

@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import grpc
 
+from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
+from specsplit.lmkit.session_mux import SessionMux
 from specsplit.lmkit.wire import features_to_proto, mode_from_proto, probs_from_proto, sampling_from_proto
 from specsplit.target_service.engine import TargetEngine, VerifyItem
 from specsplit.target_service.scheduler import VerifyScheduler
@@ -74,6 +76,10 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             if session is not None:
                 engine.close(session.session_id)
 
+    async def Sessions(self, request_iterator, context):
+        engine: TargetEngine = await self._require_engine(context)
+        await SessionMux(context, _TargetCalls(self, engine), self.session_ttl_s).run()
+
     async def _open(self, engine: TargetEngine, msg: pb.TargetOpen):
         sampling = sampling_from_proto(msg.sampling)
         mode = mode_from_proto(msg.mode)
@@ -119,3 +125,36 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         if done.features is not None:
             result.features.CopyFrom(features_to_proto(done.features))
         return result
+
+
+class _TargetCalls:
+    """The target's calls on a ``Sessions`` stream: the same open and verify as a session's own stream."""
+
+    def __init__(self, servicer: TargetServicer, engine: TargetEngine) -> None:
+        self._servicer = servicer
+        self._engine = engine
+
+    async def open(self, session_id: str, msg: pb.TargetOpen):
+        opened = pb.TargetOpen()
+        opened.CopyFrom(msg)
+        opened.session_id = session_id
+        session = await self._servicer._open(self._engine, opened)
+        return session, self._servicer.session_state(session)
+
+    async def serve(self, session, kind: str, msg):
+        if kind != "verify":
+            raise errors.FailedPrecondition(f"session {session.session_id!r} is open; send `verify` calls")
+        return "result", await self._servicer._verify(self._engine, session, msg)
+
+    def close(self, session) -> pb.SessionState:
+        state = self._servicer.session_state(session)
+        self._engine.close(session.session_id)
+        return state
+
+    @staticmethod
+    def reply(session_id: str, kind: str, message) -> pb.TargetReply:
+        return pb.TargetReply(session_id=session_id, **{kind: message})
+
+    @staticmethod
+    def replies(replies: list) -> pb.TargetReplies:
+        return pb.TargetReplies(replies=replies)

@@ -224,6 +224,18 @@ class SessionState(_message.Message):
     cached_tokens: int
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CloseSession(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DraftOpen(_message.Message):
     __slots__ = ("session_id", "tokens", "sampling", "mode", "return_probs", "drafter", "chain", "ngram_min", "ngram_max", "feature_width")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +328,44 @@ class DraftResponse(_message.Message):
     block: DraftBlock
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ...) -> None: ...
 
+class DraftCall(_message.Message):
+    __slots__ = ("session_id", "open", "propose", "close")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    open: DraftOpen
+    propose: ProposeRequest
+    close: CloseSession
+    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
+
+class DraftCalls(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[DraftCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[DraftCall, _Mapping]]] = ...) -> None: ...
+
+class DraftReply(_message.Message):
+    __slots__ = ("session_id", "opened", "block", "error", "closed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    opened: SessionState
+    block: DraftBlock
+    error: CallError
+    closed: SessionState
+    def __init__(self, session_id: _Optional[str] = ..., opened: _Optional[_Union[SessionState, _Mapping]] = ..., block: _Optional[_Union[DraftBlock, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., closed: _Optional[_Union[SessionState, _Mapping]] = ...) -> None: ...
+
+class DraftReplies(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[DraftReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[DraftReply, _Mapping]]] = ...) -> None: ...
+
 class TargetOpen(_message.Message):
     __slots__ = ("session_id", "tokens", "sampling", "mode", "feature_layers", "return_logprobs", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -381,6 +431,44 @@ class TargetResponse(_message.Message):
     opened: SessionState
     result: VerifyResult
     def __init__(self, opened: _Optional[_Union[SessionState, _Mapping]] = ..., result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
+
+class TargetCall(_message.Message):
+    __slots__ = ("session_id", "open", "verify", "close")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    open: TargetOpen
+    verify: VerifyRequest
+    close: CloseSession
+    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
+
+class TargetCalls(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[TargetCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[TargetCall, _Mapping]]] = ...) -> None: ...
+
+class TargetReply(_message.Message):
+    __slots__ = ("session_id", "opened", "result", "error", "closed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    opened: SessionState
+    result: VerifyResult
+    error: CallError
+    closed: SessionState
+    def __init__(self, session_id: _Optional[str] = ..., opened: _Optional[_Union[SessionState, _Mapping]] = ..., result: _Optional[_Union[VerifyResult, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., closed: _Optional[_Union[SessionState, _Mapping]] = ...) -> None: ...
+
+class TargetReplies(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[TargetReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[TargetReply, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

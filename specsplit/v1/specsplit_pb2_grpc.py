@@ -54,6 +54,11 @@ class DraftServiceStub:
                 request_serializer=specsplit_dot_v1_dot_specsplit__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_specsplit__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.Sessions = channel.stream_stream(
+                '/specsplit.v1.DraftService/Sessions',
+                request_serializer=specsplit_dot_v1_dot_specsplit__pb2.DraftCalls.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_specsplit__pb2.DraftReplies.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -85,6 +90,13 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sessions(self, request_iterator, context):
+        """Many sessions on one stream (see CallError above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +119,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specsplit_dot_v1_dot_specsplit__pb2.DraftRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_specsplit__pb2.DraftResponse.SerializeToString,
+            ),
+            'Sessions': grpc.stream_stream_rpc_method_handler(
+                    servicer.Sessions,
+                    request_deserializer=specsplit_dot_v1_dot_specsplit__pb2.DraftCalls.FromString,
+                    response_serializer=specsplit_dot_v1_dot_specsplit__pb2.DraftReplies.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +244,33 @@ class DraftService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Sessions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.DraftService/Sessions',
+            specsplit_dot_v1_dot_specsplit__pb2.DraftCalls.SerializeToString,
+            specsplit_dot_v1_dot_specsplit__pb2.DraftReplies.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class TargetServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -256,6 +300,11 @@ class TargetServiceStub:
                 '/specsplit.v1.TargetService/Session',
                 request_serializer=specsplit_dot_v1_dot_specsplit__pb2.TargetRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_specsplit__pb2.TargetResponse.FromString,
+                _registered_method=True)
+        self.Sessions = channel.stream_stream(
+                '/specsplit.v1.TargetService/Sessions',
+                request_serializer=specsplit_dot_v1_dot_specsplit__pb2.TargetCalls.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_specsplit__pb2.TargetReplies.FromString,
                 _registered_method=True)
 
 
@@ -288,6 +337,13 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sessions(self, request_iterator, context):
+        """Many sessions on one stream (see CallError above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -310,6 +366,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specsplit_dot_v1_dot_specsplit__pb2.TargetRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_specsplit__pb2.TargetResponse.SerializeToString,
+            ),
+            'Sessions': grpc.stream_stream_rpc_method_handler(
+                    servicer.Sessions,
+                    request_deserializer=specsplit_dot_v1_dot_specsplit__pb2.TargetCalls.FromString,
+                    response_serializer=specsplit_dot_v1_dot_specsplit__pb2.TargetReplies.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -420,6 +481,33 @@ class TargetService:
             '/specsplit.v1.TargetService/Session',
             specsplit_dot_v1_dot_specsplit__pb2.TargetRequest.SerializeToString,
             specsplit_dot_v1_dot_specsplit__pb2.TargetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sessions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.TargetService/Sessions',
+            specsplit_dot_v1_dot_specsplit__pb2.TargetCalls.SerializeToString,
+            specsplit_dot_v1_dot_specsplit__pb2.TargetReplies.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,8 +26,8 @@ def test_a_rounds_parts_add_up_to_its_wall_time_and_only_waited_drafting_counts(
 
 
 def test_figures_are_set_against_each_gpu_step():
-    result = {"per_round": [{"mode": "k0", "round_less_compute_ms": 3.0}],
-              "concurrency": [{"mode": "k0", "sessions": 32, "tokens_per_round": 1.0,
+    result = {"per_round": [{"mode": "k0", "transport": "shared", "round_less_compute_ms": 3.0}],
+              "concurrency": [{"mode": "k0", "transport": "shared", "sessions": 32, "tokens_per_round": 1.0,
                                "cpu_ms_per_token": {"orchestrator": 0.25}}]}
     rows = overhead.against_gpu(result)
     assert [r["ms"] for r in rows] == [3.0, 8.0]  # 32 sessions x 0.25 ms: a target step's worth of orchestrator CPU
