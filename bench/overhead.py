@@ -158,7 +158,7 @@ async def measure(target: str, draft: str, model: str, args, pids: dict[str, int
     if not transports or set(transports) - {"shared", "own"}:
         raise ValueError(f"--overhead-transports: shared and/or own, got {args.overhead_transports!r}")
     orchs = {name: await Orchestrator.connect(OrchestratorConfig(target, draft, tokenizer=model,
-                                                                 multiplex=name == "shared"))
+                                                                 shared_stream_from=1 if name == "shared" else 0))
              for name in transports}
     sessions = [int(s) for s in args.overhead_sessions.split(",") if s.strip()]
     per_round: dict[tuple[str, str], list[dict]] = {}

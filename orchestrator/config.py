@@ -42,7 +42,10 @@ class OrchestratorConfig:
     link_policy: LinkPolicy = LinkPolicy()
     peer_tls: ClientTls = ClientTls()  # TLS/mTLS towards the draft and target services
     served_model_names: tuple[str, ...] = ()  # names the HTTP API answers to; empty: the target's model name
-    multiplex: bool = True  # every session on one Sessions stream per service; False: a stream per session
+    # A new session goes on the shared Sessions stream of each service once this many generations are in flight
+    # (it included), else on streams of its own: one message a step for many sessions, and no shared stream's
+    # extra hand-offs for a session alone. 1: always shared; 0: never.
+    shared_stream_from: int = 4
 
     def __post_init__(self) -> None:
         if not self.target_address:
@@ -65,5 +68,7 @@ class OrchestratorConfig:
             raise ValueError(
                 f"--sampling-mode must be token-only or coupled (draft-probs is per request), got {self.default_sampling_mode}"
             )
+        if self.shared_stream_from < 0:
+            raise ValueError(f"--shared-stream-from must be >= 0 (0: never), got {self.shared_stream_from}")
         if self.connect_timeout_s <= 0:
             raise ValueError("--connect-timeout-s must be > 0")

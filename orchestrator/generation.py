@@ -91,6 +91,7 @@ class Orchestrator:
         # One target and one draft: their costs, links and acceptance, measured from every session, serve each.
         self.measured = Measurements()
         self.active = 0  # generations in flight, over every API; bounded by config.max_concurrent
+        self.in_flight = 0  # generations running (admitted or not): what decides a new session's stream
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -98,7 +99,7 @@ class Orchestrator:
         tokenizer = models.load_tokenizer(config.tokenizer)
         target = target_client(config.target_address, config.peer_tls)
         draft = draft_client(config.draft_address, config.peer_tls) if config.draft_address else None
-        if config.multiplex:
+        if config.shared_stream_from:
             target.mux = Mux(target.stub.Sessions, pb.TargetCall, pb.TargetCalls, "target")
             if draft is not None:
                 draft.mux = Mux(draft.stub.Sessions, pb.DraftCall, pb.DraftCalls, "draft")
@@ -193,6 +194,7 @@ class Orchestrator:
         speculating = request.k > 0 and self.draft is not None
         # A feature drafter (EAGLE) reads the target's hidden states of these layers, sent with each result.
         layers = self.feature_traits(request).feature_layers if speculating else ()
+        shared = self.shares_streams()
         target = TargetLink(
             self.target,
             lambda sid, tokens: pb.TargetOpen(
@@ -201,12 +203,14 @@ class Orchestrator:
             ),
             policy,
             self.measured.costs.links.target,
+            shared,
         )
         controller = self.controller(request, mode, speculating)
         draft = NO_DRAFT
         if speculating:
             draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy,
-                              controller)
+                              controller, shared)
+        self.in_flight += 1
         with logs.request_context(request.request_id):
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
             try:
@@ -222,8 +226,14 @@ class Orchestrator:
                         metrics.record_links(self.measured.costs.links)
                     yield event
             finally:
+                self.in_flight -= 1
                 await target.close()
                 await draft.close()
+
+    def shares_streams(self) -> bool:
+        """Whether a session starting now goes on the services' shared Sessions streams (``shared_stream_from``)."""
+        start = self.config.shared_stream_from
+        return bool(start) and self.in_flight + 1 >= start
 
     @staticmethod
     async def _open(target: TargetLink, draft: DraftLink, prompt_ids: list[int]) -> None:

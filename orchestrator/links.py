@@ -70,10 +70,11 @@ class _SessionLink:
     """One generation's session on a service: its stream (None while there is none) and how to open one."""
 
     def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], object],
-                 policy: LinkPolicy) -> None:
+                 policy: LinkPolicy, shared: bool = False) -> None:
         self._client = client
         self._open_msg = open_msg  # (session id, committed tokens) -> the service's open message
         self._policy = policy
+        self._shared = shared  # on the client's shared Sessions stream (where it has one)
         self._stream = None
 
     async def close(self) -> None:
@@ -82,15 +83,16 @@ class _SessionLink:
             await stream.close()
 
     def _transport(self, request_type, peer: str):
-        """A new session's calls: on the client's shared stream where it has one, else on a stream of its own."""
-        mux = self._client.mux
+        """A new session's calls: on the client's shared stream where this link uses it, else on a stream of its
+        own."""
+        mux = self._client.mux if self._shared else None
         return mux.session() if mux is not None else OwnStream(self._client.stub.Session(), request_type, peer)
 
 
 class TargetLink(_SessionLink):
     def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
-                 policy: LinkPolicy, rtt: RttEstimator | None = None) -> None:
-        super().__init__(client, open_msg, policy)
+                 policy: LinkPolicy, rtt: RttEstimator | None = None, shared: bool = False) -> None:
+        super().__init__(client, open_msg, policy, shared)
         self._stream: TargetStream | None = None
         self._opened = 0
         self._rtt = rtt if rtt is not None else RttEstimator()  # this target's link, shared by its sessions
@@ -196,8 +198,8 @@ class DraftLink(_SessionLink):
     """
 
     def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
-                 policy: LinkPolicy, controller: Controller) -> None:
-        super().__init__(client, open_msg, policy)
+                 policy: LinkPolicy, controller: Controller, shared: bool = False) -> None:
+        super().__init__(client, open_msg, policy, shared)
         self._stream: DraftStream | None = None
         self._controller = controller  # how long a round waits for a reply, and who learns from each
         self._synced = 0  # the draft holds committed[:_synced]

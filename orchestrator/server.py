@@ -79,9 +79,10 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
                              "(0: from the draft link's measured round trip, jitter and cost)")
     parser.add_argument("--target-deadline-s", type=float, default=30.0,
                         help="a target down this long fails in-flight generations with UNAVAILABLE")
-    parser.add_argument("--stream-per-session", action="store_true",
-                        help="give each session its own stream to each service instead of carrying every session "
-                             "on one stream per service (one message per batched step)")
+    parser.add_argument("--shared-stream-from", type=int, default=4,
+                        help="carry new sessions on one shared stream per service (one message per batched step) "
+                             "once this many generations are in flight, else on streams of their own; "
+                             "1: always, 0: never")
 
 
 def config_from_args(args) -> OrchestratorConfig:
@@ -105,7 +106,7 @@ def config_from_args(args) -> OrchestratorConfig:
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
         link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,
                                target_deadline_s=args.target_deadline_s),
-        multiplex=not args.stream_per_session,
+        shared_stream_from=args.shared_stream_from,
     )
 
 

@@ -175,9 +175,9 @@ def test_the_orchestrator_gives_the_same_tokens_over_one_stream_as_over_a_stream
                                                                                        tiny_target_dir):
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [9, 8, 7, 6], [4, 4, 4, 4, 4, 4]]
 
-    async def generate(multiplex: bool):
+    async def generate(shared_from: int):
         config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir),
-                                    multiplex=multiplex)
+                                    shared_stream_from=shared_from)
         orch = await Orchestrator.connect(config)
         try:
             async def one(ids, drafter):
@@ -190,5 +190,6 @@ def test_the_orchestrator_gives_the_same_tokens_over_one_stream_as_over_a_stream
         finally:
             await orch.close()
 
-    assert run_async(generate(True)) == run_async(generate(False))
+    # always shared; never; and from the third session on (a mix of both at once)
+    assert run_async(generate(1)) == run_async(generate(0)) == run_async(generate(3))
     assert wait_for_zero(tiny_services) == (0, 0)
