@@ -294,7 +294,7 @@ class AdaptiveK(Controller):
     def _choose(self, limit: int, overlap: bool, during: int | None = None, hit: float = 1.0) -> Ask:
         """k of the paid drafter and, where it is asked at all, the free drafter's bound (asked with a paid
         drafter, a free one rides on its request: no round trip of its own)."""
-        limit = max(limit, 0)
+        limit = min(max(limit, 0), self.k_max)  # the round's room (budget, context), within the session's bound
         k = self.ask(limit, overlap)
         free = self.drafters.first_free
         asked = free is not None and (k > 0 or self.ask_free(free, limit, during, hit))

@@ -161,3 +161,24 @@ def test_a_reopened_sessions_prefill_is_not_fitted_as_a_decode_forward(tiny_serv
         assert run_async(fitted_samples(forgetful)) == 0  # every forward re-read the context: none is
     finally:
         forgetful.stop()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_long_generation_keeps_its_draft_whatever_room_is_left(tiny_services, tiny_target_dir, overlap):
+    """A round may have far more room (budget, context) than the draft's max block: every ask stays within the
+    session's bound, so the draft never refuses one and never drops out (the tiny target repeats a token, so
+    prompt lookup drafts every round)."""
+    async def go():
+        config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
+        orch = await Orchestrator.connect(config)
+        try:
+            request = GenerationRequest("", False, 96, SamplingParams(), (), 8, DrafterKind.NGRAM, False, True,
+                                        overlap=overlap)
+            return [e async for e in orch.generate(request, orch.encode(PROMPT, False))][-1]
+        finally:
+            await orch.close()
+
+    last = run_async(go())
+    assert tiny_services.draft_engine.limits.max_block < 96
+    assert last.stats.new_tokens == 96 and last.stats.drafted_tokens > 0
+    assert last.stats.draft_fallback_rounds == 0 and last.stats.draft_reattached == 0

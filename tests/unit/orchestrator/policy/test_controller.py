@@ -136,3 +136,11 @@ def test_the_first_free_drafter_is_the_sessions_own_else_a_chains_first():
     chain = Drafters(DrafterKind.CHAIN, frozenset({DrafterKind.NGRAM}), MODEL)
     assert chain.first_free is NGRAM
     assert Drafters(MODEL, paid=MODEL).first_free is None
+
+
+def test_no_ask_exceeds_the_sessions_bound_whatever_room_the_round_has():
+    """The draft refuses a block over its max block: the round's room (budget, context) is capped by k_max."""
+    adaptive = AdaptiveK(8, measured(draft_s=0.0), GREEDY, Drafters(NGRAM, frozenset({NGRAM})))
+    asks = [adaptive.plan(100)] + [adaptive.plan_ahead(Block([5, 6], drafter=NGRAM), 100) for _ in range(2)]
+    assert all(ask.k <= 8 and ask.free_k <= 8 for ask in asks) and asks[0].free_k == 8
+    assert FixedK(8, measured(), GREEDY, PAID).plan(100) == Ask(8)
