@@ -22,7 +22,7 @@ import ipaddress
 from dataclasses import dataclass
 
 NETWORK = ipaddress.ip_network("10.213.0.0/16")  # home addresses 10.213.0.N, link L's subnet 10.213.L.0/24
-NAMESPACE_PREFIX = "sshost-"  # namespaces are named sshost-<owner pid>-<host>: leftovers are found by the prefix
+NAMESPACE_PREFIX = "sshost-"  # namespaces are sshost-<owner pid>-<serial>-<host>: leftovers found by prefix
 MAX_HOSTS = 250
 _IFNAME_MAX = 15  # Linux's IFNAMSIZ less the NUL
 
@@ -125,16 +125,17 @@ def _check_names(names: list[str]) -> None:
             raise ValueError(f"a host name is 1 to {_IFNAME_MAX - 3} letters, digits or '-', got {name!r}")
 
 
-def namespace(owner_pid: int, host: str) -> str:
-    return f"{NAMESPACE_PREFIX}{owner_pid}-{host}"
+def namespace(owner_pid: int, host: str, serial: int = 0) -> str:
+    """The namespace of ``host`` in the ``serial``-th set of hosts that process ``owner_pid`` built."""
+    return f"{NAMESPACE_PREFIX}{owner_pid}-{serial}-{host}"
 
 
 def owner_of(namespace_name: str) -> int | None:
     """The pid in a harness namespace's name; None for a namespace the harness did not make."""
     if not namespace_name.startswith(NAMESPACE_PREFIX):
         return None
-    pid, _, host = namespace_name[len(NAMESPACE_PREFIX) :].partition("-")
-    return int(pid) if pid.isdigit() and host else None
+    pid, serial, host = (namespace_name[len(NAMESPACE_PREFIX) :].split("-", 2) + ["", ""])[:3]
+    return int(pid) if pid.isdigit() and serial.isdigit() and host else None
 
 
 # -- commands ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import os
 import shutil
 import signal
@@ -39,6 +40,9 @@ from specsplit.lmkit.processes import ServiceProcess, start_service
 
 PROBED_QDISCS = ("netem", "tbf", "htb", "pfifo", "fq", "fq_codel", "sfq", "prio", "clsact")
 _PROBE_ARGS = {"netem": ["delay", "1ms"], "tbf": ["rate", "1mbit", "burst", "1600", "latency", "10ms"]}
+
+
+_SERIALS = itertools.count(1)  # 0 names the probes' scratch namespaces
 
 
 class HostError(RuntimeError):
@@ -129,7 +133,8 @@ class Hosts:
 
     def __init__(self, hosts: list[str], router: str | None = "router") -> None:
         self.plan: Plan = host_plan.plan(hosts, router)
-        self.namespaces = {host: host_plan.namespace(os.getpid(), host) for host in self.plan.hosts}
+        serial = next(_SERIALS)
+        self.namespaces = {host: host_plan.namespace(os.getpid(), host, serial) for host in self.plan.hosts}
         self._services: list[ServiceProcess] = []
         self._relays: list[LinkProcess] = []
 
@@ -138,8 +143,6 @@ class Hosts:
         if reason:
             raise HostError(reason)
         clean_leftovers()
-        for ns in self.namespaces.values():  # this process's own, from a block that did not finish
-            _delete_namespace(ns)
         try:
             for argv in host_plan.build_commands(self.plan, self.namespaces):
                 _run(argv)

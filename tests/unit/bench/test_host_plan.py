@@ -75,10 +75,10 @@ def test_bad_host_names_are_refused_saying_what_a_name_may_be(hosts, message):
 
 
 def test_namespaces_name_their_owner_so_leftovers_can_be_found():
-    ns = host_plan.namespace(4242, "target")
-    assert ns == "sshost-4242-target" and host_plan.owner_of(ns) == 4242
-    assert host_plan.owner_of("sshost-x-target") is None and host_plan.owner_of("other-1-a") is None
-    assert host_plan.owner_of("sshost-12") is None
+    ns = host_plan.namespace(4242, "my-host", 3)
+    assert ns == "sshost-4242-3-my-host" and host_plan.owner_of(ns) == 4242
+    for other in ("sshost-x-1-target", "other-1-1-a", "sshost-12", "sshost-12-1", "sshost-12-a-b"):
+        assert host_plan.owner_of(other) is None, other
 
 
 def test_build_commands_make_namespaces_links_addresses_forwarding_and_routes_in_order():
