@@ -5,7 +5,7 @@
         net.address("target")                             # 10.213.0.2: the target's home address
         net.popen("orch", ["specsplit", "serve", ...])   # any command, inside a host
         net.limit_rate("target", 64_000)                 # tbf on both ends of the target's link
-        relay = net.relay("target", target.port, Shape.from_ms(1), workdir)  # delay through the router host
+        address, relay = net.relay("target", target.port, Shape.from_ms(1), workdir)  # delay via the router
         net.take_down("draft"); net.bring_up("draft")    # a partition, and its end
 
 The plan (addresses, routes, the commands) is ``specsplit.bench.host_plan``: a
@@ -239,9 +239,12 @@ class Hosts:
         for ns, device in self._ends(host, peer):
             _run(host_plan.unshape_command(ns, device), check=False)
 
-    def relay(self, host: str, port: int, shape: Shape, workdir: Path, name: str = "", seed: int = 0) -> str:
+    def relay(
+        self, host: str, port: int, shape: Shape, workdir: Path, name: str = "", seed: int = 0
+    ) -> tuple[str, LinkProcess]:
         """The relay (``specsplit.bench.netem``) on the router host in front of ``host``'s PORT, shaped by
-        ``shape``; returns HOST:PORT on the router where the others connect instead. Stopped with the block."""
+        ``shape``: (HOST:PORT on the router where the others connect instead, the relay: ``stall``, ``resume``,
+        ``set_shape``, ``stop``). Stopped with the block."""
         if self.plan.router is None:
             raise ValueError("a relay runs on the router host: build the hosts with a router")
         upstream = f"{self.address(host)}:{port}"
@@ -255,7 +258,7 @@ class Hosts:
             wrap=self.command(self.plan.router, []),
         )
         self._relays.append(link)
-        return f"{self.address(self.plan.router)}:{link.service.port}"
+        return f"{self.address(self.plan.router)}:{link.service.port}", link
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,12 +12,15 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from specsplit.bench import hosts
+from specsplit.bench.netem import Shape
 from specsplit.lmkit import models
+from specsplit.lmkit.processes import ServiceProcess
 from tests.conftest import TINY_PROMPTS, reference_greedy
 from tests.services.test_security import write_pki
 
@@ -29,15 +32,27 @@ LONG_PROMPT = "Once upon a time"
 LONG_TOKENS = 200
 PARTITION_S = 3.0  # well inside the orchestrator's --target-deadline-s (30 s)
 TRICKLE_BPS = 64_000  # 8 kB/s each way
+RELAY_SHAPE = Shape.from_ms(1.0, jitter_ms=0.3)
+STALL_S = 2.0
+
+
+@dataclass
+class Across:
+    hosts: hosts.Hosts
+    orch: str  # the orchestrator's HOST:PORT
+    target: ServiceProcess
+    draft: ServiceProcess
+    orch_args: list[str]  # its flags but --target/--draft
+    work: Path
 
 
 @pytest.fixture(scope="module")
 def net(tiny_target_dir, tiny_draft_dir, tmp_path_factory):
-    """(hosts, orchestrator address, target address): target, draft and orchestrator each on its own host,
-    the orchestrator reaching the services over mTLS."""
+    """Target, draft and orchestrator each on its own host, the orchestrator reaching the services over mTLS
+    (certificates for their home addresses and the router's, where relays listen)."""
     work = tmp_path_factory.mktemp("hosts")
     with hosts.Hosts(["client", "orch", "draft", "target"]) as built:
-        pki = write_pki(work, (built.address("draft"), built.address("target")))
+        pki = write_pki(work, tuple(built.address(h) for h in ("draft", "target", "router")))
         mtls = ["--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"], "--tls-ca", pki["ca.pem"]]
         peer = [
             "--peer-tls-ca",
@@ -61,10 +76,25 @@ def net(tiny_target_dir, tiny_draft_dir, tmp_path_factory):
                 for role, model in (("target", tiny_target_dir), ("draft", tiny_draft_dir))
             ]
             target, draft = (future.result() for future in starting)
+        orch_args = ["--tokenizer", str(tiny_target_dir), *peer]
         wiring = ["--target", built.reach("target", target), "--draft", built.reach("draft", draft)]
-        orch_args = [*wiring, "--tokenizer", str(tiny_target_dir), *peer]
-        orch = built.start_service("orch", "specsplit.orchestrator.server", "orch", orch_args, work, 300)
-        yield built, built.reach("orch", orch), built.reach("target", target)
+        orch = built.start_service("orch", "specsplit.orchestrator.server", "orch", [*wiring, *orch_args], work, 300)
+        yield Across(built, built.reach("orch", orch), target, draft, orch_args, work)
+
+
+@pytest.fixture(scope="module")
+def relayed(net):
+    """(orchestrator HOST:PORT, {"draft": relay, "target": relay}): a second orchestrator on the orch host that
+    reaches draft and target through relays on the router host (1 ms each way, 0.3 ms jitter)."""
+    built = net.hosts
+    links, wiring = {}, []
+    for role, service in (("draft", net.draft), ("target", net.target)):
+        address, links[role] = built.relay(role, service.port, RELAY_SHAPE, net.work, seed=len(links))
+        wiring += [f"--{role}", address]
+    orch = built.start_service(
+        "orch", "specsplit.orchestrator.server", "orch-relayed", [*wiring, *net.orch_args], net.work, 300
+    )
+    return built.reach("orch", orch), links
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +150,7 @@ def generate_across(net, address: str, requests: list[dict], workdir: Path, faul
 
 @pytest.mark.parametrize("drafter", ["DRAFTER_KIND_MODEL", "DRAFTER_KIND_NGRAM"])
 def test_greedy_output_across_hosts_is_the_targets_own(net, tiny_reference, tmp_path, drafter):
-    built, address, _ = net
+    built, address = net.hosts, net.orch
     _, expected = tiny_reference
     results = generate_across(built, address, [request(p, 24, drafter) for p in TINY_PROMPTS], tmp_path)
     assert [r["code"] for r in results] == ["OK"] * len(TINY_PROMPTS)
@@ -129,7 +159,7 @@ def test_greedy_output_across_hosts_is_the_targets_own(net, tiny_reference, tmp_
 
 @pytest.mark.parametrize("host", ["draft", "target"])
 def test_a_partition_mid_generation_loses_and_duplicates_nothing(net, long_reference, tmp_path, host):
-    built, address, _ = net
+    built, address = net.hosts, net.orch
 
     def partition() -> None:
         built.take_down(host)
@@ -144,7 +174,7 @@ def test_a_partition_mid_generation_loses_and_duplicates_nothing(net, long_refer
 
 
 def test_a_link_throttled_to_a_trickle_still_gives_the_targets_output(net, tiny_reference, tmp_path):
-    built, address, _ = net
+    built, address = net.hosts, net.orch
     _, expected = tiny_reference
     built.limit_rate("target", TRICKLE_BPS)
     built.limit_rate("draft", TRICKLE_BPS)
@@ -168,6 +198,29 @@ except grpc.RpcError as exc:
 
 
 def test_the_target_refuses_a_plaintext_caller_from_another_host(net):
-    built, _, target = net
-    result = built.run("client", [sys.executable, "-c", PLAINTEXT_INFO, target], timeout=60, cwd=REPO)
+    target = net.hosts.reach("target", net.target)
+    result = net.hosts.run("client", [sys.executable, "-c", PLAINTEXT_INFO, target], timeout=60, cwd=REPO)
     assert result.stdout.strip() == "UNAVAILABLE", result
+
+
+def test_greedy_output_through_relays_on_the_router_is_the_targets_own(net, relayed, tiny_reference, tmp_path):
+    address, _ = relayed
+    _, expected = tiny_reference
+    results = generate_across(net.hosts, address, [request(p, 24) for p in TINY_PROMPTS], tmp_path)
+    assert [r["ids"] for r in results] == expected
+
+
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_a_relay_stalled_mid_generation_loses_and_duplicates_nothing(net, relayed, long_reference, tmp_path, role):
+    address, links = relayed
+
+    def stall() -> None:
+        links[role].stall()
+        try:
+            subprocess.run(["sleep", str(STALL_S)], check=True)
+        finally:
+            links[role].resume()
+
+    [result] = generate_across(net.hosts, address, [request(LONG_PROMPT, LONG_TOKENS)], tmp_path, stall)
+    assert result["code"] == "OK", result["text"]
+    assert result["ids"] == long_reference

@@ -93,7 +93,7 @@ def test_a_rate_limit_carries_every_byte(net):
 
 
 def test_the_relay_on_the_router_carries_the_link_and_reports_it(net, tmp_path):
-    relay = net.relay("b", PORT, Shape.from_ms(2, 0.5), tmp_path)
+    relay, _ = net.relay("b", PORT, Shape.from_ms(2, 0.5), tmp_path)
     assert relay.startswith(net.address("router") + ":")
     assert send(net, "a", *relay.rsplit(":", 1), size=5000) == "5000"
     net.close()  # stops the relay, which writes what it did
