@@ -44,6 +44,7 @@ class Across:
     draft: ServiceProcess
     orch_args: list[str]  # its flags but --target/--draft
     work: Path
+    server_tls: list[str]  # the services' mTLS flags
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def net(tiny_target_dir, tiny_draft_dir, tmp_path_factory):
         orch_args = ["--tokenizer", str(tiny_target_dir), *peer]
         wiring = ["--target", built.reach("target", target), "--draft", built.reach("draft", draft)]
         orch = built.start_service("orch", "specsplit.orchestrator.server", "orch", [*wiring, *orch_args], work, 300)
-        yield Across(built, built.reach("orch", orch), target, draft, orch_args, work)
+        yield Across(built, built.reach("orch", orch), target, draft, orch_args, work, mtls)
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +225,22 @@ def test_a_relay_stalled_mid_generation_loses_and_duplicates_nothing(net, relaye
     [result] = generate_across(net.hosts, address, [request(LONG_PROMPT, LONG_TOKENS)], tmp_path, stall)
     assert result["code"] == "OK", result["text"]
     assert result["ids"] == long_reference
+
+
+def test_a_draft_killed_on_its_host_mid_generation_falls_back_to_the_target(
+    net, tiny_draft_dir, long_reference, tmp_path
+):
+    """A draft of its own (and an orchestrator wired to it), so that the module's draft lives on."""
+    built = net.hosts
+    draft_args = ["--model", str(tiny_draft_dir), *net.server_tls]
+    draft = built.start_service("draft", "specsplit.draft_service.server", "draft-killed", draft_args, tmp_path, 300)
+    wiring = ["--target", built.reach("target", net.target), "--draft", built.reach("draft", draft)]
+    orch = built.start_service(
+        "orch", "specsplit.orchestrator.server", "orch-killed-draft", [*wiring, *net.orch_args], tmp_path, 300
+    )
+    [result] = generate_across(
+        built, built.reach("orch", orch), [request(LONG_PROMPT, LONG_TOKENS)], tmp_path, draft.process.kill
+    )
+    assert result["code"] == "OK", result["text"]
+    assert result["ids"] == long_reference
+    assert result["stats"].get("drafted_tokens", 0) > 0
