@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -447,14 +448,16 @@ class LinkProcess:
         return self._stats
 
 
-def start_link(upstream: str, shape: Shape, workdir: Path, name: str = "link", seed: int = 0) -> LinkProcess:
-    """Start a relay process for ``upstream`` (HOST:PORT) and wait until it listens."""
+def start_link(upstream: str, shape: Shape, workdir: Path, name: str = "link", seed: int = 0,
+               host: str = "127.0.0.1", wrap: Sequence[str] = ()) -> LinkProcess:
+    """Start a relay process for ``upstream`` (HOST:PORT) listening on ``host`` (run under ``wrap``, e.g.
+    inside a network namespace) and wait until it listens."""
     stats, control = workdir / f"{name}.stats.json", workdir / f"{name}.control.json"
     for stale in (control, control.with_name(control.name + ".applied")):  # an earlier relay's of this name
         stale.unlink(missing_ok=True)
     args = ["--upstream", upstream, "--seed", str(seed), "--stats-file", str(stats), "--control-file", str(control),
-            *shape.flags()]
-    service = start_service("specsplit.bench.netem", name, args, workdir, timeout_s=30.0)
+            "--host", host, *shape.flags()]
+    service = start_service("specsplit.bench.netem", name, args, workdir, timeout_s=30.0, wrap=wrap)
     return LinkProcess(service, upstream, shape, stats, control)
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,16 +57,17 @@ def _die_with_parent() -> None:
 
 def start_service(
     module: str, name: str, args: list[str], workdir: Path, timeout_s: float = 600.0, port: int = 0,
-    die_with_parent: bool = False,
+    die_with_parent: bool = False, wrap: Sequence[str] = (),
 ) -> ServiceProcess:
     """Run ``python -m module --port PORT ...`` (0: a free one) and wait until it serves.
 
-    ``args`` come last, so a ``--host`` among them overrides the loopback default.
+    ``args`` come last, so a ``--host`` among them overrides the loopback default; ``wrap`` goes
+    first (e.g. ``ip netns exec NS``, which execs the command: the process is still the service).
     """
     port_file = workdir / f"{name}.port"
     log_path = workdir / f"{name}.log"
     port_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file), *args]
+    cmd = [*wrap, sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file), *args]
     with log_path.open("a") as log:
         process = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),

@@ -8,11 +8,21 @@ received ***" lines; a SIGTERM during start-up then left actors, services and
 the local cluster behind. ``connect`` replaces both with one that raises
 ``Stopped`` (a KeyboardInterrupt, so no ``except Exception`` swallows it), and
 the commands stop in order from wherever they are, then exit 0.
+
+A SIGTERM sent to the command's process group (``timeout``, systemd, a
+supervisor's stop-as-group, ``kill -- -PGID``) would also reach every process of
+a local cluster started here, which Ray starts in the command's own group: the
+GCS died first, deleting the Serve application then waited its whole bound for
+a controller that was gone, and Ray printed "Failed to connect to GCS" and
+exited 1. So a local cluster's processes each lead a process group of their own
+(``_own_process_groups``); they still die with the command (Ray's kernel
+fate-sharing), and the command stops them in order.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -65,11 +75,12 @@ def connect(address: str = "", local_cpus: float | None = None) -> bool:
         _raise_on_sigterm()
         return False
     _loopback_only()
-    ray.init(  # "local": a new cluster, even where `ray start` left one (ray.init() would join that)
-        address="local", num_cpus=local_cpus, include_dashboard=False, namespace=NAMESPACE,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False,
-    )
+    with _own_process_groups():
+        ray.init(  # "local": a new cluster, even where `ray start` left one (ray.init() would join that)
+            address="local", num_cpus=local_cpus, include_dashboard=False, namespace=NAMESPACE,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False,
+        )
     _raise_on_sigterm()
     return True
 
@@ -98,6 +109,27 @@ def _loopback_only() -> None:
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # for the processes the cluster starts
     ray_constants.ENABLE_RAY_CLUSTER = False  # for this one, which imported Ray already
+
+
+@contextlib.contextmanager
+def _own_process_groups():
+    """While it lasts, each process Ray starts (GCS, raylet, its agents) leads a process group of its own,
+    so a signal to the command's group reaches the command alone (see the module docstring). Ray 2.60
+    starts them all through ``services.ConsolePopen``; the raylet's workers join the raylet's group."""
+    from ray._private import services
+
+    original = services.ConsolePopen
+
+    class OwnGroupPopen(original):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 def _raise_on_sigterm() -> None:

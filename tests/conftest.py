@@ -61,6 +61,7 @@ LONGEST_UNITS = (
     "tests/services/test_speed_e2e.py",
     "tests/services/test_sampling_e2e.py",
     "tests/services/test_network_e2e.py",
+    "tests/services/test_across_hosts.py",
     "tests/services/test_fuzz.py",
     "tests/services/test_chaos_short.py",
     "tests/services/test_faults.py",

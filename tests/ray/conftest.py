@@ -127,14 +127,15 @@ def _machine_state() -> str:
             f"{memory.available >> 20} MiB of {memory.total >> 20} MiB free; busiest:{top}")
 
 
-def start_cli(args: list[str], workdir: Path, timeout_s: float = 180.0) -> ServiceProcess:
-    """``python -m specsplit.cli ARGS --port 0 --port-file F``, returned once it serves."""
+def start_cli(args: list[str], workdir: Path, timeout_s: float = 180.0, own_group: bool = False) -> ServiceProcess:
+    """``python -m specsplit.cli ARGS --port 0 --port-file F``, returned once it serves; with ``own_group``
+    it leads a process group (and session) of its own, as a shell or a supervisor starts a command."""
     port_file, log = workdir / "cli.port", workdir / "cli.log"
     port_file.unlink(missing_ok=True)
     with log.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "specsplit.cli", *args, "--port", "0", "--port-file", str(port_file)],
-            stdout=out, stderr=subprocess.STDOUT,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=own_group,
         )
     started = ServiceProcess(f"specsplit {args[0]}", process, 0, log, stop_grace_s=60.0)
     deadline = time.monotonic() + timeout_s

@@ -32,7 +32,8 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _issue(subject: str, key, issuer_name, issuer_key, ca: bool, server: bool) -> x509.Certificate:
+def _issue(subject: str, key, issuer_name, issuer_key, ca: bool, server: bool,
+           addresses: tuple[str, ...] = ("127.0.0.1",)) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (
         x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name)
@@ -41,7 +42,7 @@ def _issue(subject: str, key, issuer_name, issuer_key, ca: bool, server: bool) -
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if server:
-        san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        san = [x509.DNSName("localhost"), *(x509.IPAddress(ipaddress.ip_address(a)) for a in addresses)]
         builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
 
@@ -49,13 +50,17 @@ def _issue(subject: str, key, issuer_name, issuer_key, ca: bool, server: bool) -
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files."""
-    out = tmp_path_factory.mktemp("pki")
+    return write_pki(tmp_path_factory.mktemp("pki"))
+
+
+def write_pki(out, addresses: tuple[str, ...] = ("127.0.0.1",)) -> dict[str, str]:
+    """A CA, a server certificate for ``addresses`` and a client certificate as PEM files in ``out``; name -> path."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _issue("specsplit test CA", ca_key, _name("specsplit test CA"), ca_key, ca=True, server=False)
     files = {"ca": ca}
     for who, server in (("server", True), ("client", False)):
         key = ec.generate_private_key(ec.SECP256R1())
-        files[who] = _issue(who, key, ca.subject, ca_key, ca=False, server=server)
+        files[who] = _issue(who, key, ca.subject, ca_key, ca=False, server=server, addresses=addresses)
         (out / f"{who}.key").write_bytes(key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     for who, cert in files.items():
