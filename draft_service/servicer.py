@@ -11,6 +11,7 @@ import grpc
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.lmkit import errors
+from specsplit.lmkit.auth import current_caller
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.session_mux import SessionMux
@@ -116,7 +117,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         coupled = msg.mode != pb.VERIFICATION_MODE_UNSPECIFIED and mode_from_proto(msg.mode) is VerificationMode.COUPLED
         return await self._run(
             engine.free(kind, chain), engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs,
-            ngram, chain, coupled, msg.feature_width,
+            ngram, chain, coupled, msg.feature_width, current_caller(),
         )
 
     async def _run(self, free: bool, fn, *args):

@@ -21,8 +21,10 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from specsplit.lmkit import errors, logs
+from specsplit.lmkit.caller_check import CallerCheck, CallerPolicy, add_caller_flags, caller_policy
 from specsplit.lmkit.metrics import serve_metrics
 from specsplit.lmkit.security import ServerTls
+from specsplit.lmkit.sessions import SessionLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,6 +36,7 @@ _CODES = {
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.Internal: grpc.StatusCode.INTERNAL,
 }
 
@@ -255,11 +258,17 @@ def create_server(
     return server, port, health
 
 
+def caller_interceptors(policy: CallerPolicy | None) -> tuple:
+    """The caller check a service's policy asks for (none when it asks for nothing)."""
+    return (CallerCheck(policy),) if policy is not None and policy.enabled else ()
+
+
 async def start_in_process(
     servicer, add_to_server, service_name: str, address: str = "127.0.0.1:0", tls: ServerTls | None = None,
-    interceptors: tuple = (),
+    interceptors: tuple = (), policy: CallerPolicy | None = None,
 ):
     """Serve an attached servicer in this process (tests, embedding); returns (server, port)."""
+    interceptors = (*interceptors, *caller_interceptors(policy))
     server, port, health = create_server(address, [service_name], tls=tls, interceptors=interceptors)
     add_servicer(add_to_server, servicer, server)
     await server.start()
@@ -324,12 +333,19 @@ def add_common_flags(parser, default_port: int) -> None:
     )
     logs.add_log_flags(parser)
     add_tls_flags(parser)
+    add_caller_flags(parser)
 
 
 def add_tls_flags(parser) -> None:
     parser.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
     parser.add_argument("--tls-key", default="", help="private key of --tls-cert (PEM)")
     parser.add_argument("--tls-ca", default="", help="require client certificates signed by this CA (mTLS)")
+
+
+def session_limits(args) -> SessionLimits:
+    """A service's session limits from its flags (ValueError for a bad value)."""
+    return SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions,
+                         max_sessions_per_caller=args.max_sessions_per_caller)
 
 
 def server_tls(args) -> ServerTls:
@@ -342,7 +358,10 @@ async def run_service(args, service_name: str, register, load, servicer: "Engine
     ``register(server)`` adds the servicer; ``load()`` builds the engine
     (blocking) and returns a callback that attaches it to the servicer.
     """
-    server, port, health = create_server(f"{args.host}:{args.port}", [service_name], args.reflection, server_tls(args))
+    policy = caller_policy(args, service_name.rsplit(".", 1)[-1].removesuffix("Service").lower())
+    server, port, health = create_server(
+        f"{args.host}:{args.port}", [service_name], args.reflection, server_tls(args), caller_interceptors(policy)
+    )
     register(server)
     serve_metrics(args.metrics_port, args.host, service_name.rsplit(".", 1)[-1], servicer)
     await set_serving(health, [service_name], False)

@@ -25,7 +25,7 @@ from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, To
 from specsplit.orchestrator.links import NO_DRAFT, DraftLink, TargetLink
 from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from specsplit.orchestrator.mux import Mux
-from specsplit.orchestrator.peers import ServiceClient, draft_client, target_client
+from specsplit.orchestrator.peers import ServiceClient, draft_client, peer_tokens, target_client
 from specsplit.orchestrator.policy.controller import AdaptiveK, Controller, Drafters, FixedK
 from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
 from specsplit.v1 import specsplit_pb2 as pb
@@ -97,8 +97,9 @@ class Orchestrator:
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
         """Connect to the services, check that they share a vocabulary, load the tokenizer."""
         tokenizer = models.load_tokenizer(config.tokenizer)
-        target = target_client(config.target_address, config.peer_tls)
-        draft = draft_client(config.draft_address, config.peer_tls) if config.draft_address else None
+        tokens = peer_tokens(config.peer_token_file)
+        target = target_client(config.target_address, config.peer_tls, tokens)
+        draft = draft_client(config.draft_address, config.peer_tls, tokens) if config.draft_address else None
         if config.shared_stream_from:
             target.mux = Mux(target.stub.Sessions, pb.TargetCall, pb.TargetCalls, "target")
             if draft is not None:

@@ -104,6 +104,7 @@ def config_from_args(args) -> OrchestratorConfig:
         connect_timeout_s=args.connect_timeout_s,
         max_concurrent=args.max_concurrent,
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
+        peer_token_file=args.peer_token_file,
         link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,
                                target_deadline_s=args.target_deadline_s),
         shared_stream_from=args.shared_stream_from,
@@ -125,6 +126,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--peer-tls-ca", default="", help="CA that signed the draft/target certificates (TLS to them)")
     parser.add_argument("--peer-tls-cert", default="", help="our client certificate for mTLS to draft/target")
     parser.add_argument("--peer-tls-key", default="", help="private key of --peer-tls-cert")
+    parser.add_argument("--peer-token-file", default="",
+                        help="send `authorization: Bearer <token>` to the draft and target: the file's first token, "
+                             "re-read when it changes (or SPECSPLIT_PEER_TOKEN)")
     parser.add_argument("--auth-token-file", default="",
                         help="require `authorization: Bearer <token>` on Generate (file content; or SPECSPLIT_AUTH_TOKEN)")
     add_orchestrator_flags(parser)

@@ -145,7 +145,7 @@ class TargetEngine:
     # -- sessions -----------------------------------------------------------
     def open(
         self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode,
-        top_logprobs: int | None = None, feature_layers: Sequence[int] = (),
+        top_logprobs: int | None = None, feature_layers: Sequence[int] = (), caller: str = "",
     ):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -156,7 +156,7 @@ class TargetEngine:
         session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
                                 top_logprobs=top_logprobs)
         session.cache.feature_layers = tuple(feature_layers)
-        return self.sessions.add(session_id, session)
+        return self.sessions.add(session_id, session, caller)
 
     def _check_feature_layers(self, layers: Sequence[int]) -> None:
         bad = [layer for layer in layers if not 0 <= layer <= self.num_layers]

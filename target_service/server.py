@@ -12,8 +12,15 @@ import sys
 import torch
 
 from specsplit.lmkit import entry, logs, models
-from specsplit.lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
-from specsplit.lmkit.sessions import SessionLimits
+from specsplit.lmkit.caller_check import CallerPolicy
+from specsplit.lmkit.grpc_server import (
+    ComputeThread,
+    add_common_flags,
+    add_servicer,
+    run_service,
+    session_limits,
+    start_in_process,
+)
 from specsplit.target_service import ranks, tp
 from specsplit.target_service.engine import TargetEngine
 from specsplit.target_service.servicer import TargetServicer
@@ -53,7 +60,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]:
     """Load the model (sharded over the process group when --tp > 1) and build the engine."""
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
-    limits = SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)
+    limits = session_limits(args)
     model = models.load_model(spec, tensor_parallel=args.tp > 1)
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     leader = tp.Leader(model, on_broken=leader_hook) if args.tp > 1 else None
@@ -98,18 +105,21 @@ async def serve(args) -> int:
     return 1 if broken else 0
 
 
-async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_degree: int = 1, max_batch: int = 32):
+async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_degree: int = 1, max_batch: int = 32,
+                       policy: CallerPolicy | None = None):
     """An in-process server over a loaded engine (tests, embedding); returns (server, port)."""
     servicer = TargetServicer(
         ComputeThread("target-compute"), tp_degree=tp_degree, device=str(engine.model.device), max_batch=max_batch
     )
     servicer.attach(engine)
-    return await start_in_process(servicer, pb_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, address)
+    return await start_in_process(
+        servicer, pb_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, address, policy=policy
+    )
 
 
 def run(args) -> int:
     """Validate flags, then serve until SIGTERM/SIGINT (as --tp supervised ranks when --tp > 1)."""
-    SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
+    session_limits(args)  # fail fast on bad flags
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import grpc
 
 from specsplit.lmkit import errors
+from specsplit.lmkit.auth import current_caller
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from specsplit.lmkit.session_mux import SessionMux
 from specsplit.lmkit.wire import features_to_proto, mode_from_proto, probs_from_proto, sampling_from_proto
@@ -85,7 +86,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         mode = mode_from_proto(msg.mode)
         top_logprobs = msg.top_logprobs if msg.return_logprobs else None
         return await self.compute.run(
-            engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs, list(msg.feature_layers)
+            engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs, list(msg.feature_layers),
+            current_caller(),
         )
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:

@@ -41,3 +41,15 @@ def test_open_checks():
         check_tokens([0, 10], 10, "tokens")
     with pytest.raises(errors.InvalidArgument, match=">= 0"):
         check_tokens([-1], None, "tokens")
+
+
+def test_one_caller_is_capped_while_another_still_opens():
+    table = SessionTable(SessionLimits(max_sessions=4, max_sessions_per_caller=2), "target")
+    table.add("a1", object(), "alice")
+    table.add("a2", object(), "alice")
+    with pytest.raises(errors.ResourceExhausted, match=r"caller 'alice' holds its maximum of 2 .*--max-sessions-per"):
+        table.add("a3", object(), "alice")
+    table.add("b1", object(), "bob")
+    table.remove("a1")
+    table.add("a3", object(), "alice")  # a closed session frees its caller's share
+    assert table.stats()[0] == 3
