@@ -49,36 +49,45 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class Malformed:
-    """A request whose bytes did not parse; handlers answer it with INVALID_ARGUMENT."""
+class Unreadable:
+    """A request refused before it was parsed: bytes that do not parse (INVALID_ARGUMENT) or a message over the
+    service's bound (RESOURCE_EXHAUSTED); handlers answer it with its code."""
 
-    def __init__(self, message_type: str, error: Exception) -> None:
-        self.detail = f"malformed {message_type}: {error}; send a valid serialized message"
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        self.code = code
+        self.detail = detail
 
 
-def _tolerant_deserializer(deserialize):
+def _tolerant_deserializer(deserialize, limit: Callable[[], int]):
+    owner = getattr(getattr(deserialize, "__self__", None), "__name__", "message")
+
     def parse(data: bytes):
+        bound = limit()
+        if bound and len(data) > bound:
+            return Unreadable(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"{owner} of {len(data)} bytes is over this service's {bound}-byte bound for its model (context, "
+                "block and vocabulary; ModelInfo.max_request_bytes); send less, or split a Sessions message's calls"
+            ))
         try:
             return deserialize(data)
         except Exception as exc:  # noqa: BLE001 - any parser error is the client's
-            owner = getattr(deserialize, "__self__", None)
-            return Malformed(getattr(owner, "__name__", "message"), exc)
+            return Unreadable(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {owner}: {exc}; send a valid serialized message")
 
     return parse
 
 
-def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """Same handler, but unparseable bytes become INVALID_ARGUMENT instead of a logged traceback."""
+def _tolerant_handler(handler: grpc.RpcMethodHandler, limit: Callable[[], int]) -> grpc.RpcMethodHandler:
+    """Same handler, but unparseable or oversized bytes become a status instead of a logged traceback or a parse."""
     kwargs = {
-        "request_deserializer": _tolerant_deserializer(handler.request_deserializer),
+        "request_deserializer": _tolerant_deserializer(handler.request_deserializer, limit),
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
         inner_unary = handler.unary_unary
 
         async def unary(request, context):
-            if isinstance(request, Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            if isinstance(request, Unreadable):
+                await context.abort(request.code, request.detail)
             return await inner_unary(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
@@ -86,8 +95,8 @@ def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner_stream = handler.unary_stream
 
         async def stream(request, context):
-            if isinstance(request, Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            if isinstance(request, Unreadable):
+                await context.abort(request.code, request.detail)
             async for response in inner_stream(request, context):
                 yield response
 
@@ -113,10 +122,12 @@ class _Capture:
 
 
 def add_servicer(add_to_server, servicer, server) -> None:
-    """Register a servicer through its generated add function, with tolerant deserialization."""
+    """Register a servicer through its generated add function, with tolerant deserialization bounded by the
+    servicer's ``max_request_bytes()`` (0 or none: the transport's ceiling alone)."""
     capture = _Capture()
     add_to_server(servicer, capture)
-    handlers = {name: _tolerant_handler(h) for name, h in capture.handlers.items()}
+    limit = getattr(servicer, "max_request_bytes", lambda: 0)
+    handlers = {name: _tolerant_handler(h, limit) for name, h in capture.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
     server.add_registered_method_handlers(capture.service, handlers)
 
@@ -189,8 +200,8 @@ class EngineServicer:
                     idle.reschedule(None)
                     if request is grpc.aio.EOF:
                         return
-                    if isinstance(request, Malformed):
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+                    if isinstance(request, Unreadable):
+                        await context.abort(request.code, request.detail)
                     yield request
         except TimeoutError:
             await context.abort(
@@ -200,6 +211,10 @@ class EngineServicer:
 
     def attach(self, engine) -> None:
         self.engine = engine
+
+    def max_request_bytes(self) -> int:
+        """The largest request message this service accepts (``lmkit.message_limits``); 0 while loading."""
+        return 0
 
     def session_state(self, session):  # -> pb.SessionState
         raise NotImplementedError
@@ -236,14 +251,17 @@ async def abort_on_error(context: grpc.aio.ServicerContext, call: Awaitable[T]) 
 
 def create_server(
     address: str, service_names: list[str], reflection_on: bool = False, tls: ServerTls | None = None,
-    interceptors: tuple = (),
+    interceptors: tuple = (), max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ):
     """A grpc.aio server bound to ``address`` (port 0 picks one) with health; TLS when ``tls`` is enabled.
 
     Returns (server, port, health). Health starts NOT_SERVING for every
-    service; flip it with ``set_serving`` once the model is loaded.
+    service; flip it with ``set_serving`` once the model is loaded. A request
+    message over ``max_receive_bytes`` is refused by the transport
+    (RESOURCE_EXHAUSTED) before any handler sees it.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_receive_bytes)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     if tls is not None and tls.enabled:
         port = server.add_secure_port(address, tls.credentials())
     else:
@@ -265,11 +283,13 @@ def caller_interceptors(policy: CallerPolicy | None) -> tuple:
 
 async def start_in_process(
     servicer, add_to_server, service_name: str, address: str = "127.0.0.1:0", tls: ServerTls | None = None,
-    interceptors: tuple = (), policy: CallerPolicy | None = None,
+    interceptors: tuple = (), policy: CallerPolicy | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ):
     """Serve an attached servicer in this process (tests, embedding); returns (server, port)."""
     interceptors = (*interceptors, *caller_interceptors(policy))
-    server, port, health = create_server(address, [service_name], tls=tls, interceptors=interceptors)
+    server, port, health = create_server(
+        address, [service_name], tls=tls, interceptors=interceptors, max_receive_bytes=max_receive_bytes
+    )
     add_servicer(add_to_server, servicer, server)
     await server.start()
     await set_serving(health, [service_name], True)

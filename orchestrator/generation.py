@@ -105,11 +105,15 @@ class Orchestrator:
             if draft is not None:
                 draft.mux = Mux(draft.stub.Sessions, pb.DraftCall, pb.DraftCalls, "draft")
         target_info = await target.fetch_info(config.connect_timeout_s)
+        if target.mux is not None:
+            target.mux.max_bytes = target_info.max_request_bytes
         check_pair(
             "tokenizer", config.tokenizer, models.vocab_fingerprint(tokenizer), "target", target_info
         )
         if draft is not None:
             draft_info = await draft.fetch_info(config.connect_timeout_s)
+            if draft.mux is not None:
+                draft.mux.max_bytes = draft_info.max_request_bytes
             if draft_info.vocab_fingerprint:  # model-free drafters accept any vocabulary
                 check_pair("target", target_info.model_id, target_info.vocab_fingerprint, "draft", draft_info)
                 if draft_info.vocab_size != target_info.vocab_size:
@@ -196,11 +200,15 @@ class Orchestrator:
         # A feature drafter (EAGLE) reads the target's hidden states of these layers, sent with each result.
         layers = self.feature_traits(request).feature_layers if speculating else ()
         shared = self.shares_streams()
+        # What the session can ever hold, reserved against the target's KV budget: the prompt, every new token
+        # and the last round's block beyond them.
+        reserve = len(prompt_ids) + request.max_new_tokens + self.target.info.max_block + 1
         target = TargetLink(
             self.target,
             lambda sid, tokens: pb.TargetOpen(
                 session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value, return_logprobs=logprobs,
                 top_logprobs=request.top_logprobs or 0, feature_layers=layers,
+                reserve_tokens=min(reserve, 2**32 - 1),
             ),
             policy,
             self.measured.costs.links.target,

@@ -18,6 +18,7 @@ from specsplit.lmkit.grpc_server import (
     write_port_file,
 )
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.message_limits import generate_request_bytes
 from specsplit.lmkit.metrics import serve_metrics
 from specsplit.lmkit.security import BearerTokenInterceptor, ClientTls, load_token
 from specsplit.orchestrator.config import (
@@ -135,12 +136,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
+def max_generate_bytes(orchestrator: Orchestrator) -> int:
+    """The largest ``Generate`` request worth reading: the target's context of the tokenizer's longest tokens."""
+    longest = max((len(token.encode()) for token in orchestrator.tokenizer.get_vocab()), default=1)
+    return generate_request_bytes(orchestrator.target.info.max_context, longest)
+
+
 async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0", token: str = ""):
     """An in-process public server over a connected orchestrator; returns (server, port)."""
     servicer = GeneratorServicer(orchestrator)
     interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
     return await start_in_process(
-        servicer, pb_grpc.add_GeneratorServicer_to_server, SERVICE_NAME, address, interceptors=interceptors
+        servicer, pb_grpc.add_GeneratorServicer_to_server, SERVICE_NAME, address, interceptors=interceptors,
+        max_receive_bytes=max_generate_bytes(orchestrator),
     )
 
 
@@ -149,11 +157,16 @@ async def serve(args) -> None:
     serve_metrics(args.metrics_port, args.host, "orchestrator")
     token = load_token(args.auth_token_file)
     interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
-    server, port, health = create_server(
-        f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection, server_tls(args), interceptors
-    )
+    orchestrator = await Orchestrator.connect(config)  # first: the receive bound comes from the target's context
+    try:
+        server, port, health = create_server(
+            f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection, server_tls(args), interceptors,
+            max_generate_bytes(orchestrator),
+        )
+    except BaseException:
+        await orchestrator.close()
+        raise
     await set_serving(health, [SERVICE_NAME], False)
-    orchestrator = await Orchestrator.connect(config)
     add_servicer(pb_grpc.add_GeneratorServicer_to_server, GeneratorServicer(orchestrator), server)
     http = await _start_http(args, orchestrator, token) if args.http_port is not None else None
     try:

@@ -53,3 +53,16 @@ def test_one_caller_is_capped_while_another_still_opens():
     table.remove("a1")
     table.add("a3", object(), "alice")  # a closed session frees its caller's share
     assert table.stats()[0] == 3
+
+
+def test_sessions_reserve_positions_against_the_kv_budget():
+    table = SessionTable(SessionLimits(kv_budget_tokens=250), "target")
+    table.add("a", object(), reserve=100)
+    table.add("b", object(), reserve=100)
+    with pytest.raises(errors.ResourceExhausted, match="holds 250 positions and 50 are free; this session reserves 100"):
+        table.add("c", object(), reserve=100)
+    table.add("c", object(), reserve=50)  # what fits is admitted
+    assert table.reserved("a") == 100
+    table.remove("a")
+    table.add("d", object(), reserve=100)
+    assert table.reserved("a") == 0 and table.stats()[0] == 3
