@@ -137,7 +137,7 @@ def _progress(total: int, initial: int):
 def _load_checkpoint(path: Path, config: DistillConfig, adapter, optimizer) -> int:
     if not path.is_file():
         return 0
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = eagle_distill.load_checkpoint_state(path)
     if state["config"] != config.resumable_fields():
         raise ValueError(
             f"{path} was written by a run with other settings ({state['config']}); "

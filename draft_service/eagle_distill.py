@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -146,10 +147,22 @@ def _checkpoint(path: Path, config: EagleDistillConfig, head, optimizer, step: i
     tmp.replace(path)
 
 
+def load_checkpoint_state(path: Path) -> dict:
+    """A training checkpoint's state, unpickling tensors and plain values only (``weights_only``): a file that
+    holds anything else (code to run) is refused, so resuming from a tampered --out cannot run it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(
+            f"{path} holds more than tensors and plain values ({str(exc).splitlines()[0]}); refusing to unpickle "
+            "it: delete it to start over, or use another --out"
+        ) from None
+
+
 def _resume(path: Path, config: EagleDistillConfig, head, optimizer) -> int:
     if not path.is_file():
         return 0
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_checkpoint_state(path)
     if state["config"] != config.train_fields():
         raise ValueError(f"{path} was written by a run with other settings; use another --out or the same settings")
     head.load_state_dict(state["head"])

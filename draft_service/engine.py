@@ -116,6 +116,7 @@ class DraftEngine:
         chain: Sequence[DrafterKind] = (),
         coupled: bool = False,  # COUPLED verification: model drafters take the target's Gumbel-max noise
         feature_width: int = 0,
+        caller: str = "",  # who opens it (lmkit.auth), for the per-caller quota
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -132,8 +133,8 @@ class DraftEngine:
         context = DraftRequestContext(
             list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled
         )
-        return self.sessions.add(session_id, DraftSession(session_id, kind, entry.build(context), feature_width=width,
-                                                          free=self.free(kind, chain)))
+        session = DraftSession(session_id, kind, entry.build(context), feature_width=width, free=self.free(kind, chain))
+        return self.sessions.add(session_id, session, caller)
 
     @staticmethod
     def free(kind: DrafterKind, chain: Sequence[DrafterKind] = ()) -> bool:

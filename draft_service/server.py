@@ -11,7 +11,15 @@ from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.self_draft import QuantizeMode
 from specsplit.draft_service.servicer import DraftServicer
 from specsplit.lmkit import entry, logs, models
-from specsplit.lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
+from specsplit.lmkit.caller_check import CallerPolicy
+from specsplit.lmkit.grpc_server import (
+    ComputeThread,
+    add_common_flags,
+    add_servicer,
+    run_service,
+    session_limits,
+    start_in_process,
+)
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sessions import SessionLimits
 from specsplit.v1 import specsplit_pb2 as pb
@@ -105,7 +113,7 @@ def load_engine(args, limits: SessionLimits) -> DraftEngine:
 
 
 async def serve(args) -> None:
-    limits = SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)
+    limits = session_limits(args)
     ngram = NgramConfig(min_n=args.ngram_min, max_n=args.ngram_max)
     compute = ComputeThread("draft-compute")
     servicer = DraftServicer(compute, ngram, device=f"{args.device}/{models.resolve_dtype(args.device, args.dtype)}")
@@ -122,16 +130,19 @@ async def serve(args) -> None:
     compute.shutdown()
 
 
-async def start_server(engine: DraftEngine, address: str = "127.0.0.1:0", ngram: NgramConfig | None = None):
+async def start_server(engine: DraftEngine, address: str = "127.0.0.1:0", ngram: NgramConfig | None = None,
+                       policy: CallerPolicy | None = None):
     """An in-process server over a loaded engine (tests, embedding); returns (server, port)."""
     servicer = DraftServicer(ComputeThread("draft-compute"), ngram or NgramConfig())
     servicer.attach(engine)
-    return await start_in_process(servicer, pb_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, address)
+    return await start_in_process(
+        servicer, pb_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, address, policy=policy
+    )
 
 
 def run(args) -> None:
     """Validate flags, then serve until SIGTERM/SIGINT."""
-    SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
+    session_limits(args)  # fail fast on bad flags
     if args.model:
         models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     check_self_draft_flags(args)

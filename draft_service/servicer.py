@@ -11,8 +11,10 @@ import grpc
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.lmkit import errors
+from specsplit.lmkit.auth import current_caller
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.message_limits import draft_request_bytes
 from specsplit.lmkit.session_mux import SessionMux
 from specsplit.lmkit.wire import features_from_proto, mode_from_proto, probs_to_proto, sampling_from_proto
 from specsplit.v1 import specsplit_pb2 as pb
@@ -49,6 +51,15 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         super().__init__(compute)
         self.ngram_default = ngram_default
         self.device = device
+        self._max_request_bytes = 0
+
+    def attach(self, engine: DraftEngine) -> None:
+        widths = [t.feature_width for t in engine.traits]
+        self._max_request_bytes = draft_request_bytes(engine.max_context, engine.limits.max_block, max(widths, default=0))
+        super().attach(engine)
+
+    def max_request_bytes(self) -> int:
+        return self._max_request_bytes
 
     def session_state(self, session) -> pb.SessionState:
         cached = getattr(session.drafter, "cached_tokens", 0)
@@ -74,6 +85,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             tp_degree=1,
             device=self.device,
             token_trees=True,
+            max_request_bytes=self._max_request_bytes,
         )
 
     async def Session(self, request_iterator, context):
@@ -116,7 +128,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         coupled = msg.mode != pb.VERIFICATION_MODE_UNSPECIFIED and mode_from_proto(msg.mode) is VerificationMode.COUPLED
         return await self._run(
             engine.free(kind, chain), engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs,
-            ngram, chain, coupled, msg.feature_width,
+            ngram, chain, coupled, msg.feature_width, current_caller(),
         )
 
     async def _run(self, free: bool, fn, *args):

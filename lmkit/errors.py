@@ -33,5 +33,9 @@ class Unavailable(SpecsplitError):
     """The service cannot serve now: loading, draining, or a peer is down (UNAVAILABLE)."""
 
 
+class Unauthenticated(SpecsplitError):
+    """The caller's credentials are missing, wrong or not admitted (UNAUTHENTICATED)."""
+
+
 class Internal(SpecsplitError):
     """The service failed on this request's own data (NaN logits, out of memory, a bad cache) (INTERNAL)."""

@@ -21,8 +21,10 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from specsplit.lmkit import errors, logs
+from specsplit.lmkit.caller_check import CallerCheck, CallerPolicy, add_caller_flags, caller_policy
 from specsplit.lmkit.metrics import serve_metrics
 from specsplit.lmkit.security import ServerTls
+from specsplit.lmkit.sessions import SessionLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,6 +36,7 @@ _CODES = {
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.Internal: grpc.StatusCode.INTERNAL,
 }
 
@@ -46,36 +49,45 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class Malformed:
-    """A request whose bytes did not parse; handlers answer it with INVALID_ARGUMENT."""
+class Unreadable:
+    """A request refused before it was parsed: bytes that do not parse (INVALID_ARGUMENT) or a message over the
+    service's bound (RESOURCE_EXHAUSTED); handlers answer it with its code."""
 
-    def __init__(self, message_type: str, error: Exception) -> None:
-        self.detail = f"malformed {message_type}: {error}; send a valid serialized message"
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        self.code = code
+        self.detail = detail
 
 
-def _tolerant_deserializer(deserialize):
+def _tolerant_deserializer(deserialize, limit: Callable[[], int]):
+    owner = getattr(getattr(deserialize, "__self__", None), "__name__", "message")
+
     def parse(data: bytes):
+        bound = limit()
+        if bound and len(data) > bound:
+            return Unreadable(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"{owner} of {len(data)} bytes is over this service's {bound}-byte bound for its model (context, "
+                "block and vocabulary; ModelInfo.max_request_bytes); send less, or split a Sessions message's calls"
+            ))
         try:
             return deserialize(data)
         except Exception as exc:  # noqa: BLE001 - any parser error is the client's
-            owner = getattr(deserialize, "__self__", None)
-            return Malformed(getattr(owner, "__name__", "message"), exc)
+            return Unreadable(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {owner}: {exc}; send a valid serialized message")
 
     return parse
 
 
-def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """Same handler, but unparseable bytes become INVALID_ARGUMENT instead of a logged traceback."""
+def _tolerant_handler(handler: grpc.RpcMethodHandler, limit: Callable[[], int]) -> grpc.RpcMethodHandler:
+    """Same handler, but unparseable or oversized bytes become a status instead of a logged traceback or a parse."""
     kwargs = {
-        "request_deserializer": _tolerant_deserializer(handler.request_deserializer),
+        "request_deserializer": _tolerant_deserializer(handler.request_deserializer, limit),
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
         inner_unary = handler.unary_unary
 
         async def unary(request, context):
-            if isinstance(request, Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            if isinstance(request, Unreadable):
+                await context.abort(request.code, request.detail)
             return await inner_unary(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
@@ -83,8 +95,8 @@ def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner_stream = handler.unary_stream
 
         async def stream(request, context):
-            if isinstance(request, Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            if isinstance(request, Unreadable):
+                await context.abort(request.code, request.detail)
             async for response in inner_stream(request, context):
                 yield response
 
@@ -110,10 +122,12 @@ class _Capture:
 
 
 def add_servicer(add_to_server, servicer, server) -> None:
-    """Register a servicer through its generated add function, with tolerant deserialization."""
+    """Register a servicer through its generated add function, with tolerant deserialization bounded by the
+    servicer's ``max_request_bytes()`` (0 or none: the transport's ceiling alone)."""
     capture = _Capture()
     add_to_server(servicer, capture)
-    handlers = {name: _tolerant_handler(h) for name, h in capture.handlers.items()}
+    limit = getattr(servicer, "max_request_bytes", lambda: 0)
+    handlers = {name: _tolerant_handler(h, limit) for name, h in capture.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
     server.add_registered_method_handlers(capture.service, handlers)
 
@@ -186,8 +200,8 @@ class EngineServicer:
                     idle.reschedule(None)
                     if request is grpc.aio.EOF:
                         return
-                    if isinstance(request, Malformed):
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+                    if isinstance(request, Unreadable):
+                        await context.abort(request.code, request.detail)
                     yield request
         except TimeoutError:
             await context.abort(
@@ -197,6 +211,10 @@ class EngineServicer:
 
     def attach(self, engine) -> None:
         self.engine = engine
+
+    def max_request_bytes(self) -> int:
+        """The largest request message this service accepts (``lmkit.message_limits``); 0 while loading."""
+        return 0
 
     def session_state(self, session):  # -> pb.SessionState
         raise NotImplementedError
@@ -233,14 +251,17 @@ async def abort_on_error(context: grpc.aio.ServicerContext, call: Awaitable[T]) 
 
 def create_server(
     address: str, service_names: list[str], reflection_on: bool = False, tls: ServerTls | None = None,
-    interceptors: tuple = (),
+    interceptors: tuple = (), max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ):
     """A grpc.aio server bound to ``address`` (port 0 picks one) with health; TLS when ``tls`` is enabled.
 
     Returns (server, port, health). Health starts NOT_SERVING for every
-    service; flip it with ``set_serving`` once the model is loaded.
+    service; flip it with ``set_serving`` once the model is loaded. A request
+    message over ``max_receive_bytes`` is refused by the transport
+    (RESOURCE_EXHAUSTED) before any handler sees it.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_receive_bytes)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     if tls is not None and tls.enabled:
         port = server.add_secure_port(address, tls.credentials())
     else:
@@ -255,12 +276,20 @@ def create_server(
     return server, port, health
 
 
+def caller_interceptors(policy: CallerPolicy | None) -> tuple:
+    """The caller check a service's policy asks for (none when it asks for nothing)."""
+    return (CallerCheck(policy),) if policy is not None and policy.enabled else ()
+
+
 async def start_in_process(
     servicer, add_to_server, service_name: str, address: str = "127.0.0.1:0", tls: ServerTls | None = None,
-    interceptors: tuple = (),
+    interceptors: tuple = (), policy: CallerPolicy | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ):
     """Serve an attached servicer in this process (tests, embedding); returns (server, port)."""
-    server, port, health = create_server(address, [service_name], tls=tls, interceptors=interceptors)
+    interceptors = (*interceptors, *caller_interceptors(policy))
+    server, port, health = create_server(
+        address, [service_name], tls=tls, interceptors=interceptors, max_receive_bytes=max_receive_bytes
+    )
     add_servicer(add_to_server, servicer, server)
     await server.start()
     await set_serving(health, [service_name], True)
@@ -324,12 +353,19 @@ def add_common_flags(parser, default_port: int) -> None:
     )
     logs.add_log_flags(parser)
     add_tls_flags(parser)
+    add_caller_flags(parser)
 
 
 def add_tls_flags(parser) -> None:
     parser.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
     parser.add_argument("--tls-key", default="", help="private key of --tls-cert (PEM)")
     parser.add_argument("--tls-ca", default="", help="require client certificates signed by this CA (mTLS)")
+
+
+def session_limits(args) -> SessionLimits:
+    """A service's session limits from its flags (ValueError for a bad value)."""
+    return SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions,
+                         max_sessions_per_caller=args.max_sessions_per_caller)
 
 
 def server_tls(args) -> ServerTls:
@@ -342,7 +378,10 @@ async def run_service(args, service_name: str, register, load, servicer: "Engine
     ``register(server)`` adds the servicer; ``load()`` builds the engine
     (blocking) and returns a callback that attaches it to the servicer.
     """
-    server, port, health = create_server(f"{args.host}:{args.port}", [service_name], args.reflection, server_tls(args))
+    policy = caller_policy(args, service_name.rsplit(".", 1)[-1].removesuffix("Service").lower())
+    server, port, health = create_server(
+        f"{args.host}:{args.port}", [service_name], args.reflection, server_tls(args), caller_interceptors(policy)
+    )
     register(server)
     serve_metrics(args.metrics_port, args.host, service_name.rsplit(".", 1)[-1], servicer)
     await set_serving(health, [service_name], False)

@@ -199,3 +199,14 @@ class SessionCache:
             else:
                 self.cache.crop(-extra)  # a negative count: transformers 5.x refuses a positive one
             self.tokens = self.tokens[:length]
+
+
+def kv_bytes_per_token(model, tp_degree: int = 1) -> int:
+    """Bytes of keys and values one position costs on each of ``tp_degree`` ranks: 2 (K and V) x layers x
+    KV heads x head size x the element size; a rank of a tensor-parallel model holds 1/tp of the heads."""
+    config = model.config
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(config, "head_dim", 0) or config.hidden_size // heads)
+    element = next(model.parameters()).element_size()
+    return max(2 * int(config.num_hidden_layers) * kv_heads * head_dim * element // max(tp_degree, 1), 1)

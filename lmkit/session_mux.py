@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import grpc
 
 from specsplit.lmkit import errors
-from specsplit.lmkit.grpc_server import Malformed, status_for
+from specsplit.lmkit.grpc_server import Unreadable, status_for
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ class SessionMux:
                 message = await self._context.read()
                 if message is grpc.aio.EOF:
                     break
-                if isinstance(message, Malformed):
-                    await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.detail)
+                if isinstance(message, Unreadable):
+                    await self._context.abort(message.code, message.detail)
                 for call in message.calls:
                     self._dispatch(call)
             tails = [slot.tail for slot in self._slots.values() if slot.tail is not None]

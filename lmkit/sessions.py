@@ -19,12 +19,19 @@ S = TypeVar("S")
 class SessionLimits:
     max_block: int = 32  # draft tokens per round
     max_sessions: int = 64  # live sessions
+    max_sessions_per_caller: int = 0  # live sessions of one caller (lmkit.auth); 0: max_sessions
+    kv_budget_tokens: int = 0  # positions every live session may reserve together (the KV budget); 0: no budget
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_block <= 1024:
             raise ValueError(f"--max-block must be in [0, 1024], got {self.max_block}")
         if self.max_sessions < 1:
             raise ValueError(f"--max-sessions must be >= 1, got {self.max_sessions}")
+        if self.max_sessions_per_caller < 0:
+            raise ValueError(f"--max-sessions-per-caller must be >= 0 (0: --max-sessions), got "
+                             f"{self.max_sessions_per_caller}")
+        if self.kv_budget_tokens < 0:
+            raise ValueError(f"--kv-budget-bytes must be >= 0 (0: no budget), got {self.kv_budget_tokens} tokens")
 
 
 def check_tokens(tokens: Sequence[int], vocab_size: int | None, what: str) -> None:
@@ -49,17 +56,21 @@ def check_open(session_id: str, tokens: Sequence[int], max_context: int, model: 
 
 
 class SessionTable(Generic[S]):
-    """Live sessions by id, bounded, with counters for Stats."""
+    """Live sessions by id, bounded in all and per caller, with counters for Stats."""
 
     def __init__(self, limits: SessionLimits, service: str) -> None:
         self.limits = limits
         self._service = service
         self._sessions: dict[str, S] = {}
+        self._callers: dict[str, str] = {}  # session id -> its caller
+        self._held: dict[str, int] = {}  # caller -> live sessions
+        self._reserved: dict[str, int] = {}  # session id -> the positions it reserved against the KV budget
+        self._reserved_total = 0
         self._lock = threading.Lock()
         self._opened = 0
         self._rounds = 0
 
-    def add(self, session_id: str, session: S) -> S:
+    def add(self, session_id: str, session: S, caller: str = "", reserve: int = 0) -> S:
         with self._lock:
             if session_id in self._sessions:
                 raise errors.AlreadyExists(f"session {session_id!r} is already open; use a new id")
@@ -67,9 +78,35 @@ class SessionTable(Generic[S]):
                 raise errors.ResourceExhausted(
                     f"the {self._service} holds its maximum of {self.limits.max_sessions} sessions; retry later"
                 )
+            quota = self.limits.max_sessions_per_caller
+            if quota and self._held.get(caller, 0) >= quota:
+                raise errors.ResourceExhausted(
+                    f"caller {caller!r} holds its maximum of {quota} sessions on the {self._service} "
+                    "(--max-sessions-per-caller); close one or retry later"
+                )
+            self._check_budget(reserve)
             self._sessions[session_id] = session
+            self._callers[session_id] = caller
+            self._reserved[session_id] = reserve
+            self._reserved_total += reserve
+            self._held[caller] = self._held.get(caller, 0) + 1
             self._opened += 1
         return session
+
+    def _check_budget(self, reserve: int) -> None:
+        budget = self.limits.kv_budget_tokens
+        if not budget or self._reserved_total + reserve <= budget:
+            return
+        free = budget - self._reserved_total
+        raise errors.ResourceExhausted(
+            f"the {self._service}'s KV budget holds {budget} positions and {free} are free; this session reserves "
+            f"{reserve} (prompt + most new tokens + one block): ask for at most {free} in all, or retry later"
+        )
+
+    def reserved(self, session_id: str) -> int:
+        """The positions a live session reserved at its open (0: none, or no such session)."""
+        with self._lock:
+            return self._reserved.get(session_id, 0)
 
     def __contains__(self, session_id: str) -> bool:
         with self._lock:
@@ -77,7 +114,14 @@ class SessionTable(Generic[S]):
 
     def remove(self, session_id: str) -> S | None:
         with self._lock:
-            return self._sessions.pop(session_id, None)
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                self._reserved_total -= self._reserved.pop(session_id)
+                caller = self._callers.pop(session_id)
+                self._held[caller] -= 1
+                if not self._held[caller]:
+                    del self._held[caller]
+            return session
 
     def get(self, session_id: str) -> S:
         with self._lock:

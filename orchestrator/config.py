@@ -41,6 +41,7 @@ class OrchestratorConfig:
     connect_timeout_s: float = 120.0
     link_policy: LinkPolicy = LinkPolicy()
     peer_tls: ClientTls = ClientTls()  # TLS/mTLS towards the draft and target services
+    peer_token_file: str = ""  # the bearer token sent to the draft and target (else SPECSPLIT_PEER_TOKEN)
     served_model_names: tuple[str, ...] = ()  # names the HTTP API answers to; empty: the target's model name
     # A new session goes on the shared Sessions stream of each service once this many generations are in flight
     # (it included), else on streams of its own: one message a step for many sessions, and no shared stream's

@@ -25,7 +25,7 @@ from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, To
 from specsplit.orchestrator.links import NO_DRAFT, DraftLink, TargetLink
 from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from specsplit.orchestrator.mux import Mux
-from specsplit.orchestrator.peers import ServiceClient, draft_client, target_client
+from specsplit.orchestrator.peers import ServiceClient, draft_client, peer_tokens, target_client
 from specsplit.orchestrator.policy.controller import AdaptiveK, Controller, Drafters, FixedK
 from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
 from specsplit.v1 import specsplit_pb2 as pb
@@ -97,18 +97,23 @@ class Orchestrator:
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
         """Connect to the services, check that they share a vocabulary, load the tokenizer."""
         tokenizer = models.load_tokenizer(config.tokenizer)
-        target = target_client(config.target_address, config.peer_tls)
-        draft = draft_client(config.draft_address, config.peer_tls) if config.draft_address else None
+        tokens = peer_tokens(config.peer_token_file)
+        target = target_client(config.target_address, config.peer_tls, tokens)
+        draft = draft_client(config.draft_address, config.peer_tls, tokens) if config.draft_address else None
         if config.shared_stream_from:
             target.mux = Mux(target.stub.Sessions, pb.TargetCall, pb.TargetCalls, "target")
             if draft is not None:
                 draft.mux = Mux(draft.stub.Sessions, pb.DraftCall, pb.DraftCalls, "draft")
         target_info = await target.fetch_info(config.connect_timeout_s)
+        if target.mux is not None:
+            target.mux.max_bytes = target_info.max_request_bytes
         check_pair(
             "tokenizer", config.tokenizer, models.vocab_fingerprint(tokenizer), "target", target_info
         )
         if draft is not None:
             draft_info = await draft.fetch_info(config.connect_timeout_s)
+            if draft.mux is not None:
+                draft.mux.max_bytes = draft_info.max_request_bytes
             if draft_info.vocab_fingerprint:  # model-free drafters accept any vocabulary
                 check_pair("target", target_info.model_id, target_info.vocab_fingerprint, "draft", draft_info)
                 if draft_info.vocab_size != target_info.vocab_size:
@@ -195,11 +200,15 @@ class Orchestrator:
         # A feature drafter (EAGLE) reads the target's hidden states of these layers, sent with each result.
         layers = self.feature_traits(request).feature_layers if speculating else ()
         shared = self.shares_streams()
+        # What the session can ever hold, reserved against the target's KV budget: the prompt, every new token
+        # and the last round's block beyond them.
+        reserve = len(prompt_ids) + request.max_new_tokens + self.target.info.max_block + 1
         target = TargetLink(
             self.target,
             lambda sid, tokens: pb.TargetOpen(
                 session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value, return_logprobs=logprobs,
                 top_logprobs=request.top_logprobs or 0, feature_layers=layers,
+                reserve_tokens=min(reserve, 2**32 - 1),
             ),
             policy,
             self.measured.costs.links.target,

@@ -23,6 +23,7 @@ from specsplit.orchestrator.peers import PeerError
 from specsplit.v1 import specsplit_pb2 as pb
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_FIELD_OVERHEAD = 6  # a call's tag and length prefix inside its Calls message
 
 
 class Mux:
@@ -40,6 +41,7 @@ class Mux:
         self._waiting: dict[str, collections.deque[asyncio.Future]] = {}  # session id -> its calls' answers, in order
         self._writer: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
+        self.max_bytes = 0  # the service's bound on one message (ModelInfo.max_request_bytes); 0: none
 
     def session(self) -> MuxSession:
         return MuxSession(self)
@@ -72,10 +74,27 @@ class Mux:
         while self._pending and stream is self._stream:
             calls, self._pending = self._pending, []
             try:
-                await stream.write(self._calls_type(calls=calls))
+                for message in self._messages(calls):
+                    await stream.write(message)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                 await self._failed(stream, exc)
                 return
+
+    def _messages(self, calls: list) -> list:
+        """``calls`` as one message, or in order as several when one would be over the service's bound."""
+        message = self._calls_type(calls=calls)
+        if not self.max_bytes or message.ByteSize() <= self.max_bytes:
+            return [message]
+        messages, part, size = [], [], 0
+        for call in calls:
+            length = call.ByteSize() + _FIELD_OVERHEAD
+            if part and size + length > self.max_bytes:
+                messages.append(self._calls_type(calls=part))
+                part, size = [], 0
+            part.append(call)
+            size += length
+        messages.append(self._calls_type(calls=part))
+        return messages
 
     async def _read(self, stream) -> None:
         try:

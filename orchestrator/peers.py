@@ -13,6 +13,7 @@ from typing import Sequence
 import grpc
 
 from specsplit.lmkit import errors, security
+from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.grpc_server import CHANNEL_OPTIONS
 from specsplit.lmkit.security import ClientTls
 from specsplit.v1 import specsplit_pb2 as pb
@@ -164,6 +165,10 @@ class ServiceClient:
                 self.info = await self.stub.Info(pb.InfoRequest(), timeout=max(remaining, 0.01), wait_for_ready=True)
                 return self.info
             except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise errors.Unauthenticated(
+                        f"the service at {self.address} refused the orchestrator ({exc.code().name}: {exc.details()})"
+                    ) from None
                 # UNAVAILABLE with a message: the server is up but its model is still loading.
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or remaining <= 0.5:
                     raise errors.Unavailable(
@@ -181,11 +186,39 @@ class ServiceClient:
         await self.channel.close()
 
 
-def target_client(address: str, tls: ClientTls | None = None) -> ServiceClient:
-    channel = open_channel(address, tls)
-    return ServiceClient(address, channel, pb_grpc.TargetServiceStub(channel))
+class TokenStub:
+    """A stub whose every call carries ``authorization: Bearer <token>``, the token read afresh per call (so a
+    rotated token file takes effect on the next call). Per call, not per message: a session's stream pays it
+    once."""
+
+    def __init__(self, stub, tokens: Tokens) -> None:
+        self._stub = stub
+        self._tokens = tokens
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+
+        def call(*args, metadata=(), **kwargs):
+            bearer = ("authorization", f"Bearer {self._tokens.first()}")
+            return method(*args, metadata=(*metadata, bearer), **kwargs)
+
+        return call
 
 
-def draft_client(address: str, tls: ClientTls | None = None) -> ServiceClient:
+def peer_tokens(path: str) -> Tokens | None:
+    """What the orchestrator sends its services: ``--peer-token-file``, else SPECSPLIT_PEER_TOKEN; None: nothing."""
+    return Tokens.load(path, "SPECSPLIT_PEER_TOKEN")
+
+
+def _stub(stub, tokens: Tokens | None):
+    return TokenStub(stub, tokens) if tokens is not None else stub
+
+
+def target_client(address: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> ServiceClient:
     channel = open_channel(address, tls)
-    return ServiceClient(address, channel, pb_grpc.DraftServiceStub(channel))
+    return ServiceClient(address, channel, _stub(pb_grpc.TargetServiceStub(channel), tokens))
+
+
+def draft_client(address: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> ServiceClient:
+    channel = open_channel(address, tls)
+    return ServiceClient(address, channel, _stub(pb_grpc.DraftServiceStub(channel), tokens))

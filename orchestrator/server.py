@@ -18,6 +18,7 @@ from specsplit.lmkit.grpc_server import (
     write_port_file,
 )
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.message_limits import generate_request_bytes
 from specsplit.lmkit.metrics import serve_metrics
 from specsplit.lmkit.security import BearerTokenInterceptor, ClientTls, load_token
 from specsplit.orchestrator.config import (
@@ -104,6 +105,7 @@ def config_from_args(args) -> OrchestratorConfig:
         connect_timeout_s=args.connect_timeout_s,
         max_concurrent=args.max_concurrent,
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
+        peer_token_file=args.peer_token_file,
         link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,
                                target_deadline_s=args.target_deadline_s),
         shared_stream_from=args.shared_stream_from,
@@ -125,10 +127,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--peer-tls-ca", default="", help="CA that signed the draft/target certificates (TLS to them)")
     parser.add_argument("--peer-tls-cert", default="", help="our client certificate for mTLS to draft/target")
     parser.add_argument("--peer-tls-key", default="", help="private key of --peer-tls-cert")
+    parser.add_argument("--peer-token-file", default="",
+                        help="send `authorization: Bearer <token>` to the draft and target: the file's first token, "
+                             "re-read when it changes (or SPECSPLIT_PEER_TOKEN)")
     parser.add_argument("--auth-token-file", default="",
                         help="require `authorization: Bearer <token>` on Generate (file content; or SPECSPLIT_AUTH_TOKEN)")
     add_orchestrator_flags(parser)
     return parser
+
+
+def max_generate_bytes(orchestrator: Orchestrator) -> int:
+    """The largest ``Generate`` request worth reading: the target's context of the tokenizer's longest tokens."""
+    longest = max((len(token.encode()) for token in orchestrator.tokenizer.get_vocab()), default=1)
+    return generate_request_bytes(orchestrator.target.info.max_context, longest)
 
 
 async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0", token: str = ""):
@@ -136,7 +147,8 @@ async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0",
     servicer = GeneratorServicer(orchestrator)
     interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
     return await start_in_process(
-        servicer, pb_grpc.add_GeneratorServicer_to_server, SERVICE_NAME, address, interceptors=interceptors
+        servicer, pb_grpc.add_GeneratorServicer_to_server, SERVICE_NAME, address, interceptors=interceptors,
+        max_receive_bytes=max_generate_bytes(orchestrator),
     )
 
 
@@ -145,11 +157,16 @@ async def serve(args) -> None:
     serve_metrics(args.metrics_port, args.host, "orchestrator")
     token = load_token(args.auth_token_file)
     interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
-    server, port, health = create_server(
-        f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection, server_tls(args), interceptors
-    )
+    orchestrator = await Orchestrator.connect(config)  # first: the receive bound comes from the target's context
+    try:
+        server, port, health = create_server(
+            f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection, server_tls(args), interceptors,
+            max_generate_bytes(orchestrator),
+        )
+    except BaseException:
+        await orchestrator.close()
+        raise
     await set_serving(health, [SERVICE_NAME], False)
-    orchestrator = await Orchestrator.connect(config)
     add_servicer(pb_grpc.add_GeneratorServicer_to_server, GeneratorServicer(orchestrator), server)
     http = await _start_http(args, orchestrator, token) if args.http_port is not None else None
     try:

@@ -42,6 +42,7 @@ class TargetSession:
     cache: SessionCache
     rounds: int = 0
     top_logprobs: int | None = None  # None: no logprobs; else also this many most likely tokens per position
+    reserved: int = 0  # positions reserved against the KV budget at the open: the most it may hold
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,8 @@ class TargetEngine:
     # -- sessions -----------------------------------------------------------
     def open(
         self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode,
-        top_logprobs: int | None = None, feature_layers: Sequence[int] = (),
+        top_logprobs: int | None = None, feature_layers: Sequence[int] = (), caller: str = "",
+        reserve_tokens: int = 0,  # positions it may hold (TargetOpen.reserve_tokens); 0: the full context
     ):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -153,10 +155,15 @@ class TargetEngine:
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise errors.InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
         self._check_feature_layers(feature_layers)
+        reserve = max(min(reserve_tokens or self.max_context, self.max_context), len(tokens) + 1)
         session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
-                                top_logprobs=top_logprobs)
+                                top_logprobs=top_logprobs, reserved=reserve)
         session.cache.feature_layers = tuple(feature_layers)
-        return self.sessions.add(session_id, session)
+        try:
+            return self.sessions.add(session_id, session, caller, reserve)
+        except errors.SpecsplitError:
+            session.cache.release()  # refused (a limit or the budget): its cache goes with it, on every rank
+            raise
 
     def _check_feature_layers(self, layers: Sequence[int]) -> None:
         bad = [layer for layer in layers if not 0 <= layer <= self.num_layers]
@@ -397,6 +404,12 @@ class TargetEngine:
             raise errors.InvalidArgument(
                 f"block of {k} tokens at position {committed} overflows the model's context of "
                 f"{self.max_context}; send at most {room} draft tokens"
+            )
+        reserved = session.reserved
+        if reserved and committed + k + 1 > reserved:
+            raise errors.ResourceExhausted(
+                f"block of {k} tokens at position {committed} passes the {reserved} positions session "
+                f"{session.session_id!r} reserved at its open (TargetOpen.reserve_tokens); reopen it reserving more"
             )
         check_tokens(draft_tokens, self.vocab_size, "draft_tokens")
         if parents is not None:

@@ -8,12 +8,21 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 
 import torch
 
 from specsplit.lmkit import entry, logs, models
-from specsplit.lmkit.grpc_server import ComputeThread, add_common_flags, add_servicer, run_service, start_in_process
-from specsplit.lmkit.sessions import SessionLimits
+from specsplit.lmkit.caller_check import CallerPolicy
+from specsplit.lmkit.grpc_server import (
+    ComputeThread,
+    add_common_flags,
+    add_servicer,
+    run_service,
+    session_limits,
+    start_in_process,
+)
+from specsplit.lmkit.kvcache import kv_bytes_per_token
 from specsplit.target_service import ranks, tp
 from specsplit.target_service.engine import TargetEngine
 from specsplit.target_service.servicer import TargetServicer
@@ -34,6 +43,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     parser.add_argument("--max-block", type=int, default=32, help="largest draft block accepted per verify")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
+    parser.add_argument("--kv-budget-bytes", type=int, default=0,
+                        help="KV-cache bytes per device every live session may reserve together (each reserves its "
+                             "prompt + most new tokens + one block at its open); 0: no budget, --max-sessions alone")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="blocks of concurrent sessions verified in one forward at most (1 = no batching)")
     parser.add_argument("--batch-invariant", action="store_true",
@@ -50,11 +62,25 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
+def kv_budget_tokens(model, budget_bytes: int, tp_degree: int) -> int:
+    """--kv-budget-bytes in positions of this model (0: no budget)."""
+    if budget_bytes < 0:
+        raise ValueError(f"--kv-budget-bytes must be >= 0 (0: no budget), got {budget_bytes}")
+    if not budget_bytes:
+        return 0
+    per_token = kv_bytes_per_token(model, tp_degree)
+    tokens = budget_bytes // per_token
+    if tokens < 1:
+        raise ValueError(f"--kv-budget-bytes {budget_bytes} holds no position of this model ({per_token} bytes each)")
+    log.info("KV budget: %d positions (%d bytes each)", tokens, per_token)
+    return tokens
+
+
 def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]:
     """Load the model (sharded over the process group when --tp > 1) and build the engine."""
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
-    limits = SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)
     model = models.load_model(spec, tensor_parallel=args.tp > 1)
+    limits = replace(session_limits(args), kv_budget_tokens=kv_budget_tokens(model, args.kv_budget_bytes, args.tp))
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     leader = tp.Leader(model, on_broken=leader_hook) if args.tp > 1 else None
     engine = TargetEngine(
@@ -98,18 +124,23 @@ async def serve(args) -> int:
     return 1 if broken else 0
 
 
-async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_degree: int = 1, max_batch: int = 32):
+async def start_server(engine: TargetEngine, address: str = "127.0.0.1:0", tp_degree: int = 1, max_batch: int = 32,
+                       policy: CallerPolicy | None = None):
     """An in-process server over a loaded engine (tests, embedding); returns (server, port)."""
     servicer = TargetServicer(
         ComputeThread("target-compute"), tp_degree=tp_degree, device=str(engine.model.device), max_batch=max_batch
     )
     servicer.attach(engine)
-    return await start_in_process(servicer, pb_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, address)
+    return await start_in_process(
+        servicer, pb_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, address, policy=policy
+    )
 
 
 def run(args) -> int:
     """Validate flags, then serve until SIGTERM/SIGINT (as --tp supervised ranks when --tp > 1)."""
-    SessionLimits(max_block=args.max_block, max_sessions=args.max_sessions)  # fail fast on bad flags
+    session_limits(args)  # fail fast on bad flags
+    if args.kv_budget_bytes < 0:
+        raise ValueError(f"--kv-budget-bytes must be >= 0 (0: no budget), got {args.kv_budget_bytes}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)

@@ -8,7 +8,9 @@ from dataclasses import replace
 import grpc
 
 from specsplit.lmkit import errors
+from specsplit.lmkit.auth import current_caller
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
+from specsplit.lmkit.message_limits import target_request_bytes
 from specsplit.lmkit.session_mux import SessionMux
 from specsplit.lmkit.wire import features_to_proto, mode_from_proto, probs_from_proto, sampling_from_proto
 from specsplit.target_service.engine import TargetEngine, VerifyItem
@@ -26,10 +28,15 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         self.device = device
         self.max_batch = max_batch
         self.scheduler: VerifyScheduler | None = None
+        self._max_request_bytes = 0
 
     def attach(self, engine: TargetEngine) -> None:
         self.scheduler = VerifyScheduler(self.compute, engine, self.max_batch)
+        self._max_request_bytes = target_request_bytes(engine.max_context, engine.limits.max_block, engine.vocab_size)
         super().attach(engine)
+
+    def max_request_bytes(self) -> int:
+        return self._max_request_bytes
 
     def session_state(self, session) -> pb.SessionState:
         return pb.SessionState(
@@ -49,6 +56,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             hidden_size=e.hidden_size,
             num_layers=e.num_layers,
             token_trees=e.verifies_trees,
+            max_request_bytes=self._max_request_bytes,
         )
 
     async def Session(self, request_iterator, context):
@@ -85,7 +93,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         mode = mode_from_proto(msg.mode)
         top_logprobs = msg.top_logprobs if msg.return_logprobs else None
         return await self.compute.run(
-            engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs, list(msg.feature_layers)
+            engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs, list(msg.feature_layers),
+            current_caller(), msg.reserve_tokens,
         )
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:

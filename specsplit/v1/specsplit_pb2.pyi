@@ -147,7 +147,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "device", "tp_degree", "max_context", "max_block", "token_trees", "hidden_size", "num_layers", "drafters", "drafter_info")
+    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "device", "tp_degree", "max_context", "max_block", "token_trees", "hidden_size", "num_layers", "drafters", "drafter_info", "max_request_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class ModelInfo(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_INFO_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     vocab_fingerprint: str
@@ -172,7 +173,8 @@ class ModelInfo(_message.Message):
     num_layers: int
     drafters: _containers.RepeatedScalarFieldContainer[DrafterKind]
     drafter_info: _containers.RepeatedCompositeFieldContainer[DrafterInfo]
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ...) -> None: ...
+    max_request_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
     __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width")
@@ -367,7 +369,7 @@ class DraftReplies(_message.Message):
     def __init__(self, replies: _Optional[_Iterable[_Union[DraftReply, _Mapping]]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "mode", "feature_layers", "return_logprobs", "top_logprobs")
+    __slots__ = ("session_id", "tokens", "sampling", "mode", "feature_layers", "return_logprobs", "top_logprobs", "reserve_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -375,6 +377,7 @@ class TargetOpen(_message.Message):
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -382,7 +385,8 @@ class TargetOpen(_message.Message):
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     return_logprobs: bool
     top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    reserve_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("position", "draft_tokens", "parents", "draft_probs")

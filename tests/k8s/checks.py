@@ -358,6 +358,50 @@ def check_network_policies(docs: list[dict]) -> None:
                 assert admitted_orchestrator, f"{pod.owner}: no NetworkPolicy admits the orchestrator to port {port}"
 
 
+# ---- authentication ------------------------------------------------------------------------------
+
+
+def _secret_mounts(pod: PodSpec, container: dict) -> list[str]:
+    """The paths at which ``container`` mounts a Secret volume of its pod."""
+    secrets = {v["name"] for v in pod.spec.get("volumes", []) if "secret" in v}
+    return [m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] in secrets]
+
+
+def _in_secret(path: str | None, mounts: list[str]) -> bool:
+    return bool(path) and any(path.startswith(mount.rstrip("/") + "/") for mount in mounts)
+
+
+def check_services_authenticate(docs: list[dict]) -> None:
+    """Nothing is served unauthenticated but health: draft and target require a token (from a Secret) and, with
+    mTLS, an allowed client name; the orchestrator sends its token and guards its public API with one."""
+    seen = set()
+    for pod, container, args in specsplit_containers(docs):
+        command, mounts = args[0], _secret_mounts(pod, container)
+        seen.add(command)
+        required = ["--auth-token-file"] + (["--peer-token-file"] if command == "serve" else [])
+        for name in required:
+            assert _in_secret(flag(args, name), mounts), (
+                f"{pod.owner}: {command} {name} is {flag(args, name)!r}, not a file of a mounted Secret; "
+                "every port but health must require a token"
+            )
+        if command != "serve" and flag(args, "--tls-ca"):
+            assert flag(args, "--tls-allowed-sans"), (
+                f"{pod.owner}: mTLS without --tls-allowed-sans admits any certificate of the CA"
+            )
+    if any(d["kind"] == "RayService" for d in docs):
+        app = ray_app_args(docs)
+        for key in ("auth_token_file", "peer_token_file"):
+            path = app.get(key)
+            for pod in pod_specs(docs):
+                if pod.owner.startswith("RayService/"):
+                    (container,) = pod.spec["containers"]
+                    assert _in_secret(path, _secret_mounts(pod, container)), (
+                        f"{pod.owner}: the Serve app's {key} {path!r} is not a file of a mounted Secret"
+                    )
+        seen.add("serve")
+    assert {"serve-draft", "serve-target", "serve"} <= seen, f"expected draft, target and orchestrator, saw {seen}"
+
+
 # ---- monitoring ------------------------------------------------------------------------------------
 
 

@@ -156,6 +156,19 @@ def test_network_policies_admit_only_the_orchestrator_to_draft_and_target(render
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nothing_but_health_is_served_unauthenticated(rendered, overlay):
+    checks.check_services_authenticate(rendered[overlay])
+
+
+def test_the_kuberay_operator_is_admitted_from_its_namespace_alone(rendered):
+    policy = checks.find(rendered["gpu-prod"], "NetworkPolicy", "specsplit-ray-internal")
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule.get("from", []):
+            if "namespaceSelector" in peer:
+                assert peer["namespaceSelector"].get("matchLabels"), f"{peer} admits every namespace"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_orchestrator_dials_headless_services(rendered, overlay):
     checks.check_headless_round_robin(rendered[overlay])
 
@@ -286,6 +299,19 @@ def test_negative_control_pod_monitor_on_a_port_name_no_pod_has(rendered):
     with pytest.raises(AssertionError, match="no selected pod names a port 'prometheus'"):
         checks.check_pod_monitor(docs)
     assert "specsplit_no_such_metric_total" not in checks.exported_metric_names()
+
+
+def test_negative_control_a_service_without_a_token(rendered):
+    docs, draft = _broken(rendered["cpu-dev"], "Deployment", "specsplit-draft")
+    container = draft["spec"]["template"]["spec"]["containers"][0]
+    container["args"] = [a for a in container["args"] if not a.startswith("--auth-token-file")]
+    with pytest.raises(AssertionError, match="serve-draft --auth-token-file is None"):
+        checks.check_services_authenticate(docs)
+    docs, target = _broken(rendered["gpu-prod"], "StatefulSet", "specsplit-target")
+    container = target["spec"]["template"]["spec"]["containers"][0]
+    container["args"] = [a for a in container["args"] if not a.startswith("--tls-allowed-sans")]
+    with pytest.raises(AssertionError, match="any certificate of the CA"):
+        checks.check_services_authenticate(docs)
 
 
 def test_negative_control_clusterip_service(rendered):

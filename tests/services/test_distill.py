@@ -55,12 +55,12 @@ def test_distill_trains_checkpoints_resumes_and_reports(deep_target_dir, corpus,
     out = tmp_path / "adapter"
     first = distill.distill(distill.config_from_args(args_for(tiny_target_dir, out, corpus, 3)), log=lambda _: None)
     assert first["resumed_at"] == 0
-    assert torch.load(out / distill.CHECKPOINT, weights_only=False)["step"] == 3
+    assert torch.load(out / distill.CHECKPOINT, weights_only=True)["step"] == 3
     # Same settings, more steps: the run picks up at the checkpoint instead of starting over.
     messages = []
     report = distill.distill(distill.config_from_args(args_for(tiny_target_dir, out, corpus, 12)), log=messages.append)
     assert report["resumed_at"] == 3 and any("resuming" in m for m in messages)
-    assert torch.load(out / distill.CHECKPOINT, weights_only=False)["step"] == 12
+    assert torch.load(out / distill.CHECKPOINT, weights_only=True)["step"] == 12
     saved = json.loads((out / distill.REPORT).read_text())
     assert saved == report
     # Training moved the draft towards the target on held-out text.
@@ -143,7 +143,7 @@ def test_eagle_distill_stops_on_time_resumes_and_writes_a_servable_head(tiny_tar
     # --max-minutes: the first step already runs past a microsecond, so training stops there, checkpointed.
     stopped = eagle_distill.distill_eagle(eagle_args_for(tiny_target_dir, out, corpus, 4, max_minutes=1e-8))
     assert stopped == {"stopped_at": 1}
-    assert torch.load(out / eagle_distill.CHECKPOINT, weights_only=False)["step"] == 1
+    assert torch.load(out / eagle_distill.CHECKPOINT, weights_only=True)["step"] == 1
     assert not (out / eagle_distill.REPORT).exists()
     data_files = sorted(p.name for p in (out / "data").glob("*.pt"))
     # The rerun reuses the data and the checkpoint and finishes.
@@ -161,3 +161,20 @@ def test_eagle_distill_stops_on_time_resumes_and_writes_a_servable_head(tiny_tar
     # Other settings on the same folder are refused rather than mixed in.
     with pytest.raises(ValueError, match="other settings"):
         eagle_distill.distill_eagle(eagle_args_for(tiny_target_dir, out, corpus, 4, draft_vocab=32))
+
+
+class _RunsCode:
+    """Unpickling it would call ``print``: what a tampered checkpoint could do with any callable."""
+
+    def __reduce__(self):
+        return (print, ("a tampered checkpoint ran code",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, capsys):
+    path = tmp_path / distill.CHECKPOINT
+    torch.save({"config": {}, "step": 1, "payload": _RunsCode()}, path)
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        distill._load_checkpoint(path, None, None, None)
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        eagle_distill._resume(path, None, None, None)
+    assert "ran code" not in capsys.readouterr().out

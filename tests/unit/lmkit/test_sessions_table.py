@@ -41,3 +41,28 @@ def test_open_checks():
         check_tokens([0, 10], 10, "tokens")
     with pytest.raises(errors.InvalidArgument, match=">= 0"):
         check_tokens([-1], None, "tokens")
+
+
+def test_one_caller_is_capped_while_another_still_opens():
+    table = SessionTable(SessionLimits(max_sessions=4, max_sessions_per_caller=2), "target")
+    table.add("a1", object(), "alice")
+    table.add("a2", object(), "alice")
+    with pytest.raises(errors.ResourceExhausted, match=r"caller 'alice' holds its maximum of 2 .*--max-sessions-per"):
+        table.add("a3", object(), "alice")
+    table.add("b1", object(), "bob")
+    table.remove("a1")
+    table.add("a3", object(), "alice")  # a closed session frees its caller's share
+    assert table.stats()[0] == 3
+
+
+def test_sessions_reserve_positions_against_the_kv_budget():
+    table = SessionTable(SessionLimits(kv_budget_tokens=250), "target")
+    table.add("a", object(), reserve=100)
+    table.add("b", object(), reserve=100)
+    with pytest.raises(errors.ResourceExhausted, match="holds 250 positions and 50 are free; this session reserves 100"):
+        table.add("c", object(), reserve=100)
+    table.add("c", object(), reserve=50)  # what fits is admitted
+    assert table.reserved("a") == 100
+    table.remove("a")
+    table.add("d", object(), reserve=100)
+    assert table.reserved("a") == 0 and table.stats()[0] == 3

@@ -1,0 +1,24 @@
+"""--kv-budget-bytes in positions of the model: what the target's session table admits against."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specsplit.lmkit.kvcache import kv_bytes_per_token
+from specsplit.target_service.server import kv_budget_tokens
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_budget_flag_in_positions():
+    config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    model = LlamaForCausalLM(config)
+    per = kv_bytes_per_token(model)
+    assert kv_budget_tokens(model, 0, 1) == 0  # no budget
+    assert kv_budget_tokens(model, 10 * per + 1, 1) == 10
+    with pytest.raises(ValueError, match="holds no position"):
+        kv_budget_tokens(model, per - 1, 1)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        kv_budget_tokens(model, -1, 1)
