@@ -8,7 +8,6 @@ traceback or a hang) and be counted in ``specsplit_refused_requests_total``.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import threading
 import time
@@ -25,7 +24,7 @@ from specsplit.orchestrator.generation import Orchestrator
 from specsplit.orchestrator.server import start_server
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from tests.conftest import Services, make_engines, run_async, wait_until
+from tests.conftest import run_async, wait_until
 
 pytestmark = pytest.mark.services
 
@@ -216,30 +215,19 @@ def test_a_body_held_open_gets_408_after_the_body_timeout(front):
     assert refused("body_timeout") == before + 1
 
 
-@pytest.fixture(scope="module")
-def long_target(tiny_target_dir, tmp_path_factory, background_loop):
-    """The tiny target with an 8,192-position context: long enough a stream to fill the socket buffers."""
-    folder = tmp_path_factory.mktemp("long-target")
-    shutil.copytree(tiny_target_dir, folder, dirs_exist_ok=True)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
-    target, draft = make_engines(str(folder), None)
-    services = Services(background_loop, target, draft)
-    yield services, folder
-    services.stop()
-
-
-def test_a_client_that_never_reads_its_stream_loses_its_slot(long_target, background_loop):
-    """One generation per caller: a stream nobody reads would hold this caller's slot for good."""
-    services, folder = long_target
-    config = OrchestratorConfig(services.target_address, "", str(folder), served_model_names=(MODEL,),
-                                max_new_tokens_limit=8000, max_concurrent_per_caller=1)
+def test_a_client_that_never_reads_its_stream_loses_its_slot(tiny_services, tiny_target_dir, background_loop):
+    """One generation per caller: a stream nobody reads would hold this caller's slot for good. The server's
+    send buffer is pinned small (accepted sockets inherit it), so a few dozen chunks fill every buffer."""
+    config = OrchestratorConfig(tiny_services.target_address, "", str(tiny_target_dir), served_model_names=(MODEL,),
+                                max_concurrent_per_caller=1)
     orch = background_loop.run(Orchestrator.connect(config))
     http = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch, limits=LIMITS),
                                                                "127.0.0.1", 0, limits=LIMITS))
+    for listener in http.server.servers[0].sockets:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     before = refused("stalled_send")
     sock = connect(http.port, rcvbuf=4096)
-    body = json.dumps({**CHAT, "max_tokens": 8000, "stream": True, "logprobs": True, "top_logprobs": 20,
+    body = json.dumps({**CHAT, "max_tokens": 400, "stream": True, "logprobs": True, "top_logprobs": 20,
                        "temperature": 1.0, "seed": 1}).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
