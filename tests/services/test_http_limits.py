@@ -343,3 +343,27 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(front
             case.call_and_validate(checks=[not_a_server_error, response_schema_conformance], timeout=60)
 
         check()
+
+
+def test_a_grpc_generation_past_the_deadline_ends_with_deadline_exceeded(tiny_services, tiny_target_dir,
+                                                                         background_loop):
+    config = OrchestratorConfig(tiny_services.target_address, "", str(tiny_target_dir), max_generation_s=0.2)
+    orch = background_loop.run(Orchestrator.connect(config))
+    server, port = background_loop.run(start_server(orch))
+
+    async def generate():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=500)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in pb_grpc.GeneratorStub(channel).Generate(request):
+                    pass
+            return caught.value
+
+    try:
+        error = run_async(generate(), 120)
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "ran past the server's limit of 0.2 s" in error.details()
+        assert wait_until(lambda: orch.active == 0, 5)
+    finally:
+        background_loop.run(server.stop(0))
+        background_loop.run(orch.close())
