@@ -109,7 +109,7 @@ async def _generate(orch: Orchestrator, text: str, cell: Cell, max_new: int) -> 
     request = GenerationRequest(text, True, max_new, GREEDY, (), cell.k if cell.drafter else 0,
                                 cell.drafter or DrafterKind.NGRAM, False, cell.adaptive, overlap=cell.overlap)
     ids, loop, start = [], None, time.perf_counter()
-    async for event in orch.generate(request, orch.encode(text, chat=True)):
+    async for event in orch.generate(request, await orch.tokenize(text, chat=True)):
         ids.extend(event.token_ids)
         loop = event.loop or loop
     return Run(ids, time.perf_counter() - start, loop)

@@ -189,6 +189,7 @@ class DraftEngine:
         if position + len(tokens) == 0:
             raise errors.InvalidArgument("propose would leave the context empty; send the committed tokens")
         check_tokens(tokens, self.vocab_size, "tokens")
+        self._check_context(position + len(tokens), k)
         self._check_features_block(session, position + len(tokens), features)
         start = time.perf_counter()
         with abandon.proposing(lambda: session.closed):
@@ -202,6 +203,15 @@ class DraftEngine:
         session.rounds += 1
         self.sessions.count_round()
         return TimedProposal(proposal, time.perf_counter() - start)
+
+    def _check_context(self, committed: int, k: int) -> None:
+        """Refuse a proposal that would run the draft model past its context (model-free drafters have none)."""
+        if self.max_context and committed + k > self.max_context:
+            room = max(self.max_context - committed, 0)
+            raise errors.InvalidArgument(
+                f"proposing {k} tokens after {committed} committed ones overflows the draft model's context of "
+                f"{self.max_context}; ask for at most {room}"
+            )
 
     @staticmethod
     def prepare(session: DraftSession) -> float:

@@ -36,6 +36,11 @@ class OrchestratorConfig:
     max_new_tokens_limit: int = 4096  # the most a request may ask for (--max-new-tokens-limit)
     max_stop_strings: int = 16
     max_concurrent: int = 64  # generations in flight; beyond it RESOURCE_EXHAUSTED
+    max_concurrent_per_caller: int = 0  # generations one caller (bearer token, else address) may run; 0: no bound
+    max_generation_s: float = 600.0  # a generation running longer ends with DEADLINE_EXCEEDED; 0: no bound
+    max_prompt_bytes: int = 0  # UTF-8 bytes of a prompt (all turns); 0: the context length x the longest token
+    max_stop_chars: int = 256  # characters of one stop string
+    tokenize_threads: int = 2  # threads that tokenize prompts and render chat templates, off the event loop
     ngram_min: int = 2
     ngram_max: int = 4
     connect_timeout_s: float = 120.0
@@ -65,6 +70,14 @@ class OrchestratorConfig:
             raise ValueError(f"--tree-branches must be in [1, {MAX_TREE_BRANCHES}], got {self.default_tree_branches}")
         if self.max_concurrent < 1:
             raise ValueError(f"--max-concurrent must be >= 1, got {self.max_concurrent}")
+        if self.max_concurrent_per_caller < 0:
+            raise ValueError(f"--max-concurrent-per-caller must be >= 0 (0: no bound), got {self.max_concurrent_per_caller}")
+        if self.max_generation_s < 0:
+            raise ValueError(f"--max-generation-s must be >= 0 (0: no bound), got {self.max_generation_s}")
+        if self.max_prompt_bytes < 0:
+            raise ValueError(f"--max-prompt-bytes must be >= 0 (0: from the context length), got {self.max_prompt_bytes}")
+        if self.max_stop_chars < 1 or self.tokenize_threads < 1:
+            raise ValueError("max_stop_chars and --tokenize-threads must be >= 1")
         if self.default_sampling_mode not in (VerificationMode.TOKEN_ONLY, VerificationMode.COUPLED):
             raise ValueError(
                 f"--sampling-mode must be token-only or coupled (draft-probs is per request), got {self.default_sampling_mode}"
@@ -73,3 +86,23 @@ class OrchestratorConfig:
             raise ValueError(f"--shared-stream-from must be >= 0 (0: never), got {self.shared_stream_from}")
         if self.connect_timeout_s <= 0:
             raise ValueError("--connect-timeout-s must be > 0")
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Bounds of the OpenAI-compatible HTTP API (``orchestrator.http_guard``; ``--http-*`` flags)."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    header_timeout_s: float = 10.0  # from connection (or the last response) to the end of the headers
+    body_timeout_s: float = 30.0  # from the end of the headers to the end of the body
+    keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
+    max_connections: int = 1024  # open connections and requests at once; more get 503 (uvicorn's limit_concurrency)
+    stalled_send_s: float = 30.0  # a response write blocked this long (the client stopped reading) ends it
+    trusted_hosts: tuple[str, ...] = ()  # allowed Host header values (host, or host:port); empty: any
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or self.max_connections < 1:
+            raise ValueError("--http-max-body-bytes and --http-max-connections must be >= 1")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "stalled_send_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--http-{name[:-2].replace('_', '-')}-s must be > 0, got {getattr(self, name)}")

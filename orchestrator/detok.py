@@ -132,10 +132,15 @@ class StopMatcher:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
         longest = 0
         for s in self._stop_strings:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
+            # Candidates start where the tail holds s[0]; the first that s starts with is the longest. One
+            # C-level comparison per candidate, not a slice and a comparison per length.
+            tail = text[len(text) - min(len(s) - 1, len(text)) :]
+            start = tail.find(s[0])
+            while start >= 0 and len(tail) - start > longest:
+                if s.startswith(tail[start:]):
+                    longest = len(tail) - start
                     break
+                start = tail.find(s[0], start + 1)
         return longest
 
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
 
@@ -22,6 +23,7 @@ from specsplit.lmkit.wire import sampling_to_proto
 from specsplit.orchestrator import metrics
 from specsplit.orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
 from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
+from specsplit.orchestrator.limits import Slots, prompt_byte_limit
 from specsplit.orchestrator.links import NO_DRAFT, DraftLink, TargetLink
 from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from specsplit.orchestrator.mux import Mux
@@ -31,6 +33,10 @@ from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+
+class DeadlineExceeded(Exception):
+    """A generation ran past the server's ``max_generation_s``."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,11 @@ class Orchestrator:
         }
         # One target and one draft: their costs, links and acceptance, measured from every session, serve each.
         self.measured = Measurements()
-        self.active = 0  # generations in flight, over every API; bounded by config.max_concurrent
+        # Generations in flight over every API, in all and per caller; bounded by config.max_concurrent*.
+        self.slots = Slots(config.max_concurrent, config.max_concurrent_per_caller)
+        self.prompt_byte_limit = prompt_byte_limit(config.max_prompt_bytes, target.info.max_context, tokenizer)
+        # Tokenizing and rendering chat templates happen here, never on the event loop that answers /health.
+        self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="tokenize")
         self.in_flight = 0  # generations running (admitted or not): what decides a new session's stream
 
     @classmethod
@@ -132,6 +142,7 @@ class Orchestrator:
         return cls(config, tokenizer, target, draft)
 
     async def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         await self.target.close()
         if self.draft is not None:
             await self.draft.close()
@@ -147,21 +158,18 @@ class Orchestrator:
     def drafters(self) -> list[DrafterKind]:
         return list(self.drafter_traits)
 
-    @contextlib.contextmanager
-    def admit(self):
-        """Hold one of ``config.max_concurrent`` generation slots; ResourceExhausted when all are taken."""
-        limit = self.config.max_concurrent
-        if self.active >= limit:
-            raise errors.ResourceExhausted(
-                f"the orchestrator is serving its maximum of {limit} concurrent generations; retry with backoff"
-            )
-        self.active += 1
-        metrics.RUNNING.inc()
-        try:
-            yield
-        finally:
-            self.active -= 1
-            metrics.RUNNING.dec()
+    @property
+    def active(self) -> int:
+        return self.slots.active
+
+    def admit(self, caller: str = ""):
+        """Hold one generation slot for ``caller`` (``with``); ResourceExhausted when none is free to it."""
+        return self.slots.hold(caller)
+
+    async def tokenize(self, prompt: str, chat: bool, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
+        """``encode`` on the tokenizer threads, off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.encode, prompt, chat, messages)
 
     def encode(self, prompt: str, chat: bool, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
         """Token ids of a raw prompt, of a prompt as one user turn (``chat``), or of a conversation."""
@@ -281,12 +289,14 @@ class Orchestrator:
             tree_branches=self.tree_branches(request, mode) if speculating else 1,
         )
         rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller)
+        deadline = time.monotonic() + self.config.max_generation_s if self.config.max_generation_s else None
         pending: list[pb.TokenLogprob] = []  # the logprobs of committed ids not sent yet (ids wait for their text)
         last = None
         # A stop string ends the generation here: the loop (and the proposal it drafts ahead) is closed
         # before the last event goes out, not whenever the abandoned generator is collected.
         async with contextlib.aclosing(rounds):
             async for new, finish, logprobs in rounds:
+                self._check_deadline(deadline)
                 pending.extend(logprobs)
                 pieces = []
                 for token in new:
@@ -312,6 +322,14 @@ class Orchestrator:
                 yield GenerationEvent(text, ids, finish, logprobs=sent)
         if last is not None:
             yield last
+
+    def _check_deadline(self, deadline: float | None) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            metrics.REFUSED.inc(reason="generation_deadline")
+            raise DeadlineExceeded(
+                f"the generation ran past the server's limit of {self.config.max_generation_s:g} s "
+                "(--max-generation-s); ask for fewer tokens"
+            )
 
     def tree_branches(self, request: GenerationRequest, mode: VerificationMode) -> int:
         """The request's tree width where draft and target both take trees and its mode verifies them

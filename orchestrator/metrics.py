@@ -110,6 +110,9 @@ REQUESTS = Metric("counter", "specsplit_requests", "Generate calls and HTTP requ
 SUCCESS = Metric("counter", "specsplit_request_success", "finished generations by finish reason",
                  ("finished_reason",))
 RUNNING = Metric("gauge", "specsplit_num_requests_running", "generations in flight")
+REFUSED = Metric("counter", "specsplit_refused_requests",
+                 "requests refused or cut short to protect the server, by reason (docs/http-api.md, Limits)",
+                 ("reason",))
 QUEUE_TIME = Metric("histogram", "specsplit_request_queue_time_seconds",
                     "arrival until the target session is open (tokenizing, admission, draft and target session set-up)",
                     buckets=REQUEST_BUCKETS)

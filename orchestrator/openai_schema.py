@@ -124,12 +124,13 @@ def validate(model_cls: type[_Common], body: Any) -> _Common:
             raise RequestError(f"unrecognized request argument supplied: {param}", param) from None
         if error["type"] == "missing":
             raise RequestError(f"missing required parameter: {param}", param) from None
-        raise RequestError(f"invalid value for {param}: {error['msg']} (got {error.get('input')!r})", param) from None
+        raise RequestError(f"invalid value for {param}: {error['msg']} (got {_shown(error.get('input'))})", param) from None
 
 
 def to_generate_request(req: _Common, config: OrchestratorConfig, request_id: str) -> pb.GenerateRequest:
     """The ``GenerateRequest`` an OpenAI request stands for; refuses what cannot be honoured."""
     _refuse_unsupported(req)
+    _check_wire_ranges(req)
     sampling = _sampling(req)
     msg = pb.GenerateRequest(sampling=sampling, stop=_stop(req.stop), request_id=request_id)
     if isinstance(req, ChatCompletionRequest):
@@ -173,6 +174,24 @@ def _refuse_unsupported(req: _Common) -> None:
             raise RequestError("suffix is not supported", "suffix")
         if req.best_of not in (None, 1):
             raise RequestError("best_of > 1 is not supported", "best_of")
+
+
+# Integer parameters the wire carries in fixed widths, each with the largest value it holds.
+_WIRE_MAX = {"top_k": 2**31 - 1, "k": 2**32 - 1}
+
+
+def _check_wire_ranges(req: _Common) -> None:
+    """Refuse an integer too large for its protobuf field, naming it (JSON integers are unbounded)."""
+    for name, largest in _WIRE_MAX.items():
+        value = getattr(req, name)
+        if value is not None and value > largest:
+            raise RequestError(f"{name} must be at most {largest}, got {_shown(value)}", name)
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages about inputs of any size."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 256 else f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _sampling(req: _Common) -> pb.SamplingParams:

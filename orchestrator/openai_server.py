@@ -38,7 +38,17 @@ from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import status_for
 from specsplit.lmkit.security import ServerTls
 from specsplit.orchestrator import metrics
-from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.config import HttpLimits
+from specsplit.orchestrator.generation import DeadlineExceeded, Orchestrator
+from specsplit.orchestrator.http_guard import (
+    StalledSendGuard,
+    check_host,
+    check_json_content_type,
+    guarded_protocol,
+    parse_json,
+    read_body,
+)
+from specsplit.orchestrator.limits import caller_of
 from specsplit.orchestrator.openai_schema import (
     ChatCompletionRequest,
     ChatShape,
@@ -54,7 +64,7 @@ from specsplit.orchestrator.requests import parse_request
 from specsplit.orchestrator.servicer import peer_status
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_LIMITS = HttpLimits()
 # gRPC status -> (HTTP status, OpenAI error type, code)
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
@@ -66,7 +76,9 @@ _HTTP = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
 }
 _CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "INVALID_ARGUMENT",
-                   413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+                   408: "DEADLINE_EXCEEDED", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT",
+                   429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+_CLOSES = (408, 413)  # refused before the body was read whole: the connection cannot carry another request
 
 
 class ClientGone(Exception):
@@ -89,6 +101,8 @@ def error_for(exc: Exception) -> RequestError:
         code, message = status_for(exc), str(exc)
     elif isinstance(exc, PeerError):
         code, message = peer_status(exc), str(exc)
+    elif isinstance(exc, DeadlineExceeded):
+        code, message = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     else:
         code, message = grpc.StatusCode.INTERNAL, "internal error; see the orchestrator's log"
     status, error_type, error_code = _HTTP.get(code, (500, "server_error", None))
@@ -101,9 +115,10 @@ def _sse(obj) -> bytes:
 
 
 class OpenAIApi:
-    def __init__(self, orch: Orchestrator, token: str = "") -> None:
+    def __init__(self, orch: Orchestrator, token: str = "", limits: HttpLimits = DEFAULT_LIMITS) -> None:
         self.orch = orch
         self.token = token
+        self.limits = limits
         self.names = served_model_names(orch)
         self.started = int(time.time())
 
@@ -134,16 +149,17 @@ class OpenAIApi:
         headers = {} if request_id != response_id else {"x-request-id": request_id}  # else the caller has it
         try:
             self._authorize(request)
-            body = validate(model_cls, await self._json(request))
+            check_json_content_type(request)
+            body = validate(model_cls, parse_json(await read_body(request, self.limits)))
             self._check_model(body.model)
             msg = to_generate_request(body, self.orch.config, request_id)
             shape = shape_cls(response_id, body.model, msg.return_logprobs)
-            events = self._events(msg, arrived)
+            events = self._events(msg, arrived, _caller(request))
             if body.stream:
                 first = await _until_disconnected(request, anext(events))
                 usage = body.stream_options is not None and body.stream_options.include_usage
-                return StreamingResponse(self._stream(shape, first, events, usage), media_type="text/event-stream",
-                                         headers=headers)
+                return _ClosingStream(self._stream(shape, first, events, usage), media_type="text/event-stream",
+                                      headers=headers)
             whole = await _until_disconnected(request, self._whole(shape, events))
             metrics.REQUESTS.inc(code="OK")
             return JSONResponse(whole, headers=headers)
@@ -153,13 +169,13 @@ class OpenAIApi:
         except Exception as exc:  # noqa: BLE001 - every failure leaves as an OpenAI error
             return self._error_response(exc, request_id, headers)
 
-    async def _events(self, msg, arrived: float):
+    async def _events(self, msg, arrived: float, caller: str):
         """The generation's events; admission and validation happen on the first ``anext``.
 
         Closing this generator closes the generation at once (its sessions with it).
         """
-        with self.orch.admit():
-            parsed, prompt_ids = parse_request(msg, self.orch)
+        with self.orch.admit(caller):
+            parsed, prompt_ids = await parse_request(msg, self.orch)
             async with contextlib.aclosing(self.orch.generate(parsed, prompt_ids, arrived)) as generation:
                 async for event in generation:
                     yield event
@@ -205,6 +221,7 @@ class OpenAIApi:
 
     # -- checks --------------------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
+        check_host(request, self.limits.trusted_hosts)
         if not self.token:
             return
         offered = request.headers.get("authorization", "").encode()
@@ -217,20 +234,6 @@ class OpenAIApi:
             raise RequestError(f"the model `{name}` does not exist; this server serves {', '.join(self.names)}",
                                "model", status=404, code="model_not_found")
 
-    @staticmethod
-    async def _json(request: Request):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise RequestError(f"the request body is {length} bytes; at most {MAX_BODY_BYTES} are accepted",
-                               status=413)
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise RequestError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(f"the request body is not valid JSON: {exc}") from None
-
     def _model(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "specsplit"}
 
@@ -241,7 +244,25 @@ class OpenAIApi:
             unexpected = not isinstance(exc, (PeerError, errors.SpecsplitError))
             log.warning("request %s failed: %s", request_id, exc, exc_info=unexpected)
         metrics.REQUESTS.inc(code=_CODE_OF_STATUS.get(error.status, "INTERNAL"))
+        if error.status in _CLOSES:
+            headers = {**headers, "connection": "close"}
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that closes its body however sending ends (a stalled or vanished client
+    included), so the generation behind it ends at once instead of when the garbage collector finds it."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _caller(request: Request) -> str:
+    """Whom a request's generation slot counts against (``--max-concurrent-per-caller``)."""
+    return caller_of(request.headers.get("authorization", ""), request.client.host if request.client else "")
 
 
 def _request_id(request: Request, fallback: str) -> str:
@@ -273,12 +294,17 @@ async def _until_disconnected(request: Request, awaitable):
     return work.result()
 
 
-def build_app(orch: Orchestrator, token: str = "") -> FastAPI:
-    """The ASGI app of the OpenAI-compatible API over a connected orchestrator."""
-    api = OpenAIApi(orch, token)
-    app = FastAPI(title="specsplit", summary="OpenAI-compatible API of a specsplit orchestrator")
-    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+def build_app(orch: Orchestrator, token: str = "", limits: HttpLimits = DEFAULT_LIMITS) -> FastAPI:
+    """The ASGI app of the OpenAI-compatible API over a connected orchestrator.
+
+    With a token, the schema and its pages (``/openapi.json``, ``/docs``, ``/redoc``) are not served.
+    """
+    api = OpenAIApi(orch, token, limits)
+    pages = {"openapi_url": None, "docs_url": None, "redoc_url": None} if token else {}
+    app = FastAPI(title="specsplit", summary="OpenAI-compatible API of a specsplit orchestrator", **pages)
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"],
+                      openapi_extra=_request_body(ChatCompletionRequest))
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"], openapi_extra=_request_body(CompletionRequest))
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
@@ -290,9 +316,33 @@ def build_app(orch: Orchestrator, token: str = "") -> FastAPI:
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("%s %s failed", request.method, request.url.path, exc_info=exc)
+        error = RequestError("internal error; see the orchestrator's log", status=500, error_type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestError, refused)
+    app.add_exception_handler(Exception, failed)
+    app.add_middleware(StalledSendGuard, stalled_send_s=limits.stalled_send_s)
     return app
+
+
+def _request_body(model_cls) -> dict:
+    """The OpenAPI ``requestBody`` of a route that reads its JSON itself (for clients and schema fuzzers)."""
+    schema = model_cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 class _Server(uvicorn.Server):
@@ -316,8 +366,9 @@ class HttpServer:
 
 
 async def start_http_server(app, host: str, port: int, tls: ServerTls | None = None,
-                            grace_s: float = 10.0) -> HttpServer:
-    """Serve ``app`` on ``host:port`` (0 picks a free port) in this event loop, until ``stop()``."""
+                            grace_s: float = 10.0, limits: HttpLimits = DEFAULT_LIMITS) -> HttpServer:
+    """Serve ``app`` on ``host:port`` (0 picks a free port) in this event loop, until ``stop()``; ``limits``
+    bound the time headers and idle connections may take, and the connections open at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -332,7 +383,9 @@ async def start_http_server(app, host: str, port: int, tls: ServerTls | None = N
         if tls.ca:
             options.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=grace_s, **options)
+                            timeout_graceful_shutdown=grace_s, http=guarded_protocol(limits.header_timeout_s),
+                            timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections,
+                            h11_max_incomplete_event_size=64 * 1024, **options)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

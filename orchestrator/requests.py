@@ -15,6 +15,7 @@ from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.wire import MAX_TOP_LOGPROBS, mode_from_proto, sampling_from_proto
 from specsplit.orchestrator.config import MAX_TREE_BRANCHES
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.limits import check_prompt_size
 from specsplit.v1 import specsplit_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -22,10 +23,14 @@ MAX_REQUEST_ID = 128
 _REQUEST_ID_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
 
 
-def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[GenerationRequest, list[int]]:
-    """Validate a request against the server's limits; return it with the prompt's token ids."""
+async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[GenerationRequest, list[int]]:
+    """Validate a request against the server's limits; return it with the prompt's token ids.
+
+    The prompt's size is checked before it is tokenized, and it is tokenized off the event loop.
+    """
     config = orch.config
     messages = _messages(msg)
+    check_prompt_size(msg.prompt, messages, orch.prompt_byte_limit)
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else config.default_max_new_tokens
     if not 1 <= max_new <= config.max_new_tokens_limit:
         raise errors.InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
@@ -37,6 +42,9 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
         raise errors.InvalidArgument(f"{len(stop)} stop strings sent; at most {config.max_stop_strings} are allowed")
     if any(not s for s in stop):
         raise errors.InvalidArgument("stop strings must not be empty")
+    if any(len(s) > config.max_stop_chars for s in stop):
+        longest = max(len(s) for s in stop)
+        raise errors.InvalidArgument(f"a stop string is {longest} characters; at most {config.max_stop_chars} are allowed")
     k = msg.k if msg.HasField("k") else config.default_k
     if k > orch.max_block:
         raise errors.InvalidArgument(f"k = {k} is larger than the services' max block {orch.max_block}")
@@ -53,7 +61,7 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
     top_logprobs = _top_logprobs(msg)
     request_id = _request_id(msg.request_id)
-    prompt_ids = orch.encode(msg.prompt, msg.chat, messages)
+    prompt_ids = await orch.tokenize(msg.prompt, msg.chat, messages)
     limit = orch.target.info.max_context
     if limit and len(prompt_ids) >= limit:
         raise errors.InvalidArgument(

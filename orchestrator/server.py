@@ -26,9 +26,11 @@ from specsplit.orchestrator.config import (
     DEFAULT_K,
     DEFAULT_SAMPLING_MODE,
     DEFAULT_TREE_BRANCHES,
+    HttpLimits,
     OrchestratorConfig,
 )
 from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.limits import longest_token_bytes
 from specsplit.orchestrator.links import LinkPolicy
 from specsplit.orchestrator.servicer import GeneratorServicer
 from specsplit.v1 import specsplit_pb2 as pb
@@ -74,6 +76,16 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout-s", type=float, default=120.0, help="wait this long for the services")
     parser.add_argument("--max-concurrent", type=int, default=64,
                         help="generations in flight at most; more get RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-concurrent-per-caller", type=int, default=0,
+                        help="generations one caller (bearer token, else client address) may run at once; "
+                             "more get RESOURCE_EXHAUSTED / 429 (0: no bound but --max-concurrent)")
+    parser.add_argument("--max-generation-s", type=float, default=600.0,
+                        help="a generation running longer ends with DEADLINE_EXCEEDED / 504 (0: no bound)")
+    parser.add_argument("--max-prompt-bytes", type=int, default=0,
+                        help="UTF-8 bytes a prompt (all its turns) may have, checked before tokenizing "
+                             "(0: the target's context length times the tokenizer's longest token)")
+    parser.add_argument("--tokenize-threads", type=int, default=2,
+                        help="threads that tokenize prompts and render chat templates, off the event loop")
     parser.add_argument("--draft-timeout-s", type=float, default=5.0, help="a propose slower than this drops the draft")
     parser.add_argument("--draft-deadline-s", type=float, default=0.0,
                         help="how long a round waits for a draft block before the target steps alone "
@@ -104,6 +116,10 @@ def config_from_args(args) -> OrchestratorConfig:
         ngram_max=args.ngram_max,
         connect_timeout_s=args.connect_timeout_s,
         max_concurrent=args.max_concurrent,
+        max_concurrent_per_caller=args.max_concurrent_per_caller,
+        max_generation_s=args.max_generation_s,
+        max_prompt_bytes=args.max_prompt_bytes,
+        tokenize_threads=args.tokenize_threads,
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
         peer_token_file=args.peer_token_file,
         link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,
@@ -120,6 +136,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     parser.add_argument("--http-port", type=int, default=None,
                         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, ...) on this port")
+    add_http_flags(parser)
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight generations get on SIGTERM")
     logs.add_log_flags(parser)
@@ -138,8 +155,36 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def max_generate_bytes(orchestrator: Orchestrator) -> int:
     """The largest ``Generate`` request worth reading: the target's context of the tokenizer's longest tokens."""
-    longest = max((len(token.encode()) for token in orchestrator.tokenizer.get_vocab()), default=1)
-    return generate_request_bytes(orchestrator.target.info.max_context, longest)
+    return generate_request_bytes(orchestrator.target.info.max_context, longest_token_bytes(orchestrator.tokenizer))
+
+
+def add_http_flags(parser: argparse.ArgumentParser) -> None:
+    """The bounds of the HTTP API (``HttpLimits``): sizes, timeouts, connections, hosts."""
+    limits = HttpLimits()
+    parser.add_argument("--http-max-body-bytes", type=int, default=limits.max_body_bytes,
+                        help="largest request body; counted while it streams in, larger gets 413")
+    parser.add_argument("--http-header-timeout-s", type=float, default=limits.header_timeout_s,
+                        help="a connection whose request headers take longer is closed")
+    parser.add_argument("--http-body-timeout-s", type=float, default=limits.body_timeout_s,
+                        help="a request body that takes longer to arrive gets 408")
+    parser.add_argument("--http-keep-alive-s", type=float, default=limits.keep_alive_s,
+                        help="an idle kept-alive connection is closed after this")
+    parser.add_argument("--http-max-connections", type=int, default=limits.max_connections,
+                        help="connections and requests open at once; more get 503")
+    parser.add_argument("--http-stalled-send-s", type=float, default=limits.stalled_send_s,
+                        help="a client that reads nothing of its response this long loses it (and its slot)")
+    parser.add_argument("--trusted-host", action="append", default=[],
+                        help="a Host header value the HTTP API answers to (repeatable; host or host:port); "
+                             "default: any")
+
+
+def http_limits_from_args(args) -> HttpLimits:
+    return HttpLimits(
+        max_body_bytes=args.http_max_body_bytes, header_timeout_s=args.http_header_timeout_s,
+        body_timeout_s=args.http_body_timeout_s, keep_alive_s=args.http_keep_alive_s,
+        max_connections=args.http_max_connections, stalled_send_s=args.http_stalled_send_s,
+        trusted_hosts=tuple(args.trusted_host),
+    )
 
 
 async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0", token: str = ""):
@@ -185,8 +230,10 @@ async def _start_http(args, orchestrator: Orchestrator, token: str):
     """The OpenAI-compatible HTTP API on --http-port, same host, TLS and token as the gRPC API."""
     from specsplit.orchestrator import openai_server
 
-    app = openai_server.build_app(orchestrator, token)
-    http = await openai_server.start_http_server(app, args.host, args.http_port, server_tls(args), args.grace_s)
+    limits = http_limits_from_args(args)
+    app = openai_server.build_app(orchestrator, token, limits)
+    http = await openai_server.start_http_server(app, args.host, args.http_port, server_tls(args), args.grace_s,
+                                                 limits)
     log.info("OpenAI-compatible HTTP API on %s:%d", args.host, http.port)
     return http
 

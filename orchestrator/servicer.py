@@ -11,7 +11,8 @@ import grpc
 from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import status_for
 from specsplit.orchestrator import metrics
-from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.generation import DeadlineExceeded, Orchestrator
+from specsplit.orchestrator.limits import caller_of
 from specsplit.orchestrator.peers import PeerError
 from specsplit.orchestrator.requests import parse_request
 from specsplit.v1 import specsplit_pb2 as pb
@@ -37,8 +38,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         arrived = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            with self.orch.admit():
-                parsed, prompt_ids = parse_request(request, self.orch)
+            with self.orch.admit(_caller(context)):
+                parsed, prompt_ids = await parse_request(request, self.orch)
                 async for event in self.orch.generate(parsed, prompt_ids, arrived):
                     response = pb.GenerateResponse(text=event.text, logprobs=event.logprobs)
                     if request.return_token_ids:
@@ -54,11 +55,20 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             code = peer_status(exc)
             log.warning("generation failed: %s", exc)
             await context.abort(code, str(exc))
+        except DeadlineExceeded as exc:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            await context.abort(code, str(exc))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
             metrics.REQUESTS.inc(code=code.name)
+
+
+def _caller(context) -> str:
+    """The caller a Generate call counts against: its bearer token, else its host (the peer without the port)."""
+    token = next((value for key, value in context.invocation_metadata() or () if key == "authorization"), "")
+    return caller_of(token, context.peer().rpartition(":")[0])
 
 
 def peer_status(exc: PeerError) -> grpc.StatusCode:

@@ -65,7 +65,7 @@ class BatchWorker:
 
         orch = await self._connected()
         try:
-            request, prompt_ids = parse_request(batch_files.to_request(fields), orch)
+            request, prompt_ids = await parse_request(batch_files.to_request(fields), orch)
             text, finish, stats = [], None, None
             async for event in orch.generate(request, prompt_ids):
                 text.append(event.text)

@@ -230,8 +230,8 @@ def test_public_request_chain_is_validated(self_draft_services, tiny_target_dir)
         )
         orch = await Orchestrator.connect(config)
         try:
-            def parse(**fields):
-                return parse_request(pb.GenerateRequest(prompt="a b a b", max_new_tokens=8, k=4, **fields), orch)
+            async def parse(**fields):
+                return await parse_request(pb.GenerateRequest(prompt="a b a b", max_new_tokens=8, k=4, **fields), orch)
 
             for fields, fragment in [
                 (dict(drafter=NG.value, chain=[NG.value]), "only for the CHAIN"),
@@ -240,10 +240,10 @@ def test_public_request_chain_is_validated(self_draft_services, tiny_target_dir)
                 (dict(drafter=NG.value, draft_probs=True, sampling=T1), "draft_probs needs"),
             ]:
                 with pytest.raises(errors.InvalidArgument, match=fragment):
-                    parse(**fields)
-            request, ids = parse(drafter=CH.value, chain=[NG.value, Q.value])
+                    await parse(**fields)
+            request, ids = await parse(drafter=CH.value, chain=[NG.value, Q.value])
             assert request.chain == (NG, Q)
-            assert parse(drafter=LS.value, draft_probs=True, sampling=T1)[0].draft_probs
+            assert (await parse(drafter=LS.value, draft_probs=True, sampling=T1))[0].draft_probs
             new = [t for event in [e async for e in orch.generate(request, ids)] for t in event.token_ids]
             assert len(new) == 8
         finally:

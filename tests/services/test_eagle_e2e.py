@@ -220,11 +220,11 @@ def test_a_head_for_another_target_is_refused_at_session_open(narrow_target_serv
                                                              str(narrow)))
         try:
             with pytest.raises(errors.FailedPrecondition, match="reads 192 feature values .* hidden size 32"):
-                parse_request(pb.GenerateRequest(prompt="a b", max_new_tokens=4, k=4, drafter=EA.value), orch)
+                await parse_request(pb.GenerateRequest(prompt="a b", max_new_tokens=4, k=4, drafter=EA.value), orch)
             with pytest.raises(errors.FailedPrecondition, match="trained for another target"):
-                parse_request(pb.GenerateRequest(prompt="a b", max_new_tokens=4, k=4, drafter=CH.value,
+                await parse_request(pb.GenerateRequest(prompt="a b", max_new_tokens=4, k=4, drafter=CH.value,
                                                  chain=[NG.value, EA.value]), orch)
-            parse_request(pb.GenerateRequest(prompt="a b", max_new_tokens=4, k=4, drafter=NG.value), orch)
+            await parse_request(pb.GenerateRequest(prompt="a b", max_new_tokens=4, k=4, drafter=NG.value), orch)
         finally:
             await orch.close()
 

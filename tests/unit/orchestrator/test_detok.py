@@ -6,6 +6,8 @@ import importlib.util
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
 
@@ -289,3 +291,12 @@ def test_ids_of_held_text_wait_for_it():
     assert aligned.release(2) == []  # token 2's text (none yet, then "c") starts at 2
     assert aligned.release(3) == [2, 3]
     assert aligned.release_all() == []
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.text("ab", min_size=1, max_size=6), min_size=1, max_size=3), st.text("abc", max_size=10))
+def test_held_back_text_is_the_longest_tail_that_starts_a_stop_string(stops, text):
+    """The candidate scan equals the definition: every proper prefix length of every stop string, tried."""
+    longest = max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
+                  default=0)
+    assert StopMatcher(stops)._partial_stop_length(text) == longest
