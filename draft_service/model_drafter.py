@@ -132,14 +132,25 @@ class ModelDrafter(SamplingDrafter):
             if probs is not None:
                 rows.append(probs)
             if runners_up is not None:
-                top = torch.softmax(logits[0], dim=-1).topk(2)
-                runners_up.append((float(top.values[1]), position, int(top.indices[1])))
+                probability, other = _runner_up(logits[0], token)
+                runners_up.append((probability, position, other))
         probs = torch.cat(rows) if self._return_probs and rows else None
         second_guess = None
         if margins:
             index = min(range(len(margins)), key=lambda i: margins[i][0])
             second_guess = (index, margins[index][1])
         return Proposal(tokens=drafted, probs=probs, second_guess=second_guess)
+
+
+def _runner_up(logits: torch.Tensor, token: int) -> tuple[float, int]:
+    """The probability and id of the most likely token other than ``token`` (logits: [vocab]).
+
+    Not ``topk(2)[1]``: under a tie for the top, topk may rank the drafted token second, and a
+    sibling equal to its chain token is a tree the target refuses.
+    """
+    probs = torch.softmax(logits, dim=-1)  # [vocab]
+    other = int(probs.index_fill(0, torch.tensor([token]), -1.0).argmax())
+    return float(probs[other]), other
 
 
 def _margin(logits: torch.Tensor, token: int) -> tuple[float, int]:
