@@ -2,8 +2,9 @@
 
 It drafts autoregressively: greedy argmax, or sampling from q processed by the same
 ``logits_to_probs`` as the target's p, the token at absolute position n drawn with the session's
-``specsplit.lmkit.draws`` uniform for (DRAFT, n). In coupled verification it proposes
-argmax(log q_n + G(seed, n)) with the target's own Gumbel noise at n, so it is accepted whenever q
+``specsplit.lmkit.draws`` uniform for (DRAFT, n); penalties and biases adjust its logits as they
+adjust the target's (``apply_penalties``, the drafted tokens counted). In coupled verification it
+proposes argmax(log q_n + G(seed, n)) with the target's own Gumbel noise at n, so it is accepted whenever q
 and p pick the same token under the same noise. Rolled-back tokens are dropped lazily: the session
 cache keeps the longest prefix shared with the committed context and crops the rest on the next
 proposal. ``SamplingDrafter`` is what it shares with the EAGLE drafter; greedy token trees add its
@@ -20,7 +21,7 @@ from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.lmkit import draws, token_tree
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.probs_codec import quantize_probs
-from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
+from specsplit.lmkit.sampling import SamplingParams, apply_penalties, logits_to_probs
 
 
 class SamplingDrafter(Drafter):
@@ -126,6 +127,7 @@ class ModelDrafter(SamplingDrafter):
         margins: list[tuple[float, int]] = []  # (how sure, runner-up) per drafted position
         for position in range(k):
             logits = self._cache.logits([*self._tokens, *drafted], [])  # [1, vocab]
+            logits = apply_penalties(logits, self._sampling, self._tokens, [drafted])  # as the target's p has them
             token, probs = self._next(logits, len(self._tokens) + len(drafted))
             margins.append(_margin(logits[0], token))
             drafted.append(token)

@@ -4,11 +4,11 @@ Requests are validated strictly (JSON types as the API documents them; an
 unknown parameter is refused rather than ignored) and become the same
 ``GenerateRequest`` the gRPC API takes, so both APIs share one validation
 (``specsplit.orchestrator.requests``). Parameters that specsplit cannot honour
-(penalties, logit bias, tools, ``n > 1``...) are refused with a 400 naming
-them, never silently ignored.
+(tools, ``n > 1``...) are refused with a 400 naming them, never silently
+ignored.
 
-Extensions, in the body (``extra_body`` in the openai SDK): ``top_k`` (as
-vLLM), and specsplit's ``k``, ``drafter``, ``adaptive_k``, ``overlap``,
+Extensions, in the body (``extra_body`` in the openai SDK): ``top_k``,
+``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` (as vLLM), and specsplit's ``k``, ``drafter``, ``adaptive_k``, ``overlap``,
 ``draft_probs``. Responses carry the speculative stats in ``usage.speculative``.
 """
 
@@ -83,6 +83,9 @@ class _Common(_Strict):
     user: str | None = None
     # extensions
     top_k: int | None = None  # vLLM's: -1 or 0 disables
+    repetition_penalty: float | None = None  # vLLM's (transformers' semantics): > 0, 1 disables
+    min_tokens: int | None = None  # vLLM's: no EOS before this many new tokens
+    ignore_eos: bool | None = None  # vLLM's: do not stop at EOS
     k: int | None = None  # draft block size (0 = no speculation)
     drafter: str | None = None
     adaptive_k: bool | None = None
@@ -156,11 +159,6 @@ def _refuse_unsupported(req: _Common) -> None:
         raise RequestError(
             f"n = {req.n} is not supported: specsplit returns one choice per request; send {req.n} requests "
             "(with different seeds to sample different answers)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise RequestError(f"{name} is not supported; send 0 (or leave it out)", name)
-    if req.logit_bias:
-        raise RequestError("logit_bias is not supported", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise RequestError("tools are not supported", "tools")
@@ -192,7 +190,35 @@ def _sampling(req: _Common) -> pb.SamplingParams:
         if not 0 <= req.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63), got {req.seed}", "seed")
         sampling.seed = req.seed
+    _penalties(req, sampling)
     return sampling
+
+
+def _penalties(req: _Common, sampling: pb.SamplingParams) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            if not -2.0 <= value <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2] (0 disables it), got {value}", name)
+            setattr(sampling, name, value)
+    if req.repetition_penalty is not None:
+        if not (math.isfinite(req.repetition_penalty) and req.repetition_penalty > 0):
+            raise RequestError(
+                f"repetition_penalty must be a number > 0 (1 disables it), got {req.repetition_penalty}",
+                "repetition_penalty",
+            )
+        sampling.repetition_penalty = req.repetition_penalty
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= 2**31:
+            raise RequestError(f"logit_bias keys must be token ids (e.g. \"50256\"), got {key!r}", "logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise RequestError(f"logit_bias[{key}] must be in [-100, 100], got {bias}", "logit_bias")
+        sampling.logit_bias[int(key)] = bias
+    if req.min_tokens is not None:
+        if not 0 <= req.min_tokens < 2**32:
+            raise RequestError(f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
+        sampling.min_tokens = req.min_tokens
+    sampling.ignore_eos = bool(req.ignore_eos)
 
 
 def _stop(stop: str | list[str] | None) -> list[str]:

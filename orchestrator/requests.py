@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import string
+from dataclasses import replace
 
 from specsplit.lmkit import errors
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
@@ -31,7 +32,7 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
         raise errors.InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
     sampling = sampling_from_proto(msg.sampling)
     if not msg.sampling.HasField("seed"):
-        sampling = type(sampling)(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbelow(2**63))
+        sampling = replace(sampling, seed=secrets.randbelow(2**63))
     stop = tuple(msg.stop)
     if len(stop) > config.max_stop_strings:
         raise errors.InvalidArgument(f"{len(stop)} stop strings sent; at most {config.max_stop_strings} are allowed")
@@ -53,6 +54,7 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
     top_logprobs = _top_logprobs(msg)
     request_id = _request_id(msg.request_id)
+    _check_bias_ids(sampling, orch.target.info.vocab_size)
     prompt_ids = orch.encode(msg.prompt, msg.chat, messages)
     limit = orch.target.info.max_context
     if limit and len(prompt_ids) >= limit:
@@ -72,6 +74,15 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     if k > 0 and orch.draft is not None:
         orch.check_features(request)
     return request, prompt_ids
+
+
+def _check_bias_ids(sampling: SamplingParams, vocab_size: int) -> None:
+    bad = [token for token, _ in sampling.logit_bias if vocab_size and token >= vocab_size]
+    if bad:
+        raise errors.InvalidArgument(
+            f"logit_bias names token ids {bad[:8]} outside the model's vocabulary [0, {vocab_size}); "
+            "send ids the tokenizer produces"
+        )
 
 
 def _messages(msg: pb.GenerateRequest) -> tuple[tuple[str, str], ...]:
