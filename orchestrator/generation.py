@@ -84,6 +84,10 @@ class Orchestrator:
         self.target = target
         self.draft = draft
         self.eos_ids = frozenset(models.eos_ids(config.tokenizer, tokenizer))
+        # What a request that leaves these unset samples with (docs/http-api.md, "Model defaults").
+        self.sampling_defaults: dict[str, float] = (
+            models.sampling_defaults(config.tokenizer) if config.generation_config == "auto" else {}
+        )
         # The drafters the draft serves and what each can do, as it reports them.
         self.drafter_traits: dict[DrafterKind, DrafterTraits] = {
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())

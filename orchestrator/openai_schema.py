@@ -130,10 +130,17 @@ def validate(model_cls: type[_Common], body: Any) -> _Common:
         raise RequestError(f"invalid value for {param}: {error['msg']} (got {error.get('input')!r})", param) from None
 
 
-def to_generate_request(req: _Common, config: OrchestratorConfig, request_id: str) -> pb.GenerateRequest:
-    """The ``GenerateRequest`` an OpenAI request stands for; refuses what cannot be honoured."""
+def to_generate_request(
+    req: _Common, config: OrchestratorConfig, request_id: str, defaults: dict[str, float] | None = None
+) -> pb.GenerateRequest:
+    """The ``GenerateRequest`` an OpenAI request stands for; refuses what cannot be honoured.
+
+    ``defaults``: the model's sampling defaults (``Orchestrator.sampling_defaults``); an unset temperature or
+    top_k takes them (then OpenAI's temperature 1), top_p and repetition_penalty stay unset for the
+    orchestrator to fill.
+    """
     _refuse_unsupported(req)
-    sampling = _sampling(req)
+    sampling = _sampling(req, defaults or {})
     msg = pb.GenerateRequest(sampling=sampling, stop=_stop(req.stop), request_id=request_id)
     if isinstance(req, ChatCompletionRequest):
         msg.messages.extend(
@@ -173,8 +180,8 @@ def _refuse_unsupported(req: _Common) -> None:
             raise RequestError("best_of > 1 is not supported", "best_of")
 
 
-def _sampling(req: _Common) -> pb.SamplingParams:
-    temperature = 1.0 if req.temperature is None else req.temperature
+def _sampling(req: _Common, defaults: dict[str, float]) -> pb.SamplingParams:
+    temperature = float(defaults.get("temperature", 1.0)) if req.temperature is None else req.temperature
     if not (math.isfinite(temperature) and temperature >= 0):
         raise RequestError(f"temperature must be a number >= 0 (0 is greedy), got {temperature}", "temperature")
     sampling = pb.SamplingParams(temperature=temperature)
@@ -186,6 +193,8 @@ def _sampling(req: _Common) -> pb.SamplingParams:
         if req.top_k < -1:
             raise RequestError(f"top_k must be >= 0 (0 or -1 disable it), got {req.top_k}", "top_k")
         sampling.top_k = max(req.top_k, 0)
+    elif "top_k" in defaults:
+        sampling.top_k = max(int(defaults["top_k"]), 0)
     if req.seed is not None:
         if not 0 <= req.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63), got {req.seed}", "seed")

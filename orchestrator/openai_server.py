@@ -136,7 +136,7 @@ class OpenAIApi:
             self._authorize(request)
             body = validate(model_cls, await self._json(request))
             self._check_model(body.model)
-            msg = to_generate_request(body, self.orch.config, request_id)
+            msg = to_generate_request(body, self.orch.config, request_id, self.orch.sampling_defaults)
             shape = shape_cls(response_id, body.model, msg.return_logprobs)
             events = self._events(msg, arrived)
             if body.stream:

@@ -30,7 +30,7 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else config.default_max_new_tokens
     if not 1 <= max_new <= config.max_new_tokens_limit:
         raise errors.InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
-    sampling = sampling_from_proto(msg.sampling)
+    sampling = sampling_from_proto(with_defaults(msg.sampling, orch.sampling_defaults))
     if not msg.sampling.HasField("seed"):
         sampling = replace(sampling, seed=secrets.randbelow(2**63))
     stop = tuple(msg.stop)
@@ -74,6 +74,17 @@ def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Generati
     if k > 0 and orch.draft is not None:
         orch.check_features(request)
     return request, prompt_ids
+
+
+def with_defaults(sampling: pb.SamplingParams, defaults: dict[str, float]) -> pb.SamplingParams:
+    """The model's defaults for the fields a request left unset; on gRPC only top_p and repetition_penalty
+    can be told unset (proto3 cannot tell temperature or top_k 0 from unset: they are as sent)."""
+    filled = pb.SamplingParams()
+    filled.CopyFrom(sampling)
+    for name in ("top_p", "repetition_penalty"):
+        if not sampling.HasField(name) and name in defaults:
+            setattr(filled, name, defaults[name])
+    return filled
 
 
 def _check_bias_ids(sampling: SamplingParams, vocab_size: int) -> None:

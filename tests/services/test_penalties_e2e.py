@@ -28,9 +28,10 @@ PROMPTS = [TINY_PROMPTS[i] for i in (0, 3, 6)]  # prose, a counting list, a repe
 EOS = 2  # the tiny models' end-of-sequence token
 
 CASES = {
-    "repetition": (SamplingParams(repetition_penalty=1.5), {"repetition_penalty": 1.5}),
-    "anti-repetition": (SamplingParams(repetition_penalty=0.7), {"repetition_penalty": 0.7}),
-    "bias": (SamplingParams(logit_bias=((13, 6.0), (300, -100.0))), {"sequence_bias": {(13,): 6.0, (300,): -100.0}}),
+    # The tiny target repeats its top token with a wide margin: 2 moves it off the prompt's tokens, then repeats.
+    "repetition": (SamplingParams(repetition_penalty=2.0), {"repetition_penalty": 2.0}),
+    # Bans the counting prompt's repeated token (28); token 13 gains 9.
+    "bias": (SamplingParams(logit_bias=((13, 9.0), (28, -100.0))), {"sequence_bias": {(13,): 9.0, (28,): -100.0}}),
     # A strong EOS bias would end at once; min_tokens holds it back for 5 tokens.
     "min_tokens": (
         SamplingParams(logit_bias=((EOS, 30.0),), min_tokens=5),
@@ -101,6 +102,7 @@ def test_greedy_with_penalties_equals_transformers_generate(
 ):
     sampling, settings = CASES[case]
     expected = [transformers_greedy(target_model, ids, **settings) for ids in prompts_ids]
+    assert expected != [transformers_greedy(target_model, ids) for ids in prompts_ids]  # the setting matters here
     got, trees = run_async(
         speculative(tiny_services, str(tiny_target_dir), prompts_ids, sampling, drafter, k, branches)
     )

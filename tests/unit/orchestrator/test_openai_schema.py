@@ -55,6 +55,17 @@ def test_penalties_and_biases_map_to_sampling():
     assert not plain.HasField("repetition_penalty") and not plain.logit_bias and not plain.presence_penalty
 
 
+def test_the_models_defaults_fill_only_what_a_request_leaves_unset():
+    defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.2}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    unset = to_generate_request(validate(ChatCompletionRequest, body), CONFIG, "r", defaults).sampling
+    assert unset.temperature == pytest.approx(0.6) and unset.top_k == 20
+    assert not unset.HasField("top_p") and not unset.HasField("repetition_penalty")  # the orchestrator fills them
+    sent = {**body, "temperature": 0, "top_k": -1}
+    explicit = to_generate_request(validate(ChatCompletionRequest, sent), CONFIG, "r", defaults).sampling
+    assert explicit.temperature == 0 and explicit.top_k == 0
+
+
 def test_unset_options_stay_unset_for_the_servers_defaults():
     msg = chat(temperature=0)
     assert not msg.HasField("max_new_tokens") and not msg.HasField("k") and not msg.sampling.HasField("seed")
