@@ -8,8 +8,9 @@ unknown parameter is refused rather than ignored) and become the same
 ignored.
 
 Extensions, in the body (``extra_body`` in the openai SDK): ``top_k``,
-``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` (as vLLM), and specsplit's ``k``, ``drafter``, ``adaptive_k``, ``overlap``,
-``draft_probs``. Responses carry the speculative stats in ``usage.speculative``.
+``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` (as vLLM), and
+specsplit's ``k``, ``drafter``, ``adaptive_k``, ``overlap``, ``draft_probs``.
+Responses carry the speculative stats in ``usage.speculative``.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def _penalties(req: _Common, sampling: pb.SamplingParams) -> None:
             )
         sampling.repetition_penalty = req.repetition_penalty
     for key, bias in (req.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= 2**31:
+        if not (key.isascii() and key.isdigit()) or int(key) >= 2**31:
             raise RequestError(f"logit_bias keys must be token ids (e.g. \"50256\"), got {key!r}", "logit_bias")
         if not -100.0 <= bias <= 100.0:
             raise RequestError(f"logit_bias[{key}] must be in [-100, 100], got {bias}", "logit_bias")

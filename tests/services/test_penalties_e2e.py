@@ -143,3 +143,30 @@ def test_ignore_eos_generates_past_eos(tiny_services, tiny_target_dir, prompts_i
         speculative(tiny_services, str(tiny_target_dir), prompts_ids[:1], sampling, DrafterKind.NGRAM, 4, 1)
     )
     assert got == [[EOS] * NEW]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_with_repetition_penalty_equals_transformers_generate(background_loop):
+    """The real default target, its chat template, the n-gram drafter with token trees."""
+    from specsplit.bench.prompts import DEMO_PROMPTS
+    from tests.conftest import Services, make_engines
+
+    tokenizer = models.load_tokenizer("smollm2-135m")
+    prompts_ids = [
+        list(
+            tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True)[
+                "input_ids"
+            ]
+        )
+        for p in DEMO_PROMPTS[:3]
+    ]
+    model = models.load_model(models.ModelSpec("smollm2-135m"))
+    expected = [transformers_greedy(model, ids, repetition_penalty=1.3) for ids in prompts_ids]
+    assert expected != [transformers_greedy(model, ids) for ids in prompts_ids]
+    services = Services(background_loop, *make_engines("smollm2-135m", None))
+    try:
+        sampling = SamplingParams(repetition_penalty=1.3)
+        got, _ = run_async(speculative(services, "smollm2-135m", prompts_ids, sampling, DrafterKind.NGRAM, 8, 4))
+    finally:
+        services.stop()
+    assert got == expected

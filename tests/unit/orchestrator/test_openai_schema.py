@@ -92,6 +92,7 @@ def test_a_completion_request_takes_one_prompt_and_legacy_logprobs():
     ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"hello": 1}}, "logit_bias", "token ids"),
     ({"logit_bias": {"-5": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "token ids"),
     ({"min_tokens": -1}, "min_tokens", ">= 0"),
     ({"tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
