@@ -120,6 +120,7 @@ class DraftEngine:
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
+        check_tokens(sampling.tokens(), self.vocab_size, "sampling.logit_bias ids and eos_token_ids")
         self._check_available(kind)
         self._check_chain(kind, chain)
         entry = DRAFTERS[kind]

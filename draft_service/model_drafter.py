@@ -2,8 +2,9 @@
 
 It drafts autoregressively: greedy argmax, or sampling from q processed by the same
 ``logits_to_probs`` as the target's p, the token at absolute position n drawn with the session's
-``specsplit.lmkit.draws`` uniform for (DRAFT, n). In coupled verification it proposes
-argmax(log q_n + G(seed, n)) with the target's own Gumbel noise at n, so it is accepted whenever q
+``specsplit.lmkit.draws`` uniform for (DRAFT, n); penalties and biases adjust its logits as they
+adjust the target's (``apply_penalties``, the drafted tokens counted). In coupled verification it
+proposes argmax(log q_n + G(seed, n)) with the target's own Gumbel noise at n, so it is accepted whenever q
 and p pick the same token under the same noise. Rolled-back tokens are dropped lazily: the session
 cache keeps the longest prefix shared with the committed context and crops the rest on the next
 proposal. ``SamplingDrafter`` is what it shares with the EAGLE drafter; greedy token trees add its
@@ -20,7 +21,7 @@ from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.lmkit import draws, token_tree
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.probs_codec import quantize_probs
-from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
+from specsplit.lmkit.sampling import SamplingParams, apply_penalties, logits_to_probs
 
 
 class SamplingDrafter(Drafter):
@@ -126,20 +127,32 @@ class ModelDrafter(SamplingDrafter):
         margins: list[tuple[float, int]] = []  # (how sure, runner-up) per drafted position
         for position in range(k):
             logits = self._cache.logits([*self._tokens, *drafted], [])  # [1, vocab]
+            logits = apply_penalties(logits, self._sampling, self._tokens, [drafted])  # as the target's p has them
             token, probs = self._next(logits, len(self._tokens) + len(drafted))
             margins.append(_margin(logits[0], token))
             drafted.append(token)
             if probs is not None:
                 rows.append(probs)
             if runners_up is not None:
-                top = torch.softmax(logits[0], dim=-1).topk(2)
-                runners_up.append((float(top.values[1]), position, int(top.indices[1])))
+                probability, other = _runner_up(logits[0], token)
+                runners_up.append((probability, position, other))
         probs = torch.cat(rows) if self._return_probs and rows else None
         second_guess = None
         if margins:
             index = min(range(len(margins)), key=lambda i: margins[i][0])
             second_guess = (index, margins[index][1])
         return Proposal(tokens=drafted, probs=probs, second_guess=second_guess)
+
+
+def _runner_up(logits: torch.Tensor, token: int) -> tuple[float, int]:
+    """The probability and id of the most likely token other than ``token`` (logits: [vocab]).
+
+    Not ``topk(2)[1]``: under a tie for the top, topk may rank the drafted token second, and a
+    sibling equal to its chain token is a tree the target refuses.
+    """
+    probs = torch.softmax(logits, dim=-1)  # [vocab]
+    other = int(probs.index_fill(0, torch.tensor([token]), -1.0).argmax())
+    return float(probs[other]), other
 
 
 def _margin(logits: torch.Tensor, token: int) -> tuple[float, int]:

@@ -306,6 +306,21 @@ def eos_ids(model_ref: str, tokenizer) -> set[int]:
     return ids
 
 
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def sampling_defaults(model_ref: str) -> dict[str, float]:
+    """The sampling settings the model's generation_config.json sets (vLLM's ``--generation-config auto``):
+    those of SAMPLING_DEFAULT_FIELDS that differ from transformers' own defaults; {} without the file."""
+    from transformers import GenerationConfig
+
+    try:
+        configured = GenerationConfig.from_pretrained(resolve(model_ref), local_files_only=True).to_diff_dict()
+    except OSError:
+        return {}
+    return {name: configured[name] for name in SAMPLING_DEFAULT_FIELDS if configured.get(name) is not None}
+
+
 def max_context(model) -> int:
     """Positions the model accepts; 0 when its config does not say."""
     return int(getattr(model.config, "max_position_embeddings", 0) or 0)

@@ -9,7 +9,11 @@ turn logits into probabilities through the one function here,
 ``logits_to_probs``, and never through their own copy.
 
 Order of the processors is the one HF transformers uses: temperature, then
-top-k, then top-p, each on the output of the previous one.
+top-k, then top-p, each on the output of the previous one. Before them come
+the penalties and biases (``specsplit.lmkit.penalties``), which depend on the
+tokens before each position: callers adjust a block's raw logits with
+``apply_penalties`` first (for greedy as for sampling), and draft and target
+call that one function too.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from typing import Callable, Sequence
 import torch
 
 from specsplit.lmkit.draws import SEED_LIMIT
+from specsplit.lmkit.penalties import apply_penalties, chain_paths
+
+__all__ = ["SamplingParams", "apply_penalties", "chain_paths", "first_rows", "logits_to_probs", "rows_when_reached"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,15 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 disables; must be >= 0
     top_p: float = 1.0  # nucleus mass, must be in (0, 1]; 1 disables
     seed: int = 0  # keys every random draw of the session (lmkit.draws); >= 0, < 2**63
+    # Penalties and biases (lmkit.penalties), applied to the raw logits before temperature.
+    repetition_penalty: float = 1.0  # transformers': > 0; 1 disables; over the prompt and the generated tokens
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]; over the generated tokens
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]; over the generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id >= 0, bias in [-100, 100]), ids increasing
+    min_tokens: int = 0  # eos_token_ids are banned until this many tokens are generated; >= 0
+    ignore_eos: bool = False  # the orchestrator does not stop at an end-of-sequence token
+    eos_token_ids: tuple[int, ...] = ()  # what min_tokens bans (the model's end-of-sequence tokens)
+    prompt_length: int = 0  # absolute position of the first generated token; >= 0
 
     def __post_init__(self) -> None:
         _check_real("temperature", self.temperature)
@@ -47,11 +63,50 @@ class SamplingParams:
         _check_int("seed", self.seed)
         if not (0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        _check_real("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(
+                f"SamplingParams.repetition_penalty must be a finite number > 0 (1 disables it), "
+                f"got {self.repetition_penalty!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_real(name, value)
+            if not -2.0 <= value <= 2.0:  # also rejects NaN
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2] (0 disables it), got {value!r}")
+        ids = [token for token, _ in self.logit_bias]
+        if ids != sorted(set(ids)) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"SamplingParams.logit_bias must have distinct token ids >= 0, increasing, got {ids[:8]}")
+        for token, bias in self.logit_bias:
+            _check_real(f"logit_bias[{token}]", bias)
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"SamplingParams.logit_bias[{token}] must be in [-100, 100], got {bias!r}")
+        for name in ("min_tokens", "prompt_length"):
+            _check_int(name, getattr(self, name))
+            if getattr(self, name) < 0:
+                raise ValueError(f"SamplingParams.{name} must be >= 0, got {getattr(self, name)}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"SamplingParams.eos_token_ids must be token ids >= 0, got {list(self.eos_token_ids)[:8]}")
 
     @property
     def greedy(self) -> bool:
         """True when tokens are the argmax of the logits (temperature 0); top-k/top-p then do nothing."""
         return self.temperature == 0.0
+
+    @property
+    def penalizes(self) -> bool:
+        """True when ``apply_penalties`` changes logits: a penalty, a bias or min_tokens is set."""
+        return bool(
+            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.logit_bias
+            or (self.min_tokens and self.eos_token_ids)
+        )
+
+    def tokens(self) -> list[int]:
+        """The token ids the params name (logit_bias, eos_token_ids), for a check against a vocabulary."""
+        return [*(token for token, _ in self.logit_bias), *self.eos_token_ids]
 
 
 def _check_real(name: str, value: object) -> None:

@@ -20,8 +20,15 @@ MAX_TOP_LOGPROBS = 20  # most likely alternatives a session may ask for per toke
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     top_p = msg.top_p if msg.HasField("top_p") else 1.0
+    repetition = msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0
     try:
-        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed)
+        return SamplingParams(
+            temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed,
+            repetition_penalty=repetition, presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty, logit_bias=tuple(sorted(msg.logit_bias.items())),
+            min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos, eos_token_ids=tuple(msg.eos_token_ids),
+            prompt_length=msg.prompt_length,
+        )
     except ValueError as exc:
         raise errors.InvalidArgument(str(exc)) from None
 
@@ -36,7 +43,12 @@ def mode_from_proto(value: int) -> VerificationMode:
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed)
+    return pb.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
+        ignore_eos=params.ignore_eos, eos_token_ids=params.eos_token_ids, prompt_length=params.prompt_length,
+    )
 
 
 def probs_to_proto(probs: torch.Tensor) -> pb.DraftProbs:

@@ -52,6 +52,8 @@ class OrchestratorConfig:
     # (it included), else on streams of its own: one message a step for many sessions, and no shared stream's
     # extra hand-offs for a session alone. 1: always shared; 0: never.
     shared_stream_from: int = 4
+    # "auto": the target's generation_config.json sampling defaults fill what a request leaves unset; "ignore": not.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.target_address:
@@ -84,6 +86,8 @@ class OrchestratorConfig:
             )
         if self.shared_stream_from < 0:
             raise ValueError(f"--shared-stream-from must be >= 0 (0: never), got {self.shared_stream_from}")
+        if self.generation_config not in ("auto", "ignore"):
+            raise ValueError(f"--generation-config must be auto or ignore, got {self.generation_config!r}")
         if self.connect_timeout_s <= 0:
             raise ValueError("--connect-timeout-s must be > 0")
 

@@ -90,6 +90,10 @@ class Orchestrator:
         self.target = target
         self.draft = draft
         self.eos_ids = frozenset(models.eos_ids(config.tokenizer, tokenizer))
+        # What a request that leaves these unset samples with (docs/http-api.md, "Model defaults").
+        self.sampling_defaults: dict[str, float] = (
+            models.sampling_defaults(config.tokenizer) if config.generation_config == "auto" else {}
+        )
         # The drafters the draft serves and what each can do, as it reports them.
         self.drafter_traits: dict[DrafterKind, DrafterTraits] = {
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())
@@ -199,6 +203,7 @@ class Orchestrator:
         """
         timer = metrics.RequestTimer(arrived)
         start = time.perf_counter()
+        request = replace(request, sampling=self.session_sampling(request.sampling, prompt_ids))
         stats = LoopStats()
         mode = verification_mode(request, self.config.default_sampling_mode)
         sampling = sampling_to_proto(request.sampling)
@@ -247,6 +252,12 @@ class Orchestrator:
                 await target.close()
                 await draft.close()
 
+    def session_sampling(self, sampling: SamplingParams, prompt_ids: Sequence[int]) -> SamplingParams:
+        """The services' sampling: generated tokens count from the prompt's end (also when a session is
+        re-opened with prompt + output), and min_tokens holds back the model's end-of-sequence tokens."""
+        eos = tuple(sorted(self.eos_ids)) if sampling.min_tokens else ()
+        return replace(sampling, prompt_length=len(prompt_ids), eos_token_ids=eos)
+
     def shares_streams(self) -> bool:
         """Whether a session starting now goes on the services' shared Sessions streams (``shared_stream_from``)."""
         start = self.config.shared_stream_from
@@ -283,7 +294,7 @@ class Orchestrator:
         speculating = draft is not NO_DRAFT
         config = LoopConfig(
             max_new_tokens=request.max_new_tokens,
-            eos_ids=self.eos_ids,
+            eos_ids=frozenset() if request.sampling.ignore_eos else self.eos_ids,
             max_context=self.target.info.max_context or 1 << 30,
             ahead_max=min(request.k, self.draft.info.max_block - 1) if speculating else 0,
             tree_branches=self.tree_branches(request, mode) if speculating else 1,

@@ -4,12 +4,13 @@ Requests are validated strictly (JSON types as the API documents them; an
 unknown parameter is refused rather than ignored) and become the same
 ``GenerateRequest`` the gRPC API takes, so both APIs share one validation
 (``specsplit.orchestrator.requests``). Parameters that specsplit cannot honour
-(penalties, logit bias, tools, ``n > 1``...) are refused with a 400 naming
-them, never silently ignored.
+(tools, ``n > 1``...) are refused with a 400 naming them, never silently
+ignored.
 
-Extensions, in the body (``extra_body`` in the openai SDK): ``top_k`` (as
-vLLM), and specsplit's ``k``, ``drafter``, ``adaptive_k``, ``overlap``,
-``draft_probs``. Responses carry the speculative stats in ``usage.speculative``.
+Extensions, in the body (``extra_body`` in the openai SDK): ``top_k``,
+``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` (as vLLM), and
+specsplit's ``k``, ``drafter``, ``adaptive_k``, ``overlap``, ``draft_probs``.
+Responses carry the speculative stats in ``usage.speculative``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class _Common(_Strict):
     user: str | None = None
     # extensions
     top_k: int | None = None  # vLLM's: -1 or 0 disables
+    repetition_penalty: float | None = None  # vLLM's (transformers' semantics): > 0, 1 disables
+    min_tokens: int | None = None  # vLLM's: no EOS before this many new tokens
+    ignore_eos: bool | None = None  # vLLM's: do not stop at EOS
     k: int | None = None  # draft block size (0 = no speculation)
     drafter: str | None = None
     adaptive_k: bool | None = None
@@ -127,11 +131,18 @@ def validate(model_cls: type[_Common], body: Any) -> _Common:
         raise RequestError(f"invalid value for {param}: {error['msg']} (got {_shown(error.get('input'))})", param) from None
 
 
-def to_generate_request(req: _Common, config: OrchestratorConfig, request_id: str) -> pb.GenerateRequest:
-    """The ``GenerateRequest`` an OpenAI request stands for; refuses what cannot be honoured."""
+def to_generate_request(
+    req: _Common, config: OrchestratorConfig, request_id: str, defaults: dict[str, float] | None = None
+) -> pb.GenerateRequest:
+    """The ``GenerateRequest`` an OpenAI request stands for; refuses what cannot be honoured.
+
+    ``defaults``: the model's sampling defaults (``Orchestrator.sampling_defaults``); an unset temperature or
+    top_k takes them (then OpenAI's temperature 1), top_p and repetition_penalty stay unset for the
+    orchestrator to fill.
+    """
     _refuse_unsupported(req)
     _check_wire_ranges(req)
-    sampling = _sampling(req)
+    sampling = _sampling(req, defaults or {})
     msg = pb.GenerateRequest(sampling=sampling, stop=_stop(req.stop), request_id=request_id)
     if isinstance(req, ChatCompletionRequest):
         msg.messages.extend(
@@ -157,11 +168,6 @@ def _refuse_unsupported(req: _Common) -> None:
         raise RequestError(
             f"n = {req.n} is not supported: specsplit returns one choice per request; send {req.n} requests "
             "(with different seeds to sample different answers)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise RequestError(f"{name} is not supported; send 0 (or leave it out)", name)
-    if req.logit_bias:
-        raise RequestError("logit_bias is not supported", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise RequestError("tools are not supported", "tools")
@@ -194,8 +200,8 @@ def _shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _sampling(req: _Common) -> pb.SamplingParams:
-    temperature = 1.0 if req.temperature is None else req.temperature
+def _sampling(req: _Common, defaults: dict[str, float]) -> pb.SamplingParams:
+    temperature = float(defaults.get("temperature", 1.0)) if req.temperature is None else req.temperature
     if not (math.isfinite(temperature) and temperature >= 0):
         raise RequestError(f"temperature must be a number >= 0 (0 is greedy), got {temperature}", "temperature")
     sampling = pb.SamplingParams(temperature=temperature)
@@ -207,11 +213,41 @@ def _sampling(req: _Common) -> pb.SamplingParams:
         if req.top_k < -1:
             raise RequestError(f"top_k must be >= 0 (0 or -1 disable it), got {req.top_k}", "top_k")
         sampling.top_k = max(req.top_k, 0)
+    elif "top_k" in defaults:
+        sampling.top_k = max(int(defaults["top_k"]), 0)
     if req.seed is not None:
         if not 0 <= req.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63), got {req.seed}", "seed")
         sampling.seed = req.seed
+    _penalties(req, sampling)
     return sampling
+
+
+def _penalties(req: _Common, sampling: pb.SamplingParams) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            if not -2.0 <= value <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2] (0 disables it), got {value}", name)
+            setattr(sampling, name, value)
+    if req.repetition_penalty is not None:
+        if not (math.isfinite(req.repetition_penalty) and req.repetition_penalty > 0):
+            raise RequestError(
+                f"repetition_penalty must be a number > 0 (1 disables it), got {req.repetition_penalty}",
+                "repetition_penalty",
+            )
+        sampling.repetition_penalty = req.repetition_penalty
+    for key, bias in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= 2**31:
+            raise RequestError(f"logit_bias keys must be token ids (e.g. \"50256\"), got {key!r}", "logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise RequestError(f"logit_bias[{key}] must be in [-100, 100], got {bias}", "logit_bias")
+        sampling.logit_bias[int(key)] = bias
+    if req.min_tokens is not None:
+        if not 0 <= req.min_tokens < 2**32:
+            raise RequestError(f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
+        sampling.min_tokens = req.min_tokens
+    sampling.ignore_eos = bool(req.ignore_eos)
 
 
 def _stop(stop: str | list[str] | None) -> list[str]:

@@ -152,7 +152,7 @@ class OpenAIApi:
             check_json_content_type(request)
             body = validate(model_cls, parse_json(await read_body(request, self.limits)))
             self._check_model(body.model)
-            msg = to_generate_request(body, self.orch.config, request_id)
+            msg = to_generate_request(body, self.orch.config, request_id, self.orch.sampling_defaults)
             shape = shape_cls(response_id, body.model, msg.return_logprobs)
             events = self._events(msg, arrived, _caller(request))
             if body.stream:

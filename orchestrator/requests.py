@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import string
+from dataclasses import replace
 
 from specsplit.lmkit import errors
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
@@ -34,9 +35,9 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else config.default_max_new_tokens
     if not 1 <= max_new <= config.max_new_tokens_limit:
         raise errors.InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
-    sampling = sampling_from_proto(msg.sampling)
+    sampling = sampling_from_proto(with_defaults(msg.sampling, orch.sampling_defaults))
     if not msg.sampling.HasField("seed"):
-        sampling = type(sampling)(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbelow(2**63))
+        sampling = replace(sampling, seed=secrets.randbelow(2**63))
     stop = tuple(msg.stop)
     if len(stop) > config.max_stop_strings:
         raise errors.InvalidArgument(f"{len(stop)} stop strings sent; at most {config.max_stop_strings} are allowed")
@@ -61,6 +62,7 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
     top_logprobs = _top_logprobs(msg)
     request_id = _request_id(msg.request_id)
+    _check_bias_ids(sampling, orch.target.info.vocab_size)
     prompt_ids = await orch.tokenize(msg.prompt, msg.chat, messages)
     limit = orch.target.info.max_context
     if limit and len(prompt_ids) >= limit:
@@ -80,6 +82,26 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     if k > 0 and orch.draft is not None:
         orch.check_features(request)
     return request, prompt_ids
+
+
+def with_defaults(sampling: pb.SamplingParams, defaults: dict[str, float]) -> pb.SamplingParams:
+    """The model's defaults for the fields a request left unset; on gRPC only top_p and repetition_penalty
+    can be told unset (proto3 cannot tell temperature or top_k 0 from unset: they are as sent)."""
+    filled = pb.SamplingParams()
+    filled.CopyFrom(sampling)
+    for name in ("top_p", "repetition_penalty"):
+        if not sampling.HasField(name) and name in defaults:
+            setattr(filled, name, defaults[name])
+    return filled
+
+
+def _check_bias_ids(sampling: SamplingParams, vocab_size: int) -> None:
+    bad = [token for token, _ in sampling.logit_bias if vocab_size and token >= vocab_size]
+    if bad:
+        raise errors.InvalidArgument(
+            f"logit_bias names token ids {bad[:8]} outside the model's vocabulary [0, {vocab_size}); "
+            "send ids the tokenizer produces"
+        )
 
 
 def _messages(msg: pb.GenerateRequest) -> tuple[tuple[str, str], ...]:

@@ -71,6 +71,11 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
                         help="the most new tokens a request may ask for (larger requests get INVALID_ARGUMENT / 400)")
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="a model name the HTTP API answers to (repeatable); default: the target's model name")
+    parser.add_argument(
+        "--generation-config", default="auto", choices=["auto", "ignore"],
+        help="auto: the target's generation_config.json sampling defaults (temperature, top_k, top_p, "
+        "repetition_penalty) apply where a request leaves them unset; ignore: they do not",
+    )
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--connect-timeout-s", type=float, default=120.0, help="wait this long for the services")
@@ -125,6 +130,7 @@ def config_from_args(args) -> OrchestratorConfig:
         link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,
                                target_deadline_s=args.target_deadline_s),
         shared_stream_from=args.shared_stream_from,
+        generation_config=args.generation_config,
     )
 
 

@@ -48,6 +48,12 @@ def build_request(
     top_logprobs: int = 0,
     request_id: str = "",
     mode: str | None = None,  # sampling verification: "token-only", "draft-probs" or "coupled"; None = server default
+    repetition_penalty: float | None = None,  # None: the model's default (its generation config), else 1 (off)
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: dict[int, float] | None = None,  # token id -> bias in [-100, 100]
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for a prompt or a conversation (``messages``: system, user, assistant turns, rendered
     with the model's chat template); unset options take the server's defaults. The server validates every field.
@@ -60,6 +66,11 @@ def build_request(
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
+    sampling.presence_penalty, sampling.frequency_penalty = presence_penalty, frequency_penalty
+    sampling.logit_bias.update(logit_bias or {})
+    sampling.min_tokens, sampling.ignore_eos = min_tokens, ignore_eos
     request = pb.GenerateRequest(
         prompt=prompt, chat=chat, sampling=sampling, stop=list(stop), draft_probs=draft_probs,
         return_token_ids=return_token_ids, messages=[chat_message(m) for m in messages],

@@ -29,6 +29,16 @@ def drafter_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def logit_bias_arg(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--logit-bias takes TOKEN_ID=BIAS, e.g. 50256=-100; got {text!r}") from None
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--server", default="127.0.0.1:50050", help="orchestrator address")
@@ -38,6 +48,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=non_negative, default=0)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=non_negative, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="> 0, 1 = off (transformers'); unset: the model's default")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's)")
+    parser.add_argument("--logit-bias", type=logit_bias_arg, action="append", default=[],
+                        help="TOKEN_ID=BIAS, bias in [-100, 100] (repeatable)")
+    parser.add_argument("--min-tokens", type=non_negative, default=0, help="no EOS before this many new tokens")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--k", type=non_negative, default=None, help="draft block size; 0 = target-only")
     parser.add_argument("--drafter", type=drafter_arg, default=None,
@@ -57,7 +75,9 @@ def to_request(args) -> pb.GenerateRequest:
     return build_request(
         args.prompt, chat=not args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, k=args.k, drafter=args.drafter,
-        draft_probs=args.draft_probs, mode=args.mode,
+        draft_probs=args.draft_probs, mode=args.mode, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias), min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
     )
 
 

@@ -19,7 +19,14 @@ from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import TREE_MODES, VerificationMode
 from specsplit.lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
 from specsplit.lmkit.packed_linear import pack_linears
-from specsplit.lmkit.sampling import SamplingParams, first_rows, logits_to_probs, rows_when_reached
+from specsplit.lmkit.sampling import (
+    SamplingParams,
+    apply_penalties,
+    chain_paths,
+    first_rows,
+    logits_to_probs,
+    rows_when_reached,
+)
 from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from specsplit.target_service import rejection, tree_verify
 from specsplit.target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
@@ -151,6 +158,8 @@ class TargetEngine:
     ):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
+        check_tokens([t for t, _ in sampling.logit_bias], self.vocab_size, "sampling.logit_bias ids")
+        check_tokens(sampling.eos_token_ids, self.vocab_size, "sampling.eos_token_ids")
         check_mode(mode, sampling)
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise errors.InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
@@ -195,7 +204,8 @@ class TargetEngine:
         logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
         forward_s = time.perf_counter() - start
         self.forward_passes += 1
-        result = self._commit(session, logits, draft_tokens, draft_probs, parents)
+        adjusted = penalized(session, logits, draft_tokens, parents)  # logprobs stay the model's own
+        result = self._commit(session, adjusted, draft_tokens, draft_probs, parents)
         logprobs = self._logprobs(session, logits, result)
         path = _tree_path(result, parents)
         return VerifyOutcome(
@@ -304,10 +314,14 @@ class TargetEngine:
         forward_s = time.perf_counter() - start
         self.forward_passes += 1
         self.forward_cost.observe(tokens, forward_s)
-        firsts = self._first_rows(items, logits, steps)
+        adjusted = [
+            penalized(item.session, rows, item.draft_tokens, step.parents)
+            for item, rows, step in zip(items, logits, steps)
+        ]
+        firsts = self._first_rows(items, adjusted, steps)
         decided = [
             self._commit_isolated(item, rows, step.parents, first)
-            for item, rows, step, first in zip(items, logits, steps, firsts)
+            for item, rows, step, first in zip(items, adjusted, steps, firsts)
         ]
         logprobs = [self._logprobs(item.session, rows, d) if not isinstance(d, errors.SpecsplitError) else ()
                     for item, rows, d in zip(items, logits, decided)]
@@ -475,6 +489,22 @@ class TargetEngine:
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
             return rejection.verify_token_only_rows(row, tokens, vocab, uniforms)
         return rejection.verify_draft_probs_rows(row, draft_probs, tokens, vocab, uniforms)
+
+
+def penalized(
+    session: TargetSession,
+    logits: torch.Tensor,  # [k+1, vocab] a block's raw logits: one row per position (a tree: root, then nodes)
+    draft_tokens: Sequence[int],  # [k]
+    parents: Sequence[int] | None,  # [k] a token tree, or None for a chain
+) -> torch.Tensor:  # [k+1, vocab] the logits the session's penalties and biases make of them
+    """Each row adjusted with its own context: the committed tokens, then the draft tokens on its path."""
+    if not session.sampling.penalizes:
+        return logits
+    if parents is None:
+        paths = chain_paths(draft_tokens)
+    else:
+        paths = [(), *([draft_tokens[j] for j in token_tree.path_to(parents, i)] for i in range(len(parents)))]
+    return apply_penalties(logits, session.sampling, session.tokens, paths)
 
 
 def committed_features(cache, position: int, accepted: int, path: Sequence[int] = ()) -> FeatureBlock | None:

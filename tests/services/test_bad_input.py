@@ -78,6 +78,10 @@ TARGET_CASES = {
         [target_open(sampling=pb.SamplingParams(temperature=0.7))], grpc.StatusCode.INVALID_ARGUMENT, ["temperature 0"],
     ),
     "unknown mode": ([target_open(mode=9)], grpc.StatusCode.INVALID_ARGUMENT, ["verification mode"]),
+    "logit_bias id outside vocabulary": (
+        [target_open(sampling=pb.SamplingParams(logit_bias={VOCAB: 1.0}))], grpc.StatusCode.INVALID_ARGUMENT,
+        ["logit_bias", "outside the vocabulary"],
+    ),
     "verify before open": ([verify(0, [1])], grpc.StatusCode.FAILED_PRECONDITION, ["first message"]),
     "probs in token-only mode": (
         [
@@ -163,6 +167,14 @@ PUBLIC_CASES = {
     "draft_probs with another mode": (
         pb.GenerateRequest(prompt="hi", draft_probs=True, mode=pb.VERIFICATION_MODE_COUPLED,
                            sampling=pb.SamplingParams(temperature=1)), ["draft_probs asks for DRAFT_PROBS"]),
+    "presence_penalty outside [-2, 2]": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(presence_penalty=3)), ["presence_penalty", "[-2, 2]"]),
+    "repetition_penalty zero": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(repetition_penalty=0)), ["repetition_penalty", "> 0"]),
+    "logit_bias above 100": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(logit_bias={5: 200})), ["logit_bias[5]", "[-100, 100]"]),
+    "logit_bias id outside the vocabulary": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(logit_bias={10**6: 1})), ["logit_bias", "vocabulary"]),
     "an unknown mode": (
         pb.GenerateRequest(prompt="hi", mode=99, sampling=pb.SamplingParams(temperature=1)), ["not a verification mode"]),
 }

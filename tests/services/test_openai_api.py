@@ -126,6 +126,30 @@ def test_chat_completion_of_a_conversation_is_the_targets_greedy_answer(api, ref
     assert speculative["rounds"] >= 1 and 0 <= speculative["accepted_tokens"] <= speculative["drafted_tokens"]
 
 
+def test_penalties_and_biases_through_the_openai_client_equal_non_speculative_references(api, tiny_target_dir):
+    from tests.services.test_penalties_e2e import NEW, openai_penalty_greedy, transformers_greedy
+
+    tokenizer = models.load_tokenizer(str(tiny_target_dir))
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    prompt = "a b a b a b a b"
+    ids = tokenizer.encode(prompt)
+    with api.client() as client:
+        biased = client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=NEW, logit_bias={"13": 9, "2": 30},
+            extra_body={"repetition_penalty": 2.0, "min_tokens": 5, "k": 4, "drafter": "ngram"},
+        )
+        penalized = client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=NEW, presence_penalty=0.4, frequency_penalty=0.6,
+            extra_body={"k": 4, "drafter": "ngram"},
+        )
+    expected = transformers_greedy(model, ids, repetition_penalty=2.0, sequence_bias={(13,): 9.0, (2,): 30.0},
+                                   min_new_tokens=5)
+    assert biased.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert biased.usage.completion_tokens == len(expected) == 6 and biased.choices[0].finish_reason == "stop"
+    expected = openai_penalty_greedy(model, ids, 0.4, 0.6)
+    assert penalized.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
 def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(api, reference):
     prompt_ids = reference.chat_ids(CONVERSATION)
     expected = reference.text(reference.greedy(prompt_ids, 24))
@@ -239,7 +263,8 @@ def test_bad_requests_get_openai_errors_with_the_right_status(api):
             "temperature": {"temperature": "hot"},
             "max_tokens": {"max_tokens": 10_000},
             "n": {"n": 2},
-            "frequency_penalty": {"frequency_penalty": 0.5},
+            "frequency_penalty": {"frequency_penalty": 2.5},
+            "logit_bias": {"logit_bias": {"99999999": 1}},
             "top_logprobs": {"logprobs": True, "top_logprobs": 25},
             "stop": {"stop": 3},
             "k": {"extra_body": {"k": 1000}},

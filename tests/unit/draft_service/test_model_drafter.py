@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specsplit.draft_service.model_drafter import ModelDrafter
-from specsplit.lmkit import models
+from specsplit.lmkit import models, token_tree
 from specsplit.lmkit.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -54,3 +54,24 @@ def test_rollback_outside_context_is_refused(draft_model):
         drafter.rollback(len(PROMPT) + 1)
     with pytest.raises(ValueError, match="past the drafter's context"):
         drafter.commit(len(PROMPT) + 2, [1])
+
+
+def _tied_head_model(model_dir, low: int, high: int):
+    """The tiny draft with an LM head whose logits are a fixed vector: ``low`` and ``high`` tie for the top."""
+    model = models.load_model(models.ModelSpec(str(model_dir)))
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(torch.rand(model.config.vocab_size, generator=torch.Generator().manual_seed(0)))
+        head.bias[low] = head.bias[high] = 5.0
+    model.lm_head = head
+    return model
+
+
+def test_a_top_two_tie_gives_distinct_siblings(tiny_draft_dir):
+    low, high = 7, 9000
+    drafter = ModelDrafter(_tied_head_model(tiny_draft_dir, low, high), PROMPT, SamplingParams(), False)
+    tree = drafter.propose_tree(3, max_branches=2, max_nodes=8)
+    assert tree.tokens[0] == low  # the argmax takes the lower id of a tie
+    groups = [[tree.tokens[i] for i in kids] for kids in token_tree.children(tree.parents) if len(kids) > 1]
+    assert groups == [[low, high]]  # the runner-up is the other tied token, never the chain's

@@ -45,6 +45,27 @@ def test_a_chat_request_maps_field_by_field():
     assert not msg.HasField("overlap") and not msg.prompt
 
 
+def test_penalties_and_biases_map_to_sampling():
+    sampling = chat(presence_penalty=0.5, frequency_penalty=-1, logit_bias={"5": 10, "42": -100.0},
+                    repetition_penalty=1.3, min_tokens=4, ignore_eos=True).sampling
+    assert sampling.presence_penalty == 0.5 and sampling.frequency_penalty == -1.0
+    assert dict(sampling.logit_bias) == {5: 10.0, 42: -100.0}
+    assert sampling.repetition_penalty == pytest.approx(1.3) and sampling.min_tokens == 4 and sampling.ignore_eos
+    plain = chat().sampling
+    assert not plain.HasField("repetition_penalty") and not plain.logit_bias and not plain.presence_penalty
+
+
+def test_the_models_defaults_fill_only_what_a_request_leaves_unset():
+    defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.2}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    unset = to_generate_request(validate(ChatCompletionRequest, body), CONFIG, "r", defaults).sampling
+    assert unset.temperature == pytest.approx(0.6) and unset.top_k == 20
+    assert not unset.HasField("top_p") and not unset.HasField("repetition_penalty")  # the orchestrator fills them
+    sent = {**body, "temperature": 0, "top_k": -1}
+    explicit = to_generate_request(validate(ChatCompletionRequest, sent), CONFIG, "r", defaults).sampling
+    assert explicit.temperature == 0 and explicit.top_k == 0
+
+
 def test_unset_options_stay_unset_for_the_servers_defaults():
     msg = chat(temperature=0)
     assert not msg.HasField("max_new_tokens") and not msg.HasField("k") and not msg.sampling.HasField("seed")
@@ -65,8 +86,14 @@ def test_a_completion_request_takes_one_prompt_and_legacy_logprobs():
     ({"top_p": 0}, "top_p", "(0, 1]"),
     ({"seed": -4}, "seed", "[0, 2**63)"),
     ({"n": 3}, "n", "send 3 requests"),
-    ({"presence_penalty": 0.1}, "presence_penalty", "not supported"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"hello": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "token ids"),
+    ({"min_tokens": -1}, "min_tokens", ">= 0"),
     ({"tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
