@@ -22,6 +22,7 @@ from specsplit.lmkit.wire import sampling_to_proto
 from specsplit.orchestrator import metrics
 from specsplit.orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
 from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
+from specsplit.orchestrator.grammar import Constraint, Grammars, GrammarSpec
 from specsplit.orchestrator.links import NO_DRAFT, DraftLink, TargetLink
 from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from specsplit.orchestrator.mux import Mux
@@ -56,6 +57,7 @@ class GenerationRequest:
     # draft_probs is set, else the server's default sampling mode. Greedy requests verify GREEDY.
     sampling_mode: VerificationMode | None = None
     tree_branches: int = 1  # continuations a round may verify as a token tree; 1 = chains only
+    grammar: object | None = None  # the compiled grammar the output follows (orchestrator.grammar); None: free text
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Orchestrator:
         self.measured = Measurements()
         self.active = 0  # generations in flight, over every API; bounded by config.max_concurrent
         self.in_flight = 0  # generations running (admitted or not): what decides a new session's stream
+        self._grammars: Grammars | None = None  # built at the first grammar (xgrammar's tokenizer tables)
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -157,6 +160,13 @@ class Orchestrator:
         finally:
             self.active -= 1
             metrics.RUNNING.dec()
+
+    def compile_grammar(self, spec: GrammarSpec):
+        """A request's grammar compiled for this tokenizer and the target's vocabulary (GrammarError if it
+        does not compile)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.target.info.vocab_size, self.eos_ids)
+        return self._grammars.compile(spec)
 
     def encode(self, prompt: str, chat: bool, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
         """Token ids of a raw prompt, of a prompt as one user turn (``chat``), or of a conversation."""
@@ -270,6 +280,7 @@ class Orchestrator:
             max_context=self.target.info.max_context or 1 << 30,
             ahead_max=min(request.k, self.draft.info.max_block - 1) if speculating else 0,
             tree_branches=self.tree_branches(request, mode) if speculating else 1,
+            constraint=self._constraint(request),
         )
         rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller)
         pending: list[pb.TokenLogprob] = []  # the logprobs of committed ids not sent yet (ids wait for their text)
@@ -303,6 +314,12 @@ class Orchestrator:
                 yield GenerationEvent(text, ids, finish, logprobs=sent)
         if last is not None:
             yield last
+
+    def _constraint(self, request: GenerationRequest) -> Constraint | None:
+        """The generation's grammar state; forced tokens are drafted unless the request decodes target-only."""
+        if request.grammar is None:
+            return None
+        return self._grammars.constraint(request.grammar, self.max_block, jump_forward=request.k > 0)
 
     def tree_branches(self, request: GenerationRequest, mode: VerificationMode) -> int:
         """The request's tree width where draft and target both take trees and its mode verifies them
@@ -412,6 +429,7 @@ class Orchestrator:
             tree_rounds=stats.tree_rounds,
             tree_nodes=stats.tree_nodes,
             branch_accepted=stats.branch_accepted,
+            forced_tokens=stats.forced_tokens,
             request_id=request.request_id,
         )
 
