@@ -39,7 +39,7 @@ GRAMMARS = {
     "json_schema": pb.Grammar(json_schema=json.dumps(SCHEMA)),
     "json_object": pb.Grammar(json_object=True),
     "regex": pb.Grammar(regex=r"(yes|no), [a-z]{2,8} [0-9]{1,3}\."),
-    "choice": pb.Grammar(choice=pb.GrammarChoices(choices=["alpha", "beta gamma", "delta \"quoted\""])),
+    "choice": pb.Grammar(choice=pb.GrammarChoices(choices=["alpha", "beta gamma", 'delta "quoted"'])),
     "ebnf": pb.Grammar(ebnf='root ::= "[" item ("," item)* "]"\nitem ::= [0-9]+'),
 }
 MAX_NEW = 40
@@ -120,15 +120,17 @@ def test_greedy_equals_the_masked_reference_loop(api, masked_reference, kind):
             assert last.finish_reason == pb.FINISH_REASON_EOS
 
 
-@pytest.mark.parametrize("drafter,branches", [(pb.DRAFTER_KIND_MODEL, 1), (pb.DRAFTER_KIND_MODEL, 3),
-                                              (pb.DRAFTER_KIND_NGRAM, 1)])
+@pytest.mark.parametrize(
+    "drafter,branches", [(pb.DRAFTER_KIND_MODEL, 1), (pb.DRAFTER_KIND_MODEL, 3), (pb.DRAFTER_KIND_NGRAM, 1)]
+)
 def test_every_drafter_and_tree_gives_the_target_only_tokens(api, drafter, branches):
     address, _ = api
     for kind in ("json_schema", "regex", "ebnf"):
         for prompt in TINY_PROMPTS[3:6]:
             expected, _ = generate(address, prompt, GRAMMARS[kind], k=0)
-            got, last = generate(address, prompt, GRAMMARS[kind], k=5, drafter=drafter, tree_branches=branches,
-                                 overlap=True)
+            got, last = generate(
+                address, prompt, GRAMMARS[kind], k=5, drafter=drafter, tree_branches=branches, overlap=True
+            )
             assert got == expected, (kind, prompt, drafter, branches)
 
 
@@ -146,8 +148,15 @@ def test_sampled_output_follows_the_grammar(api):
         for seed in range(3):
             sampling = pb.SamplingParams(temperature=1.0, seed=seed)
             for mode in (pb.VERIFICATION_MODE_COUPLED, pb.VERIFICATION_MODE_TOKEN_ONLY):
-                tokens, _ = generate(address, TINY_PROMPTS[seed], grammar, k=5, drafter=pb.DRAFTER_KIND_MODEL,
-                                     sampling=sampling, mode=mode)
+                tokens, _ = generate(
+                    address,
+                    TINY_PROMPTS[seed],
+                    grammar,
+                    k=5,
+                    drafter=pb.DRAFTER_KIND_MODEL,
+                    sampling=sampling,
+                    mode=mode,
+                )
                 assert tokens and _follows(orch, grammar, tokens), (kind, seed, mode)
 
 
@@ -174,14 +183,17 @@ def test_the_mask_holds_with_the_draft_down(tiny_services, tiny_target_dir, back
         background_loop.run(orch.close())
 
 
-@pytest.mark.parametrize("grammar,says", [
-    (pb.Grammar(json_schema='{"type": "objec"}'), 'Unsupported type "objec"'),
-    (pb.Grammar(json_schema="not json"), "Failed to parse JSON"),
-    (pb.Grammar(regex="a(b"), "parenthesis is not closed"),
-    (pb.Grammar(ebnf='root ::= "a" |'), "EBNF parser error"),
-    (pb.Grammar(choice=pb.GrammarChoices()), "at least one choice"),
-    (pb.Grammar(), "names none"),
-])
+@pytest.mark.parametrize(
+    "grammar,says",
+    [
+        (pb.Grammar(json_schema='{"type": "objec"}'), 'Unsupported type "objec"'),
+        (pb.Grammar(json_schema="not json"), "Failed to parse JSON"),
+        (pb.Grammar(regex="a(b"), "parenthesis is not closed"),
+        (pb.Grammar(ebnf='root ::= "a" |'), "EBNF parser error"),
+        (pb.Grammar(choice=pb.GrammarChoices()), "at least one choice"),
+        (pb.Grammar(), "names none"),
+    ],
+)
 def test_a_grammar_that_does_not_compile_is_refused(api, grammar, says):
     address, _ = api
     with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -193,7 +205,14 @@ def test_a_grammar_that_does_not_compile_is_refused(api, grammar, says):
 def test_draft_probs_with_a_grammar_is_refused(api):
     address, _ = api
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        generate(address, TINY_PROMPTS[0], GRAMMARS["regex"], k=4, drafter=pb.DRAFTER_KIND_MODEL, draft_probs=True,
-                 sampling=pb.SamplingParams(temperature=1.0))
+        generate(
+            address,
+            TINY_PROMPTS[0],
+            GRAMMARS["regex"],
+            k=4,
+            drafter=pb.DRAFTER_KIND_MODEL,
+            draft_probs=True,
+            sampling=pb.SamplingParams(temperature=1.0),
+        )
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "draft_probs" in refused.value.details()
