@@ -125,12 +125,15 @@ class Constraint:
         return self.matcher.is_terminated()
 
     def advance(self, tokens: Sequence[int]) -> None:
-        """Accept committed tokens (each was verified under this grammar's mask)."""
+        """Accept committed tokens (each was verified under this grammar's mask; ValueError if one was not)."""
         for token in tokens:
             if self.matcher.is_terminated():
                 return  # tokens past the end-of-sequence token are cut by the loop
             if not self.matcher.accept_token(int(token)):
-                raise AssertionError(f"committed token {token} is refused by the grammar it was verified under")
+                raise ValueError(
+                    f"the target committed token {token}, which the grammar refuses: it did not apply "
+                    "VerifyRequest.allowed (a target older than token masks?); serve a target that does"
+                )
 
     def fit(self, tokens: Sequence[int], parents: Sequence[int], room: int) -> Masked:
         """``tokens`` (a tree when ``parents`` is not empty) fitted to the grammar within ``room`` draft tokens,

@@ -140,7 +140,7 @@ def test_guided_json_and_json_object_give_json(http):
     for temperature in (0, 0.8):
         done = chat(
             http,
-            "List three fruits and their colours as a JSON object.",
+            'Give a JSON object with the keys "fruit" and "colour" for a banana.',
             temperature=temperature,
             seed=3,
             response_format={"type": "json_object"},
