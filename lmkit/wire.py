@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.lmkit import errors
+from specsplit.lmkit import errors, token_mask
 from specsplit.lmkit.features import FeatureBlock, decode_features, encode_features
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.probs_codec import EncodedProbs, decode_probs, encode_probs
@@ -80,6 +80,14 @@ def probs_from_proto(msg: pb.DraftProbs, vocab_size: int) -> torch.Tensor:
         return decode_probs(enc)
     except ValueError as exc:
         raise errors.InvalidArgument(f"draft_probs: {exc}") from None
+
+
+def mask_from_proto(msg: pb.TokenMask, vocab_size: int) -> torch.Tensor:  # -> [rows, vocab] bool
+    """Decode an untrusted token mask."""
+    try:
+        return token_mask.unpack(msg.bits, msg.rows, vocab_size)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"allowed: {exc}") from None
 
 
 def drop_leading_rows(msg: pb.DraftProbs, n: int) -> pb.DraftProbs:

@@ -23,6 +23,7 @@ from specsplit.lmkit.wire import sampling_to_proto
 from specsplit.orchestrator import metrics
 from specsplit.orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
 from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
+from specsplit.orchestrator.grammar import Constraint, Grammars, GrammarSpec
 from specsplit.orchestrator.limits import Slots, prompt_byte_limit
 from specsplit.orchestrator.links import NO_DRAFT, DraftLink, TargetLink
 from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
@@ -62,6 +63,7 @@ class GenerationRequest:
     # draft_probs is set, else the server's default sampling mode. Greedy requests verify GREEDY.
     sampling_mode: VerificationMode | None = None
     tree_branches: int = 1  # continuations a round may verify as a token tree; 1 = chains only
+    grammar: object | None = None  # the compiled grammar the output follows (orchestrator.grammar); None: free text
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class Orchestrator:
         # Tokenizing and rendering chat templates happen here, never on the event loop that answers /health.
         self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="tokenize")
         self.in_flight = 0  # generations running (admitted or not): what decides a new session's stream
+        self._grammars: Grammars | None = None  # built at the first grammar (xgrammar's tokenizer tables)
 
     @classmethod
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
@@ -174,6 +177,13 @@ class Orchestrator:
         """``encode`` on the tokenizer threads, off the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize_pool, self.encode, prompt, chat, messages)
+
+    def compile_grammar(self, spec: GrammarSpec):
+        """A request's grammar compiled for this tokenizer and the target's vocabulary (GrammarError if it
+        does not compile)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.target.info.vocab_size, self.eos_ids)
+        return self._grammars.compile(spec)
 
     def encode(self, prompt: str, chat: bool, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
         """Token ids of a raw prompt, of a prompt as one user turn (``chat``), or of a conversation."""
@@ -298,6 +308,7 @@ class Orchestrator:
             max_context=self.target.info.max_context or 1 << 30,
             ahead_max=min(request.k, self.draft.info.max_block - 1) if speculating else 0,
             tree_branches=self.tree_branches(request, mode) if speculating else 1,
+            constraint=self._constraint(request),
         )
         rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller)
         deadline = time.monotonic() + self.config.max_generation_s if self.config.max_generation_s else None
@@ -341,6 +352,12 @@ class Orchestrator:
                 f"the generation ran past the server's limit of {self.config.max_generation_s:g} s "
                 "(--max-generation-s); ask for fewer tokens"
             )
+
+    def _constraint(self, request: GenerationRequest) -> Constraint | None:
+        """The generation's grammar state; forced tokens are drafted unless the request decodes target-only."""
+        if request.grammar is None:
+            return None
+        return self._grammars.constraint(request.grammar, self.max_block, jump_forward=request.k > 0)
 
     def tree_branches(self, request: GenerationRequest, mode: VerificationMode) -> int:
         """The request's tree width where draft and target both take trees and its mode verifies them
@@ -450,6 +467,7 @@ class Orchestrator:
             tree_rounds=stats.tree_rounds,
             tree_nodes=stats.tree_nodes,
             branch_accepted=stats.branch_accepted,
+            forced_tokens=stats.forced_tokens,
             request_id=request.request_id,
         )
 

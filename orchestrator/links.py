@@ -128,18 +128,19 @@ class TargetLink(_SessionLink):
         return True
 
     async def verify(
-        self, committed: Sequence[int], tokens: Sequence[int], probs, parents: Sequence[int] = ()
+        self, committed: Sequence[int], tokens: Sequence[int], probs, parents: Sequence[int] = (),
+        allowed: pb.TokenMask | None = None,
     ) -> pb.VerifyResult:
         """Verify a block at len(committed), re-opening the session until the deadline if the target fails.
 
-        ``parents``: the block is a token tree (empty: a chain).
+        ``parents``: the block is a token tree (empty: a chain); ``allowed``: a grammar's mask of its positions.
         """
         deadline = time.monotonic() + self._policy.target_deadline_s
         while True:
             try:
                 if self._stream is None:
                     await self.open(committed)
-                call = self._stream.verify(len(committed), tokens, probs, parents)
+                call = self._stream.verify(len(committed), tokens, probs, parents, allowed)
                 start = time.perf_counter()
                 async with asyncio.timeout(self._policy.target_timeout_s):
                     result = await call

@@ -24,6 +24,7 @@ from typing import AsyncIterator, Sequence
 
 from specsplit.lmkit import token_tree
 from specsplit.lmkit.wire import drop_leading_rows
+from specsplit.orchestrator.grammar import Constraint
 from specsplit.orchestrator.links import DraftCall, DraftLink, TargetLink, drafter_of
 from specsplit.orchestrator.policy.controller import Block, Controller
 from specsplit.orchestrator.policy.measure import Forward, Load, quality_of
@@ -44,6 +45,7 @@ class LoopConfig:
     max_context: int  # positions the target accepts
     ahead_max: int = 0  # largest k drafted ahead (the draft proposes k + 1 then); 0 = no overlap
     tree_branches: int = 1  # continuations a round may verify as a token tree; 1 = chains only
+    constraint: Constraint | None = None  # the grammar the output follows (its matcher: this generation's)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class LoopStats:
     tree_rounds: int = 0  # rounds that verified a token tree
     tree_nodes: int = 0  # draft tokens those trees carried
     branch_accepted: int = 0  # tokens accepted off a tree's primary chain
+    forced_tokens: int = 0  # tokens drafted because the grammar forced them (jump-forward)
 
     @property
     def mean_batch_size(self) -> float:
@@ -328,6 +331,19 @@ class _Loop:
                                       free_k=second.free_k))
             self.stats.second_guess_started += 1
 
+    def constrain(self, block: Block) -> tuple[Block, pb.TokenMask | None]:
+        """The block fitted to the grammar (refused tokens cut, forced ones appended) and its positions' mask;
+        the block as it is without a grammar."""
+        constraint = self.config.constraint
+        if constraint is None:
+            return block, None
+        assert block.probs is None, "a grammar is not verified with draft probabilities"
+        fitted = constraint.fit(block.tokens, block.parents, self.limit())
+        second = block.second_guess if block.second_guess and block.second_guess[0] < len(fitted.tokens) else None
+        self.stats.forced_tokens += fitted.forced
+        block = replace(block, tokens=fitted.tokens, parents=fitted.parents, second_guess=second, forced=fitted.forced)
+        return block, pb.TokenMask(rows=len(fitted.tokens) + 1, bits=fitted.bits)
+
     async def close(self) -> None:
         """Stop the proposals drafted ahead, if any, and wait until they have stopped (the draft link's close
         cancels every request still on its way)."""
@@ -354,6 +370,8 @@ class _Loop:
             stats.feature_bytes += len(result.features.values)
             self.draft.add_features(result.features)
         new, finish = cut_at_finish([*accepted, result.next_token], self.config.eos_ids, budget)
+        if self.config.constraint is not None:
+            self.config.constraint.advance(new)
         self.committed.extend(new)
         stats.rounds += 1
         stats.drafted += drafted
@@ -416,8 +434,9 @@ async def speculative_decode(
             if len(loop.committed) >= config.max_context:
                 yield [], Finish.CONTEXT, []
                 return
-            block = await loop.next_block()
-            verifying = asyncio.ensure_future(target.verify(loop.committed, block.tokens, block.probs, block.parents))
+            block, allowed = loop.constrain(await loop.next_block())
+            verifying = asyncio.ensure_future(
+                target.verify(loop.committed, block.tokens, block.probs, block.parents, allowed))
             loop.start_ahead(block)
             try:
                 result = await verifying

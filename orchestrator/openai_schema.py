@@ -7,6 +7,11 @@ unknown parameter is refused rather than ignored) and become the same
 (tools, ``n > 1``...) are refused with a 400 naming them, never silently
 ignored.
 
+Structured outputs: ``response_format`` (chat; ``json_object``, or
+``json_schema`` with ``strict``) and vLLM's ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar`` (both endpoints) become
+``GenerateRequest.grammar``.
+
 Extensions, in the body (``extra_body`` in the openai SDK): ``top_k``,
 ``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` (as vLLM), and
 specsplit's ``k``, ``drafter``, ``adaptive_k``, ``overlap``, ``draft_probs``.
@@ -15,6 +20,7 @@ Responses carry the speculative stats in ``usage.speculative``.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any, Literal
@@ -92,6 +98,11 @@ class _Common(_Strict):
     adaptive_k: bool | None = None
     overlap: bool | None = None
     draft_probs: bool | None = None
+    # vLLM's structured outputs (one at most; chat also takes response_format)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -160,6 +171,7 @@ def to_generate_request(
             raise RequestError(f"{max_name} must be in [1, {config.max_new_tokens_limit}], got {max_tokens}", max_name)
         msg.max_new_tokens = max_tokens
     _extensions(req, msg)
+    _grammar(req, msg)
     return msg
 
 
@@ -171,8 +183,6 @@ def _refuse_unsupported(req: _Common) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise RequestError("tools are not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise RequestError("response_format other than {\"type\": \"text\"} is not supported", "response_format")
     else:
         if req.echo:
             raise RequestError("echo is not supported", "echo")
@@ -298,6 +308,54 @@ def _extensions(req: _Common, msg: pb.GenerateRequest) -> None:
     msg.draft_probs = bool(req.draft_probs)
 
 
+def _grammar(req: _Common, msg: pb.GenerateRequest) -> None:
+    """``response_format`` or a ``guided_*`` parameter as ``GenerateRequest.grammar`` (compiled, and refused with
+    the compiler's reason, by ``requests.parse_request``)."""
+    named = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+             if getattr(req, name) is not None]
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.get("type", "text") != "text":
+        named.insert(0, "response_format")
+    if len(named) > 1:
+        raise RequestError(f"send one structured output constraint; got {' and '.join(named)}", named[1])
+    if not named:
+        return
+    if named[0] == "response_format":
+        _response_format(response_format, msg.grammar)
+    elif named[0] == "guided_json":
+        schema = req.guided_json
+        msg.grammar.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
+    elif named[0] == "guided_regex":
+        msg.grammar.regex = req.guided_regex
+    elif named[0] == "guided_choice":
+        msg.grammar.choice.choices.extend(req.guided_choice)
+    else:
+        msg.grammar.ebnf = req.guided_grammar
+
+
+def _response_format(value: dict, grammar: pb.Grammar) -> None:
+    """OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
+    "strict", "description"}}``."""
+    kind = value.get("type")
+    if kind == "json_object":
+        grammar.json_object = True
+        return
+    if kind != "json_schema":
+        raise RequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                           "response_format.type")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise RequestError("response_format.json_schema must be an object with a `schema` object",
+                           "response_format.json_schema")
+    grammar.json_schema = json.dumps(spec.get("schema", {}))
+    strict = spec.get("strict")
+    if strict is not None:
+        if not isinstance(strict, bool):
+            raise RequestError(f"response_format.json_schema.strict must be a boolean, got {strict!r}",
+                               "response_format.json_schema.strict")
+        grammar.strict = strict
+
+
 # -- responses ----------------------------------------------------------------------------------------------
 
 
@@ -323,6 +381,7 @@ def usage(stats: pb.GenerationStats) -> dict:
             "acceptance_rate": round(stats.acceptance_rate, 4),
             "mean_accepted_length": round(stats.mean_accepted_length, 4),
             "overlap_hits": stats.overlap_hits,
+            "forced_tokens": stats.forced_tokens,
             "draft_fallback_rounds": stats.draft_fallback_rounds,
             "target_reopens": stats.target_reopens,
             "tokens_per_s": round(stats.tokens_per_s, 3),

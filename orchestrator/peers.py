@@ -119,11 +119,13 @@ class TargetStream(_Session):
 
     async def verify(
         self, position: int, draft_tokens: Sequence[int], draft_probs: pb.DraftProbs | None,
-        parents: Sequence[int] = (),
+        parents: Sequence[int] = (), allowed: pb.TokenMask | None = None,
     ) -> pb.VerifyResult:
         msg = pb.VerifyRequest(position=position, draft_tokens=draft_tokens, parents=parents)
         if draft_probs is not None:
             msg.draft_probs.CopyFrom(draft_probs)
+        if allowed is not None:
+            msg.allowed.CopyFrom(allowed)
         return await self._transport.call("verify", msg)
 
 

@@ -16,11 +16,15 @@ from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.wire import MAX_TOP_LOGPROBS, mode_from_proto, sampling_from_proto
 from specsplit.orchestrator.config import MAX_TREE_BRANCHES
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.grammar import GrammarError, GrammarKind, GrammarSpec
 from specsplit.orchestrator.limits import check_prompt_size
 from specsplit.v1 import specsplit_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_REQUEST_ID = 128
+_GRAMMAR_NAMES = {"json_schema": "the JSON schema (response_format json_schema / guided_json)",
+                  "json_object": "the JSON object grammar", "regex": "the regex (guided_regex)",
+                  "choice": "the choices (guided_choice)", "ebnf": "the EBNF grammar (guided_grammar)"}
 _REQUEST_ID_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
 
 
@@ -59,6 +63,7 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     if wants_probs and not (traits is not None and traits.has_probs):
         names = "/".join(sorted(t.kind.name for t in orch.drafter_traits.values() if t.has_probs)) or "model"
         raise errors.InvalidArgument(f"draft_probs needs a {names} drafter; {drafter.name} sends token ids only")
+    grammar = _grammar(msg, orch, wants_probs)
     chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
     top_logprobs = _top_logprobs(msg)
     request_id = _request_id(msg.request_id)
@@ -77,7 +82,7 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     request = GenerationRequest(
         msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap,
         messages=messages, top_logprobs=top_logprobs, request_id=request_id, sampling_mode=sampling_mode,
-        tree_branches=branches,
+        tree_branches=branches, grammar=grammar,
     )
     if k > 0 and orch.draft is not None:
         orch.check_features(request)
@@ -114,6 +119,43 @@ def _messages(msg: pb.GenerateRequest) -> tuple[tuple[str, str], ...]:
         if turn.role not in CHAT_ROLES:
             raise errors.InvalidArgument(f"messages[{i}].role is {turn.role!r}; use one of {', '.join(CHAT_ROLES)}")
     return tuple((turn.role, turn.content) for turn in msg.messages)
+
+
+def _grammar(msg: pb.GenerateRequest, orch: Orchestrator, wants_probs: bool):
+    """GenerateRequest.grammar compiled (None: free text); a grammar that does not compile names xgrammar's
+    reason."""
+    if not msg.HasField("grammar"):
+        return None
+    spec = grammar_spec(msg.grammar)
+    if wants_probs:
+        raise errors.InvalidArgument("a grammar is not verified with draft_probs (DRAFT_PROBS); use TOKEN_ONLY or COUPLED")
+    if msg.sampling.ignore_eos or msg.sampling.min_tokens:
+        # Where the grammar is complete it allows only the end of text, which these would ban: no token left.
+        raise errors.InvalidArgument("a grammar ends the text itself; send it without ignore_eos and min_tokens")
+    try:
+        return orch.compile_grammar(spec)
+    except GrammarError as exc:
+        what = _GRAMMAR_NAMES[msg.grammar.WhichOneof("kind")]
+        raise errors.InvalidArgument(f"{what} does not compile: {exc}") from None
+
+
+def grammar_spec(msg: pb.Grammar) -> GrammarSpec:
+    """The grammar a ``pb.Grammar`` names, checked for what xgrammar cannot say (an empty choice list)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        raise errors.InvalidArgument("grammar is set but names none: send json_schema, json_object, regex, choice or ebnf")
+    if kind != "json_schema" and msg.HasField("strict"):
+        raise errors.InvalidArgument(f"grammar.strict is for json_schema; grammar is {kind}")
+    if kind == "choice":
+        if not msg.choice.choices or not all(msg.choice.choices):
+            raise errors.InvalidArgument("grammar.choice needs at least one choice, none of them empty")
+        return GrammarSpec(GrammarKind.CHOICE, choices=tuple(msg.choice.choices))
+    if kind == "json_object":
+        return GrammarSpec(GrammarKind.JSON_OBJECT)
+    source = getattr(msg, kind)
+    if not source:
+        raise errors.InvalidArgument(f"grammar.{kind} is empty")
+    return GrammarSpec(GrammarKind[kind.upper()], source, strict=msg.strict if msg.HasField("strict") else True)
 
 
 def _top_logprobs(msg: pb.GenerateRequest) -> int | None:

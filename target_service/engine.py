@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from specsplit.lmkit import draws, errors, packed_rows, token_tree
+from specsplit.lmkit import draws, errors, packed_rows, token_mask, token_tree
 from specsplit.lmkit.costs import LinearCost
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import TREE_MODES, VerificationMode
@@ -84,6 +84,7 @@ class VerifyItem:
     draft_tokens: Sequence[int]  # [k]
     draft_probs: torch.Tensor | None  # [k, vocab] in DRAFT_PROBS mode, else None
     parents: Sequence[int] | None = None  # [k] a token tree (lmkit.token_tree); None or a chain's: a chain
+    allowed: torch.Tensor | None = None  # [k+1, vocab] bool: a grammar's tokens per verified position; None: all
 
 
 def tree_of(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
@@ -196,15 +197,17 @@ class TargetEngine:
         draft_tokens: Sequence[int],  # [k]
         draft_probs: torch.Tensor | None,  # [k, vocab] in DRAFT_PROBS mode, else None
         parents: Sequence[int] | None = None,  # [k] a token tree; None: a chain
+        allowed: torch.Tensor | None = None,  # [k+1, vocab] bool: the tokens a grammar allows; None: all
     ) -> VerifyOutcome:
         """Run the block through the target in one forward pass and commit accepted + 1 tokens."""
         parents = tree_of(parents, len(draft_tokens))
-        self._check_block(session, position, draft_tokens, draft_probs, parents)
+        self._check_block(session, position, draft_tokens, draft_probs, parents, allowed)
         start = time.perf_counter()
         logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
         forward_s = time.perf_counter() - start
         self.forward_passes += 1
-        adjusted = penalized(session, logits, draft_tokens, parents)  # logprobs stay the model's own
+        masked = token_mask.apply(logits, allowed)  # a grammar's refusals at -inf; penalties keep them there
+        adjusted = penalized(session, masked, draft_tokens, parents)  # logprobs stay the model's own
         result = self._commit(session, adjusted, draft_tokens, draft_probs, parents)
         logprobs = self._logprobs(session, logits, result)
         path = _tree_path(result, parents)
@@ -228,7 +231,8 @@ class TargetEngine:
         for i, item in enumerate(items):
             try:
                 parents = tree_of(item.parents, len(item.draft_tokens))
-                self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs, parents)
+                self._check_block(item.session, item.position, item.draft_tokens, item.draft_probs, parents,
+                                  item.allowed)
             except errors.SpecsplitError as exc:
                 results[i] = exc
                 continue
@@ -285,7 +289,8 @@ class TargetEngine:
 
     def _verify_checked(self, item: VerifyItem) -> VerifyOutcome | errors.SpecsplitError:
         try:
-            return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs, item.parents)
+            return self.verify(item.session, item.position, item.draft_tokens, item.draft_probs, item.parents,
+                               item.allowed)
         except errors.SpecsplitError as exc:
             return exc
         except Exception as exc:  # noqa: BLE001 - NaN logits, OOM, a bad cache: this session's failure alone
@@ -305,7 +310,7 @@ class TargetEngine:
         tokens = padded_tokens(self.model, [len(step.feed) for step in steps])
         width = -(-tokens // len(steps))  # per row, rounded up
         try:
-            logits = forward_batch(self.model, steps)  # per item [k+1, vocab]
+            raw = forward_batch(self.model, steps)  # per item [k+1, vocab]
         except Exception as exc:  # noqa: BLE001 - find the culprit: each block alone
             log.warning("a batched forward of %d sessions failed (%s); verifying each alone", len(steps), exc)
             for step in steps:  # the step may have left caches half-written; they re-prefill
@@ -315,8 +320,8 @@ class TargetEngine:
         self.forward_passes += 1
         self.forward_cost.observe(tokens, forward_s)
         adjusted = [
-            penalized(item.session, rows, item.draft_tokens, step.parents)
-            for item, rows, step in zip(items, logits, steps)
+            penalized(item.session, token_mask.apply(rows, item.allowed), item.draft_tokens, step.parents)
+            for item, rows, step in zip(items, raw, steps)
         ]
         firsts = self._first_rows(items, adjusted, steps)
         decided = [
@@ -324,7 +329,7 @@ class TargetEngine:
             for item, rows, step, first in zip(items, adjusted, steps, firsts)
         ]
         logprobs = [self._logprobs(item.session, rows, d) if not isinstance(d, errors.SpecsplitError) else ()
-                    for item, rows, d in zip(items, logits, decided)]
+                    for item, rows, d in zip(items, raw, decided)]
         elapsed = time.perf_counter() - start
         done = [d for d in decided if not isinstance(d, errors.SpecsplitError)]
         committed = sum(d.accepted + 1 for d in done)
@@ -403,7 +408,7 @@ class TargetEngine:
         self.sessions.count_round()
         return verdict
 
-    def _check_block(self, session, position, draft_tokens, draft_probs, parents=None) -> None:
+    def _check_block(self, session, position, draft_tokens, draft_probs, parents=None, allowed=None) -> None:
         committed = len(session.tokens)
         if position != committed:
             raise errors.FailedPrecondition(
@@ -438,6 +443,17 @@ class TargetEngine:
         elif draft_probs is not None:
             raise errors.InvalidArgument(
                 f"draft_probs sent in {session.mode.name} mode; open the session with DRAFT_PROBS to use them"
+            )
+        if allowed is not None:
+            self._check_mask(session, k, allowed)
+
+    def _check_mask(self, session, k: int, allowed: torch.Tensor) -> None:
+        if session.mode is VerificationMode.DRAFT_PROBS:
+            raise errors.InvalidArgument("a token mask is not verified in DRAFT_PROBS mode; use TOKEN_ONLY or COUPLED")
+        if tuple(allowed.shape) != (k + 1, self.vocab_size):
+            raise errors.InvalidArgument(
+                f"the token mask has {allowed.shape[0]} rows of {allowed.shape[1]} tokens; a block of {k} draft "
+                f"tokens needs {k + 1} rows of {self.vocab_size}"
             )
 
     @property

@@ -12,7 +12,13 @@ from specsplit.lmkit.auth import current_caller
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from specsplit.lmkit.message_limits import target_request_bytes
 from specsplit.lmkit.session_mux import SessionMux
-from specsplit.lmkit.wire import features_to_proto, mode_from_proto, probs_from_proto, sampling_from_proto
+from specsplit.lmkit.wire import (
+    features_to_proto,
+    mask_from_proto,
+    mode_from_proto,
+    probs_from_proto,
+    sampling_from_proto,
+)
 from specsplit.target_service.engine import TargetEngine, VerifyItem
 from specsplit.target_service.scheduler import VerifyScheduler
 from specsplit.v1 import specsplit_pb2 as pb
@@ -101,9 +107,11 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         received = time.perf_counter()
         item = VerifyItem(session, msg.position, list(msg.draft_tokens), None, list(msg.parents) or None)
         prepare = None
-        if msg.HasField("draft_probs"):  # decoded on the compute thread, with the forward
+        if msg.HasField("draft_probs") or msg.HasField("allowed"):  # decoded on the compute thread, with the forward
             def prepare(item: VerifyItem) -> VerifyItem:
-                return replace(item, draft_probs=probs_from_proto(msg.draft_probs, engine.vocab_size))
+                probs = probs_from_proto(msg.draft_probs, engine.vocab_size) if msg.HasField("draft_probs") else None
+                allowed = mask_from_proto(msg.allowed, engine.vocab_size) if msg.HasField("allowed") else None
+                return replace(item, draft_probs=probs, allowed=allowed)
         done = await self.scheduler.verify(item, prepare)
         base_s, per_token_s = engine.cost_fit() or (0.0, 0.0)
         result = pb.VerifyResult(

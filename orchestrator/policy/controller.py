@@ -60,6 +60,7 @@ class Block:
     drafter: DrafterKind | None = None  # who drafted it (None: an empty block, nothing to record)
     quality: Quality | None = None  # its match quality, a copied block's
     proposed: int = 0  # tokens the drafter computed (a free block's before the cut)
+    forced: int = 0  # tokens a grammar forced, appended after the drafter's (not the drafter's to learn from)
 
     @property
     def chain(self) -> list[int]:
@@ -163,7 +164,8 @@ class Controller:
         in the reported ``forward``."""
         key = self.key_of(block)
         if key is not None:
-            self.record(key, len(block.chain), primary_accepted)
+            drafted = len(block.chain) - block.forced
+            self.record(key, drafted, min(primary_accepted, drafted))
         if block.parents:
             self.measured.siblings_of(self.drafters.session).observe(block.parents, path)
         self.costs.observe_target_fit(*forward.fit)

@@ -95,7 +95,13 @@ def test_a_completion_request_takes_one_prompt_and_legacy_logprobs():
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "token ids"),
     ({"min_tokens": -1}, "min_tokens", ">= 0"),
     ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "text, json_object or json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format.json_schema",
+     "`schema` object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}},
+     "response_format.json_schema.strict", "boolean"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "one structured output"),
+    ({"guided_choice": "yes"}, "guided_choice", "valid list"),
     ({"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
     ({"stop": ["a", 5]}, "stop", "valid string"),
     ({"drafter": "psychic"}, "drafter", "unknown drafter"),
@@ -164,3 +170,33 @@ def test_log_lines_carry_the_request_id_of_their_task(capsys):
     assert "orchestrator WARNING [req=req-8] tagged" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--log-format"):
         logs.configure("INFO", "x", "xml")
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields, grammar", [
+    ({"response_format": {"type": "json_object"}}, pb.Grammar(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     pb.Grammar(json_schema=json.dumps(SCHEMA), strict=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     pb.Grammar(json_schema=json.dumps(SCHEMA))),
+    ({"guided_json": SCHEMA}, pb.Grammar(json_schema=json.dumps(SCHEMA))),
+    ({"guided_json": '{"type": "string"}'}, pb.Grammar(json_schema='{"type": "string"}')),
+    ({"guided_regex": "[0-9]+"}, pb.Grammar(regex="[0-9]+")),
+    ({"guided_choice": ["yes", "no"]}, pb.Grammar(choice=pb.GrammarChoices(choices=["yes", "no"]))),
+    ({"guided_grammar": 'root ::= "a"'}, pb.Grammar(ebnf='root ::= "a"')),
+])
+def test_structured_outputs_become_the_request_grammar(fields, grammar):
+    assert chat(**fields).grammar == grammar
+
+
+def test_text_response_format_and_no_constraint_leave_no_grammar():
+    assert not chat(response_format={"type": "text"}).HasField("grammar")
+    assert not chat().HasField("grammar")
+
+
+def test_completions_take_the_guided_parameters():
+    body = {"model": "m", "prompt": "p", "guided_choice": ["a", "b"]}
+    msg = to_generate_request(validate(CompletionRequest, body), CONFIG, "rid-1")
+    assert list(msg.grammar.choice.choices) == ["a", "b"]
