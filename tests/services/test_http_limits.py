@@ -18,6 +18,7 @@ import openai
 import prometheus_client
 import pytest
 
+from specsplit.lmkit.auth import Tokens
 from specsplit.orchestrator import openai_server
 from specsplit.orchestrator.config import HttpLimits, OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
@@ -56,7 +57,7 @@ def front(tiny_services, tiny_target_dir, background_loop):
     orch = background_loop.run(Orchestrator.connect(config))
     app = openai_server.build_app(orch, limits=LIMITS)
     http = background_loop.run(openai_server.start_http_server(app, "127.0.0.1", 0, limits=LIMITS))
-    locked = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch, TOKEN, LIMITS),
+    locked = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch, Tokens(fixed=TOKEN), LIMITS),
                                                                  "127.0.0.1", 0, limits=LIMITS))
     server, grpc_port = background_loop.run(start_server(orch))
     yield Front(http.port, locked.port, f"127.0.0.1:{grpc_port}", orch)
