@@ -82,6 +82,8 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
                              "more get RESOURCE_EXHAUSTED / 429 (0: no bound but --max-concurrent)")
     parser.add_argument("--max-generation-s", type=float, default=600.0,
                         help="a generation running longer ends with DEADLINE_EXCEEDED / 504 (0: no bound)")
+    parser.add_argument("--grpc-stalled-send-s", type=float, default=30.0,
+                        help="a Generate client that reads nothing of its stream this long loses it (and its slot)")
     parser.add_argument("--max-prompt-bytes", type=int, default=0,
                         help="UTF-8 bytes a prompt (all its turns) may have, checked before tokenizing "
                              "(0: the target's context length times the tokenizer's longest token)")
@@ -119,6 +121,7 @@ def config_from_args(args) -> OrchestratorConfig:
         max_concurrent=args.max_concurrent,
         max_concurrent_per_caller=args.max_concurrent_per_caller,
         max_generation_s=args.max_generation_s,
+        grpc_stalled_send_s=args.grpc_stalled_send_s,
         max_prompt_bytes=args.max_prompt_bytes,
         tokenize_threads=args.tokenize_threads,
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
