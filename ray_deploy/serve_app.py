@@ -63,6 +63,14 @@ class _ServeContext:
             self._context.set_details(details)
         raise _Aborted(code.name, details)
 
+    def invocation_metadata(self):
+        """The caller's metadata through Serve's gRPC proxy; none through a DeploymentHandle (the front)."""
+        return self._context.invocation_metadata() if self._context is not None else ()
+
+    def peer(self) -> str:
+        """The caller's address where Serve's context has one, else empty (the per-caller count then sees one)."""
+        return getattr(self._context, "peer", lambda: "")() if self._context is not None else ""
+
 
 async def _until_cancelled(responses):
     """``responses``, ended (and closed) as soon as this task has been asked to cancel.
