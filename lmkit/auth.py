@@ -138,3 +138,7 @@ class Tokens:
             if hmac.compare_digest(offered_bytes, token.encode()) and found is None:
                 found = caller
         return found
+
+    def bearer_caller(self, authorization: str) -> str | None:
+        """The caller an ``authorization`` value (``Bearer <token>``) identifies, or None."""
+        return self.caller(authorization[len("Bearer "):]) if authorization.startswith("Bearer ") else None

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import logging
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
@@ -76,8 +77,53 @@ def _tolerant_deserializer(deserialize, limit: Callable[[], int]):
     return parse
 
 
-def _tolerant_handler(handler: grpc.RpcMethodHandler, limit: Callable[[], int]) -> grpc.RpcMethodHandler:
-    """Same handler, but unparseable or oversized bytes become a status instead of a logged traceback or a parse."""
+@dataclass(frozen=True)
+class StalledSend:
+    """How long a server-streaming handler's write may stay blocked (the client reads nothing, the transport does
+    not drain), and what to count when it does."""
+
+    bound_s: Callable[[], float]
+    on_stalled: Callable[[], None]
+
+
+# A stalled stream's status may itself wait behind the undrained write; the handler ends after this regardless.
+_STATUS_WAIT_S = 1.0
+
+
+def _bounded_writes(inner_stream, stalled: StalledSend):
+    """A server-streaming handler that writes ``inner_stream``'s responses, each within ``stalled.bound_s()``;
+    a write still blocked then closes ``inner_stream`` (its work and what it holds end) and the call."""
+
+    async def stream(request, context):
+        if isinstance(request, Unreadable):
+            await context.abort(request.code, request.detail)
+        responses = inner_stream(request, context)
+        try:
+            async for response in responses:
+                bound = stalled.bound_s()
+                try:
+                    async with asyncio.timeout(bound):
+                        await context.write(response)
+                except TimeoutError:
+                    stalled.on_stalled()
+                    await responses.aclose()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(_STATUS_WAIT_S):
+                            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                                f"the client read nothing of its stream for {bound:g} s; its generation was "
+                                "ended (read the stream as it arrives)"))
+                    return
+        finally:
+            await responses.aclose()
+
+    return stream
+
+
+def _tolerant_handler(
+    handler: grpc.RpcMethodHandler, limit: Callable[[], int], stalled: StalledSend | None = None
+) -> grpc.RpcMethodHandler:
+    """Same handler, but unparseable or oversized bytes become a status instead of a logged traceback or a parse;
+    with ``stalled``, a server stream whose write stays blocked past its bound ends."""
     kwargs = {
         "request_deserializer": _tolerant_deserializer(handler.request_deserializer, limit),
         "response_serializer": handler.response_serializer,
@@ -91,6 +137,8 @@ def _tolerant_handler(handler: grpc.RpcMethodHandler, limit: Callable[[], int]) 
             return await inner_unary(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+    if handler.unary_stream and stalled is not None:
+        return grpc.unary_stream_rpc_method_handler(_bounded_writes(handler.unary_stream, stalled), **kwargs)
     if handler.unary_stream:
         inner_stream = handler.unary_stream
 
@@ -123,11 +171,14 @@ class _Capture:
 
 def add_servicer(add_to_server, servicer, server) -> None:
     """Register a servicer through its generated add function, with tolerant deserialization bounded by the
-    servicer's ``max_request_bytes()`` (0 or none: the transport's ceiling alone)."""
+    servicer's ``max_request_bytes()`` (0 or none: the transport's ceiling alone) and, when the servicer has
+    ``stalled_send_s()`` and ``on_stalled_send()``, server-stream writes bounded by it."""
     capture = _Capture()
     add_to_server(servicer, capture)
     limit = getattr(servicer, "max_request_bytes", lambda: 0)
-    handlers = {name: _tolerant_handler(h, limit) for name, h in capture.handlers.items()}
+    stalled = (StalledSend(servicer.stalled_send_s, servicer.on_stalled_send)
+               if hasattr(servicer, "stalled_send_s") else None)
+    handlers = {name: _tolerant_handler(h, limit, stalled) for name, h in capture.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
     server.add_registered_method_handlers(capture.service, handlers)
 

@@ -9,13 +9,13 @@ its services, ``specsplit generate`` to the orchestrator) take
 
 from __future__ import annotations
 
-import hmac
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import grpc
+
+from specsplit.lmkit.auth import Tokens
 
 
 def _read(path: str, flag: str) -> bytes:
@@ -90,24 +90,16 @@ def open_sync_channel(address: str, tls: ClientTls | None = None) -> grpc.Channe
     return grpc.insecure_channel(address, options=list(_BALANCED))
 
 
-def load_token(path: str, env: str = "SPECSPLIT_AUTH_TOKEN") -> str:
-    """The bearer token from a file (Kubernetes Secret mount) or the environment; empty: no check."""
-    if path:
-        token = _read(path, "--auth-token-file").decode().strip()
-        if not token:
-            raise ValueError(f"--auth-token-file {path} is empty")
-        return token
-    return os.environ.get(env, "")
-
-
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls to the protected services without ``authorization: Bearer <token>``.
 
-    Health checks and reflection stay open so probes and tooling work.
+    Health checks and reflection stay open so probes and tooling work. The
+    accepted tokens are ``tokens``' (``lmkit.auth``): a rotated token file takes
+    effect on the next call.
     """
 
-    def __init__(self, token: str, protected_prefixes: tuple[str, ...]) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: Tokens, protected_prefixes: tuple[str, ...]) -> None:
+        self._tokens = tokens
         self._protected = protected_prefixes
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -115,8 +107,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not handler_call_details.method.startswith(self._protected):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        offered = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(offered, self._expected):
+        if self._tokens.bearer_caller(str(metadata.get("authorization", ""))) is not None:
             return handler
         return _refuse(handler)
 

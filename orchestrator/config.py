@@ -38,6 +38,7 @@ class OrchestratorConfig:
     max_concurrent: int = 64  # generations in flight; beyond it RESOURCE_EXHAUSTED
     max_concurrent_per_caller: int = 0  # generations one caller (bearer token, else address) may run; 0: no bound
     max_generation_s: float = 600.0  # a generation running longer ends with DEADLINE_EXCEEDED; 0: no bound
+    grpc_stalled_send_s: float = 30.0  # a Generate stream write blocked this long (client not reading) ends it
     max_prompt_bytes: int = 0  # UTF-8 bytes of a prompt (all turns); 0: the context length x the longest token
     max_stop_chars: int = 256  # characters of one stop string
     tokenize_threads: int = 2  # threads that tokenize prompts and render chat templates, off the event loop
@@ -76,6 +77,8 @@ class OrchestratorConfig:
             raise ValueError(f"--max-concurrent-per-caller must be >= 0 (0: no bound), got {self.max_concurrent_per_caller}")
         if self.max_generation_s < 0:
             raise ValueError(f"--max-generation-s must be >= 0 (0: no bound), got {self.max_generation_s}")
+        if self.grpc_stalled_send_s <= 0:
+            raise ValueError(f"--grpc-stalled-send-s must be > 0, got {self.grpc_stalled_send_s}")
         if self.max_prompt_bytes < 0:
             raise ValueError(f"--max-prompt-bytes must be >= 0 (0: from the context length), got {self.max_prompt_bytes}")
         if self.max_stop_chars < 1 or self.tokenize_threads < 1:

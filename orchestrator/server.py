@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from specsplit.lmkit import entry, logs, models
+from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.grpc_server import (
     add_servicer,
     add_tls_flags,
@@ -20,7 +21,7 @@ from specsplit.lmkit.grpc_server import (
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.message_limits import generate_request_bytes
 from specsplit.lmkit.metrics import serve_metrics
-from specsplit.lmkit.security import BearerTokenInterceptor, ClientTls, load_token
+from specsplit.lmkit.security import BearerTokenInterceptor, ClientTls
 from specsplit.orchestrator.config import (
     DEFAULT_DRAFTER,
     DEFAULT_K,
@@ -86,6 +87,8 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
                              "more get RESOURCE_EXHAUSTED / 429 (0: no bound but --max-concurrent)")
     parser.add_argument("--max-generation-s", type=float, default=600.0,
                         help="a generation running longer ends with DEADLINE_EXCEEDED / 504 (0: no bound)")
+    parser.add_argument("--grpc-stalled-send-s", type=float, default=30.0,
+                        help="a Generate client that reads nothing of its stream this long loses it (and its slot)")
     parser.add_argument("--max-prompt-bytes", type=int, default=0,
                         help="UTF-8 bytes a prompt (all its turns) may have, checked before tokenizing "
                              "(0: the target's context length times the tokenizer's longest token)")
@@ -123,6 +126,7 @@ def config_from_args(args) -> OrchestratorConfig:
         max_concurrent=args.max_concurrent,
         max_concurrent_per_caller=args.max_concurrent_per_caller,
         max_generation_s=args.max_generation_s,
+        grpc_stalled_send_s=args.grpc_stalled_send_s,
         max_prompt_bytes=args.max_prompt_bytes,
         tokenize_threads=args.tokenize_threads,
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
@@ -153,10 +157,28 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--peer-token-file", default="",
                         help="send `authorization: Bearer <token>` to the draft and target: the file's first token, "
                              "re-read when it changes (or SPECSPLIT_PEER_TOKEN)")
-    parser.add_argument("--auth-token-file", default="",
-                        help="require `authorization: Bearer <token>` on Generate (file content; or SPECSPLIT_AUTH_TOKEN)")
+    add_public_token_flags(parser)
     add_orchestrator_flags(parser)
     return parser
+
+
+def add_public_token_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the public API's bearer token (gRPC ``Generate`` and HTTP)."""
+    parser.add_argument("--auth-token-file", default="",
+                        help="require `authorization: Bearer <token>` on Generate and the HTTP API with a token of "
+                             "this file (one a line, `TOKEN` or `NAME TOKEN`; re-read when it changes); or "
+                             "SPECSPLIT_AUTH_TOKEN")
+    parser.add_argument("--auth-token-grace-s", type=float, default=120.0,
+                        help="seconds a token removed from --auth-token-file is still accepted")
+
+
+def public_tokens(args) -> Tokens | None:
+    """The tokens the public API accepts; None: no check."""
+    return Tokens.load(args.auth_token_file, "SPECSPLIT_AUTH_TOKEN", args.auth_token_grace_s)
+
+
+def public_interceptors(tokens: Tokens | None) -> tuple:
+    return (BearerTokenInterceptor(tokens, (f"/{SERVICE_NAME}/",)),) if tokens is not None else ()
 
 
 def max_generate_bytes(orchestrator: Orchestrator) -> int:
@@ -193,12 +215,12 @@ def http_limits_from_args(args) -> HttpLimits:
     )
 
 
-async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0", token: str = ""):
+async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0", tokens: Tokens | None = None):
     """An in-process public server over a connected orchestrator; returns (server, port)."""
     servicer = GeneratorServicer(orchestrator)
-    interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
     return await start_in_process(
-        servicer, pb_grpc.add_GeneratorServicer_to_server, SERVICE_NAME, address, interceptors=interceptors,
+        servicer, pb_grpc.add_GeneratorServicer_to_server, SERVICE_NAME, address,
+        interceptors=public_interceptors(tokens),
         max_receive_bytes=max_generate_bytes(orchestrator),
     )
 
@@ -206,8 +228,8 @@ async def start_server(orchestrator: Orchestrator, address: str = "127.0.0.1:0",
 async def serve(args) -> None:
     config = config_from_args(args)
     serve_metrics(args.metrics_port, args.host, "orchestrator")
-    token = load_token(args.auth_token_file)
-    interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
+    tokens = public_tokens(args)
+    interceptors = public_interceptors(tokens)
     orchestrator = await Orchestrator.connect(config)  # first: the receive bound comes from the target's context
     try:
         server, port, health = create_server(
@@ -219,7 +241,7 @@ async def serve(args) -> None:
         raise
     await set_serving(health, [SERVICE_NAME], False)
     add_servicer(pb_grpc.add_GeneratorServicer_to_server, GeneratorServicer(orchestrator), server)
-    http = await _start_http(args, orchestrator, token) if args.http_port is not None else None
+    http = await _start_http(args, orchestrator, tokens) if args.http_port is not None else None
     try:
         await server.start()
         await set_serving(health, [SERVICE_NAME], True)
@@ -232,12 +254,12 @@ async def serve(args) -> None:
         await orchestrator.close()
 
 
-async def _start_http(args, orchestrator: Orchestrator, token: str):
+async def _start_http(args, orchestrator: Orchestrator, tokens: Tokens | None):
     """The OpenAI-compatible HTTP API on --http-port, same host, TLS and token as the gRPC API."""
     from specsplit.orchestrator import openai_server
 
     limits = http_limits_from_args(args)
-    app = openai_server.build_app(orchestrator, token, limits)
+    app = openai_server.build_app(orchestrator, tokens, limits)
     http = await openai_server.start_http_server(app, args.host, args.http_port, server_tls(args), args.grace_s,
                                                  limits)
     log.info("OpenAI-compatible HTTP API on %s:%d", args.host, http.port)

@@ -34,6 +34,13 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orch = orchestrator
 
+    def stalled_send_s(self) -> float:
+        """A response write blocked this long (the client reads nothing) ends the stream and its generation."""
+        return self.orch.config.grpc_stalled_send_s
+
+    def on_stalled_send(self) -> None:
+        metrics.REFUSED.inc(reason="stalled_send")
+
     async def Generate(self, request: pb.GenerateRequest, context):
         arrived = time.perf_counter()
         code = grpc.StatusCode.OK

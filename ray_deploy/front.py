@@ -27,7 +27,6 @@ from specsplit.lmkit.grpc_server import (
     write_port_file,
 )
 from specsplit.lmkit.metrics import serve_metrics
-from specsplit.lmkit.security import BearerTokenInterceptor, load_token
 from specsplit.orchestrator import metrics, server
 from specsplit.ray_deploy import cluster, options, resources, serve_app
 from specsplit.v1 import specsplit_pb2 as pb
@@ -43,9 +42,22 @@ DEPLOY_POLL_S = 0.5
 class RayFrontServicer(pb_grpc.GeneratorServicer):
     """Generate, streamed from a Serve replica; Serve's refusals become gRPC status codes."""
 
-    def __init__(self, handle, max_queued: int) -> None:
+    def __init__(self, handle, max_queued: int, max_generate_bytes: int = 0, stalled_send_s: float = 30.0) -> None:
         self.handle = handle.options(stream=True)
         self.max_queued = max_queued
+        self._max_generate_bytes = max_generate_bytes
+        self._stalled_send_s = stalled_send_s
+
+    def stalled_send_s(self) -> float:
+        """A response write blocked this long (the client reads nothing) ends the stream and the replica's work."""
+        return self._stalled_send_s
+
+    def on_stalled_send(self) -> None:
+        metrics.REFUSED.inc(reason="stalled_send")
+
+    def max_request_bytes(self) -> int:
+        """A larger ``Generate`` is refused (RESOURCE_EXHAUSTED) before it is parsed: the replicas' bound."""
+        return self._max_generate_bytes
 
     async def Generate(self, request: pb.GenerateRequest, context):
         from ray.exceptions import RayActorError
@@ -234,8 +246,7 @@ async def run_front(args, local: bool = False) -> None:
     from ray import serve as ray_serve
 
     stop = _stop_on_signal()
-    token = load_token(args.auth_token_file)
-    interceptors = (BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",)),) if token else ()
+    interceptors = server.public_interceptors(server.public_tokens(args))
     front, port, health = create_server(
         f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection, server_tls(args), interceptors
     )
@@ -253,7 +264,8 @@ async def run_front(args, local: bool = False) -> None:
         handle = await _unless(stop, _off_loop(deploying, timeout_s=None))
         if handle is None:  # stopped while deploying
             return
-        servicer = RayFrontServicer(handle, args.ray_max_queued_requests)
+        bound = await handle.max_generate_bytes.remote()  # the target's context of the tokenizer's longest tokens
+        servicer = RayFrontServicer(handle, args.ray_max_queued_requests, bound, args.grpc_stalled_send_s)
         add_servicer(pb_grpc.add_GeneratorServicer_to_server, servicer, front)
         await front.start()
         await set_serving(health, [SERVICE_NAME], True)

@@ -17,14 +17,12 @@ Behind either proxy the replica checks the bearer token itself; metrics go throu
 from __future__ import annotations
 
 import asyncio
-import hmac
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from ray import serve
 
-from specsplit.lmkit.security import load_token
 from specsplit.orchestrator import server
 from specsplit.ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
 from specsplit.v1 import specsplit_pb2 as pb
@@ -65,6 +63,14 @@ class _ServeContext:
             self._context.set_details(details)
         raise _Aborted(code.name, details)
 
+    def invocation_metadata(self):
+        """The caller's metadata through Serve's gRPC proxy; none through a DeploymentHandle (the front)."""
+        return self._context.invocation_metadata() if self._context is not None else ()
+
+    def peer(self) -> str:
+        """The caller's address where Serve's context has one, else empty (the per-caller count then sees one)."""
+        return getattr(self._context, "peer", lambda: "")() if self._context is not None else ""
+
 
 async def _until_cancelled(responses):
     """``responses``, ended (and closed) as soon as this task has been asked to cancel.
@@ -97,7 +103,7 @@ class OrchestratorReplica:
 
         metrics.use_backend("ray")
         ns = parse_serve_argv(argv)
-        self.token = load_token(ns.auth_token_file)
+        self.tokens = server.public_tokens(ns)
         self.orch = await Orchestrator.connect(server.config_from_args(ns))
         self.servicer = GeneratorServicer(self.orch)
 
@@ -105,7 +111,7 @@ class OrchestratorReplica:
         """The replica's HTTP ingress: the OpenAI-compatible API over this replica's orchestrator."""
         from specsplit.orchestrator.openai_server import build_app
 
-        return build_app(self.orch, self.token)
+        return build_app(self.orch, self.tokens)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None):
         """Stream ``GenerateResponse``s exactly like ``specsplit serve`` does.
@@ -116,7 +122,7 @@ class OrchestratorReplica:
         """
         context = _ServeContext(grpc_context)
         try:
-            if self.token and grpc_context is not None and not self._authorized(grpc_context):
+            if self.tokens is not None and grpc_context is not None and not self._authorized(grpc_context):
                 await context.abort(
                     grpc.StatusCode.UNAUTHENTICATED,
                     "missing or wrong bearer token: send metadata `authorization: Bearer <token>`",
@@ -130,7 +136,11 @@ class OrchestratorReplica:
 
     def _authorized(self, grpc_context) -> bool:
         offered = dict(grpc_context.invocation_metadata()).get("authorization", "")
-        return hmac.compare_digest(str(offered).encode(), f"Bearer {self.token}".encode())
+        return self.tokens.bearer_caller(str(offered)) is not None
+
+    def max_generate_bytes(self) -> int:
+        """The largest ``Generate`` request worth reading, as ``specsplit serve`` bounds it."""
+        return server.max_generate_bytes(self.orch)
 
     async def check_health(self) -> None:
         """Healthy while the target answers: a replica cut off from it can only fail its requests."""

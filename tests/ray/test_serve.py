@@ -145,6 +145,23 @@ def test_invalid_request_keeps_its_status_and_message(ray_front):
     assert code == "INVALID_ARGUMENT" and "temperature" in text
 
 
+def test_the_front_refuses_a_generate_over_the_replicas_bound_before_parsing_it(
+    ray_front, tiny_services, tiny_target_dir, background_loop
+):
+    """The front reads no more of a Generate than ``specsplit serve`` would (the target's context of the
+    tokenizer's longest tokens), far under the 64 MiB transport ceiling, and never forwards it."""
+    from specsplit.orchestrator.config import OrchestratorConfig
+    from specsplit.orchestrator.generation import Orchestrator
+    from specsplit.orchestrator.server import max_generate_bytes
+
+    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
+    orch = background_loop.run(Orchestrator.connect(config))
+    bound = max_generate_bytes(orch)
+    background_loop.run(orch.close())
+    text, _, code = run_async(generate(ray_front.address, request("a" * (bound + 1), 8)))
+    assert code == "RESOURCE_EXHAUSTED" and f"{bound}-byte bound" in text, text
+
+
 def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir, background_loop, monkeypatch):
     """check_health passes while the target answers and raises once it is gone (Serve then replaces the replica)."""
     from specsplit.orchestrator import metrics

@@ -7,6 +7,7 @@ traceback or a hang) and be counted in ``specsplit_refused_requests_total``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -18,6 +19,7 @@ import openai
 import prometheus_client
 import pytest
 
+from specsplit.lmkit.auth import Tokens
 from specsplit.orchestrator import openai_server
 from specsplit.orchestrator.config import HttpLimits, OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
@@ -56,7 +58,7 @@ def front(tiny_services, tiny_target_dir, background_loop):
     orch = background_loop.run(Orchestrator.connect(config))
     app = openai_server.build_app(orch, limits=LIMITS)
     http = background_loop.run(openai_server.start_http_server(app, "127.0.0.1", 0, limits=LIMITS))
-    locked = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch, TOKEN, LIMITS),
+    locked = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch, Tokens(fixed=TOKEN), LIMITS),
                                                                  "127.0.0.1", 0, limits=LIMITS))
     server, grpc_port = background_loop.run(start_server(orch))
     yield Front(http.port, locked.port, f"127.0.0.1:{grpc_port}", orch)
@@ -364,6 +366,38 @@ def test_a_grpc_generation_past_the_deadline_ends_with_deadline_exceeded(tiny_se
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "ran past the server's limit of 0.2 s" in error.details()
         assert wait_until(lambda: orch.active == 0, 5)
+    finally:
+        background_loop.run(server.stop(0))
+        background_loop.run(orch.close())
+
+
+def test_a_grpc_client_that_never_reads_its_stream_loses_its_slot(tiny_services, tiny_target_dir, background_loop):
+    """One generation per caller: a Generate stream nobody reads would hold the slot for good. The client's
+    flow-control window is pinned (no BDP probing), so a few dozen responses with logprobs fill it."""
+    config = OrchestratorConfig(tiny_services.target_address, "", str(tiny_target_dir), max_concurrent_per_caller=1,
+                                grpc_stalled_send_s=1.0)
+    orch = background_loop.run(Orchestrator.connect(config))
+    server, port = background_loop.run(start_server(orch))
+    before = refused("stalled_send")
+    request = pb.GenerateRequest(prompt="Once upon a time", chat=False, max_new_tokens=480, return_logprobs=True,
+                                 top_logprobs=20, sampling=pb.SamplingParams(temperature=1.0, seed=1))
+
+    async def stall_then_generate():
+        options = [("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            stalled = pb_grpc.GeneratorStub(channel).Generate(request)  # never read
+            await stalled.initial_metadata()
+            await asyncio.to_thread(wait_until, lambda: refused("stalled_send") == before + 1, 120)
+            await asyncio.to_thread(wait_until, lambda: orch.active == 0, 10)
+            again = [r async for r in pb_grpc.GeneratorStub(channel).Generate(
+                pb.GenerateRequest(prompt="hi", max_new_tokens=2))]  # the same caller is served again
+            stalled.cancel()
+            return again
+
+    try:
+        again = run_async(stall_then_generate(), 180)
+        assert refused("stalled_send") == before + 1, ("the stream kept its slot", orch.active)
+        assert again[-1].HasField("stats")
     finally:
         background_loop.run(server.stop(0))
         background_loop.run(orch.close())

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from specsplit.lmkit import models
+from specsplit.lmkit.auth import Tokens
 from specsplit.orchestrator import openai_server
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
@@ -44,7 +45,7 @@ def api(tiny_services, tiny_target_dir, background_loop):
                                 served_model_names=(MODEL,), max_new_tokens_limit=600)
     orch = background_loop.run(Orchestrator.connect(config))
     open_app = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch), "127.0.0.1", 0))
-    locked = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch, TOKEN), "127.0.0.1", 0))
+    locked = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch, Tokens(fixed=TOKEN)), "127.0.0.1", 0))
     yield Api(f"http://127.0.0.1:{open_app.port}/v1", f"http://127.0.0.1:{locked.port}/v1", open_app.port, orch)
     background_loop.run(open_app.stop())
     background_loop.run(locked.stop())

@@ -14,11 +14,13 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit.lmkit import errors
+from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.grpc_server import ComputeThread, start_in_process
 from specsplit.lmkit.security import ClientTls, ServerTls
+from specsplit.orchestrator import openai_server
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
-from specsplit.orchestrator.server import start_server
+from specsplit.orchestrator.server import build_parser, public_tokens, start_server
 from specsplit.target_service.server import SERVICE_NAME as TARGET_SERVICE
 from specsplit.target_service.servicer import TargetServicer
 from specsplit.v1 import specsplit_pb2 as pb
@@ -116,7 +118,7 @@ def test_mtls_target_refuses_a_client_without_a_certificate(pki, tiny_services, 
 def token_api(tiny_services, tiny_target_dir, background_loop):
     config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
     orch = background_loop.run(Orchestrator.connect(config))
-    server, port = background_loop.run(start_server(orch, token="s3cret"))
+    server, port = background_loop.run(start_server(orch, tokens=Tokens(fixed="s3cret")))
     yield f"127.0.0.1:{port}"
     background_loop.run(server.stop(0))
     background_loop.run(orch.close())
@@ -145,6 +147,54 @@ def test_public_api_serves_the_right_token_and_open_health(token_api):
     health, replies = run_async(go())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert replies[-1].HasField("stats")
+
+
+def test_a_rotated_public_token_file_takes_effect_on_grpc_and_http_without_restart(
+    tiny_services, tiny_target_dir, background_loop, tmp_path
+):
+    """The public API's --auth-token-file is re-read like the services': the new token is accepted and the old
+    one refused (no grace) on both Generate and HTTP, with no restart."""
+    import urllib.error
+    import urllib.request
+
+    token_file = tmp_path / "token"
+    token_file.write_text("old-token\n")
+    args = build_parser().parse_args(["--auth-token-file", str(token_file), "--auth-token-grace-s", "0"])
+    tokens = public_tokens(args)
+    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
+    orch = background_loop.run(Orchestrator.connect(config))
+    server, port = background_loop.run(start_server(orch, tokens=tokens))
+    http = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch, tokens), "127.0.0.1", 0))
+
+    def grpc_code(token: str) -> grpc.StatusCode:
+        async def go():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                [r async for r in pb_grpc.GeneratorStub(channel).Generate(
+                    pb.GenerateRequest(prompt="hi", max_new_tokens=2), metadata=(("authorization", f"Bearer {token}"),))]
+        try:
+            run_async(go())
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    def http_status(token: str) -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{http.port}/v1/models",
+                                         headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert (grpc_code("old-token"), http_status("old-token")) == (grpc.StatusCode.OK, 200)
+        token_file.write_text("new-token\n")
+        assert (grpc_code("new-token"), http_status("new-token")) == (grpc.StatusCode.OK, 200)
+        assert (grpc_code("old-token"), http_status("old-token")) == (grpc.StatusCode.UNAUTHENTICATED, 401)
+    finally:
+        background_loop.run(http.stop())
+        background_loop.run(server.stop(0))
+        background_loop.run(orch.close())
 
 
 def test_tls_flags_are_checked():
