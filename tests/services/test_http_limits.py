@@ -121,17 +121,18 @@ def test_a_prompt_over_its_byte_limit_is_refused_before_tokenizing_on_grpc_and_h
     limit = front.orch.prompt_byte_limit  # 512 positions x the longest SmolLM2 token
     assert 512 <= limit < BODY_LIMIT * 2
     before = refused("prompt_too_large")
+    over = limit // 2 + 1  # two-byte characters: just over the limit, under the gRPC receive bound
 
     async def generate():
         async with grpc.aio.insecure_channel(front.grpc_address) as channel:
-            stream = pb_grpc.GeneratorStub(channel).Generate(pb.GenerateRequest(prompt="é" * limit, max_new_tokens=2))
+            stream = pb_grpc.GeneratorStub(channel).Generate(pb.GenerateRequest(prompt="é" * over, max_new_tokens=2))
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stream.read()
             return caught.value
 
     error = run_async(generate(), 60)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"the prompt is {2 * limit} bytes; at most {limit}" in error.details()
+    assert f"the prompt is {2 * over} bytes; at most {limit}" in error.details()
     turns = [{"role": "user", "content": "a" * (limit // 2)}, {"role": "assistant", "content": "b" * (limit // 2)}]
     response = front.post("/v1/chat/completions", json.dumps({**CHAT, "messages": turns}).encode())
     assert_openai_error(response, 400, f"at most {limit} are accepted")
