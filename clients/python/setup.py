@@ -15,7 +15,7 @@ BUILD = Path(__file__).resolve().parent / "build"
 PACKAGES = ["specsplit", "specsplit.v1", "specsplit.lmkit"]
 MODULES = {
     "specsplit": {"__init__", "cli", "client", "generate"},
-    "specsplit.lmkit": {"__init__", "entry", "errors", "kinds", "logs", "security"},
+    "specsplit.lmkit": {"__init__", "auth", "entry", "errors", "kinds", "logs", "security"},
 }
 
 

@@ -71,7 +71,7 @@ def test_the_wheel_holds_the_light_client_and_pins_what_the_full_package_pins(wh
     assert modules == {
         "specsplit/__init__.py", "specsplit/cli.py", "specsplit/client.py", "specsplit/generate.py",
         "specsplit/lmkit/__init__.py", "specsplit/lmkit/entry.py", "specsplit/lmkit/errors.py",
-        "specsplit/lmkit/kinds.py", "specsplit/lmkit/logs.py", "specsplit/lmkit/security.py",
+        "specsplit/lmkit/auth.py", "specsplit/lmkit/kinds.py", "specsplit/lmkit/logs.py", "specsplit/lmkit/security.py",
         "specsplit/v1/__init__.py", "specsplit/v1/specsplit_pb2.py", "specsplit/v1/specsplit_pb2_grpc.py",
     }
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))).decode()

@@ -61,7 +61,7 @@ async def grpc_ids(services, folder, mode: str) -> list[int]:
     orch = await Orchestrator.connect(config)
     try:
         msg = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=NEW, sampling=pb.SamplingParams(temperature=0.0), k=4)
-        request, prompt_ids = parse_request(msg, orch)
+        request, prompt_ids = await parse_request(msg, orch)
         got: list[int] = []
         async for event in orch.generate(request, prompt_ids):
             got.extend(event.token_ids)
@@ -85,7 +85,7 @@ def test_an_explicit_value_wins_over_the_models(tiny_services, penalized_dir, ex
         orch = await Orchestrator.connect(config)
         try:
             sampling = pb.SamplingParams(temperature=0.0, repetition_penalty=1.0)
-            request, prompt_ids = parse_request(
+            request, prompt_ids = await parse_request(
                 pb.GenerateRequest(prompt=PROMPT, max_new_tokens=NEW, sampling=sampling), orch
             )
             return [t async for event in orch.generate(request, prompt_ids) for t in event.token_ids]
