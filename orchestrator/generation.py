@@ -24,7 +24,7 @@ from specsplit.orchestrator import metrics
 from specsplit.orchestrator.config import DEFAULT_SAMPLING_MODE, OrchestratorConfig
 from specsplit.orchestrator.detok import IncrementalDetokenizer, StopMatcher, TokenTextAlignment
 from specsplit.orchestrator.grammar import Constraint, Grammars, GrammarSpec
-from specsplit.orchestrator.limits import Slots, prompt_byte_limit
+from specsplit.orchestrator.limits import Slots, longest_token_bytes, prompt_byte_limit
 from specsplit.orchestrator.links import NO_DRAFT, DraftLink, TargetLink
 from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from specsplit.orchestrator.mux import Mux
@@ -104,7 +104,11 @@ class Orchestrator:
         self.measured = Measurements()
         # Generations in flight over every API, in all and per caller; bounded by config.max_concurrent*.
         self.slots = Slots(config.max_concurrent, config.max_concurrent_per_caller)
-        self.prompt_byte_limit = prompt_byte_limit(config.max_prompt_bytes, target.info.max_context, tokenizer)
+        # The UTF-8 bytes of the vocabulary's longest token: bounds a prompt and a Generate message (one scan).
+        self.longest_token_bytes = longest_token_bytes(tokenizer)
+        self.prompt_byte_limit = prompt_byte_limit(
+            config.max_prompt_bytes, target.info.max_context, self.longest_token_bytes
+        )
         # Tokenizing and rendering chat templates happen here, never on the event loop that answers /health.
         self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="tokenize")
         self.in_flight = 0  # generations running (admitted or not): what decides a new session's stream

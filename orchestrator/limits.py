@@ -73,14 +73,14 @@ def longest_token_bytes(tokenizer) -> int:
     return max((len(piece.encode("utf-8", "surrogatepass")) for piece in tokenizer.get_vocab()), default=1)
 
 
-def prompt_byte_limit(configured: int, max_context: int, tokenizer) -> int:
-    """The most UTF-8 bytes a prompt may have: ``configured`` if set, else what ``max_context`` tokens can
-    spell at most, so no prompt that fits the context is refused by size."""
+def prompt_byte_limit(configured: int, max_context: int, longest: int) -> int:
+    """The most UTF-8 bytes a prompt may have: ``configured`` if set, else what ``max_context`` tokens of
+    ``longest`` bytes (``longest_token_bytes``) spell, so no prompt that fits the context is refused by size."""
     if configured:
         return configured
     if not max_context:
         return FALLBACK_PROMPT_BYTES
-    return max_context * longest_token_bytes(tokenizer)
+    return max_context * longest
 
 
 def check_prompt_size(prompt: str, messages: Sequence[tuple[str, str]], limit: int) -> None:

@@ -31,7 +31,6 @@ from specsplit.orchestrator.config import (
     OrchestratorConfig,
 )
 from specsplit.orchestrator.generation import Orchestrator
-from specsplit.orchestrator.limits import longest_token_bytes
 from specsplit.orchestrator.links import LinkPolicy
 from specsplit.orchestrator.servicer import GeneratorServicer
 from specsplit.v1 import specsplit_pb2 as pb
@@ -183,7 +182,7 @@ def public_interceptors(tokens: Tokens | None) -> tuple:
 
 def max_generate_bytes(orchestrator: Orchestrator) -> int:
     """The largest ``Generate`` request worth reading: the target's context of the tokenizer's longest tokens."""
-    return generate_request_bytes(orchestrator.target.info.max_context, longest_token_bytes(orchestrator.tokenizer))
+    return generate_request_bytes(orchestrator.target.info.max_context, orchestrator.longest_token_bytes)
 
 
 def add_http_flags(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from specsplit.lmkit import errors
 from specsplit.orchestrator.http_guard import parse_json
-from specsplit.orchestrator.limits import Slots, caller_of, check_prompt_size, prompt_byte_limit
+from specsplit.orchestrator.limits import Slots, caller_of, check_prompt_size, longest_token_bytes, prompt_byte_limit
 from specsplit.orchestrator.openai_schema import RequestError
 
 pytestmark = pytest.mark.unit
@@ -44,8 +44,8 @@ class _Vocab:
 
 
 def test_the_derived_prompt_limit_is_the_context_times_the_longest_token():
-    assert prompt_byte_limit(0, 100, _Vocab()) == 100 * len("ĠĠĠĠ".encode())
-    assert prompt_byte_limit(5000, 100, _Vocab()) == 5000
+    assert prompt_byte_limit(0, 100, longest_token_bytes(_Vocab())) == 100 * len("ĠĠĠĠ".encode())
+    assert prompt_byte_limit(5000, 100, longest_token_bytes(_Vocab())) == 5000
 
 
 def test_a_prompt_is_measured_in_utf8_bytes_over_all_turns():
