@@ -212,23 +212,7 @@ def tbf_command(ns: str, device: str, rate_bps: float, latency_ms: float = 400.0
     if rate_bps <= 0:
         raise ValueError(f"a rate must be > 0 bit/s, got {rate_bps:g}")
     burst = max(1600, int(rate_bps / 8 / 1000))
-    return [
-        "tc",
-        "-n",
-        ns,
-        "qdisc",
-        "replace",
-        "dev",
-        device,
-        "root",
-        "tbf",
-        "rate",
-        f"{int(rate_bps)}bit",
-        "burst",
-        str(burst),
-        "latency",
-        f"{latency_ms:g}ms",
-    ]
+    return _root_qdisc(ns, device, "tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", f"{latency_ms:g}ms")
 
 
 def htb_commands(ns: str, device: str, rate_bps: float) -> list[list[str]]:
@@ -237,7 +221,7 @@ def htb_commands(ns: str, device: str, rate_bps: float) -> list[list[str]]:
         raise ValueError(f"a rate must be > 0 bit/s, got {rate_bps:g}")
     rate = f"{int(rate_bps)}bit"
     return [
-        ["tc", "-n", ns, "qdisc", "replace", "dev", device, "root", "handle", "1:", "htb", "default", "1"],
+        _root_qdisc(ns, device, "handle", "1:", "htb", "default", "1"),
         [
             "tc",
             "-n",
@@ -263,20 +247,12 @@ def netem_command(ns: str, device: str, delay_ms: float, jitter_ms: float = 0.0)
     """A one-way delay (and its jitter) on ``device``'s egress; needs a kernel with the netem qdisc."""
     if delay_ms < 0 or jitter_ms < 0:
         raise ValueError(f"delay and jitter must be >= 0 ms, got {delay_ms:g} and {jitter_ms:g}")
-    return [
-        "tc",
-        "-n",
-        ns,
-        "qdisc",
-        "replace",
-        "dev",
-        device,
-        "root",
-        "netem",
-        "delay",
-        f"{delay_ms:g}ms",
-        f"{jitter_ms:g}ms",
-    ]
+    return _root_qdisc(ns, device, "netem", "delay", f"{delay_ms:g}ms", f"{jitter_ms:g}ms")
+
+
+def _root_qdisc(ns: str, device: str, *qdisc: str) -> list[str]:
+    """``tc`` setting ``device``'s root qdisc in ``ns`` to ``qdisc`` (its kind and parameters)."""
+    return ["tc", "-n", ns, "qdisc", "replace", "dev", device, "root", *qdisc]
 
 
 def unshape_command(ns: str, device: str) -> list[str]:
