@@ -54,19 +54,24 @@ async def run_one(
         prompt.text, True, max_new_tokens, sampling, (), k, drafter, draft_probs, adaptive_k, chain, overlap,
         tree_branches=tree_branches,
     )
-    prompt_ids = chat_ids(orch.tokenizer, prompt)
+    text, ids, event = await generate_to_end(orch, request, chat_ids(orch.tokenizer, prompt))
+    s = event.stats
+    return RunResult(
+        prompt, text, ids, s.wall_s, s.rounds, s.drafted_tokens, s.accepted_tokens,
+        s.draft_compute_s, s.target_compute_s, event.finish.name,
+        list(event.loop.accepted_per_round), list(event.loop.drafted_per_round), s.overlap_hits,
+        s.feature_bytes, event.loop.draft_requests,
+    )
+
+
+async def generate_to_end(orch: Orchestrator, request: GenerationRequest, prompt_ids: list[int]):
+    """Run one generation to its end: its text, its token ids and the finishing event (stats, loop)."""
     text, ids = [], []
     async for event in orch.generate(request, prompt_ids):
         text.append(event.text)
         ids.extend(event.token_ids)
         if event.finish is not None:
-            s = event.stats
-            return RunResult(
-                prompt, "".join(text), ids, s.wall_s, s.rounds, s.drafted_tokens, s.accepted_tokens,
-                s.draft_compute_s, s.target_compute_s, event.finish.name,
-                list(event.loop.accepted_per_round), list(event.loop.drafted_per_round), s.overlap_hits,
-                s.feature_bytes, event.loop.draft_requests,
-            )
+            return "".join(text), ids, event
     raise RuntimeError("generation ended without a finish event")
 
 

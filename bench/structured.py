@@ -26,6 +26,7 @@ import jsonschema
 import torch
 
 from specsplit.bench import runs
+from specsplit.bench.evaluation import generate_to_end
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import local_services
 from specsplit.lmkit.sampling import SamplingParams
@@ -115,24 +116,18 @@ async def _one(orch: Orchestrator, extraction: Extraction, k: int, max_new: int)
         overlap=k > 0,
         grammar=orch.compile_grammar(spec),
     )
-    prompt_ids = orch.encode(extraction.prompt, True)
-    text, ids = [], []
-    async for event in orch.generate(request, prompt_ids):
-        text.append(event.text)
-        ids.extend(event.token_ids)
-        if event.finish is not None:
-            s = event.stats
-            return {
-                "text": "".join(text),
-                "ids": ids,
-                "wall_s": s.wall_s,
-                "rounds": s.rounds,
-                "drafted": s.drafted_tokens,
-                "accepted": s.accepted_tokens,
-                "forced": s.forced_tokens,
-                "finish": event.finish.name,
-            }
-    raise RuntimeError("generation ended without a finish event")
+    text, ids, event = await generate_to_end(orch, request, orch.encode(extraction.prompt, True))
+    s = event.stats
+    return {
+        "text": text,
+        "ids": ids,
+        "wall_s": s.wall_s,
+        "rounds": s.rounds,
+        "drafted": s.drafted_tokens,
+        "accepted": s.accepted_tokens,
+        "forced": s.forced_tokens,
+        "finish": event.finish.name,
+    }
 
 
 def _valid(text: str, schema: dict) -> bool:
