@@ -166,8 +166,9 @@ def test_a_reopened_sessions_prefill_is_not_fitted_as_a_decode_forward(tiny_serv
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_long_generation_keeps_its_draft_whatever_room_is_left(tiny_services, tiny_target_dir, overlap):
     """A round may have far more room (budget, context) than the draft's max block: every ask stays within the
-    session's bound, so the draft never refuses one and never drops out (the tiny target repeats a token, so
-    prompt lookup drafts every round)."""
+    session's bound, so the draft never refuses one and never drops out. The first round asks prompt lookup
+    whatever the costs (nothing has returned yet); whether later blocks are verified depends on the measured
+    costs, so the test reads that the draft answered, not that its tokens were sent."""
     async def go():
         config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
         orch = await Orchestrator.connect(config)
@@ -180,5 +181,5 @@ def test_a_long_generation_keeps_its_draft_whatever_room_is_left(tiny_services, 
 
     last = run_async(go())
     assert tiny_services.draft_engine.limits.max_block < 96
-    assert last.stats.new_tokens == 96 and last.stats.drafted_tokens > 0
+    assert last.stats.new_tokens == 96 and last.stats.draft_compute_s > 0  # the draft was asked and answered
     assert last.stats.draft_fallback_rounds == 0 and last.stats.draft_reattached == 0
