@@ -1,0 +1,292 @@
+"""Tool calls with the official `openai` client against a real server over the tiny models.
+
+The tools are rendered by a Hermes-style chat template given as a file (``--chat-template``), through
+transformers' ``apply_chat_template``. A named ``tool_choice`` (and ``"required"``) forces one call through
+the grammar: the reply's ``tool_calls`` parse and their arguments validate against the function's schema,
+greedy speculative output equals target-only decoding (k = 0), and the streamed deltas add up to the same
+call. ``"none"`` gives plain text; a template that renders no tools, bad tools, an uncompilable schema and
+an unknown function are 400s in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from specsplit.lmkit import models
+from specsplit.orchestrator import openai_server
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import Orchestrator, read_chat_template
+from specsplit.orchestrator.server import build_parser, config_from_args
+
+pytestmark = pytest.mark.services
+
+MODEL = "tiny-llama"
+TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD_ARGS = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 999},
+        "b": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER_ARGS},
+    },
+    {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": ADD_ARGS}},
+]
+SCHEMAS = {"get_weather": WEATHER_ARGS, "add": ADD_ARGS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+class Api:
+    def __init__(self, url: str, plain_url: str, orch: Orchestrator) -> None:
+        self.url, self.plain_url, self.orch = url, plain_url, orch
+
+    def client(self, plain: bool = False) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.plain_url if plain else self.url, api_key="-", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def api(tiny_services, tiny_target_dir, background_loop):
+    """The HTTP API with the Hermes template and auto tool choice on; beside it one with the tokenizer's own
+    template (SmolLM2's, which renders no tools) and the flag off."""
+    base = dict(
+        target_address=tiny_services.target_address,
+        draft_address=tiny_services.draft_address,
+        tokenizer=str(tiny_target_dir),
+        served_model_names=(MODEL,),
+    )
+    orch = background_loop.run(
+        Orchestrator.connect(OrchestratorConfig(**base, chat_template=str(TEMPLATE), enable_auto_tool_choice=True))
+    )
+    plain = background_loop.run(Orchestrator.connect(OrchestratorConfig(**base)))
+    servers = [
+        background_loop.run(openai_server.start_http_server(openai_server.build_app(o), "127.0.0.1", 0))
+        for o in (orch, plain)
+    ]
+    yield Api(*(f"http://127.0.0.1:{s.port}/v1" for s in servers), orch)
+    for server in servers:
+        background_loop.run(server.stop())
+    for o in (orch, plain):
+        background_loop.run(o.close())
+
+
+def create(client, messages=ASK, **options):
+    options = {"max_tokens": 96, "temperature": 0, **options}
+    return client.chat.completions.create(model=MODEL, messages=messages, **options)
+
+
+def checked_call(choice, names) -> tuple[str, dict]:
+    """The one call of a reply: its name (one of ``names``) and its arguments, validated against the schema."""
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+    return call.function.name, arguments
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("name", ["get_weather", "add"])
+def test_a_named_function_is_called_with_valid_arguments_and_greedy_is_exact(api, name, drafter):
+    client = api.client()
+    speculative = create(client, tools=TOOLS, tool_choice=named(name), extra_body={"k": 6, "drafter": drafter})
+    target_only = create(client, tools=TOOLS, tool_choice=named(name), extra_body={"k": 0})
+    assert checked_call(speculative.choices[0], [name]) == checked_call(target_only.choices[0], [name])
+    assert speculative.usage.speculative["forced_tokens"] > 0  # the call's wrapper and keys are free drafts
+
+
+def test_required_calls_one_of_the_tools(api):
+    for seed in (1, 2, 3):
+        reply = create(api.client(), tools=TOOLS, tool_choice="required", temperature=0.9, seed=seed)
+        checked_call(reply.choices[0], SCHEMAS)
+
+
+def test_streamed_call_deltas_add_up_to_the_whole_call(api):
+    client = api.client()
+    whole = create(client, tools=TOOLS, tool_choice=named("get_weather")).choices[0]
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in create(client, tools=TOOLS, tool_choice=named("get_weather"), stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"name": "", "arguments": "", "ids": []})
+                call["ids"].append(delta.id)
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    assert list(calls) == [0] and calls[0]["ids"][0].startswith("call_")
+    assert (calls[0]["name"], calls[0]["arguments"]) == (
+        whole.message.tool_calls[0].function.name,
+        whole.message.tool_calls[0].function.arguments,
+    )
+
+
+def test_none_gives_plain_text_with_the_tools_in_the_prompt(api):
+    client = api.client()
+    with_tools = create(client, tools=TOOLS, tool_choice="none", max_tokens=12)
+    without = create(client, max_tokens=12)
+    choice = with_tools.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert choice.message.content
+    tokenizer = api.orch.tokenizer
+    rendered = tokenizer.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    rendered = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    assert with_tools.usage.prompt_tokens == len(rendered) > without.usage.prompt_tokens
+
+
+def test_auto_answers_in_text_or_calls(api):
+    reply = create(api.client(), tools=TOOLS, max_tokens=12)  # tool_choice unset: "auto"
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+
+
+def test_a_conversation_with_calls_and_results_is_rendered_by_the_template(api):
+    arguments = '{"city": "Paris", "unit": "celsius"}'
+    turns = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    reply = create(api.client(), turns, tools=TOOLS, tool_choice="none", max_tokens=4)
+    expected = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.loads(arguments)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    text = api.orch.tokenizer.apply_chat_template(expected, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text and '"city": "Paris"' in text
+    assert reply.usage.prompt_tokens == len(api.orch.encode("", True, expected, TOOLS))
+    assert reply.usage.prompt_tokens == len(api.orch.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def refused(call, status: int = 400) -> dict:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call()
+    assert caught.value.status_code == status
+    error = caught.value.response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+def test_a_template_without_tools_is_a_400_naming_the_flag(api):
+    error = refused(lambda: create(api.client(plain=True), tools=TOOLS, tool_choice=named("add")))
+    assert "does not render tools" in error["message"] and "--chat-template" in error["message"]
+    error = refused(lambda: create(api.client(plain=True), tools=TOOLS))
+    assert error["param"] == "tool_choice" and "--enable-auto-tool-choice" in error["message"]
+    result = [*ASK, {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
+    assert "--chat-template" in refused(lambda: create(api.client(plain=True), result))["message"]
+
+
+@pytest.mark.parametrize(
+    "options, param, words",
+    [
+        ({"tools": {"type": "function"}}, "tools", "valid list"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+            'Unsupported type \\"objec\\"',
+        ),
+        ({"tools": TOOLS, "tool_choice": named("sub")}, "tool_choice", "does not define"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": named("add"), "response_format": {"type": "json_object"}},
+            "response_format",
+            "its own structured output",
+        ),
+        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "more than once"),
+    ],
+)
+def test_bad_tools_are_400s_in_openai_shape(api, options, param, words):
+    error = refused(lambda: create(api.client(), **options))
+    assert error["param"] == param and words in json.dumps(error["message"]), error
+
+
+def test_bad_tool_turns_are_400s(api):
+    bad_calls = [
+        *ASK,
+        {
+            "role": "user",
+            "content": "x",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+    ]
+    assert (
+        "for assistant turns"
+        in refused(lambda: create(api.client(), bad_calls, tools=TOOLS, tool_choice="none"))["message"]
+    )
+    not_json = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+        },
+    ]
+    assert "not a JSON array of tool calls" in refused(lambda: create(api.client(), not_json))["message"]
+
+
+def test_the_flags_reach_the_config_and_a_bad_template_file_is_refused(tmp_path, tiny_target_dir):
+    args = build_parser().parse_args(
+        ["--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    )
+    config = config_from_args(args)
+    assert (config.chat_template, config.tool_call_parser, config.enable_auto_tool_choice) == (
+        str(TEMPLATE),
+        "hermes",
+        True,
+    )
+    assert "tools" in read_chat_template(config.chat_template)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% if tools %}")
+    with pytest.raises(ValueError, match="not a Jinja template"):
+        read_chat_template(str(broken))
+    with pytest.raises(ValueError, match="cannot read it"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tool-call-parser", "mistral"])
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes"):
+        OrchestratorConfig("127.0.0.1:1", tool_call_parser="mistral")
+    assert models.load_tokenizer(str(tiny_target_dir)).chat_template  # the tokenizer's own, which has no tools
