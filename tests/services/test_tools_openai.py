@@ -157,11 +157,37 @@ def test_none_gives_plain_text_with_the_tools_in_the_prompt(api):
     assert with_tools.usage.prompt_tokens == len(rendered) > without.usage.prompt_tokens
 
 
-def test_auto_answers_in_text_or_calls(api):
-    reply = create(api.client(), tools=TOOLS, max_tokens=12)  # tool_choice unset: "auto"
-    choice = reply.choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    assert choice.message.content or choice.message.tool_calls
+# Under "auto" the text is free; this grammar makes the model write text and then two calls, to parse.
+WRITTEN = 'Ok.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n' + (
+    '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+)
+WRITTEN_GRAMMAR = "root ::= " + json.dumps(WRITTEN)
+WRITTEN_CALLS = [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+
+
+def test_auto_parses_the_calls_the_model_writes_whole_and_streamed(api):
+    client = api.client()
+    # tool_choice unset: "auto"; a random model may spell the text a character a token
+    options = {"tools": TOOLS, "max_tokens": len(WRITTEN) + 1, "extra_body": {"guided_grammar": WRITTEN_GRAMMAR}}
+    choice = create(client, **options).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Ok."
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == WRITTEN_CALLS
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    content, streamed, finish = "", {}, None
+    for chunk in create(client, stream=True, **options):
+        for part in chunk.choices:
+            content += part.delta.content or ""
+            for delta in part.delta.tool_calls or ():
+                streamed[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
+            finish = part.finish_reason or finish
+    assert (content.strip(), [streamed[i] for i in sorted(streamed)], finish) == (
+        "Ok.",
+        WRITTEN_CALLS,
+        "tool_calls",
+    )
+    free = create(client, **{**options, "tool_choice": "none"})
+    assert free.choices[0].message.content == WRITTEN and free.choices[0].message.tool_calls is None
 
 
 def test_a_conversation_with_calls_and_results_is_rendered_by_the_template(api):
