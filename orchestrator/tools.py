@@ -15,6 +15,7 @@ under speculation is the target's own constrained greedy output. No I/O.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -173,6 +174,7 @@ def _literal(xgrammar, text: str):
     return xgrammar.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
 
 
+@functools.lru_cache(maxsize=8)  # one template per server, asked for every request with tools
 def renders_tools(template: str | None) -> bool:
     """Whether a chat template reads the ``tools`` it is given (transformers passes them as that variable; a
     template that never names it drops them without a word)."""

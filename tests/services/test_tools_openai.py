@@ -13,15 +13,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import grpc
 import jsonschema
 import openai
 import pytest
+import torch
 
 from specsplit.lmkit import models
 from specsplit.orchestrator import openai_server
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator, read_chat_template
-from specsplit.orchestrator.server import build_parser, config_from_args
+from specsplit.orchestrator.grammar import GrammarKind, GrammarSpec
+from specsplit.orchestrator.server import build_parser, config_from_args, start_server
+from specsplit.orchestrator.tool_parsers import HERMES
+from specsplit.orchestrator.tools import call_grammar, parse_tools
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
 
@@ -58,8 +66,8 @@ def named(name: str) -> dict:
 
 
 class Api:
-    def __init__(self, url: str, plain_url: str, orch: Orchestrator) -> None:
-        self.url, self.plain_url, self.orch = url, plain_url, orch
+    def __init__(self, url: str, plain_url: str, orch: Orchestrator, grpc_address: str) -> None:
+        self.url, self.plain_url, self.orch, self.grpc_address = url, plain_url, orch, grpc_address
 
     def client(self, plain: bool = False) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.plain_url if plain else self.url, api_key="-", max_retries=0, timeout=120)
@@ -83,7 +91,9 @@ def api(tiny_services, tiny_target_dir, background_loop):
         background_loop.run(openai_server.start_http_server(openai_server.build_app(o), "127.0.0.1", 0))
         for o in (orch, plain)
     ]
-    yield Api(*(f"http://127.0.0.1:{s.port}/v1" for s in servers), orch)
+    grpc_server, grpc_port = background_loop.run(start_server(orch))
+    yield Api(*(f"http://127.0.0.1:{s.port}/v1" for s in servers), orch, f"127.0.0.1:{grpc_port}")
+    background_loop.run(grpc_server.stop(0))
     for server in servers:
         background_loop.run(server.stop())
     for o in (orch, plain):
@@ -223,6 +233,72 @@ def test_a_conversation_with_calls_and_results_is_rendered_by_the_template(api):
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text and '"city": "Paris"' in text
     assert reply.usage.prompt_tokens == len(api.orch.encode("", True, expected, TOOLS))
     assert reply.usage.prompt_tokens == len(api.orch.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+async def _grpc_generate(address: str, request: pb.GenerateRequest) -> tuple[str, list[int], pb.GenerateResponse]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        responses = [r async for r in pb_grpc.GeneratorStub(channel).Generate(request)]
+    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids], responses[-1]
+
+
+def masked_greedy(model, compiled, prompt_ids: list[int], max_new: int) -> list[int]:
+    """The target's own greedy continuation under the grammar's mask: a plain transformers loop."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(compiled)
+    bitmask = xgrammar.allocate_token_bitmask(1, model.config.vocab_size)
+    ids, out = list(prompt_ids), []
+    with torch.inference_mode():
+        while len(out) < max_new and not matcher.is_terminated():
+            logits = model(torch.tensor([ids])).logits[0, -1:].float()  # [1, vocab]
+            matcher.fill_next_token_bitmask(bitmask)
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(logits.argmax(-1))
+            assert matcher.accept_token(token)
+            ids.append(token)
+            out.append(token)
+    return out
+
+
+def test_over_grpc_tool_turns_render_and_a_forced_call_is_the_targets_masked_greedy(api, tiny_target_dir):
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]
+    messages = [
+        pb.ChatMessage(role="user", content="Add 2 and 3, then 4."),
+        pb.ChatMessage(role="assistant", tool_calls=json.dumps(calls)),
+        pb.ChatMessage(role="tool", content="5", tool_call_id="call_1"),
+    ]
+    grammar = call_grammar(parse_tools([TOOLS[1]]), HERMES)
+    request = pb.GenerateRequest(
+        messages=messages,
+        tools=json.dumps(TOOLS),
+        max_new_tokens=96,
+        return_token_ids=True,
+        k=6,
+        drafter=pb.DRAFTER_KIND_MODEL,
+    )
+    request.grammar.ebnf = grammar
+    text, ids, last = run_async(_grpc_generate(api.grpc_address, request))
+    turns = [
+        {"role": "user", "content": "Add 2 and 3, then 4."},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{**calls[0], "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        },
+        {"role": "tool", "content": "5", "tool_call_id": "call_1"},
+    ]
+    prompt_ids = api.orch.encode("", True, turns, TOOLS)
+    assert last.stats.prompt_tokens == len(prompt_ids)
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    compiled = api.orch.compile_grammar(GrammarSpec(GrammarKind.EBNF, grammar))
+    assert ids == masked_greedy(model, compiled, prompt_ids, 96) and last.finish_reason == pb.FINISH_REASON_EOS
+    content, (call,) = HERMES.parse(text)
+    assert content is None and call.name == "add"
+    jsonschema.validate(json.loads(call.arguments), ADD_ARGS)
+    bad = pb.GenerateRequest(messages=messages[:1], tools='{"type": "function"}')
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        run_async(_grpc_generate(api.grpc_address, bad))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "non-empty list" in caught.value.details()
 
 
 def refused(call, status: int = 400) -> dict:
