@@ -8,6 +8,7 @@ from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.models import DEFAULT_MODEL
 from specsplit.lmkit.security import ClientTls
 from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.tool_parsers import FORMATS
 
 # Chosen by measurement on the bundled SmolLM2 target (docs/drafters.md, "Choosing the
 # default drafter"): prompt lookup costs ~0 per token and drafts long runs on
@@ -55,6 +56,9 @@ class OrchestratorConfig:
     shared_stream_from: int = 4
     # "auto": the target's generation_config.json sampling defaults fill what a request leaves unset; "ignore": not.
     generation_config: str = "auto"
+    chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's; empty: the tokenizer's
+    tool_call_parser: str = "hermes"  # how the model writes tool calls (orchestrator.tool_parsers.FORMATS)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": free text with its tool calls parsed out
 
     def __post_init__(self) -> None:
         if not self.target_address:
@@ -91,6 +95,8 @@ class OrchestratorConfig:
             raise ValueError(f"--shared-stream-from must be >= 0 (0: never), got {self.shared_stream_from}")
         if self.generation_config not in ("auto", "ignore"):
             raise ValueError(f"--generation-config must be auto or ignore, got {self.generation_config!r}")
+        if self.tool_call_parser not in FORMATS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(FORMATS)}, got {self.tool_call_parser!r}")
         if self.connect_timeout_s <= 0:
             raise ValueError("--connect-timeout-s must be > 0")
 

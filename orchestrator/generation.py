@@ -14,6 +14,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import AsyncIterator, Sequence
 
 from specsplit.lmkit import errors, logs, models
@@ -31,6 +32,7 @@ from specsplit.orchestrator.mux import Mux
 from specsplit.orchestrator.peers import ServiceClient, draft_client, peer_tokens, target_client
 from specsplit.orchestrator.policy.controller import AdaptiveK, Controller, Drafters, FixedK
 from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
+from specsplit.orchestrator.tools import renders_tools
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class GenerationRequest:
     chain: tuple[DrafterKind, ...] = ()  # CHAIN members in order; empty = default_chain of what the draft serves
     overlap: bool = False  # draft block i+1 while the target verifies block i
     second_guess: bool = True  # with overlap, also draft past the drafter's second guess where that is free
-    messages: tuple[tuple[str, str], ...] = ()  # (role, content) turns for the chat template; prompt is then ""
+    messages: tuple[dict, ...] = ()  # turns for the chat template (``Orchestrator.encode``); prompt is then ""
     top_logprobs: int | None = None  # None: no logprobs; else each token's and this many alternatives
     request_id: str = ""  # in every log line of the generation
     # How sampled blocks are verified (TOKEN_ONLY, DRAFT_PROBS, COUPLED); None: DRAFT_PROBS when
@@ -83,6 +85,21 @@ def verification_mode(request: GenerationRequest, default: VerificationMode = DE
     if request.sampling_mode is not None:
         return request.sampling_mode
     return VerificationMode.DRAFT_PROBS if request.draft_probs else default
+
+
+def read_chat_template(path: str) -> str:
+    """The Jinja chat template of ``--chat-template``; ValueError saying what is wrong with the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path}: cannot read it ({exc})") from None
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template {path}: not a Jinja template (line {exc.lineno}: {exc.message})") from None
+    return text
 
 
 class Orchestrator:
@@ -118,6 +135,8 @@ class Orchestrator:
     async def connect(cls, config: OrchestratorConfig) -> "Orchestrator":
         """Connect to the services, check that they share a vocabulary, load the tokenizer."""
         tokenizer = models.load_tokenizer(config.tokenizer)
+        if config.chat_template:
+            tokenizer.chat_template = read_chat_template(config.chat_template)
         tokens = peer_tokens(config.peer_token_file)
         target = target_client(config.target_address, config.peer_tls, tokens)
         draft = draft_client(config.draft_address, config.peer_tls, tokens) if config.draft_address else None
@@ -177,10 +196,10 @@ class Orchestrator:
         """Hold one generation slot for ``caller`` (``with``); ResourceExhausted when none is free to it."""
         return self.slots.hold(caller)
 
-    async def tokenize(self, prompt: str, chat: bool, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
+    async def tokenize(self, prompt: str, chat: bool, messages: Sequence[dict] = (), tools: Sequence[dict] = ()) -> list[int]:
         """``encode`` on the tokenizer threads, off the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, self.encode, prompt, chat, messages)
+        return await loop.run_in_executor(self._tokenize_pool, self.encode, prompt, chat, messages, tools)
 
     def compile_grammar(self, spec: GrammarSpec):
         """A request's grammar compiled for this tokenizer and the target's vocabulary (GrammarError if it
@@ -189,20 +208,31 @@ class Orchestrator:
             self._grammars = Grammars(self.tokenizer, self.target.info.vocab_size, self.eos_ids)
         return self._grammars.compile(spec)
 
-    def encode(self, prompt: str, chat: bool, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
-        """Token ids of a raw prompt, of a prompt as one user turn (``chat``), or of a conversation."""
+    def encode(self, prompt: str, chat: bool, messages: Sequence[dict] = (), tools: Sequence[dict] = ()) -> list[int]:
+        """Token ids of a raw prompt, of a prompt as one user turn (``chat``), or of a conversation (turns as chat
+        templates read them: ``role``, ``content`` and, where sent, ``tool_calls`` and ``tool_call_id``), with the
+        ``tools`` the template renders."""
         if not (chat or messages):
             return list(self.tokenizer.encode(prompt))
-        turns = [{"role": role, "content": content} for role, content in messages]
-        turns = turns or [{"role": "user", "content": prompt}]
-        if not getattr(self.tokenizer, "chat_template", None):
+        turns = list(messages) or [{"role": "user", "content": prompt}]
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise errors.InvalidArgument(
                 f"the tokenizer of {self.config.tokenizer} has no chat template; send a raw prompt (chat off) instead"
+            )
+        uses_tools = tools or any(turn["role"] == "tool" or "tool_calls" in turn for turn in turns)
+        if uses_tools and not renders_tools(template):
+            raise errors.InvalidArgument(
+                f"the chat template of {self.config.tokenizer} does not render tools (nor tool calls and results); "
+                "serve one that does with --chat-template FILE (a Jinja template, e.g. Hermes-style), or send "
+                "the request without them"
             )
         from jinja2 import TemplateError
 
         try:
-            ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                turns, tools=list(tools) or None, add_generation_prompt=True, tokenize=True
+            )
         except TemplateError as exc:  # templates refuse e.g. a role they do not know, or turns out of order
             raise errors.InvalidArgument(f"the model's chat template refused the messages: {exc}") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

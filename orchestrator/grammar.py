@@ -54,7 +54,7 @@ class GrammarError(ValueError):
     """A grammar xgrammar cannot compile; the message says why."""
 
 
-def _reason(exc: Exception) -> str:
+def xgrammar_reason(exc: Exception) -> str:
     """xgrammar's message without its log prefix ("[time] file.cc:line: ", "Check failed: ... is false: ")."""
     text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip())
     return re.sub(r"^Check failed: .*? is false: ", "", text).strip()
@@ -91,7 +91,7 @@ class Grammars:
                 return compiler.compile_grammar(choice_ebnf(spec.choices))
             return compiler.compile_grammar(spec.source)
         except RuntimeError as exc:
-            raise GrammarError(_reason(exc)) from None
+            raise GrammarError(xgrammar_reason(exc)) from None
 
     def constraint(self, compiled, max_block: int, jump_forward: bool) -> "Constraint":
         return Constraint(compiled, self.vocab_size, max_block, jump_forward)

@@ -4,8 +4,9 @@ Requests are validated strictly (JSON types as the API documents them; an
 unknown parameter is refused rather than ignored) and become the same
 ``GenerateRequest`` the gRPC API takes, so both APIs share one validation
 (``specsplit.orchestrator.requests``). Parameters that specsplit cannot honour
-(tools, ``n > 1``...) are refused with a 400 naming them, never silently
-ignored.
+(``n > 1``...) are refused with a 400 naming them, never silently ignored.
+Tools (``tools``, ``tool_choice``) go to the chat template and, for a forced
+call, to the grammar (``specsplit.orchestrator.tools``).
 
 Structured outputs: ``response_format`` (chat; ``json_object``, or
 ``json_schema`` with ``strict``) and vLLM's ``guided_json``, ``guided_regex``,
@@ -28,8 +29,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode, drafter_value
+from specsplit.orchestrator import tools
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.loop import Finish
+from specsplit.orchestrator.tool_parsers import FORMATS
+from specsplit.orchestrator.tools import ToolPlan
 from specsplit.v1 import specsplit_pb2 as pb
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
@@ -57,10 +61,23 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object's text, as the API returned it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatTurn(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted; chat templates of the supported models have no use for it
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -156,9 +173,8 @@ def to_generate_request(
     sampling = _sampling(req, defaults or {})
     msg = pb.GenerateRequest(sampling=sampling, stop=_stop(req.stop), request_id=request_id)
     if isinstance(req, ChatCompletionRequest):
-        msg.messages.extend(
-            pb.ChatMessage(role="system" if t.role == "developer" else t.role, content=t.text()) for t in req.messages
-        )
+        msg.messages.extend(_chat_message(t) for t in req.messages)
+        _tools(req, msg, config)
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(req, max_name)
         _chat_logprobs(req, msg)
@@ -180,10 +196,7 @@ def _refuse_unsupported(req: _Common) -> None:
         raise RequestError(
             f"n = {req.n} is not supported: specsplit returns one choice per request; send {req.n} requests "
             "(with different seeds to sample different answers)", "n")
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise RequestError("tools are not supported", "tools")
-    else:
+    if not isinstance(req, ChatCompletionRequest):
         if req.echo:
             raise RequestError("echo is not supported", "echo")
         if req.suffix:
@@ -308,14 +321,55 @@ def _extensions(req: _Common, msg: pb.GenerateRequest) -> None:
     msg.draft_probs = bool(req.draft_probs)
 
 
-def _grammar(req: _Common, msg: pb.GenerateRequest) -> None:
-    """``response_format`` or a ``guided_*`` parameter as ``GenerateRequest.grammar`` (compiled, and refused with
-    the compiler's reason, by ``requests.parse_request``)."""
+def _chat_message(turn: ChatTurn) -> pb.ChatMessage:
+    msg = pb.ChatMessage(role="system" if turn.role == "developer" else turn.role, content=turn.text())
+    if turn.tool_calls:
+        msg.tool_calls = json.dumps([call.model_dump() for call in turn.tool_calls], ensure_ascii=False)
+    if turn.tool_call_id is not None:
+        msg.tool_call_id = turn.tool_call_id
+    return msg
+
+
+def _tool_plan(req: ChatCompletionRequest, config: OrchestratorConfig) -> ToolPlan | None:
+    """What the request's tools and tool_choice make of the generation (``orchestrator.tools``); None: no tools."""
+    if req.tools is None:
+        if req.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice needs tools: send the functions the model may call as tools", "tool_choice")
+        return None
+    try:
+        return tools.plan(req.tools, req.tool_choice, FORMATS[config.tool_call_parser], config.enable_auto_tool_choice)
+    except tools.ToolError as exc:
+        raise RequestError(str(exc), exc.param) from None
+
+
+def _tools(req: ChatCompletionRequest, msg: pb.GenerateRequest, config: OrchestratorConfig) -> None:
+    plan = _tool_plan(req, config)
+    if plan is None:
+        return
+    msg.tools = plan.tools_json
+    if plan.grammar:
+        named = _constraints(req)
+        if named:
+            raise RequestError(f"a forced tool call (tool_choice {req.tool_choice!r}) is its own structured output; "
+                               f"send it without {named[0]}", named[0])
+        msg.grammar.ebnf = plan.grammar
+
+
+def _constraints(req: _Common) -> list[str]:
+    """The structured output parameters a request sets."""
     named = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
              if getattr(req, name) is not None]
     response_format = getattr(req, "response_format", None)
     if response_format is not None and response_format.get("type", "text") != "text":
         named.insert(0, "response_format")
+    return named
+
+
+def _grammar(req: _Common, msg: pb.GenerateRequest) -> None:
+    """``response_format`` or a ``guided_*`` parameter as ``GenerateRequest.grammar`` (compiled, and refused with
+    the compiler's reason, by ``requests.parse_request``)."""
+    named = _constraints(req)
+    response_format = getattr(req, "response_format", None)
     if len(named) > 1:
         raise RequestError(f"send one structured output constraint; got {' and '.join(named)}", named[1])
     if not named:

@@ -62,6 +62,8 @@ from specsplit.orchestrator.openai_schema import (
 from specsplit.orchestrator.peers import PeerError
 from specsplit.orchestrator.requests import parse_request
 from specsplit.orchestrator.servicer import peer_status
+from specsplit.orchestrator.tool_parsers import FORMATS
+from specsplit.orchestrator.tool_shape import ToolChatShape
 
 log = logging.getLogger(__name__)
 DEFAULT_LIMITS = HttpLimits()
@@ -153,7 +155,7 @@ class OpenAIApi:
             body = validate(model_cls, parse_json(await read_body(request, self.limits)))
             self._check_model(body.model)
             msg = to_generate_request(body, self.orch.config, request_id, self.orch.sampling_defaults)
-            shape = shape_cls(response_id, body.model, msg.return_logprobs)
+            shape = _shape(shape_cls, body, response_id, msg.return_logprobs, self.orch.config.tool_call_parser)
             events = self._events(msg, arrived, _caller(request))
             if body.stream:
                 first = await _until_disconnected(request, anext(events))
@@ -199,7 +201,9 @@ class OpenAIApi:
             while True:
                 finish = finish_reason(event.finish.value) if event.finish is not None else None
                 if event.text or event.logprobs or finish:
-                    yield _sse(shape.chunk(event.text, event.logprobs, finish))
+                    chunk = shape.chunk(event.text, event.logprobs, finish)
+                    if chunk is not None:  # None: text held back (it may begin a tool call)
+                        yield _sse(chunk)
                 if finish:
                     if include_usage:
                         yield _sse(shape.usage_chunk(event.stats))
@@ -257,6 +261,13 @@ class _ClosingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+def _shape(shape_cls, body, response_id: str, logprobs: bool, tool_call_parser: str):
+    """The request's response shape: one that parses tool calls out of the text where its tools may be called."""
+    if shape_cls is ChatShape and body.tools is not None and body.tool_choice != "none":
+        return ToolChatShape(response_id, body.model, logprobs, FORMATS[tool_call_parser])
+    return shape_cls(response_id, body.model, logprobs)
 
 
 def _caller(request: Request) -> str:

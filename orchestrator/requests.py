@@ -6,6 +6,7 @@ message that names the field and the accepted range.
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
 from dataclasses import replace
@@ -18,9 +19,10 @@ from specsplit.orchestrator.config import MAX_TREE_BRANCHES
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.orchestrator.grammar import GrammarError, GrammarKind, GrammarSpec
 from specsplit.orchestrator.limits import check_prompt_size
+from specsplit.orchestrator.tools import parse_tools, template_calls
 from specsplit.v1 import specsplit_pb2 as pb
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID = 128
 _GRAMMAR_NAMES = {"json_schema": "the JSON schema (response_format json_schema / guided_json)",
                   "json_object": "the JSON object grammar", "regex": "the regex (guided_regex)",
@@ -35,7 +37,8 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     """
     config = orch.config
     messages = _messages(msg)
-    check_prompt_size(msg.prompt, messages, orch.prompt_byte_limit)
+    check_prompt_size(msg.prompt + msg.tools, _sized(msg.messages), orch.prompt_byte_limit)
+    tools = _tools(msg)
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else config.default_max_new_tokens
     if not 1 <= max_new <= config.max_new_tokens_limit:
         raise errors.InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
@@ -68,7 +71,7 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     top_logprobs = _top_logprobs(msg)
     request_id = _request_id(msg.request_id)
     _check_bias_ids(sampling, orch.target.info.vocab_size)
-    prompt_ids = await orch.tokenize(msg.prompt, msg.chat, messages)
+    prompt_ids = await orch.tokenize(msg.prompt, msg.chat, messages, tools)
     limit = orch.target.info.max_context
     if limit and len(prompt_ids) >= limit:
         raise errors.InvalidArgument(
@@ -109,16 +112,50 @@ def _check_bias_ids(sampling: SamplingParams, vocab_size: int) -> None:
         )
 
 
-def _messages(msg: pb.GenerateRequest) -> tuple[tuple[str, str], ...]:
-    """The conversation, checked; a request sends either a prompt or messages."""
+def _messages(msg: pb.GenerateRequest) -> tuple[dict, ...]:
+    """The conversation, checked, as chat templates read it; a request sends either a prompt or messages."""
     if msg.prompt and msg.messages:
         raise errors.InvalidArgument("send either prompt or messages, not both")
     if not msg.prompt and not msg.messages:
         raise errors.InvalidArgument("prompt is empty; send the text to continue (or messages for a conversation)")
-    for i, turn in enumerate(msg.messages):
-        if turn.role not in CHAT_ROLES:
-            raise errors.InvalidArgument(f"messages[{i}].role is {turn.role!r}; use one of {', '.join(CHAT_ROLES)}")
-    return tuple((turn.role, turn.content) for turn in msg.messages)
+    return tuple(_turn(i, turn) for i, turn in enumerate(msg.messages))
+
+
+def _turn(i: int, turn: pb.ChatMessage) -> dict:
+    if turn.role not in CHAT_ROLES:
+        raise errors.InvalidArgument(f"messages[{i}].role is {turn.role!r}; use one of {', '.join(CHAT_ROLES)}")
+    rendered: dict = {"role": turn.role, "content": turn.content}
+    if turn.tool_calls:
+        if turn.role != "assistant":
+            raise errors.InvalidArgument(f"messages[{i}].tool_calls is for assistant turns; this one is {turn.role}")
+        try:
+            rendered["tool_calls"] = template_calls(turn.tool_calls)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"messages[{i}].tool_calls is not a JSON array of tool calls: {exc}") from None
+    if turn.tool_call_id:
+        if turn.role != "tool":
+            raise errors.InvalidArgument(f"messages[{i}].tool_call_id is for tool turns; this one is {turn.role}")
+        rendered["tool_call_id"] = turn.tool_call_id
+    return rendered
+
+
+def _sized(messages) -> list[tuple[str, str]]:
+    """What a conversation's size is counted over: each turn's role and its texts."""
+    return [(turn.role, turn.content + turn.tool_calls + turn.tool_call_id) for turn in messages]
+
+
+def _tools(msg: pb.GenerateRequest) -> list[dict]:
+    """GenerateRequest.tools checked (the chat template renders them); empty: none."""
+    if not msg.tools:
+        return []
+    if not (msg.messages or msg.chat):
+        raise errors.InvalidArgument("tools are rendered by the chat template: send messages (or chat) with them")
+    try:
+        tools = json.loads(msg.tools)
+        parse_tools(tools)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"tools is not a JSON array of function tools: {exc}") from None
+    return tools
 
 
 def _grammar(msg: pb.GenerateRequest, orch: Orchestrator, wants_probs: bool):

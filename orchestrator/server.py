@@ -33,6 +33,7 @@ from specsplit.orchestrator.config import (
 from specsplit.orchestrator.generation import Orchestrator
 from specsplit.orchestrator.links import LinkPolicy
 from specsplit.orchestrator.servicer import GeneratorServicer
+from specsplit.orchestrator.tool_parsers import FORMATS
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
@@ -76,6 +77,15 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
         help="auto: the target's generation_config.json sampling defaults (temperature, top_k, top_p, "
         "repetition_penalty) apply where a request leaves them unset; ignore: they do not",
     )
+    parser.add_argument("--chat-template", default="",
+                        help="a Jinja chat template file to render conversations (and tools) with, instead of the "
+                             "tokenizer's own")
+    parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(FORMATS),
+                        help="how the model writes tool calls: the grammar of a forced call and the parser of the "
+                             "output (hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='accept tool_choice "auto" (the default with tools): free text with the tool calls '
+                             "parsed out of it")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--connect-timeout-s", type=float, default=120.0, help="wait this long for the services")
@@ -134,6 +144,9 @@ def config_from_args(args) -> OrchestratorConfig:
                                target_deadline_s=args.target_deadline_s),
         shared_stream_from=args.shared_stream_from,
         generation_config=args.generation_config,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 
 

@@ -508,18 +508,23 @@ class TargetReplies(_message.Message):
     def __init__(self, replies: _Optional[_Iterable[_Union[TargetReply, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: str
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "messages", "max_new_tokens", "stop", "sampling", "mode", "draft_probs", "drafter", "chain", "k", "adaptive_k", "overlap", "tree_branches", "return_token_ids", "return_logprobs", "top_logprobs", "request_id", "grammar")
+    __slots__ = ("prompt", "chat", "messages", "tools", "max_new_tokens", "stop", "sampling", "mode", "draft_probs", "drafter", "chain", "k", "adaptive_k", "overlap", "tree_branches", "return_token_ids", "return_logprobs", "top_logprobs", "request_id", "grammar")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -539,6 +544,7 @@ class GenerateRequest(_message.Message):
     prompt: str
     chat: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    tools: str
     max_new_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     sampling: SamplingParams
@@ -555,7 +561,7 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     request_id: str
     grammar: Grammar
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., draft_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., k: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., return_token_ids: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., draft_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., k: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., return_token_ids: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "ebnf", "strict")

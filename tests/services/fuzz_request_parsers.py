@@ -23,10 +23,13 @@ with atheris.instrument_imports(include=["specsplit.orchestrator"]):
     )
 
 CONFIG = OrchestratorConfig("127.0.0.1:1")
-# Seeds that reach past the JSON syntax: a chat request and a completion request.
+# Seeds that reach past the JSON syntax: a chat request, a completion request, a chat request with tools.
 SEEDS = (
     b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "top_k": 5, "stop": ["x"]}',
     b'{"model": "m", "prompt": "hi", "max_tokens": 4, "k": 3, "logprobs": 2, "seed": 7, "temperature": 0.5}',
+    b'{"model": "m", "messages": [{"role": "tool", "content": "1", "tool_call_id": "c"}], "tool_choice": "required",'
+    b' "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":'
+    b' {"a": {"type": "integer", "maximum": 9}}}}}]}',
 )
 
 

@@ -275,7 +275,7 @@ def test_bad_requests_get_openai_errors_with_the_right_status(api):
                 client.chat.completions.create(model=MODEL, messages=CONVERSATION, **{"max_tokens": 4, **extra})
             assert info.value.status_code == 400 and param in info.value.message, (param, info.value.message)
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
+            client.chat.completions.create(model=MODEL, messages=[{"role": "function", "content": "x"}])
         assert info.value.param.startswith("messages")
         with pytest.raises(openai.BadRequestError) as info:  # about 1000 tokens; the tiny target's context is 512
             client.completions.create(model=MODEL, prompt="word " * 1000, max_tokens=4)

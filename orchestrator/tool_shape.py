@@ -1,0 +1,73 @@
+"""Chat responses with tool calls: the model's text parsed into ``message.tool_calls`` (OpenAI's shape).
+
+Whole: the calls in ``message.tool_calls``, the rest of the text in ``message.content`` (null when there is
+none), ``finish_reason: "tool_calls"``. Streamed: content deltas as the text comes, held back only where it
+may begin a call; each call in one delta once its text is complete,
+``{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments"}}]}``.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from specsplit.orchestrator.openai_schema import ChatShape
+from specsplit.orchestrator.tool_parsers import ParsedCall, ToolCallFormat
+
+
+def call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def tool_call(call: ParsedCall, index: int | None = None) -> dict:
+    shown = {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return shown if index is None else {"index": index, **shown}
+
+
+class ToolChatShape(ChatShape):
+    """A chat response whose text may hold tool calls written in ``fmt``."""
+
+    def __init__(self, response_id: str, model: str, logprobs: bool, fmt: ToolCallFormat) -> None:
+        super().__init__(response_id, model, logprobs)
+        self.fmt = fmt
+        self.stream = fmt.stream()
+        self.calls_sent = 0
+
+    def whole(self, text: str, logprobs, finish: str, stats) -> dict:
+        body = super().whole(text, logprobs, finish, stats)
+        content, calls = self.fmt.parse(text)
+        if calls:
+            choice = body["choices"][0]
+            choice["message"] = {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [tool_call(call) for call in calls],
+            }
+            choice["finish_reason"] = _finish(finish)
+        return body
+
+    def chunk(self, text: str, logprobs, finish: str | None) -> dict | None:
+        """The delta of a streamed event; None when it holds nothing to send yet (text that may begin a call)."""
+        pieces = self.stream.feed(text) + (self.stream.finish() if finish else [])
+        delta: dict = {}
+        content = "".join(p for p in pieces if isinstance(p, str))
+        if content:
+            delta["content"] = content
+        calls = []
+        for piece in pieces:
+            if isinstance(piece, ParsedCall):
+                calls.append(tool_call(piece, self.calls_sent))
+                self.calls_sent += 1
+        if calls:
+            delta["tool_calls"] = calls
+        if not delta and not finish and not (self.logprobs and logprobs):
+            return None
+        if finish and self.calls_sent:
+            finish = _finish(finish)
+        body = super().chunk("", logprobs, finish)
+        body["choices"][0]["delta"] = delta
+        return body
+
+
+def _finish(finish: str) -> str:
+    """A generation that ended by itself with calls ended to call them; one cut at max_tokens stays ``length``."""
+    return "tool_calls" if finish == "stop" else finish
