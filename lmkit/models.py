@@ -94,8 +94,14 @@ def bundled_gguf() -> Path:
 
 
 def _file_sha256(path: Path) -> str:
+    stat = path.stat()
+    return _sha256_of(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:  # size and mtime: a rewritten file hashes afresh
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -113,7 +119,7 @@ def convert_gguf(gguf: Path, dtype: str = "float32") -> Path:
 
     torch_dtype = _DTYPES[dtype]
     suffix = "" if dtype == "float32" else f"-{dtype}"
-    out = cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}{suffix}"
+    out = _gguf_cache(gguf, suffix)
     if (out / "config.json").is_file():
         return out
     with _convert_lock:
@@ -134,13 +140,43 @@ def convert_gguf(gguf: Path, dtype: str = "float32") -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "specsplit_source.json").write_text(json.dumps({"gguf": str(gguf)}))
-        try:
-            tmp.rename(out)
-        except OSError:  # another process (a draft and a target starting together) converted it first
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not (out / "config.json").is_file():
-                raise
+        _publish(tmp, out, "config.json")
     return out
+
+
+def gguf_tokenizer_folder(gguf: Path) -> Path:
+    """A folder holding only the tokenizer of ``gguf`` (the converted model's, when it exists): reading it
+    takes about a second, the GGUF's own about fifteen, and it needs no conversion of the weights."""
+    from transformers import AutoTokenizer
+
+    converted = _gguf_cache(gguf, "")
+    if (converted / "config.json").is_file():
+        return converted
+    out = _gguf_cache(gguf, "-tokenizer")
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    with _convert_lock:
+        if not (out / "tokenizer_config.json").is_file():
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+            _publish(tmp, out, "tokenizer_config.json")
+    return out
+
+
+def _gguf_cache(gguf: Path, suffix: str) -> Path:
+    """The cache folder of what is made from ``gguf``, keyed by its hash."""
+    return cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}{suffix}"
+
+
+def _publish(tmp: Path, out: Path, marker: str) -> None:
+    """Move the finished folder ``tmp`` to ``out`` in one step; where another process (a draft and a target
+    starting together) published it first, keep theirs."""
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / marker).is_file():
+            raise
 
 
 def resolve(ref: str, dtype: str = "float32") -> Path:
@@ -222,10 +258,20 @@ def _fetch_elsewhere(repo_id: str, revision: str | None, why: str) -> str:
 
 
 def load_tokenizer(ref: str):
-    """The tokenizer of a model reference."""
+    """The tokenizer of a model reference (of a GGUF, without converting its weights)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(ref), local_files_only=True)
+    return AutoTokenizer.from_pretrained(tokenizer_folder(ref), local_files_only=True)
+
+
+def tokenizer_folder(ref: str) -> Path:
+    """The local folder holding the tokenizer of a model reference (``resolve``'s references)."""
+    if ref == DEFAULT_MODEL:
+        return gguf_tokenizer_folder(bundled_gguf())
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_tokenizer_folder(path)
+    return resolve(ref)
 
 
 def load_model(spec: ModelSpec, tensor_parallel: bool = False):

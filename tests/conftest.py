@@ -111,13 +111,10 @@ VOCAB = 49152  # SmolLM2's vocabulary: tiny models share it, so any of them draf
 
 @pytest.fixture(scope="session")
 def gguf_tokenizer():
-    """The SmolLM2 tokenizer, read straight from the bundled GGUF (no conversion needed)."""
-    from transformers import AutoTokenizer
+    """The SmolLM2 tokenizer of the bundled GGUF (read from it once, then from its cached folder)."""
+    from specsplit.lmkit.models import DEFAULT_MODEL, load_tokenizer
 
-    from specsplit.lmkit.models import bundled_gguf
-
-    gguf = bundled_gguf()
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return load_tokenizer(DEFAULT_MODEL)
 
 
 def save_tiny_llama(path: Path, tokenizer, seed: int, layers: int = 2, hidden: int = 64) -> Path:

@@ -238,3 +238,19 @@ def test_gguf_conversion_honours_the_dtype(tmp_path, monkeypatch):
     assert bf16.dtype == models.torch.bfloat16 and fp32.dtype == models.torch.float32
     assert models.torch.equal(bf16.model.embed_tokens.weight, fp32.model.embed_tokens.weight.bfloat16())
     assert models.load_tokenizer(str(gguf))("hi there").input_ids[:2] == [74, 75]  # byte-level "h", "i"
+
+
+def test_a_ggufs_tokenizer_loads_without_converting_its_weights(tmp_path, monkeypatch):
+    """An orchestrator needs only the tokenizer: it is read from the GGUF once into a folder of its own (no
+    weights), and from the converted model's folder once the model is converted."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    folder = models.tokenizer_folder(str(gguf))
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name] and folder.name.endswith("-tokenizer")
+    assert not list(folder.glob("*.safetensors"))
+    direct = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert models.load_tokenizer(str(gguf))("hi there").input_ids == direct("hi there").input_ids
+    models.load_model(models.ModelSpec(str(gguf)))
+    assert (models.tokenizer_folder(str(gguf)) / "model.safetensors").is_file()

