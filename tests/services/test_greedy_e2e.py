@@ -133,10 +133,10 @@ def smollm2_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k, branches", [(1, 1), (4, 1), (8, 1), (8, 4)])
+@pytest.mark.parametrize("k, branches", [(4, 1), (8, 4)])
 def test_smollm2_greedy_equals_generate_with_default_drafter(smollm2_services, smollm2_reference, k, branches):
-    """The real default target with the default (n-gram) drafter, 8 demo prompts, chat template; chains and
-    token trees of up to 4 branches."""
+    """The real default target with the default (n-gram) drafter, 8 demo prompts, chat template; a chain of 4
+    and token trees of up to 8 tokens in 4 branches (k 0, 1, 4 and 8 run on the tiny models above)."""
     services = smollm2_services
     prompts_ids, expected = smollm2_reference
     trees: list[tuple[int, int]] = []

@@ -22,7 +22,7 @@ from tests.unit.target_service.test_rejection import seeded
 
 pytestmark = pytest.mark.stats
 
-TRIALS = 25_000  # a quarter of the chain tests' 10**5 (each trial is a Python loop); its power: docs/testing.md
+TRIALS = 25_000  # half the chain tests' trials (each trial is a Python loop); its power: docs/testing.md
 
 
 def tree_after(last: int) -> tuple[list[int], list[int]]:
