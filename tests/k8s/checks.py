@@ -147,10 +147,15 @@ def specsplit_containers(docs: list[dict]):
                 yield pod, container, args
 
 
+def ray_serve_config(docs: list[dict]) -> dict:
+    """The RayService's Serve config (serveConfigV2, parsed)."""
+    (service,) = [d for d in docs if d["kind"] == "RayService"]
+    return yaml.safe_load(service["spec"]["serveConfigV2"])
+
+
 def ray_app_args(docs: list[dict]) -> dict:
     """The orchestrator's settings in a RayService: its one application's args."""
-    (service,) = [d for d in docs if d["kind"] == "RayService"]
-    (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    (app,) = ray_serve_config(docs)["applications"]
     return app["args"]
 
 
@@ -389,9 +394,11 @@ def check_services_authenticate(docs: list[dict]) -> None:
                 f"{pod.owner}: mTLS without --tls-allowed-sans admits any certificate of the CA"
             )
     if any(d["kind"] == "RayService" for d in docs):
-        app = ray_app_args(docs)
-        for key in ("auth_token_file", "peer_token_file"):
-            path = app.get(key)
+        app, http = ray_app_args(docs), ray_serve_config(docs)["http_options"]
+        # the public token crosses the pod network: Serve's HTTP proxy serves HTTPS with a key from a Secret
+        files = {key: app.get(key) for key in ("auth_token_file", "peer_token_file")}
+        files |= {f"http_options {key}": http.get(key) for key in ("ssl_certfile", "ssl_keyfile")}
+        for key, path in files.items():
             for pod in pod_specs(docs):
                 if pod.owner.startswith("RayService/"):
                     (container,) = pod.spec["containers"]

@@ -312,6 +312,12 @@ def test_negative_control_a_service_without_a_token(rendered):
     container["args"] = [a for a in container["args"] if not a.startswith("--tls-allowed-sans")]
     with pytest.raises(AssertionError, match="any certificate of the CA"):
         checks.check_services_authenticate(docs)
+    docs, ray_service = _broken(rendered["gpu-prod"], "RayService", "specsplit-orchestrator")
+    serve = yaml.safe_load(ray_service["spec"]["serveConfigV2"])
+    del serve["http_options"]["ssl_certfile"]  # the public API back in plaintext
+    ray_service["spec"]["serveConfigV2"] = yaml.safe_dump(serve)
+    with pytest.raises(AssertionError, match="http_options ssl_certfile None"):
+        checks.check_services_authenticate(docs)
 
 
 def test_negative_control_clusterip_service(rendered):
