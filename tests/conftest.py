@@ -58,13 +58,16 @@ RAY_UNIT = "tests/ray"  # one unit: its modules share one local cluster (every `
 # everything else, so that no long unit starts late and leaves the other worker idle at the end of the run.
 LONGEST_UNITS = (
     RAY_UNIT,
+    "tests/services/test_greedy_e2e.py",
+    "tests/services/test_drafters_e2e.py",
     "tests/services/test_speed_e2e.py",
-    "tests/services/test_sampling_e2e.py",
-    "tests/services/test_network_e2e.py",
-    "tests/services/test_across_hosts.py",
-    "tests/services/test_fuzz.py",
-    "tests/services/test_chaos_short.py",
+    "tests/services/test_penalties_e2e.py",
     "tests/services/test_faults.py",
+    "tests/services/test_structured_outputs_openai.py",
+    "tests/services/test_network_e2e.py",
+    "tests/services/test_tensor_parallel.py",
+    "tests/services/test_fuzz.py",
+    "tests/services/test_sampling_e2e.py",
 )
 
 
