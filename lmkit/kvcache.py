@@ -181,6 +181,28 @@ class SessionCache:
             self.features = torch.cat([hidden_states[i][row, :fed] for i in self.feature_layers], dim=-1).float().cpu()
             self.features_from = start
 
+    @property
+    def can_copy(self) -> bool:
+        """Whether ``copy_prefix`` may take this cache's positions (a sharded cache's live on other ranks too)."""
+        return True
+
+    @torch.inference_mode()
+    def copy_prefix(self, source: "SessionCache", length: int) -> None:
+        """Hold a copy of ``source``'s first ``length`` cached positions, and nothing else (a fork of a session
+        whose context starts with those tokens: its next step feeds only what follows them)."""
+        if not 0 <= length <= len(source.tokens):
+            raise ValueError(f"cannot copy {length} of {len(source.tokens)} cached positions")
+        if (self.kv is None) != (source.kv is None):
+            raise ValueError("both caches must run the same forward (packed rows or the stock one)")
+        if self.kv is not None:
+            self.kv = source.kv.prefix_copy(length)
+        else:
+            layers = [(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone())
+                      for layer in source.cache.layers] if length else None
+            self.cache = DynamicCache(layers)
+        self.tokens = source.tokens[:length]
+        self.features = None
+
     def release(self) -> None:  # noqa: B027 - a hook; the plain cache is freed by the GC
         """Called once when the session ends (a sharded cache tells the other ranks)."""
 
