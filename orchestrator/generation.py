@@ -76,6 +76,23 @@ class GenerationEvent:
     logprobs: tuple[pb.TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
+@dataclass(frozen=True)
+class PromptFork:
+    """A sample's part in sharing its prompt (``orchestrator.samples``): sample 0 (``leader``) publishes its
+    target session's id in ``source`` once open ("" when it has none); the others open forked from it."""
+
+    source: asyncio.Future  # of str
+    leader: bool
+
+    def opened(self, session_id: str) -> None:
+        if self.leader and not self.source.done():
+            self.source.set_result(session_id)
+
+    async def source_id(self) -> str:
+        """The session to fork from; a cancelled wait leaves ``source`` for the other samples."""
+        return await asyncio.shield(self.source)
+
+
 def verification_mode(request: GenerationRequest, default: VerificationMode = DEFAULT_SAMPLING_MODE) -> VerificationMode:
     """The one place a request's mode is decided: greedy for temperature 0, else the sampling mode asked for."""
     if request.sampling.greedy:
@@ -173,9 +190,10 @@ class Orchestrator:
     def active(self) -> int:
         return self.slots.active
 
-    def admit(self, caller: str = ""):
-        """Hold one generation slot for ``caller`` (``with``); ResourceExhausted when none is free to it."""
-        return self.slots.hold(caller)
+    def admit(self, caller: str = "", count: int = 1):
+        """Hold ``count`` generation slots for ``caller`` (``with``; one per sample); ResourceExhausted when
+        they are not all free to it."""
+        return self.slots.hold(caller, count)
 
     async def tokenize(self, prompt: str, chat: bool, messages: Sequence[tuple[str, str]] = ()) -> list[int]:
         """``encode`` on the tokenizer threads, off the event loop."""
@@ -208,12 +226,14 @@ class Orchestrator:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def generate(
-        self, request: GenerationRequest, prompt_ids: list[int], arrived: float | None = None
+        self, request: GenerationRequest, prompt_ids: list[int], arrived: float | None = None,
+        fork: PromptFork | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         """Stream committed text; the last event carries the finish reason and stats.
 
         ``arrived``: when the request reached the server (``time.perf_counter()``),
         the start of its queue time, time to first token and end-to-end latency.
+        ``fork``: this generation is one of several samples of the prompt (``orchestrator.samples``).
         """
         timer = metrics.RequestTimer(arrived)
         start = time.perf_counter()
@@ -250,7 +270,11 @@ class Orchestrator:
         with logs.request_context(request.request_id):
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
             try:
+                if fork is not None and not fork.leader:
+                    target.fork_from = await fork.source_id()
                 await self._open(target, draft, prompt_ids)
+                if fork is not None:
+                    fork.opened(target.session_id)
                 timer.opened()
                 async for event in self._stream(request, mode, prompt_ids, target, draft, controller, stats):
                     timer.committed(len(event.token_ids))

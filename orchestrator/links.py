@@ -99,6 +99,8 @@ class TargetLink(_SessionLink):
         self._verified = 0  # verifications on the current session
         self.last_prefilled = False  # the last verify ran on a fresh session: its time includes a prefill
         self.last_wall_s = 0.0  # the last verify's wall time here, send to result
+        self.session_id = ""  # the open session's id on the target ("" while none is open)
+        self.fork_from = ""  # a session whose prompt cache a new session of this link copies (TargetOpen.fork_from)
 
     @property
     def reopens(self) -> int:
@@ -107,13 +109,16 @@ class TargetLink(_SessionLink):
 
     async def open(self, committed: Sequence[int]) -> None:
         stream = TargetStream(self._transport(pb.TargetRequest, "target"))
+        message = self._open_msg(_new_id(), committed)
+        message.fork_from = self.fork_from
         try:
             async with asyncio.timeout(self._policy.target_timeout_s):
-                await stream.open(self._open_msg(_new_id(), committed))
+                await stream.open(message)
         except BaseException:
             stream.abort()
             raise
         self._stream = stream
+        self.session_id = message.session_id
         self._opened += 1
         self._verified = 0
 
@@ -167,6 +172,7 @@ class TargetLink(_SessionLink):
         if self._stream is not None:
             stream, self._stream = self._stream, None
             stream.abort()
+        self.session_id = ""
 
 
 def drafter_of(reply: pb.DraftBlock, session_drafter: DrafterKind | None) -> DrafterKind | None:
