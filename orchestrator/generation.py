@@ -282,7 +282,9 @@ class Orchestrator:
                         event = replace(
                             event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft), loop=stats
                         )
-                        self._record(event, timer, len(prompt_ids), draft, target)
+                        # A request's prompt counts once in the metrics, however many samples it has.
+                        counted = len(prompt_ids) if fork is None or fork.leader else 0
+                        self._record(event, timer, len(prompt_ids), counted, draft, target)
                         metrics.record_links(self.measured.costs.links)
                     yield event
             finally:
@@ -314,10 +316,11 @@ class Orchestrator:
                 raise outcome
 
     @staticmethod
-    def _record(event: GenerationEvent, timer: metrics.RequestTimer, prompt_tokens: int, draft, target) -> None:
+    def _record(event: GenerationEvent, timer: metrics.RequestTimer, prompt_tokens: int, counted_prompt: int,
+                draft, target) -> None:
         stats = event.stats
         timer.finished(event.finish.name.lower())
-        metrics.record_generation(event.loop, prompt_tokens, draft.fallback_rounds, target.reopens)
+        metrics.record_generation(event.loop, counted_prompt, draft.fallback_rounds, target.reopens)
         log.info(
             "finished (%s): %d prompt + %d new tokens in %.2f s, first token after %.3f s, %d rounds, acceptance %.2f",
             event.finish.name.lower(), prompt_tokens, stats.new_tokens, stats.wall_s, timer.first_token_s or 0.0,

@@ -243,6 +243,9 @@ class DraftLink(_SessionLink):
             stream.abort()
             self._mark_down(exc)
             return False
+        except BaseException:  # cancelled with its open on the way: the draft must not keep the session
+            stream.abort()
+            raise
         self._stream, self._synced, self._down_since, self._cold = stream, len(committed), None, True
         self._opened_at = asyncio.get_running_loop().time()  # the draft starts reading the context now
         return True

@@ -52,15 +52,19 @@ async def generate_samples(
             fork.opened("")  # a leader that never opened: the others open alone
 
     tasks = [asyncio.create_task(run(index)) for index in range(n)]
+    finished: set[int] = set()
     try:
-        finished = 0
-        while finished < n:
+        while len(finished) < n:
             index, event, error = await arrivals.get()
             if error is not None:
                 raise error
+            if event.finish is not None:
+                finished.add(index)
             yield index, event
-            finished += event.finish is not None
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # A finished sample's task is closing its sessions: let it. The others stop here, once: a second
+        # cancel (the caller's scope cancelled again while this waits) would cut their sessions' closes short.
+        for index, task in enumerate(tasks):
+            if index not in finished:
+                task.cancel()
+        await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))

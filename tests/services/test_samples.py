@@ -13,6 +13,7 @@ import grpc
 import openai
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from specsplit.client import Client
 from specsplit.lmkit import models
@@ -22,6 +23,7 @@ from specsplit.orchestrator.generation import Orchestrator
 from specsplit.orchestrator.server import start_server
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.services
 
@@ -30,9 +32,14 @@ PROMPT = "Once upon a time, in a land far away,"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
+def metric(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
 class Served:
-    def __init__(self, url: str, grpc_address: str, small_url: str, target_address: str) -> None:
-        self.url, self.grpc_address, self.small_url, self.target_address = url, grpc_address, small_url, target_address
+    def __init__(self, url: str, grpc_address: str, small_url: str, services) -> None:
+        self.url, self.grpc_address, self.small_url = url, grpc_address, small_url
+        self.target_address, self.draft_address = services.target_address, services.draft_address
 
     def client(self, url: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=url or self.url, api_key="unused", max_retries=0)
@@ -40,6 +47,12 @@ class Served:
     def target_stats(self) -> pb.StatsResponse:
         with grpc.insecure_channel(self.target_address) as channel:
             return pb_grpc.TargetServiceStub(channel).Stats(pb.StatsRequest(), timeout=10)
+
+    def live_sessions(self) -> tuple[int, int]:
+        """(target, draft) sessions open."""
+        with grpc.insecure_channel(self.draft_address) as channel:
+            draft = pb_grpc.DraftServiceStub(channel).Stats(pb.StatsRequest(), timeout=10)
+        return self.target_stats().active_sessions, draft.active_sessions
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +70,7 @@ def served(tiny_services, tiny_target_dir, background_loop):
         f"http://127.0.0.1:{http.port}/v1",
         f"127.0.0.1:{port}",
         f"http://127.0.0.1:{small_http.port}/v1",
-        tiny_services.target_address,
+        tiny_services,
     )
     background_loop.run(server.stop(0))
     for app in (http, small_http):
@@ -144,7 +157,7 @@ def test_streamed_samples_name_their_choice_and_end_with_one_usage(served, greed
 
 def test_the_prompt_is_prefilled_once_on_the_target(served, greedy):
     _, prompt_ids, _ = greedy
-    before = served.target_stats()
+    before, prompt_metric = served.target_stats(), metric("specsplit_prompt_tokens_total")
     new = 8
     with served.client() as client:  # target-only, ignore_eos: each sample feeds one position a token
         response = client.completions.create(
@@ -155,6 +168,7 @@ def test_the_prompt_is_prefilled_once_on_the_target(served, greedy):
     assert after.shared_tokens - before.shared_tokens == 2 * (len(prompt_ids) - 1)
     # The prompt but its last token once; then each sample its own positions (without sharing: 3 prompts).
     assert after.fed_tokens - before.fed_tokens == len(prompt_ids) - 1 + 3 * new
+    assert metric("specsplit_prompt_tokens_total") - prompt_metric == len(prompt_ids)  # the request's prompt, once
 
 
 def test_grpc_samples_carry_their_index_seed_and_stats(served, greedy):
@@ -168,6 +182,25 @@ def test_grpc_samples_carry_their_index_seed_and_stats(served, greedy):
     assert [s.text for s in again] == [s.text for s in sampled] and len({s.text for s in sampled}) > 1
     seeds = [s.stats.seed for s in sampled]
     assert seeds[0] == 5 and len(set(seeds)) == 3
+
+
+def test_a_client_that_leaves_a_stream_of_samples_frees_every_session(served):
+    idle = served.live_sessions()
+    with served.client() as client:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            n=4,
+            temperature=1.0,
+            seed=3,
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        assert served.live_sessions()[0] > idle[0]
+        stream.close()
+    assert wait_until(lambda: served.live_sessions() == idle), served.live_sessions()
 
 
 @pytest.mark.parametrize("n", [0, 17, "2", 1.5])
