@@ -99,6 +99,7 @@ class SessionCache:
         self.feature_layers: tuple[int, ...] = ()
         self.features: torch.Tensor | None = None  # [fed, width] of the last forward, row 0 at features_from
         self.features_from = 0
+        self.fed = 0  # positions this cache's own steps (``apply``) computed, for the service's counters
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -163,6 +164,7 @@ class SessionCache:
             self.keep_features(out.hidden_states, 0, keep, len(feed))
             logits = [to_host(out.logits[0])]  # small: [n_logits, vocab]; verification runs on the CPU
         self.tokens = [*self.tokens, *feed]
+        self.fed += len(feed)
         return logits[0]
 
     def reset(self) -> None:

@@ -233,10 +233,10 @@ class TargetEngine:
         parents = tree_of(parents, len(draft_tokens))
         self._check_block(session, position, draft_tokens, draft_probs, parents, allowed)
         start = time.perf_counter()
-        fed = len(session.cache.plan(session.tokens, draft_tokens)[1])
+        fed = session.cache.fed
         logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
         forward_s = time.perf_counter() - start
-        self.fed_tokens += fed
+        self.fed_tokens += session.cache.fed - fed
         self.forward_passes += 1
         masked = token_mask.apply(logits, allowed)  # a grammar's refusals at -inf; penalties keep them there
         adjusted = penalized(session, masked, draft_tokens, parents)  # logprobs stay the model's own
