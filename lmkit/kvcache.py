@@ -183,6 +183,10 @@ class SessionCache:
             self.features = torch.cat([hidden_states[i][row, :fed] for i in self.feature_layers], dim=-1).float().cpu()
             self.features_from = start
 
+    def runs_like(self, other: "SessionCache") -> bool:
+        """Whether ``other`` caches the same model's keys and values in the same layout (a copy is exact)."""
+        return self._model is other._model and (self.kv is None) == (other.kv is None)
+
     @property
     def can_copy(self) -> bool:
         """Whether ``copy_prefix`` may take this cache's positions (a sharded cache's live on other ranks too)."""

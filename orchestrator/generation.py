@@ -79,17 +79,18 @@ class GenerationEvent:
 @dataclass(frozen=True)
 class PromptFork:
     """A sample's part in sharing its prompt (``orchestrator.samples``): sample 0 (``leader``) publishes its
-    target session's id in ``source`` once open ("" when it has none); the others open forked from it."""
+    target and draft sessions' ids in ``source`` once open ("" where it has none); the others open forked
+    from them."""
 
-    source: asyncio.Future  # of str
+    source: asyncio.Future  # of (target session id, draft session id)
     leader: bool
 
-    def opened(self, session_id: str) -> None:
+    def opened(self, target_id: str, draft_id: str) -> None:
         if self.leader and not self.source.done():
-            self.source.set_result(session_id)
+            self.source.set_result((target_id, draft_id))
 
-    async def source_id(self) -> str:
-        """The session to fork from; a cancelled wait leaves ``source`` for the other samples."""
+    async def source_ids(self) -> tuple[str, str]:
+        """The sessions to fork from; a cancelled wait leaves ``source`` for the other samples."""
         return await asyncio.shield(self.source)
 
 
@@ -271,10 +272,10 @@ class Orchestrator:
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
             try:
                 if fork is not None and not fork.leader:
-                    target.fork_from = await fork.source_id()
+                    target.fork_from, draft.fork_from = await fork.source_ids()
                 await self._open(target, draft, prompt_ids)
                 if fork is not None:
-                    fork.opened(target.session_id)
+                    fork.opened(target.session_id, draft.session_id)
                 timer.opened()
                 async for event in self._stream(request, mode, prompt_ids, target, draft, controller, stats):
                     timer.committed(len(event.token_ids))

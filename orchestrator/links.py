@@ -225,6 +225,8 @@ class DraftLink(_SessionLink):
         self.warm_tokens = 0  # tokens of those replies, used or not (with ``warm_s``: the time a token costs)
         self.reattached = 0
         self._features: pb.HiddenFeatures | None = None  # the target's features not yet forwarded (feature drafters)
+        self.session_id = ""  # the last session opened on the draft
+        self.fork_from = ""  # a draft session whose context cache a new session copies (DraftOpen.fork_from)
 
     @property
     def up(self) -> bool:
@@ -236,9 +238,11 @@ class DraftLink(_SessionLink):
 
     async def open(self, committed: Sequence[int]) -> bool:
         stream = DraftStream(self._transport(pb.DraftRequest, "draft"))
+        message = self._open_msg(_new_id(), committed)
+        message.fork_from = self.fork_from
         try:
             async with asyncio.timeout(self._policy.draft_timeout_s):
-                await stream.open(self._open_msg(_new_id(), committed))
+                await stream.open(message)
         except (PeerError, asyncio.TimeoutError) as exc:
             stream.abort()
             self._mark_down(exc)
@@ -247,6 +251,7 @@ class DraftLink(_SessionLink):
             stream.abort()
             raise
         self._stream, self._synced, self._down_since, self._cold = stream, len(committed), None, True
+        self.session_id = message.session_id
         self._opened_at = asyncio.get_running_loop().time()  # the draft starts reading the context now
         return True
 
@@ -365,6 +370,7 @@ class _NoDraft:
     """The draft link of a session without a draft: it is never up, takes no request and counts nothing."""
 
     up = False
+    session_id = fork_from = ""
     fallback_rounds = busy_rounds = late_blocks = reattached = warm_tokens = 0
     compute_s = warm_s = wall_s = service_s = 0.0
 

@@ -4,9 +4,10 @@ prefilled once on the target.
 Every sample is a generation of its own (its own draft and target sessions, speculative loop, stop
 conditions and stats) with its own seed (``draws.sample_seed``), so a seeded request reproduces each
 sample and the samples differ; greedy samples are all the target's greedy output. Sample 0 opens its
-target session as any generation does; the others wait for that open, then open theirs with
-``TargetOpen.fork_from`` naming it, and the target copies the prompt's keys and values instead of
-computing them again. The draft's sessions prefill each (an n-gram drafter has nothing to prefill).
+target and draft sessions as any generation does; the others wait for those opens, then open theirs
+with ``TargetOpen.fork_from`` / ``DraftOpen.fork_from`` naming them, and the services copy the prompt's
+keys and values instead of computing them again (the draft where its drafter is a model drafter; an
+n-gram drafter has nothing to compute).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ async def generate_samples(
         except Exception as exc:  # noqa: BLE001 - handed to the caller, who fails the request with it
             arrivals.put_nowait((index, None, exc))
         finally:
-            fork.opened("")  # a leader that never opened: the others open alone
+            fork.opened("", "")  # a leader that never opened: the others open alone
 
     tasks = [asyncio.create_task(run(index)) for index in range(n)]
     finished: set[int] = set()

@@ -48,11 +48,13 @@ class Served:
         with grpc.insecure_channel(self.target_address) as channel:
             return pb_grpc.TargetServiceStub(channel).Stats(pb.StatsRequest(), timeout=10)
 
+    def draft_stats(self) -> pb.StatsResponse:
+        with grpc.insecure_channel(self.draft_address) as channel:
+            return pb_grpc.DraftServiceStub(channel).Stats(pb.StatsRequest(), timeout=10)
+
     def live_sessions(self) -> tuple[int, int]:
         """(target, draft) sessions open."""
-        with grpc.insecure_channel(self.draft_address) as channel:
-            draft = pb_grpc.DraftServiceStub(channel).Stats(pb.StatsRequest(), timeout=10)
-        return self.target_stats().active_sessions, draft.active_sessions
+        return self.target_stats().active_sessions, self.draft_stats().active_sessions
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +171,18 @@ def test_the_prompt_is_prefilled_once_on_the_target(served, greedy):
     # The prompt but its last token once; then each sample its own positions (without sharing: 3 prompts).
     assert after.fed_tokens - before.fed_tokens == len(prompt_ids) - 1 + 3 * new
     assert metric("specsplit_prompt_tokens_total") - prompt_metric == len(prompt_ids)  # the request's prompt, once
+
+
+def test_a_model_drafter_reads_the_prompt_once_and_the_samples_stay_exact(served, greedy):
+    continuation, prompt_ids, _ = greedy
+    target, draft = served.target_stats().shared_tokens, served.draft_stats().shared_tokens
+    with served.client() as client:
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPT, n=3, temperature=0, max_tokens=8, extra_body={"k": 4, "drafter": "model"}
+        )
+    assert [c.text for c in response.choices] == [continuation(prompt_ids, 8)] * 3
+    assert served.target_stats().shared_tokens - target == 2 * (len(prompt_ids) - 1)
+    assert served.draft_stats().shared_tokens - draft == 2 * (len(prompt_ids) - 1)
 
 
 def test_grpc_samples_carry_their_index_seed_and_stats(served, greedy):
