@@ -177,7 +177,9 @@ class TargetEngine:
         except errors.SpecsplitError:
             session.cache.release()  # refused (a limit or the budget): its cache goes with it, on every rank
             raise
-        if fork_from and not feature_layers:  # a feature session's first verify sends the prompt's features
+        # A feature session's first verify sends the prompt's features. Batch-invariant: a fork's prompt keys
+        # come from forwards of the source's shapes, which depend on when the fork arrives.
+        if fork_from and not feature_layers and not self.batch_invariant:
             self._fork(session, fork_from, caller)
         return session
 

@@ -88,3 +88,14 @@ def test_what_cannot_be_shared_opens_a_plain_session(engine, gguf_tokenizer, cas
     assert (engine.shared_tokens, engine.fed_tokens, len(fork.cache)) == (shared, fed, 0)
     engine.close("src")
     engine.close("dst")
+
+
+def test_a_batch_invariant_target_does_not_fork(tiny_target_dir, gguf_tokenizer):
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    engine = TargetEngine(
+        model, model_id="tiny", vocab_fingerprint="", limits=SessionLimits(max_block=8), batch_invariant=True
+    )
+    prompt = gguf_tokenizer.encode(TINY_PROMPTS[1])
+    engine.open("src", prompt, GREEDY, VerificationMode.GREEDY)
+    fork = engine.open("dst", prompt, GREEDY, VerificationMode.GREEDY, fork_from="src")
+    assert (engine.shared_tokens, len(fork.cache)) == (0, 0)
