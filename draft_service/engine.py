@@ -8,6 +8,7 @@ from typing import Mapping, Sequence
 
 from specsplit.draft_service import abandon
 from specsplit.draft_service.drafter import Drafter, Proposal
+from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.registry import DRAFTERS, DraftRequestContext
 from specsplit.lmkit import errors
@@ -29,6 +30,7 @@ class DraftSession:
     feature_width: int = 0  # values per position of the target's features (feature drafters), else 0
     closed: bool = False  # set by DraftEngine.close (event loop); a running proposal then stops (abandon.py)
     free: bool = False  # every drafter of it proposes at ~no cost (``DraftEngine.free``): served on the event loop
+    fork_source: "DraftSession | None" = None  # a MODEL session whose context cache it copies (DraftOpen.fork_from)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class DraftEngine:
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) if model is not None else 0
         self.limits = limits
         self.sessions: SessionTable[DraftSession] = SessionTable(limits, "draft")
+        self.shared_tokens = 0  # context positions sessions copied from another's cache (DraftOpen.fork_from)
         abandon.watch([model, *derived.values()])  # a closed session's proposal stops at the next layer
 
     @property
@@ -117,6 +120,7 @@ class DraftEngine:
         coupled: bool = False,  # COUPLED verification: model drafters take the target's Gumbel-max noise
         feature_width: int = 0,
         caller: str = "",  # who opens it (lmkit.auth), for the per-caller quota
+        fork_from: str = "",  # a live session of the caller whose context cache to copy (DraftOpen.fork_from)
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -135,6 +139,9 @@ class DraftEngine:
             list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled
         )
         session = DraftSession(session_id, kind, entry.build(context), feature_width=width, free=self.free(kind, chain))
+        source = self.sessions.find(fork_from, caller) if fork_from else None
+        if source is not None and source.kind is kind and isinstance(session.drafter, ModelDrafter):
+            session.fork_source = source  # the same kind of model drafter: the same model
         return self.sessions.add(session_id, session, caller)
 
     @staticmethod
@@ -214,13 +221,17 @@ class DraftEngine:
                 f"{self.max_context}; ask for at most {room}"
             )
 
-    @staticmethod
-    def prepare(session: DraftSession) -> float:
+    def prepare(self, session: DraftSession) -> float:
         """Read the session's context ahead of its first proposal (run right after ``open``, on the compute
-        thread); stops at the next layer when the session closes meanwhile. Returns the seconds it took."""
+        thread), or copy it from the session it forks from while that one is open; stops at the next layer
+        when the session closes meanwhile. Returns the seconds it took."""
         start = time.perf_counter()
+        source, session.fork_source = session.fork_source, None
         with abandon.proposing(lambda: session.closed):
-            session.drafter.prepare()
+            if source is not None and not source.closed:
+                self.shared_tokens += session.drafter.prepare_from(source.drafter)
+            else:
+                session.drafter.prepare()
         return time.perf_counter() - start
 
     @staticmethod

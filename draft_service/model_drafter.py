@@ -19,7 +19,7 @@ import torch
 
 from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.lmkit import draws, token_tree
-from specsplit.lmkit.kvcache import SessionCache
+from specsplit.lmkit.kvcache import SessionCache, common_prefix
 from specsplit.lmkit.probs_codec import quantize_probs
 from specsplit.lmkit.sampling import SamplingParams, apply_penalties, logits_to_probs
 
@@ -88,6 +88,18 @@ class ModelDrafter(SamplingDrafter):
         except BaseException:
             self._cache.reset()  # a half-written cache: the first proposal reads the context itself
             raise
+
+    def prepare_from(self, source: "ModelDrafter") -> int:
+        """Start the cache as a copy of ``source``'s where it holds this context but its last token (a
+        fork: another sample of the prompt); else read the context (``prepare``). Returns the positions
+        copied."""
+        wanted = len(self._tokens) - 1
+        same_model = source._cache.runs_like(self._cache)
+        if wanted < 1 or not same_model or common_prefix(source._cache.tokens, self._tokens[:wanted]) < wanted:
+            self.prepare()
+            return 0
+        self._cache.copy_prefix(source._cache, wanted)
+        return wanted
 
     def propose(self, k: int) -> Proposal:
         return self._draft(k, None)

@@ -88,6 +88,11 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             max_request_bytes=self._max_request_bytes,
         )
 
+    async def Stats(self, request, context):
+        stats = await super().Stats(request, context)
+        stats.shared_tokens = (await self._require_engine(context)).shared_tokens
+        return stats
+
     async def Session(self, request_iterator, context):
         engine = await self._require_engine(context)
         session = None
@@ -128,7 +133,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         coupled = msg.mode != pb.VERIFICATION_MODE_UNSPECIFIED and mode_from_proto(msg.mode) is VerificationMode.COUPLED
         return await self._run(
             engine.free(kind, chain), engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs,
-            ngram, chain, coupled, msg.feature_width, current_caller(),
+            ngram, chain, coupled, msg.feature_width, current_caller(), msg.fork_from,
         )
 
     async def _run(self, free: bool, fn, *args):

@@ -34,6 +34,7 @@ _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _PERSON = b"specsplit.draws"  # BLAKE2b personalisation: these keys are for nothing else
+_SAMPLE_PERSON = b"specsplit.sample"  # and these are the seeds of a request's samples 1..n-1
 
 
 class Stream(enum.Enum):
@@ -62,6 +63,22 @@ def position_keys(seed: int, stream: Stream, positions: Sequence[int]) -> np.nda
         ).digest()
         keys[i] = int.from_bytes(digest, "little")
     return keys
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request of several samples (``GenerateRequest.n``) seeded ``seed``.
+
+    Sample 0 keeps ``seed`` (a request of one sample and sample 0 of several agree); sample i > 0 takes the top
+    63 bits of BLAKE2b-64(seed, i), personalised apart from the position keys: reproducible, and different
+    from the other samples' (a 2**-63 chance of a clash per pair).
+    """
+    _check(seed, Stream.TARGET)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**32:
+        raise ValueError(f"index must be an int in [0, 2**32), got {index!r}")
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(struct.pack("<QQ", seed, index), digest_size=8, person=_SAMPLE_PERSON).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def uniforms(seed: int, stream: Stream, positions: Sequence[int], count: int) -> torch.Tensor:

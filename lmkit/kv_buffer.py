@@ -62,6 +62,18 @@ class KVBuffer:
                     buffers[layer][:, :, start : start + len(offsets)] = picked
         self.length = start + len(offsets)
 
+    @torch.inference_mode()
+    def prefix_copy(self, length: int) -> "KVBuffer":
+        """A new buffer holding a copy of positions 0..length-1 of every layer (room for more after them)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot copy {length} of {self.length} cached positions")
+        copy = KVBuffer(len(self.keys))
+        if length:
+            for layer in range(len(self.keys)):
+                copy.write(layer, 0, self.keys[layer][:, :, :length], self.values[layer][:, :, :length])
+        copy.length = length
+        return copy
+
     def _grow(self, layer: int, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
         old = self.keys[layer]
         capacity = max(_MIN_CAPACITY, needed, 2 * (0 if old is None else old.shape[2]))

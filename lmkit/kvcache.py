@@ -99,6 +99,7 @@ class SessionCache:
         self.feature_layers: tuple[int, ...] = ()
         self.features: torch.Tensor | None = None  # [fed, width] of the last forward, row 0 at features_from
         self.features_from = 0
+        self.fed = 0  # positions this cache's own steps (``apply``) computed, for the service's counters
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -163,6 +164,7 @@ class SessionCache:
             self.keep_features(out.hidden_states, 0, keep, len(feed))
             logits = [to_host(out.logits[0])]  # small: [n_logits, vocab]; verification runs on the CPU
         self.tokens = [*self.tokens, *feed]
+        self.fed += len(feed)
         return logits[0]
 
     def reset(self) -> None:
@@ -180,6 +182,32 @@ class SessionCache:
             # each hidden state: [batch, width of the forward, hidden]
             self.features = torch.cat([hidden_states[i][row, :fed] for i in self.feature_layers], dim=-1).float().cpu()
             self.features_from = start
+
+    def runs_like(self, other: "SessionCache") -> bool:
+        """Whether ``other`` caches the same model's keys and values in the same layout (a copy is exact)."""
+        return self._model is other._model and (self.kv is None) == (other.kv is None)
+
+    @property
+    def can_copy(self) -> bool:
+        """Whether ``copy_prefix`` may take this cache's positions (a sharded cache's live on other ranks too)."""
+        return True
+
+    @torch.inference_mode()
+    def copy_prefix(self, source: "SessionCache", length: int) -> None:
+        """Hold a copy of ``source``'s first ``length`` cached positions, and nothing else (a fork of a session
+        whose context starts with those tokens: its next step feeds only what follows them)."""
+        if not 0 <= length <= len(source.tokens):
+            raise ValueError(f"cannot copy {length} of {len(source.tokens)} cached positions")
+        if (self.kv is None) != (source.kv is None):
+            raise ValueError("both caches must run the same forward (packed rows or the stock one)")
+        if self.kv is not None:
+            self.kv = source.kv.prefix_copy(length)
+        else:
+            layers = [(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone())
+                      for layer in source.cache.layers] if length else None
+            self.cache = DynamicCache(layers)
+        self.tokens = source.tokens[:length]
+        self.features = None
 
     def release(self) -> None:  # noqa: B027 - a hook; the plain cache is freed by the GC
         """Called once when the session ends (a sharded cache tells the other ranks)."""

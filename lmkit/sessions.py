@@ -130,6 +130,13 @@ class SessionTable(Generic[S]):
             raise errors.NotFound(f"no live session {session_id!r}; sessions end with their stream")
         return session
 
+    def find(self, session_id: str, caller: str) -> S | None:
+        """The live session ``session_id`` if ``caller`` opened it, else None."""
+        with self._lock:
+            if self._callers.get(session_id) != caller:
+                return None
+            return self._sessions.get(session_id)
+
     def count_round(self) -> None:
         with self._lock:
             self._rounds += 1

@@ -38,6 +38,7 @@ class OrchestratorConfig:
     max_stop_strings: int = 16
     max_concurrent: int = 64  # generations in flight; beyond it RESOURCE_EXHAUSTED
     max_concurrent_per_caller: int = 0  # generations one caller (bearer token, else address) may run; 0: no bound
+    max_n: int = 16  # samples of one request (GenerateRequest.n); each is a generation for the bounds above
     max_generation_s: float = 600.0  # a generation running longer ends with DEADLINE_EXCEEDED; 0: no bound
     grpc_stalled_send_s: float = 30.0  # a Generate stream write blocked this long (client not reading) ends it
     max_prompt_bytes: int = 0  # UTF-8 bytes of a prompt (all turns); 0: the context length x the longest token
@@ -79,6 +80,8 @@ class OrchestratorConfig:
             raise ValueError(f"--max-concurrent must be >= 1, got {self.max_concurrent}")
         if self.max_concurrent_per_caller < 0:
             raise ValueError(f"--max-concurrent-per-caller must be >= 0 (0: no bound), got {self.max_concurrent_per_caller}")
+        if self.max_n < 1:
+            raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
         if self.max_generation_s < 0:
             raise ValueError(f"--max-generation-s must be >= 0 (0: no bound), got {self.max_generation_s}")
         if self.grpc_stalled_send_s <= 0:

@@ -78,6 +78,24 @@ class GenerationEvent:
     logprobs: tuple[pb.TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
+@dataclass(frozen=True)
+class PromptFork:
+    """A sample's part in sharing its prompt (``orchestrator.samples``): sample 0 (``leader``) publishes its
+    target and draft sessions' ids in ``source`` once open ("" where it has none); the others open forked
+    from them."""
+
+    source: asyncio.Future  # of (target session id, draft session id)
+    leader: bool
+
+    def opened(self, target_id: str, draft_id: str) -> None:
+        if self.leader and not self.source.done():
+            self.source.set_result((target_id, draft_id))
+
+    async def source_ids(self) -> tuple[str, str]:
+        """The sessions to fork from; a cancelled wait leaves ``source`` for the other samples."""
+        return await asyncio.shield(self.source)
+
+
 def verification_mode(request: GenerationRequest, default: VerificationMode = DEFAULT_SAMPLING_MODE) -> VerificationMode:
     """The one place a request's mode is decided: greedy for temperature 0, else the sampling mode asked for."""
     if request.sampling.greedy:
@@ -192,9 +210,10 @@ class Orchestrator:
     def active(self) -> int:
         return self.slots.active
 
-    def admit(self, caller: str = ""):
-        """Hold one generation slot for ``caller`` (``with``); ResourceExhausted when none is free to it."""
-        return self.slots.hold(caller)
+    def admit(self, caller: str = "", count: int = 1):
+        """Hold ``count`` generation slots for ``caller`` (``with``; one per sample); ResourceExhausted when
+        they are not all free to it."""
+        return self.slots.hold(caller, count)
 
     async def tokenize(self, prompt: str, chat: bool, messages: Sequence[dict] = (), tools: Sequence[dict] = ()) -> list[int]:
         """``encode`` on the tokenizer threads, off the event loop."""
@@ -238,12 +257,14 @@ class Orchestrator:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def generate(
-        self, request: GenerationRequest, prompt_ids: list[int], arrived: float | None = None
+        self, request: GenerationRequest, prompt_ids: list[int], arrived: float | None = None,
+        fork: PromptFork | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         """Stream committed text; the last event carries the finish reason and stats.
 
         ``arrived``: when the request reached the server (``time.perf_counter()``),
         the start of its queue time, time to first token and end-to-end latency.
+        ``fork``: this generation is one of several samples of the prompt (``orchestrator.samples``).
         """
         timer = metrics.RequestTimer(arrived)
         start = time.perf_counter()
@@ -280,7 +301,11 @@ class Orchestrator:
         with logs.request_context(request.request_id):
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
             try:
+                if fork is not None and not fork.leader:
+                    target.fork_from, draft.fork_from = await fork.source_ids()
                 await self._open(target, draft, prompt_ids)
+                if fork is not None:
+                    fork.opened(target.session_id, draft.session_id)
                 timer.opened()
                 async for event in self._stream(request, mode, prompt_ids, target, draft, controller, stats):
                     timer.committed(len(event.token_ids))
@@ -288,7 +313,9 @@ class Orchestrator:
                         event = replace(
                             event, stats=self._stats(request, mode, prompt_ids, stats, start, target, draft), loop=stats
                         )
-                        self._record(event, timer, len(prompt_ids), draft, target)
+                        # A request's prompt counts once in the metrics, however many samples it has.
+                        counted = len(prompt_ids) if fork is None or fork.leader else 0
+                        self._record(event, timer, len(prompt_ids), counted, draft, target)
                         metrics.record_links(self.measured.costs.links)
                     yield event
             finally:
@@ -320,10 +347,11 @@ class Orchestrator:
                 raise outcome
 
     @staticmethod
-    def _record(event: GenerationEvent, timer: metrics.RequestTimer, prompt_tokens: int, draft, target) -> None:
+    def _record(event: GenerationEvent, timer: metrics.RequestTimer, prompt_tokens: int, counted_prompt: int,
+                draft, target) -> None:
         stats = event.stats
         timer.finished(event.finish.name.lower())
-        metrics.record_generation(event.loop, prompt_tokens, draft.fallback_rounds, target.reopens)
+        metrics.record_generation(event.loop, counted_prompt, draft.fallback_rounds, target.reopens)
         log.info(
             "finished (%s): %d prompt + %d new tokens in %.2f s, first token after %.3f s, %d rounds, acceptance %.2f",
             event.finish.name.lower(), prompt_tokens, stats.new_tokens, stats.wall_s, timer.first_token_s or 0.0,

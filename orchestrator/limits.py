@@ -30,30 +30,33 @@ class Slots:
         return self._held.get(caller, 0)
 
     @contextlib.contextmanager
-    def hold(self, caller: str = ""):
-        """One slot for ``caller`` for the ``with`` block; ResourceExhausted when none is free to it."""
-        if self.active >= self.limit:
+    def hold(self, caller: str = "", count: int = 1):
+        """``count`` slots for ``caller`` for the ``with`` block (a request of ``count`` samples), all or none;
+        ResourceExhausted when they are not all free to it."""
+        asked = "" if count == 1 else f" (this request's n = {count} samples count as {count} generations)"
+        if self.active + count > self.limit:
             metrics.REFUSED.inc(reason="concurrency")
             raise errors.ResourceExhausted(
-                f"the orchestrator is serving its maximum of {self.limit} concurrent generations; retry with backoff"
+                f"the orchestrator is serving {self.active} of its maximum of {self.limit} concurrent generations"
+                f"{asked}; retry with backoff"
             )
-        if self.per_caller and self.held(caller) >= self.per_caller:
+        if self.per_caller and self.held(caller) + count > self.per_caller:
             metrics.REFUSED.inc(reason="caller_quota")
             raise errors.ResourceExhausted(
-                f"this caller already has {self.per_caller} generations in flight, the most one caller may run at "
-                "once (--max-concurrent-per-caller); wait for one to finish"
+                f"this caller already has {self.held(caller)} generations in flight and the most one caller may run "
+                f"at once is {self.per_caller} (--max-concurrent-per-caller){asked}; wait for one to finish"
             )
-        self.active += 1
-        self._held[caller] = self.held(caller) + 1
-        metrics.RUNNING.inc()
+        self.active += count
+        self._held[caller] = self.held(caller) + count
+        metrics.RUNNING.inc(count)
         try:
             yield
         finally:
-            self.active -= 1
-            left = self._held.pop(caller) - 1
+            self.active -= count
+            left = self._held.pop(caller) - count
             if left:
                 self._held[caller] = left
-            metrics.RUNNING.dec()
+            metrics.RUNNING.dec(count)
 
 
 def caller_of(authorization: str, address: str) -> str:

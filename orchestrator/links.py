@@ -99,6 +99,8 @@ class TargetLink(_SessionLink):
         self._verified = 0  # verifications on the current session
         self.last_prefilled = False  # the last verify ran on a fresh session: its time includes a prefill
         self.last_wall_s = 0.0  # the last verify's wall time here, send to result
+        self.session_id = ""  # the open session's id on the target ("" while none is open)
+        self.fork_from = ""  # a session whose prompt cache a new session of this link copies (TargetOpen.fork_from)
 
     @property
     def reopens(self) -> int:
@@ -107,13 +109,16 @@ class TargetLink(_SessionLink):
 
     async def open(self, committed: Sequence[int]) -> None:
         stream = TargetStream(self._transport(pb.TargetRequest, "target"))
+        message = self._open_msg(_new_id(), committed)
+        message.fork_from = self.fork_from
         try:
             async with asyncio.timeout(self._policy.target_timeout_s):
-                await stream.open(self._open_msg(_new_id(), committed))
+                await stream.open(message)
         except BaseException:
             stream.abort()
             raise
         self._stream = stream
+        self.session_id = message.session_id
         self._opened += 1
         self._verified = 0
 
@@ -167,6 +172,7 @@ class TargetLink(_SessionLink):
         if self._stream is not None:
             stream, self._stream = self._stream, None
             stream.abort()
+        self.session_id = ""
 
 
 def drafter_of(reply: pb.DraftBlock, session_drafter: DrafterKind | None) -> DrafterKind | None:
@@ -219,6 +225,8 @@ class DraftLink(_SessionLink):
         self.warm_tokens = 0  # tokens of those replies, used or not (with ``warm_s``: the time a token costs)
         self.reattached = 0
         self._features: pb.HiddenFeatures | None = None  # the target's features not yet forwarded (feature drafters)
+        self.session_id = ""  # the last session opened on the draft
+        self.fork_from = ""  # a draft session whose context cache a new session copies (DraftOpen.fork_from)
 
     @property
     def up(self) -> bool:
@@ -230,14 +238,20 @@ class DraftLink(_SessionLink):
 
     async def open(self, committed: Sequence[int]) -> bool:
         stream = DraftStream(self._transport(pb.DraftRequest, "draft"))
+        message = self._open_msg(_new_id(), committed)
+        message.fork_from = self.fork_from
         try:
             async with asyncio.timeout(self._policy.draft_timeout_s):
-                await stream.open(self._open_msg(_new_id(), committed))
+                await stream.open(message)
         except (PeerError, asyncio.TimeoutError) as exc:
             stream.abort()
             self._mark_down(exc)
             return False
+        except BaseException:  # cancelled with its open on the way: the draft must not keep the session
+            stream.abort()
+            raise
         self._stream, self._synced, self._down_since, self._cold = stream, len(committed), None, True
+        self.session_id = message.session_id
         self._opened_at = asyncio.get_running_loop().time()  # the draft starts reading the context now
         return True
 
@@ -356,6 +370,7 @@ class _NoDraft:
     """The draft link of a session without a draft: it is never up, takes no request and counts nothing."""
 
     up = False
+    session_id = fork_from = ""
     fallback_rounds = busy_rounds = late_blocks = reattached = warm_tokens = 0
     compute_s = warm_s = wall_s = service_s = 0.0
 

@@ -4,9 +4,13 @@ Requests are validated strictly (JSON types as the API documents them; an
 unknown parameter is refused rather than ignored) and become the same
 ``GenerateRequest`` the gRPC API takes, so both APIs share one validation
 (``specsplit.orchestrator.requests``). Parameters that specsplit cannot honour
-(``n > 1``...) are refused with a 400 naming them, never silently ignored.
-Tools (``tools``, ``tool_choice``) go to the chat template and, for a forced
-call, to the grammar (``specsplit.orchestrator.tools``).
+(``best_of`` other than ``n``...) are refused with a 400 naming them, never
+silently ignored. Tools (``tools``, ``tool_choice``) go to the chat template
+and, for a forced call, to the grammar (``specsplit.orchestrator.tools``).
+
+``n`` samples (``GenerateRequest.n``) come back as ``choices`` 0..n-1, each with
+its own ``finish_reason`` and logprobs; ``usage`` counts the prompt once and the
+completion tokens of every choice.
 
 Structured outputs: ``response_format`` (chat; ``json_object``, or
 ``json_schema`` with ``strict``) and vLLM's ``guided_json``, ``guided_regex``,
@@ -24,7 +28,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -172,6 +177,7 @@ def to_generate_request(
     _check_wire_ranges(req)
     sampling = _sampling(req, defaults or {})
     msg = pb.GenerateRequest(sampling=sampling, stop=_stop(req.stop), request_id=request_id)
+    _samples(req, config.max_n, msg)
     if isinstance(req, ChatCompletionRequest):
         msg.messages.extend(_chat_message(t) for t in req.messages)
         _tools(req, msg, config)
@@ -192,17 +198,24 @@ def to_generate_request(
 
 
 def _refuse_unsupported(req: _Common) -> None:
-    if req.n is not None and req.n != 1:
-        raise RequestError(
-            f"n = {req.n} is not supported: specsplit returns one choice per request; send {req.n} requests "
-            "(with different seeds to sample different answers)", "n")
     if not isinstance(req, ChatCompletionRequest):
         if req.echo:
             raise RequestError("echo is not supported", "echo")
         if req.suffix:
             raise RequestError("suffix is not supported", "suffix")
-        if req.best_of not in (None, 1):
-            raise RequestError("best_of > 1 is not supported", "best_of")
+        if req.best_of not in (None, req.n or 1):
+            raise RequestError(
+                f"best_of = {req.best_of} is not supported: specsplit returns every sample it generates; send n "
+                "(best_of may only equal n)", "best_of")
+
+
+def _samples(req: _Common, max_n: int, msg: pb.GenerateRequest) -> None:
+    """``n``: the samples to generate, 1..max_n (``--max-n``)."""
+    if req.n is None:
+        return
+    if not 1 <= req.n <= max_n:
+        raise RequestError(f"n must be in [1, {max_n}] (this server's --max-n), got {_shown(req.n)}", "n")
+    msg.n = req.n
 
 
 # Integer parameters the wire carries in fixed widths, each with the largest value it holds.
@@ -417,32 +430,50 @@ def finish_reason(value: int) -> str:
     return _FINISH[Finish(value)]
 
 
-def usage(stats: pb.GenerationStats) -> dict:
-    """OpenAI's token counts, plus the speculative stats of the generation under ``speculative``."""
+def usage(samples: Sequence[pb.GenerationStats]) -> dict:
+    """OpenAI's token counts (the prompt once, every sample's completion), plus the speculative stats of the
+    generation under ``speculative``: of the samples together for n > 1 (counts summed, rates over the sums,
+    each sample's seed in ``seeds``)."""
+    first = samples[0]
+    completion = sum(s.new_tokens for s in samples)
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.new_tokens,
-        "total_tokens": stats.prompt_tokens + stats.new_tokens,
-        "speculative": {
-            "drafter": DrafterKind(stats.drafter).name.lower() if stats.drafter else None,
-            "verification": VerificationMode(stats.mode).name.lower() if stats.mode else None,
-            "k": stats.k,
-            "adaptive_k": stats.adaptive_k,
-            "mean_k": round(stats.mean_k, 3),
-            "rounds": stats.rounds,
-            "drafted_tokens": stats.drafted_tokens,
-            "accepted_tokens": stats.accepted_tokens,
-            "acceptance_rate": round(stats.acceptance_rate, 4),
-            "mean_accepted_length": round(stats.mean_accepted_length, 4),
-            "overlap_hits": stats.overlap_hits,
-            "forced_tokens": stats.forced_tokens,
-            "draft_fallback_rounds": stats.draft_fallback_rounds,
-            "target_reopens": stats.target_reopens,
-            "tokens_per_s": round(stats.tokens_per_s, 3),
-            "wall_s": round(stats.wall_s, 4),
-            "seed": stats.seed,
-        },
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "speculative": _speculative(samples),
     }
+
+
+_SUMMED = ("rounds", "drafted_tokens", "accepted_tokens", "overlap_hits", "forced_tokens", "draft_fallback_rounds",
+           "target_reopens")
+
+
+def _speculative(samples: Sequence[pb.GenerationStats]) -> dict:
+    first = samples[0]
+    sums = {name: sum(getattr(s, name) for s in samples) for name in _SUMMED}
+    rounds, drafted = sums["rounds"], sums["drafted_tokens"]
+    wall = max(s.wall_s for s in samples)
+
+    def per_round(name: str) -> float:  # a per-round mean over every sample's rounds
+        return sum(getattr(s, name) * s.rounds for s in samples) / rounds if rounds else getattr(first, name)
+
+    out = {
+        "drafter": DrafterKind(first.drafter).name.lower() if first.drafter else None,
+        "verification": VerificationMode(first.mode).name.lower() if first.mode else None,
+        "k": first.k,
+        "adaptive_k": first.adaptive_k,
+        "mean_k": round(per_round("mean_k"), 3),
+        **sums,
+        "acceptance_rate": round(sums["accepted_tokens"] / drafted if drafted else 0.0, 4),
+        "mean_accepted_length": round(per_round("mean_accepted_length"), 4),
+        # committed tokens of every sample over the longest sample's time
+        "tokens_per_s": round(sum(s.tokens_per_s * s.wall_s for s in samples) / wall if wall else 0.0, 3),
+        "wall_s": round(wall, 4),
+        "seed": first.seed,
+    }
+    if len(samples) > 1:
+        out["seeds"] = [s.seed for s in samples]
+    return out
 
 
 def _entry(token: str, logprob: float) -> dict:
@@ -471,8 +502,18 @@ def completion_logprobs(items, text_offset: int) -> dict:
     }
 
 
+@dataclass
+class Choice:
+    """One sample's whole answer: its text, its tokens' logprobs, why it ended."""
+
+    text: str
+    logprobs: list
+    finish: str
+
+
 class ResponseShape:
-    """One request's response objects, whole or as stream chunks (the subclasses: one per endpoint)."""
+    """One request's response objects, whole or as stream chunks (the subclasses: one per endpoint); a
+    request of n samples has choices 0..n-1."""
 
     whole_object = ""
     chunk_object = ""
@@ -487,21 +528,22 @@ class ResponseShape:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def opening(self) -> list[dict]:
+    def opening(self, n: int = 1) -> list[dict]:
         """Chunks sent before the first text."""
         return []
 
-    def chunk(self, text: str, logprobs, finish: str | None) -> dict:
-        return self._envelope(self.chunk_object, [self._choice(text, logprobs, finish, delta=True)])
+    def chunk(self, text: str, logprobs, finish: str | None, index: int = 0) -> dict:
+        return self._envelope(self.chunk_object, [self._choice(index, text, logprobs, finish, delta=True)])
 
-    def usage_chunk(self, stats: pb.GenerationStats) -> dict:
-        return {**self._envelope(self.chunk_object, []), "usage": usage(stats)}
+    def usage_chunk(self, samples: Sequence[pb.GenerationStats]) -> dict:
+        return {**self._envelope(self.chunk_object, []), "usage": usage(samples)}
 
-    def whole(self, text: str, logprobs, finish: str, stats: pb.GenerationStats) -> dict:
-        return {**self._envelope(self.whole_object, [self._choice(text, logprobs, finish, delta=False)]),
-                "usage": usage(stats)}
+    def whole(self, choices: Sequence[Choice], samples: Sequence[pb.GenerationStats]) -> dict:
+        """The response of every sample (``choices[i]`` is sample i's)."""
+        made = [self._choice(i, c.text, c.logprobs, c.finish, delta=False) for i, c in enumerate(choices)]
+        return {**self._envelope(self.whole_object, made), "usage": usage(samples)}
 
-    def _choice(self, text: str, logprobs, finish: str | None, delta: bool) -> dict:
+    def _choice(self, index: int, text: str, logprobs, finish: str | None, delta: bool) -> dict:
         raise NotImplementedError
 
 
@@ -509,15 +551,15 @@ class ChatShape(ResponseShape):
     whole_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def opening(self) -> list[dict]:
+    def opening(self, n: int = 1) -> list[dict]:
         return [self._envelope(self.chunk_object, [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        ])]
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ]) for i in range(n)]
 
-    def _choice(self, text: str, logprobs, finish: str | None, delta: bool) -> dict:
+    def _choice(self, index: int, text: str, logprobs, finish: str | None, delta: bool) -> dict:
         content = ({"content": text} if text or not finish else {}) if delta else {"role": "assistant",
                                                                                    "content": text}
-        return {"index": 0, "delta" if delta else "message": content,
+        return {"index": index, "delta" if delta else "message": content,
                 "logprobs": chat_logprobs(logprobs) if self.logprobs else None, "finish_reason": finish}
 
 
@@ -527,11 +569,12 @@ class CompletionShape(ResponseShape):
 
     def __init__(self, response_id: str, model: str, logprobs: bool) -> None:
         super().__init__(response_id, model, logprobs)
-        self.text_offset = 0
+        self.text_offsets: dict[int, int] = {}  # choice index -> characters of its completion sent so far
 
-    def _choice(self, text: str, logprobs, finish: str | None, delta: bool) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def _choice(self, index: int, text: str, logprobs, finish: str | None, delta: bool) -> dict:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
         if self.logprobs:
-            choice["logprobs"] = completion_logprobs(logprobs, self.text_offset)
-            self.text_offset += sum(len(lp.token) for lp in logprobs)
+            offset = self.text_offsets.get(index, 0) if delta else 0
+            choice["logprobs"] = completion_logprobs(logprobs, offset)
+            self.text_offsets[index] = offset + sum(len(lp.token) for lp in logprobs)
         return choice

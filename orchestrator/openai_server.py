@@ -52,6 +52,7 @@ from specsplit.orchestrator.limits import caller_of
 from specsplit.orchestrator.openai_schema import (
     ChatCompletionRequest,
     ChatShape,
+    Choice,
     CompletionRequest,
     CompletionShape,
     RequestError,
@@ -60,7 +61,8 @@ from specsplit.orchestrator.openai_schema import (
     validate,
 )
 from specsplit.orchestrator.peers import PeerError
-from specsplit.orchestrator.requests import parse_request
+from specsplit.orchestrator.requests import parse_request, sample_count
+from specsplit.orchestrator.samples import generate_samples
 from specsplit.orchestrator.servicer import peer_status
 from specsplit.orchestrator.tool_parsers import FORMATS
 from specsplit.orchestrator.tool_shape import ToolChatShape
@@ -156,13 +158,14 @@ class OpenAIApi:
             self._check_model(body.model)
             msg = to_generate_request(body, self.orch.config, request_id, self.orch.sampling_defaults)
             shape = _shape(shape_cls, body, response_id, msg.return_logprobs, self.orch.config.tool_call_parser)
+            n = msg.n or 1
             events = self._events(msg, arrived, _caller(request))
             if body.stream:
                 first = await _until_disconnected(request, anext(events))
                 usage = body.stream_options is not None and body.stream_options.include_usage
-                return _ClosingStream(self._stream(shape, first, events, usage), media_type="text/event-stream",
+                return _ClosingStream(self._stream(shape, n, first, events, usage), media_type="text/event-stream",
                                       headers=headers)
-            whole = await _until_disconnected(request, self._whole(shape, events))
+            whole = await _until_disconnected(request, self._whole(shape, n, events))
             metrics.REQUESTS.inc(code="OK")
             return JSONResponse(whole, headers=headers)
         except ClientGone:
@@ -172,43 +175,53 @@ class OpenAIApi:
             return self._error_response(exc, request_id, headers)
 
     async def _events(self, msg, arrived: float, caller: str):
-        """The generation's events; admission and validation happen on the first ``anext``.
+        """The samples' (index, event)s; admission and validation happen on the first ``anext``.
 
-        Closing this generator closes the generation at once (its sessions with it).
+        Closing this generator closes the generations at once (their sessions with them).
         """
-        with self.orch.admit(caller):
+        n = sample_count(msg, self.orch.config.max_n)
+        with self.orch.admit(caller, n):
             parsed, prompt_ids = await parse_request(msg, self.orch)
-            async with contextlib.aclosing(self.orch.generate(parsed, prompt_ids, arrived)) as generation:
-                async for event in generation:
-                    yield event
+            async with contextlib.aclosing(generate_samples(self.orch, parsed, prompt_ids, n, arrived)) as samples:
+                async for indexed in samples:
+                    yield indexed
 
     @staticmethod
-    async def _whole(shape, events) -> dict:
-        text, logprobs = [], []
-        async for event in events:
-            text.append(event.text)
-            logprobs.extend(event.logprobs)
+    async def _whole(shape, n: int, events) -> dict:
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list] = [[] for _ in range(n)]
+        choices: list[Choice | None] = [None] * n
+        stats: list = [None] * n
+        async for index, event in events:
+            texts[index].append(event.text)
+            logprobs[index].extend(event.logprobs)
             if event.finish is not None:
-                return shape.whole("".join(text), logprobs, finish_reason(event.finish.value), event.stats)
-        raise AssertionError("a generation ends with a finish reason")  # pragma: no cover
+                choices[index] = Choice("".join(texts[index]), logprobs[index], finish_reason(event.finish.value))
+                stats[index] = event.stats
+        if None in choices:
+            raise AssertionError("every sample ends with a finish reason")  # pragma: no cover
+        return shape.whole(choices, stats)
 
-    async def _stream(self, shape, first, events, include_usage: bool):
+    async def _stream(self, shape, n: int, first, events, include_usage: bool):
         code = "OK"
+        stats: dict[int, object] = {}  # sample index -> its stats, once it has finished
         try:
-            for opening in shape.opening():
+            for opening in shape.opening(n):
                 yield _sse(opening)
-            event = first
+            index, event = first
             while True:
                 finish = finish_reason(event.finish.value) if event.finish is not None else None
                 if event.text or event.logprobs or finish:
-                    chunk = shape.chunk(event.text, event.logprobs, finish)
+                    chunk = shape.chunk(event.text, event.logprobs, finish, index)
                     if chunk is not None:  # None: text held back (it may begin a tool call)
                         yield _sse(chunk)
                 if finish:
+                    stats[index] = event.stats
+                if len(stats) == n:
                     if include_usage:
-                        yield _sse(shape.usage_chunk(event.stats))
+                        yield _sse(shape.usage_chunk([stats[i] for i in range(n)]))
                     break
-                event = await anext(events)
+                index, event = await anext(events)
         except asyncio.CancelledError:
             code = "CANCELLED"  # the client went away: closing `events` ends the generation
             raise

@@ -92,6 +92,14 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     return request, prompt_ids
 
 
+def sample_count(msg: pb.GenerateRequest, max_n: int) -> int:
+    """GenerateRequest.n checked against the server's --max-n (unset or 0: 1)."""
+    n = msg.n if msg.HasField("n") and msg.n else 1
+    if n > max_n:
+        raise errors.InvalidArgument(f"n = {n} samples asked for; this server allows 1 to {max_n} (--max-n)")
+    return n
+
+
 def with_defaults(sampling: pb.SamplingParams, defaults: dict[str, float]) -> pb.SamplingParams:
     """The model's defaults for the fields a request left unset; on gRPC only top_p and repetition_penalty
     can be told unset (proto3 cannot tell temperature or top_k 0 from unset: they are as sent)."""

@@ -94,6 +94,9 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent-per-caller", type=int, default=0,
                         help="generations one caller (bearer token, else client address) may run at once; "
                              "more get RESOURCE_EXHAUSTED / 429 (0: no bound but --max-concurrent)")
+    parser.add_argument("--max-n", type=int, default=16,
+                        help="samples one request may ask for (GenerateRequest.n, OpenAI's n); each counts as a "
+                             "generation against --max-concurrent; more get INVALID_ARGUMENT / 400")
     parser.add_argument("--max-generation-s", type=float, default=600.0,
                         help="a generation running longer ends with DEADLINE_EXCEEDED / 504 (0: no bound)")
     parser.add_argument("--grpc-stalled-send-s", type=float, default=30.0,
@@ -134,6 +137,7 @@ def config_from_args(args) -> OrchestratorConfig:
         connect_timeout_s=args.connect_timeout_s,
         max_concurrent=args.max_concurrent,
         max_concurrent_per_caller=args.max_concurrent_per_caller,
+        max_n=args.max_n,
         max_generation_s=args.max_generation_s,
         grpc_stalled_send_s=args.grpc_stalled_send_s,
         max_prompt_bytes=args.max_prompt_bytes,

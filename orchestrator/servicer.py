@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -14,7 +15,8 @@ from specsplit.orchestrator import metrics
 from specsplit.orchestrator.generation import DeadlineExceeded, Orchestrator
 from specsplit.orchestrator.limits import caller_of
 from specsplit.orchestrator.peers import PeerError
-from specsplit.orchestrator.requests import parse_request
+from specsplit.orchestrator.requests import parse_request, sample_count
+from specsplit.orchestrator.samples import generate_samples
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
@@ -45,16 +47,12 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         arrived = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            with self.orch.admit(_caller(context)):
+            n = sample_count(request, self.orch.config.max_n)
+            with self.orch.admit(_caller(context), n):
                 parsed, prompt_ids = await parse_request(request, self.orch)
-                async for event in self.orch.generate(parsed, prompt_ids, arrived):
-                    response = pb.GenerateResponse(text=event.text, logprobs=event.logprobs)
-                    if request.return_token_ids:
-                        response.token_ids.extend(event.token_ids)
-                    if event.finish is not None:
-                        response.finish_reason = event.finish.value
-                        response.stats.CopyFrom(event.stats)
-                    yield response
+                async with contextlib.aclosing(generate_samples(self.orch, parsed, prompt_ids, n, arrived)) as samples:
+                    async for index, event in samples:
+                        yield _response(request, index, event)
         except errors.SpecsplitError as exc:
             code = status_for(exc)
             await context.abort(code, str(exc))
@@ -70,6 +68,16 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             raise
         finally:
             metrics.REQUESTS.inc(code=code.name)
+
+
+def _response(request: pb.GenerateRequest, index: int, event) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(text=event.text, logprobs=event.logprobs, index=index)
+    if request.return_token_ids:
+        response.token_ids.extend(event.token_ids)
+    if event.finish is not None:
+        response.finish_reason = event.finish.value
+        response.stats.CopyFrom(event.stats)
+    return response
 
 
 def _caller(context) -> str:

@@ -24,30 +24,31 @@ def tool_call(call: ParsedCall, index: int | None = None) -> dict:
 
 
 class ToolChatShape(ChatShape):
-    """A chat response whose text may hold tool calls written in ``fmt``."""
+    """A chat response whose text may hold tool calls written in ``fmt``; each choice (sample) parses its own."""
 
     def __init__(self, response_id: str, model: str, logprobs: bool, fmt: ToolCallFormat) -> None:
         super().__init__(response_id, model, logprobs)
         self.fmt = fmt
-        self.stream = fmt.stream()
-        self.calls_sent = 0
+        self.streams: dict = {}  # choice index -> its stream parser
+        self.calls_sent: dict[int, int] = {}  # choice index -> calls sent so far
 
-    def whole(self, text: str, logprobs, finish: str, stats) -> dict:
-        body = super().whole(text, logprobs, finish, stats)
-        content, calls = self.fmt.parse(text)
-        if calls:
-            choice = body["choices"][0]
-            choice["message"] = {
-                "role": "assistant",
-                "content": content,
-                "tool_calls": [tool_call(call) for call in calls],
-            }
-            choice["finish_reason"] = _finish(finish)
+    def whole(self, choices, samples) -> dict:
+        body = super().whole(choices, samples)
+        for choice, made in zip(choices, body["choices"]):
+            content, calls = self.fmt.parse(choice.text)
+            if calls:
+                made["message"] = {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": [tool_call(call) for call in calls],
+                }
+                made["finish_reason"] = _finish(choice.finish)
         return body
 
-    def chunk(self, text: str, logprobs, finish: str | None) -> dict | None:
+    def chunk(self, text: str, logprobs, finish: str | None, index: int = 0) -> dict | None:
         """The delta of a streamed event; None when it holds nothing to send yet (text that may begin a call)."""
-        pieces = self.stream.feed(text) + (self.stream.finish() if finish else [])
+        stream = self.streams.setdefault(index, self.fmt.stream())
+        pieces = stream.feed(text) + (stream.finish() if finish else [])
         delta: dict = {}
         content = "".join(p for p in pieces if isinstance(p, str))
         if content:
@@ -55,15 +56,16 @@ class ToolChatShape(ChatShape):
         calls = []
         for piece in pieces:
             if isinstance(piece, ParsedCall):
-                calls.append(tool_call(piece, self.calls_sent))
-                self.calls_sent += 1
+                sent = self.calls_sent.get(index, 0)
+                calls.append(tool_call(piece, sent))
+                self.calls_sent[index] = sent + 1
         if calls:
             delta["tool_calls"] = calls
         if not delta and not finish and not (self.logprobs and logprobs):
             return None
-        if finish and self.calls_sent:
+        if finish and self.calls_sent.get(index):
             finish = _finish(finish)
-        body = super().chunk("", logprobs, finish)
+        body = super().chunk("", logprobs, finish, index)
         body["choices"][0]["delta"] = delta
         return body
 

@@ -54,6 +54,7 @@ def build_request(
     logit_bias: dict[int, float] | None = None,  # token id -> bias in [-100, 100]
     min_tokens: int = 0,
     ignore_eos: bool = False,
+    n: int | None = None,  # samples of the prompt (GenerateResponse.index names each); None: 1
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for a prompt or a conversation (``messages``: system, user, assistant turns, rendered
     with the model's chat template); unset options take the server's defaults. The server validates every field.
@@ -76,7 +77,8 @@ def build_request(
         return_token_ids=return_token_ids, messages=[chat_message(m) for m in messages],
         return_logprobs=logprobs, top_logprobs=top_logprobs, request_id=request_id,
     )
-    for name, value in (("max_new_tokens", max_new_tokens), ("k", k), ("adaptive_k", adaptive_k), ("overlap", overlap)):
+    for name, value in (("max_new_tokens", max_new_tokens), ("k", k), ("adaptive_k", adaptive_k), ("overlap", overlap),
+                        ("n", n)):
         if value is not None:
             setattr(request, name, value)
     if drafter is not None:
@@ -163,6 +165,13 @@ class AsyncClient:
             done.add(response)
         return done
 
+    async def complete_samples(self, prompt: str = "", *, n: int, **options) -> list[Completion]:
+        """``n`` samples of the prompt, whole: sample i's ``Completion`` at index i."""
+        done = [Completion() for _ in range(n)]
+        async for response in self.generate(prompt, n=n, **options):
+            done[response.index].add(response)
+        return done
+
 
 class Client:
     """The Generate API over one blocking channel; use as ``with``."""
@@ -192,4 +201,11 @@ class Client:
         done = Completion()
         for response in self.generate(prompt, **options):
             done.add(response)
+        return done
+
+    def complete_samples(self, prompt: str = "", *, n: int, **options) -> list[Completion]:
+        """``n`` samples of the prompt, whole: sample i's ``Completion`` at index i."""
+        done = [Completion() for _ in range(n)]
+        for response in self.generate(prompt, n=n, **options):
+            done[response.index].add(response)
         return done

@@ -17,7 +17,7 @@ from specsplit.lmkit import draws, errors, packed_rows, token_mask, token_tree
 from specsplit.lmkit.costs import LinearCost
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import TREE_MODES, VerificationMode
-from specsplit.lmkit.kvcache import SessionCache, check_cache_layout, rows_share_rope
+from specsplit.lmkit.kvcache import SessionCache, check_cache_layout, common_prefix, rows_share_rope
 from specsplit.lmkit.packed_linear import pack_linears
 from specsplit.lmkit.sampling import (
     SamplingParams,
@@ -150,12 +150,15 @@ class TargetEngine:
         self.can_batch = not batch_invariant and new_cache is None and rows_share_rope(model)
         self.forward_passes = 0  # verifying forwards run; rounds / forward_passes is the mean batch size
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
+        self.fed_tokens = 0  # positions the forwards computed keys/values for (StatsResponse.fed_tokens)
+        self.shared_tokens = 0  # positions sessions started with as copies from another (TargetOpen.fork_from)
 
     # -- sessions -----------------------------------------------------------
     def open(
         self, session_id: str, tokens: Sequence[int], sampling: SamplingParams, mode: VerificationMode,
         top_logprobs: int | None = None, feature_layers: Sequence[int] = (), caller: str = "",
         reserve_tokens: int = 0,  # positions it may hold (TargetOpen.reserve_tokens); 0: the full context
+        fork_from: str = "",  # a live session to copy the shared prefix's keys/values from (TargetOpen.fork_from)
     ):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -170,10 +173,39 @@ class TargetEngine:
                                 top_logprobs=top_logprobs, reserved=reserve)
         session.cache.feature_layers = tuple(feature_layers)
         try:
-            return self.sessions.add(session_id, session, caller, reserve)
+            self.sessions.add(session_id, session, caller, reserve)
         except errors.SpecsplitError:
             session.cache.release()  # refused (a limit or the budget): its cache goes with it, on every rank
             raise
+        # A feature session's first verify sends the prompt's features. Batch-invariant: a fork's prompt keys
+        # come from forwards of the source's shapes, which depend on when the fork arrives.
+        if fork_from and not feature_layers and not self.batch_invariant:
+            self._fork(session, fork_from, caller)
+        return session
+
+    def _fork(self, session: TargetSession, source_id: str, caller: str) -> None:
+        """Start ``session``'s cache as a copy of the positions it shares with ``source_id``'s, computing them
+        in the source first if it does not hold them yet (its own next step then reuses them). Shares nothing
+        when the source is gone, another caller's, a feature session, or its cache cannot be copied."""
+        source = self.sessions.find(source_id, caller)
+        if source is None or source is session or source.cache.feature_layers or not source.cache.can_copy:
+            return
+        # The last context token is always fed (its logits decide the next token): share up to it.
+        shared = min(common_prefix(source.tokens, session.tokens), len(session.tokens) - 1)
+        if shared <= 0:
+            return
+        cached = common_prefix(source.cache.tokens, source.tokens[:shared])
+        try:
+            if cached < shared:
+                source.cache.apply(cached, source.tokens[cached:shared], 1)
+                self.fed_tokens += shared - cached
+            session.cache.copy_prefix(source.cache, shared)
+        except Exception as exc:  # noqa: BLE001 - out of memory, say: the sessions re-prefill on their own
+            log.warning("forking session %r from %r failed (%s); it prefills alone", session.session_id, source_id, exc)
+            source.cache.reset()
+            session.cache.reset()
+            return
+        self.shared_tokens += shared
 
     def _check_feature_layers(self, layers: Sequence[int]) -> None:
         bad = [layer for layer in layers if not 0 <= layer <= self.num_layers]
@@ -203,8 +235,10 @@ class TargetEngine:
         parents = tree_of(parents, len(draft_tokens))
         self._check_block(session, position, draft_tokens, draft_probs, parents, allowed)
         start = time.perf_counter()
+        fed = session.cache.fed
         logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
         forward_s = time.perf_counter() - start
+        self.fed_tokens += session.cache.fed - fed
         self.forward_passes += 1
         masked = token_mask.apply(logits, allowed)  # a grammar's refusals at -inf; penalties keep them there
         adjusted = penalized(session, masked, draft_tokens, parents)  # logprobs stay the model's own
@@ -318,6 +352,7 @@ class TargetEngine:
             return [self._verify_checked(item) for item in items]
         forward_s = time.perf_counter() - start
         self.forward_passes += 1
+        self.fed_tokens += sum(len(step.feed) for step in steps)
         self.forward_cost.observe(tokens, forward_s)
         adjusted = [
             penalized(item.session, token_mask.apply(rows, item.allowed), item.draft_tokens, step.parents)

@@ -65,6 +65,12 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             max_request_bytes=self._max_request_bytes,
         )
 
+    async def Stats(self, request, context):
+        stats = await super().Stats(request, context)
+        engine: TargetEngine = await self._require_engine(context)
+        stats.fed_tokens, stats.shared_tokens = engine.fed_tokens, engine.shared_tokens
+        return stats
+
     async def Session(self, request_iterator, context):
         engine: TargetEngine = await self._require_engine(context)
         session = None
@@ -100,7 +106,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         top_logprobs = msg.top_logprobs if msg.return_logprobs else None
         return await self.compute.run(
             engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs, list(msg.feature_layers),
-            current_caller(), msg.reserve_tokens,
+            current_caller(), msg.reserve_tokens, msg.fork_from,
         )
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:

@@ -141,6 +141,10 @@ class ShardedSessionCache(SessionCache):
         except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError) included
             raise self._leader.fail(exc) from None
 
+    @property
+    def can_copy(self) -> bool:
+        return False  # the other ranks hold their shards of it: a copy on rank 0 alone would split them
+
     def release(self) -> None:
         self._leader.release(self.slot)
 

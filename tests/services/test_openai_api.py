@@ -263,7 +263,7 @@ def test_bad_requests_get_openai_errors_with_the_right_status(api):
         cases = {
             "temperature": {"temperature": "hot"},
             "max_tokens": {"max_tokens": 10_000},
-            "n": {"n": 2},
+            "n": {"n": 0},
             "frequency_penalty": {"frequency_penalty": 2.5},
             "logit_bias": {"logit_bias": {"99999999": 1}},
             "top_logprobs": {"logprobs": True, "top_logprobs": 25},

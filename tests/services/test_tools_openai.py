@@ -132,6 +132,24 @@ def test_required_calls_one_of_the_tools(api):
         checked_call(reply.choices[0], SCHEMAS)
 
 
+def test_each_of_n_samples_parses_its_own_call_whole_and_streamed(api):
+    """n = 3 sampled forced calls: every choice carries one valid call, numbered from 0 within its choice; the
+    stream gives each choice the call its whole reply has (same seed, same samples)."""
+    options = dict(tools=TOOLS, tool_choice="required", temperature=0.9, seed=5, n=3)
+    whole = create(api.client(), **options)
+    calls = [checked_call(choice, SCHEMAS) for choice in sorted(whole.choices, key=lambda c: c.index)]
+    assert len(calls) == 3 and len(set(map(json.dumps, calls))) > 1  # the samples differ
+    streamed: dict[int, dict] = {}
+    for chunk in create(api.client(), stream=True, **options):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or ():
+                assert delta.index == 0  # one call in each choice
+                streamed[choice.index] = {"name": delta.function.name, "arguments": json.loads(delta.function.arguments)}
+            if choice.finish_reason:
+                assert choice.finish_reason == "tool_calls"
+    assert [(streamed[i]["name"], streamed[i]["arguments"]) for i in range(3)] == calls
+
+
 def test_streamed_call_deltas_add_up_to_the_whole_call(api):
     client = api.client()
     whole = create(client, tools=TOOLS, tool_choice=named("get_weather")).choices[0]

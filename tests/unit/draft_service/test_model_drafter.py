@@ -75,3 +75,18 @@ def test_a_top_two_tie_gives_distinct_siblings(tiny_draft_dir):
     assert tree.tokens[0] == low  # the argmax takes the lower id of a tie
     groups = [[tree.tokens[i] for i in kids] for kids in token_tree.children(tree.parents) if len(kids) > 1]
     assert groups == [[low, high]]  # the runner-up is the other tied token, never the chain's
+
+
+def test_a_fork_copies_the_sources_context_and_proposes_what_a_fresh_drafter_would(draft_model, tiny_target_dir):
+    source = ModelDrafter(draft_model, PROMPT, SamplingParams(), False)
+    source.prepare()
+    source.propose(K)  # its cache now also holds a drafted block past the context
+    fork = ModelDrafter(draft_model, PROMPT, SamplingParams(), False)
+    assert fork.prepare_from(source) == len(PROMPT) - 1 and fork.cached_tokens == len(PROMPT) - 1
+    assert fork.propose(K).tokens == ModelDrafter(draft_model, PROMPT, SamplingParams(), False).propose(K).tokens
+    other_model = ModelDrafter(
+        models.load_model(models.ModelSpec(str(tiny_target_dir))), PROMPT, SamplingParams(), False
+    )
+    other_context = ModelDrafter(draft_model, [12, *PROMPT[1:]], SamplingParams(), False)
+    for drafter in (other_model, other_context):  # nothing exact to copy: each reads its own context
+        assert drafter.prepare_from(source) == 0 and drafter.cached_tokens == len(PROMPT) - 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specsplit.lmkit.draws import Stream, gumbel, inverse_cdf, position_keys, uniforms
+from specsplit.lmkit.draws import SEED_LIMIT, Stream, gumbel, inverse_cdf, position_keys, sample_seed, uniforms
 
 pytestmark = pytest.mark.unit
 
@@ -97,3 +97,14 @@ def test_inverse_cdf_picks_the_cell_and_skips_zero_mass():
     assert inverse_cdf(probs, 1 - 2**-53) == 3
     assert inverse_cdf(probs * 4, 0.2) == 1  # unnormalised is fine
     assert inverse_cdf(torch.zeros(4, dtype=torch.float64), 0.5, fallback=probs) == 3
+
+
+def test_sample_seeds_keep_the_seed_for_sample_0_and_differ_reproducibly_for_the_others():
+    seeds = [sample_seed(7, i) for i in range(16)]
+    assert seeds[0] == 7 and len(set(seeds)) == 16 and seeds == [sample_seed(7, i) for i in range(16)]
+    assert all(0 <= s < SEED_LIMIT for s in seeds) and sample_seed(2**63 - 1, 3) < SEED_LIMIT
+    assert sample_seed(8, 1) != seeds[1]
+    with pytest.raises(ValueError):
+        sample_seed(-1, 1)
+    with pytest.raises(ValueError):
+        sample_seed(7, -1)

@@ -32,6 +32,23 @@ def test_the_server_wide_limit_applies_over_all_callers():
             pass
 
 
+def test_a_request_of_n_samples_holds_n_slots_or_none():
+    slots = Slots(limit=4, per_caller=3)
+    with slots.hold("a", 3):
+        assert slots.active == 3 and slots.held("a") == 3
+        with pytest.raises(errors.ResourceExhausted, match="n = 2 samples count as 2 generations"):
+            with slots.hold("b", 2):
+                pass
+        assert slots.active == 3 and slots.held("b") == 0
+        with slots.hold("b"):
+            assert slots.active == 4
+    assert slots.active == 0
+    with pytest.raises(errors.ResourceExhausted, match="--max-concurrent-per-caller"):
+        with slots.hold("a", 4):
+            pass
+    assert slots.active == 0 and slots.held("a") == 0
+
+
 def test_callers_are_their_credential_else_their_address():
     assert caller_of("Bearer x", "10.0.0.1") == caller_of("Bearer x", "10.0.0.2") != caller_of("Bearer y", "10.0.0.1")
     assert caller_of("", "10.0.0.1") == "address:10.0.0.1"

@@ -12,6 +12,7 @@ from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.openai_schema import (
     ChatCompletionRequest,
     ChatShape,
+    Choice,
     CompletionRequest,
     CompletionShape,
     RequestError,
@@ -85,7 +86,10 @@ def test_a_completion_request_takes_one_prompt_and_legacy_logprobs():
     ({"max_completion_tokens": 300}, "max_completion_tokens", "[1, 256]"),
     ({"top_p": 0}, "top_p", "(0, 1]"),
     ({"seed": -4}, "seed", "[0, 2**63)"),
-    ({"n": 3}, "n", "send 3 requests"),
+    ({"n": 0}, "n", "[1, 16]"),
+    ({"n": 17}, "n", "[1, 16] (this server's --max-n), got 17"),
+    ({"n": 2.5}, "n", "valid integer"),
+    ({"n": "2"}, "n", "valid integer"),
     ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
     ({"frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
     ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
@@ -145,11 +149,11 @@ def test_shapes_of_chunks_and_whole_responses():
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {"content": "Hé"}
     assert content[1]["bytes"] == [195, 169] and [t["token"] for t in content[0]["top_logprobs"]] == ["H", "A"]
     assert shape.chunk("", [], "stop")["choices"][0]["delta"] == {}
-    whole = shape.whole("Hé", [], "length", stats)
+    whole = shape.whole([Choice("Hé", [], "length")], [stats])
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {"role": "assistant",
                                                                                     "content": "Hé"}
     assert whole["usage"]["total_tokens"] == 7 and whole["usage"]["speculative"]["drafter"] == "ngram"
-    assert shape.usage_chunk(stats)["choices"] == []
+    assert shape.usage_chunk([stats])["choices"] == []
     legacy = CompletionShape("cmpl-x", "m", logprobs=True)
     first = legacy.chunk("ab", [logprob("a", -1.0, ("a", -1.0)), logprob("b", -2.0)], None)["choices"][0]
     second = legacy.chunk("c", [logprob("c", -3.0)], "stop")["choices"][0]
@@ -203,3 +207,38 @@ def test_completions_take_the_guided_parameters():
     body = {"model": "m", "prompt": "p", "guided_choice": ["a", "b"]}
     msg = to_generate_request(validate(CompletionRequest, body), CONFIG, "rid-1")
     assert list(msg.grammar.choice.choices) == ["a", "b"]
+
+
+def test_n_samples_map_to_the_request_and_best_of_may_only_equal_n():
+    assert chat(n=4).n == 4 and not chat().HasField("n")
+    completion = {"model": "m", "prompt": "p"}
+    assert to_generate_request(validate(CompletionRequest, {**completion, "n": 3, "best_of": 3}), CONFIG, "r").n == 3
+    with pytest.raises(RequestError, match="best_of may only equal n") as info:
+        to_generate_request(validate(CompletionRequest, {**completion, "n": 2, "best_of": 4}), CONFIG, "r")
+    assert info.value.param == "best_of"
+
+
+def test_choices_of_several_samples_are_indexed_and_usage_counts_the_prompt_once():
+    samples = [pb.GenerationStats(prompt_tokens=5, new_tokens=n, rounds=2, drafted_tokens=4, accepted_tokens=a,
+                                  seed=s, wall_s=1.0, tokens_per_s=n) for n, a, s in ((3, 1, 7), (4, 3, 9))]
+    whole = ChatShape("chatcmpl-x", "m", logprobs=False).whole([Choice("a", [], "stop"), Choice("bc", [], "length")],
+                                                                 samples)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "a", "stop"), (1, "bc", "length")]
+    usage = whole["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (5, 7, 12)
+    spec = usage["speculative"]
+    assert (spec["rounds"], spec["drafted_tokens"], spec["accepted_tokens"], spec["acceptance_rate"]) == (4, 8, 4, 0.5)
+    assert spec["seed"] == 7 and spec["seeds"] == [7, 9] and spec["tokens_per_s"] == 7.0
+    chat_shape = ChatShape("chatcmpl-x", "m", logprobs=False)
+    assert [c["choices"][0]["index"] for c in chat_shape.opening(3)] == [0, 1, 2]
+    assert chat_shape.chunk("x", [], None, 2)["choices"][0]["index"] == 2
+
+
+def test_completion_logprob_offsets_count_per_choice():
+    shape = CompletionShape("cmpl-x", "m", logprobs=True)
+    shape.chunk("ab", [logprob("a", -1.0), logprob("b", -1.0)], None, 0)
+    other = shape.chunk("c", [logprob("c", -1.0)], None, 1)["choices"][0]
+    again = shape.chunk("d", [logprob("d", -1.0)], None, 0)["choices"][0]
+    assert (other["index"], other["logprobs"]["text_offset"]) == (1, [0])
+    assert (again["index"], again["logprobs"]["text_offset"]) == (0, [2])
