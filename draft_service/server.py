@@ -148,7 +148,7 @@ def run(args) -> None:
     check_self_draft_flags(args)
     logs.configure(args.log_level, "draft", args.log_format)
     models.configure_torch_threads(args.threads)
-    models.pin_cpus(args.cpus)
+    models.pin_cpus(args.cpus, args.threads)
     asyncio.run(serve(args))
 
 

@@ -394,8 +394,10 @@ def configure_torch_threads(threads: int) -> None:
         pass
 
 
-def pin_cpus(cpus: str) -> None:
-    """Pin this process to a CPU list like ``"0"`` or ``"0,1"`` (benchmarks: separate devices)."""
+def pin_cpus(cpus: str, threads: int | None = None) -> None:
+    """Pin this process to a CPU list like ``"0"`` or ``"0,1"`` (benchmarks: separate devices). ``threads``:
+    torch's intra-op threads, capped at the CPUs pinned (more threads than cores only wait on each other:
+    two on one core ran a SmolLM2 step several times slower), with a warning saying so."""
     if not cpus:
         return
     try:
@@ -403,3 +405,6 @@ def pin_cpus(cpus: str) -> None:
     except ValueError:
         raise ValueError(f"--cpus must be a comma-separated list of CPU ids, got {cpus!r}") from None
     os.sched_setaffinity(0, ids)
+    if threads is not None and threads > len(ids):
+        log.warning("--threads %d on %d pinned CPU(s) (--cpus %s): running %d", threads, len(ids), cpus, len(ids))
+        torch.set_num_threads(len(ids))

@@ -148,7 +148,7 @@ def run(args) -> int:
     if args.tp > 1 and "RANK" not in os.environ:
         return launch_ranks(args, spec)
     models.configure_torch_threads(args.threads)
-    models.pin_cpus(args.cpus)
+    models.pin_cpus(args.cpus, args.threads)
     if args.tp == 1:
         return asyncio.run(serve(args))
     if spec.device.startswith("cuda"):
