@@ -13,7 +13,6 @@ import json
 
 import grpc
 import pytest
-import torch
 
 from specsplit.lmkit import models
 from specsplit.orchestrator.config import OrchestratorConfig
@@ -22,6 +21,7 @@ from specsplit.orchestrator.server import start_server
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import TINY_PROMPTS, run_async
+from tests.services.masked_reference import masked_greedy
 
 pytestmark = pytest.mark.services
 
@@ -70,27 +70,13 @@ def generate(address: str, prompt: str, grammar: pb.Grammar, **options) -> tuple
 @pytest.fixture(scope="module")
 def masked_reference(tiny_target_dir, api):
     """The tiny target's greedy continuation under the grammar's mask, by a plain transformers loop."""
-    import xgrammar
-
     _, orch = api
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
 
     def greedy(prompt_ids: list[int], grammar: pb.Grammar) -> list[int]:
         from specsplit.orchestrator.requests import grammar_spec
 
-        matcher = xgrammar.GrammarMatcher(orch.compile_grammar(grammar_spec(grammar)))
-        bitmask = xgrammar.allocate_token_bitmask(1, model.config.vocab_size)
-        ids, out = list(prompt_ids), []
-        with torch.inference_mode():
-            while len(out) < MAX_NEW and not matcher.is_terminated():
-                logits = model(torch.tensor([ids])).logits[0, -1:].float()  # [1, vocab]
-                matcher.fill_next_token_bitmask(bitmask)
-                xgrammar.apply_token_bitmask_inplace(logits, bitmask)
-                token = int(logits.argmax(-1))
-                assert matcher.accept_token(token)
-                ids.append(token)
-                out.append(token)
-        return out
+        return masked_greedy(model, orch.compile_grammar(grammar_spec(grammar)), prompt_ids, MAX_NEW)
 
     return greedy
 

@@ -17,7 +17,6 @@ import grpc
 import jsonschema
 import openai
 import pytest
-import torch
 
 from specsplit.lmkit import models
 from specsplit.orchestrator import openai_server
@@ -30,6 +29,7 @@ from specsplit.orchestrator.tools import call_grammar, parse_tools
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
+from tests.services.masked_reference import masked_greedy
 
 pytestmark = pytest.mark.services
 
@@ -257,25 +257,6 @@ async def _grpc_generate(address: str, request: pb.GenerateRequest) -> tuple[str
     async with grpc.aio.insecure_channel(address) as channel:
         responses = [r async for r in pb_grpc.GeneratorStub(channel).Generate(request)]
     return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids], responses[-1]
-
-
-def masked_greedy(model, compiled, prompt_ids: list[int], max_new: int) -> list[int]:
-    """The target's own greedy continuation under the grammar's mask: a plain transformers loop."""
-    import xgrammar
-
-    matcher = xgrammar.GrammarMatcher(compiled)
-    bitmask = xgrammar.allocate_token_bitmask(1, model.config.vocab_size)
-    ids, out = list(prompt_ids), []
-    with torch.inference_mode():
-        while len(out) < max_new and not matcher.is_terminated():
-            logits = model(torch.tensor([ids])).logits[0, -1:].float()  # [1, vocab]
-            matcher.fill_next_token_bitmask(bitmask)
-            xgrammar.apply_token_bitmask_inplace(logits, bitmask)
-            token = int(logits.argmax(-1))
-            assert matcher.accept_token(token)
-            ids.append(token)
-            out.append(token)
-    return out
 
 
 def test_over_grpc_tool_turns_render_and_a_forced_call_is_the_targets_masked_greedy(api, tiny_target_dir):
