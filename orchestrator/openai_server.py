@@ -158,8 +158,8 @@ class OpenAIApi:
             self._check_model(body.model)
             msg = to_generate_request(body, self.orch.config, request_id, self.orch.sampling_defaults)
             shape = _shape(shape_cls, body, response_id, msg.return_logprobs, self.orch.config.tool_call_parser)
-            n = msg.n or 1
-            events = self._events(msg, arrived, _caller(request))
+            n = sample_count(msg, self.orch.config.max_n)
+            events = self._events(msg, n, arrived, _caller(request))
             if body.stream:
                 first = await _until_disconnected(request, anext(events))
                 usage = body.stream_options is not None and body.stream_options.include_usage
@@ -174,12 +174,11 @@ class OpenAIApi:
         except Exception as exc:  # noqa: BLE001 - every failure leaves as an OpenAI error
             return self._error_response(exc, request_id, headers)
 
-    async def _events(self, msg, arrived: float, caller: str):
+    async def _events(self, msg, n: int, arrived: float, caller: str):
         """The samples' (index, event)s; admission and validation happen on the first ``anext``.
 
         Closing this generator closes the generations at once (their sessions with them).
         """
-        n = sample_count(msg, self.orch.config.max_n)
         with self.orch.admit(caller, n):
             parsed, prompt_ids = await parse_request(msg, self.orch)
             async with contextlib.aclosing(generate_samples(self.orch, parsed, prompt_ids, n, arrived)) as samples:
