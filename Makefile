@@ -74,6 +74,7 @@ protos: install
 
 check-protos: install
 	$(PY) protos/generate.py --check
+	$(PY) protos/breaking.py
 
 clean:
 	rm -rf $(VENV) $(K8S_VENV) build *.egg-info

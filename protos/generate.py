@@ -22,8 +22,11 @@ PROTO_ROOT = ROOT / "protos"
 STUBS = Path("specsplit") / "v1"  # where protoc puts the stubs of package specsplit.v1, under the repository root
 
 
+BASELINE_ROOT = PROTO_ROOT / "baseline"  # the published contract protos/breaking.py compares against: no stubs
+
+
 def proto_files() -> list[Path]:
-    return sorted(PROTO_ROOT.rglob("*.proto"))
+    return sorted(p for p in PROTO_ROOT.rglob("*.proto") if BASELINE_ROOT not in p.parents)
 
 
 def generate(out_root: Path) -> None:
