@@ -10,7 +10,7 @@ import grpc
 
 from specsplit.draft_service.engine import DraftEngine
 from specsplit.draft_service.ngram import NgramConfig
-from specsplit.lmkit import errors
+from specsplit.lmkit import errors, wire_version
 from specsplit.lmkit.auth import current_caller
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
@@ -86,6 +86,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             device=self.device,
             token_trees=True,
             max_request_bytes=self._max_request_bytes,
+            wire_version=wire_version.WIRE_VERSION,
+            min_wire_version=wire_version.OLDEST_ORCHESTRATOR,
         )
 
     async def Stats(self, request, context):

@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from specsplit.lmkit import errors, logs
+from specsplit.lmkit import errors, logs, wire_version
 from specsplit.lmkit.caller_check import CallerCheck, CallerPolicy, add_caller_flags, caller_policy
 from specsplit.lmkit.metrics import serve_metrics
-from specsplit.lmkit.security import ServerTls
+from specsplit.lmkit.security import ServerTls, refusing
 from specsplit.lmkit.sessions import SessionLimits
 
 log = logging.getLogger(__name__)
@@ -300,6 +300,40 @@ async def abort_on_error(context: grpc.aio.ServicerContext, call: Awaitable[T]) 
         raise  # unreachable: abort raises
 
 
+# Per service: the calls that carry work, the oldest wire version accepted on them and who makes them.
+# Info, Stats and GetSession stay open to any version, so an older peer can still read why it is refused.
+VERSIONED_CALLS = {
+    "specsplit.v1.DraftService": (("Session", "Sessions"), wire_version.OLDEST_ORCHESTRATOR, "orchestrator"),
+    "specsplit.v1.TargetService": (("Session", "Sessions"), wire_version.OLDEST_ORCHESTRATOR, "orchestrator"),
+    "specsplit.v1.Generator": (("Generate",), wire_version.OLDEST_CLIENT, "client"),
+}
+
+
+class WireVersionCheck(grpc.aio.ServerInterceptor):
+    """Refuses a call from a peer whose wire version the service does not accept (FAILED_PRECONDITION, naming both
+    versions) before the handler reads a message; a malformed version is INVALID_ARGUMENT."""
+
+    def __init__(self, service_names: list[str]) -> None:
+        self._checks = {
+            f"/{service}/{method}": (oldest, service.rsplit(".", 1)[-1], caller)
+            for service in service_names if service in VERSIONED_CALLS
+            for methods, oldest, caller in [VERSIONED_CALLS[service]] for method in methods
+        }
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        check = self._checks.get(handler_call_details.method)
+        if handler is None or check is None:
+            return handler
+        oldest, service, caller = check
+        try:
+            version = wire_version.stated_version(handler_call_details.invocation_metadata)
+            wire_version.check_caller(version, oldest, service, caller)
+        except errors.SpecsplitError as exc:
+            return refusing(handler, status_for(exc), str(exc))
+        return handler
+
+
 def create_server(
     address: str, service_names: list[str], reflection_on: bool = False, tls: ServerTls | None = None,
     interceptors: tuple = (), max_receive_bytes: int = MAX_MESSAGE_BYTES,
@@ -309,9 +343,11 @@ def create_server(
     Returns (server, port, health). Health starts NOT_SERVING for every
     service; flip it with ``set_serving`` once the model is loaded. A request
     message over ``max_receive_bytes`` is refused by the transport
-    (RESOURCE_EXHAUSTED) before any handler sees it.
+    (RESOURCE_EXHAUSTED) before any handler sees it; a call from a peer of a
+    wire version the service does not accept, by ``WireVersionCheck``.
     """
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_receive_bytes)]
+    interceptors = (*interceptors, WireVersionCheck(service_names))
     server = grpc.aio.server(options=options, interceptors=interceptors)
     if tls is not None and tls.enabled:
         port = server.add_secure_port(address, tls.credentials())

@@ -113,13 +113,18 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refuse(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    message = "missing or wrong bearer token: send metadata `authorization: Bearer <token>`"
+    return refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
+                    "missing or wrong bearer token: send metadata `authorization: Bearer <token>`")
+
+
+def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s shape that refuses every call with ``code`` and ``message``, reading nothing."""
 
     async def deny_unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     async def deny_stream(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator for streaming handlers
 
     kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import grpc
 
-from specsplit.lmkit import errors, security
+from specsplit.lmkit import errors, security, wire_version
 from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.grpc_server import CHANNEL_OPTIONS
 from specsplit.lmkit.security import ClientTls
@@ -157,6 +157,7 @@ class ServiceClient:
     stub: object
     info: pb.ModelInfo | None = None
     mux: object | None = None  # every session on one Sessions stream (orchestrator.mux.Mux); None: a stream each
+    kind: str = "service"  # "target" or "draft", as messages name it
 
     async def fetch_info(self, timeout_s: float) -> pb.ModelInfo:
         """Wait up to ``timeout_s`` for the service to load and answer ``Info``."""
@@ -164,8 +165,10 @@ class ServiceClient:
         while True:
             remaining = deadline - asyncio.get_running_loop().time()
             try:
-                self.info = await self.stub.Info(pb.InfoRequest(), timeout=max(remaining, 0.01), wait_for_ready=True)
-                return self.info
+                info = await self.stub.Info(pb.InfoRequest(), timeout=max(remaining, 0.01), wait_for_ready=True)
+                wire_version.check_service(info.wire_version, info.min_wire_version, self.kind, self.address)
+                self.info = info
+                return info
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise errors.Unauthenticated(
@@ -188,12 +191,12 @@ class ServiceClient:
         await self.channel.close()
 
 
-class TokenStub:
-    """A stub whose every call carries ``authorization: Bearer <token>``, the token read afresh per call (so a
-    rotated token file takes effect on the next call). Per call, not per message: a session's stream pays it
-    once."""
+class PeerStub:
+    """A stub whose every call states this build's wire version (``specsplit-wire-version``) and, with ``tokens``,
+    carries ``authorization: Bearer <token>``, the token read afresh per call (so a rotated token file takes effect
+    on the next call). Per call, not per message: a session's stream pays it once."""
 
-    def __init__(self, stub, tokens: Tokens) -> None:
+    def __init__(self, stub, tokens: Tokens | None) -> None:
         self._stub = stub
         self._tokens = tokens
 
@@ -201,8 +204,10 @@ class TokenStub:
         method = getattr(self._stub, name)
 
         def call(*args, metadata=(), **kwargs):
-            bearer = ("authorization", f"Bearer {self._tokens.first()}")
-            return method(*args, metadata=(*metadata, bearer), **kwargs)
+            stated = (*metadata, *wire_version.metadata())
+            if self._tokens is not None:
+                stated = (*stated, ("authorization", f"Bearer {self._tokens.first()}"))
+            return method(*args, metadata=stated, **kwargs)
 
         return call
 
@@ -212,15 +217,11 @@ def peer_tokens(path: str) -> Tokens | None:
     return Tokens.load(path, "SPECSPLIT_PEER_TOKEN")
 
 
-def _stub(stub, tokens: Tokens | None):
-    return TokenStub(stub, tokens) if tokens is not None else stub
-
-
 def target_client(address: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> ServiceClient:
     channel = open_channel(address, tls)
-    return ServiceClient(address, channel, _stub(pb_grpc.TargetServiceStub(channel), tokens))
+    return ServiceClient(address, channel, PeerStub(pb_grpc.TargetServiceStub(channel), tokens), kind="target")
 
 
 def draft_client(address: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> ServiceClient:
     channel = open_channel(address, tls)
-    return ServiceClient(address, channel, _stub(pb_grpc.DraftServiceStub(channel), tokens))
+    return ServiceClient(address, channel, PeerStub(pb_grpc.DraftServiceStub(channel), tokens), kind="draft")

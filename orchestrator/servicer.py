@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from specsplit.lmkit import errors
+from specsplit.lmkit import errors, wire_version
 from specsplit.lmkit.grpc_server import status_for
 from specsplit.orchestrator import metrics
 from specsplit.orchestrator.generation import DeadlineExceeded, Orchestrator
@@ -68,6 +68,19 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             raise
         finally:
             metrics.REQUESTS.inc(code=code.name)
+
+    async def Info(self, request, context):
+        return generator_info(self.orch)
+
+
+def generator_info(orch: Orchestrator) -> pb.ModelInfo:
+    """What ``Generator.Info`` answers: the target's identity and context, the wire versions of this build."""
+    target = orch.target.info
+    return pb.ModelInfo(
+        model_id=target.model_id, vocab_size=target.vocab_size, vocab_fingerprint=target.vocab_fingerprint,
+        max_context=target.max_context, wire_version=wire_version.WIRE_VERSION,
+        min_wire_version=wire_version.OLDEST_CLIENT,
+    )
 
 
 def _response(request: pb.GenerateRequest, index: int, event) -> pb.GenerateResponse:

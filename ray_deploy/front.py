@@ -44,6 +44,7 @@ class RayFrontServicer(pb_grpc.GeneratorServicer):
 
     def __init__(self, handle, max_queued: int, max_generate_bytes: int = 0, stalled_send_s: float = 30.0) -> None:
         self.handle = handle.options(stream=True)
+        self.unary = handle.options(stream=False)
         self.max_queued = max_queued
         self._max_generate_bytes = max_generate_bytes
         self._stalled_send_s = stalled_send_s
@@ -58,6 +59,9 @@ class RayFrontServicer(pb_grpc.GeneratorServicer):
     def max_request_bytes(self) -> int:
         """A larger ``Generate`` is refused (RESOURCE_EXHAUSTED) before it is parsed: the replicas' bound."""
         return self._max_generate_bytes
+
+    async def Info(self, request: pb.InfoRequest, context):
+        return await self.unary.info.remote()
 
     async def Generate(self, request: pb.GenerateRequest, context):
         from ray.exceptions import RayActorError

@@ -138,6 +138,12 @@ class OrchestratorReplica:
         offered = dict(grpc_context.invocation_metadata()).get("authorization", "")
         return self.tokens.bearer_caller(str(offered)) is not None
 
+    def info(self) -> pb.ModelInfo:
+        """What ``Generator.Info`` answers, as ``specsplit serve`` does."""
+        from specsplit.orchestrator.servicer import generator_info
+
+        return generator_info(self.orch)
+
     def max_generate_bytes(self) -> int:
         """The largest ``Generate`` request worth reading, as ``specsplit serve`` bounds it."""
         return server.max_generate_bytes(self.orch)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import grpc
 
-from specsplit.lmkit import errors
+from specsplit.lmkit import errors, wire_version
 from specsplit.lmkit.auth import current_caller
 from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_error
 from specsplit.lmkit.message_limits import target_request_bytes
@@ -63,6 +63,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             num_layers=e.num_layers,
             token_trees=e.verifies_trees,
             max_request_bytes=self._max_request_bytes,
+            wire_version=wire_version.WIRE_VERSION,
+            min_wire_version=wire_version.OLDEST_ORCHESTRATOR,
         )
 
     async def Stats(self, request, context):

@@ -178,7 +178,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "device", "tp_degree", "max_context", "max_block", "token_trees", "hidden_size", "num_layers", "drafters", "drafter_info", "max_request_bytes")
+    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "device", "tp_degree", "max_context", "max_block", "token_trees", "hidden_size", "num_layers", "drafters", "drafter_info", "max_request_bytes", "wire_version", "min_wire_version")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,8 @@ class ModelInfo(_message.Message):
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_INFO_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MIN_WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     vocab_fingerprint: str
@@ -205,7 +207,9 @@ class ModelInfo(_message.Message):
     drafters: _containers.RepeatedScalarFieldContainer[DrafterKind]
     drafter_info: _containers.RepeatedCompositeFieldContainer[DrafterInfo]
     max_request_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+    wire_version: int
+    min_wire_version: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., wire_version: _Optional[int] = ..., min_wire_version: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
     __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width")

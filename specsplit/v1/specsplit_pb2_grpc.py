@@ -533,6 +533,11 @@ class GeneratorStub:
                 request_serializer=specsplit_dot_v1_dot_specsplit__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_specsplit__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/specsplit.v1.Generator/Info',
+                request_serializer=specsplit_dot_v1_dot_specsplit__pb2.InfoRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_specsplit__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class GeneratorServicer:
@@ -544,6 +549,14 @@ class GeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """The target's model identity and context, and the wire versions the
+        orchestrator speaks and accepts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GeneratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -551,6 +564,11 @@ def add_GeneratorServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specsplit_dot_v1_dot_specsplit__pb2.GenerateRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_specsplit__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=specsplit_dot_v1_dot_specsplit__pb2.InfoRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_specsplit__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -580,6 +598,33 @@ class Generator:
             '/specsplit.v1.Generator/Generate',
             specsplit_dot_v1_dot_specsplit__pb2.GenerateRequest.SerializeToString,
             specsplit_dot_v1_dot_specsplit__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.Generator/Info',
+            specsplit_dot_v1_dot_specsplit__pb2.InfoRequest.SerializeToString,
+            specsplit_dot_v1_dot_specsplit__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

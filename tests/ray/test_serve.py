@@ -86,6 +86,15 @@ def test_replicas_are_running_and_the_front_reports_serving(ray_front):
     assert run_async(health()).status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_the_front_answers_info_as_the_plain_orchestrator(ray_front, public_api):
+    async def info(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            return await pb_grpc.GeneratorStub(channel).Info(pb.InfoRequest(), timeout=60)
+
+    on_ray, plain = run_async(info(ray_front.address)), run_async(info(public_api))
+    assert on_ray == plain and on_ray.wire_version >= 2 and on_ray.model_id
+
+
 def test_requests_beyond_replicas_and_queue_are_resource_exhausted(ray_front, tiny_services):
     """2 replicas x 1 running + 1 queued: with both replicas streaming and one request waiting, more are refused.
 

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 
+from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
 from specsplit.orchestrator.server import start_server
@@ -15,6 +16,7 @@ from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
+VERSION = wire_metadata()  # what an orchestrator of this build states on every call
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +64,11 @@ def test_target_session_limit_is_resource_exhausted(tiny_services):
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
             stub = pb_grpc.TargetServiceStub(channel)
-            first = stub.Session()
+            first = stub.Session(metadata=VERSION)
             await first.write(pb.TargetRequest(open=pb.TargetOpen(
                 session_id="a", tokens=[1, 2], sampling=pb.SamplingParams(), mode=pb.VERIFICATION_MODE_GREEDY)))
             await first.read()
-            second = stub.Session()
+            second = stub.Session(metadata=VERSION)
             await second.write(pb.TargetRequest(open=pb.TargetOpen(
                 session_id="b", tokens=[1, 2], sampling=pb.SamplingParams(), mode=pb.VERIFICATION_MODE_GREEDY)))
             with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -8,6 +8,7 @@ import sys
 import grpc
 import pytest
 
+from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
 from specsplit.v1 import specsplit_pb2 as pb
@@ -15,19 +16,20 @@ from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import VOCAB, run_async
 
 pytestmark = pytest.mark.services
+VERSION = wire_metadata()  # what an orchestrator of this build states on every call
 
 GREEDY = pb.SamplingParams(temperature=0.0)
 
 
 async def target_exchange(address: str, messages: list[pb.TargetRequest]) -> list[pb.TargetResponse]:
     async with grpc.aio.insecure_channel(address) as channel:
-        call = pb_grpc.TargetServiceStub(channel).Session(iter(messages))
+        call = pb_grpc.TargetServiceStub(channel).Session(iter(messages), metadata=VERSION)
         return [r async for r in call]
 
 
 async def draft_exchange(address: str, messages: list[pb.DraftRequest]) -> list[pb.DraftResponse]:
     async with grpc.aio.insecure_channel(address) as channel:
-        call = pb_grpc.DraftServiceStub(channel).Session(iter(messages))
+        call = pb_grpc.DraftServiceStub(channel).Session(iter(messages), metadata=VERSION)
         return [r async for r in call]
 
 

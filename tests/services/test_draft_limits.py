@@ -6,11 +6,13 @@ import grpc
 import pytest
 
 from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
+VERSION = wire_metadata()  # what an orchestrator of this build states on every call
 
 
 def test_a_proposal_past_the_draft_models_context_is_refused(tiny_services):
@@ -19,7 +21,7 @@ def test_a_proposal_past_the_draft_models_context_is_refused(tiny_services):
 
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.draft_address) as channel:
-            call = pb_grpc.DraftServiceStub(channel).Session()
+            call = pb_grpc.DraftServiceStub(channel).Session(metadata=VERSION)
             await call.write(pb.DraftRequest(open=pb.DraftOpen(
                 session_id="edge", tokens=prompt, sampling=pb.SamplingParams(), drafter=DrafterKind.MODEL.value)))
             await call.read()

@@ -10,11 +10,13 @@ import grpc
 import pytest
 
 from specsplit.lmkit.sessions import SessionLimits
+from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async, wait_until
 
 pytestmark = pytest.mark.services
+VERSION = wire_metadata()  # what an orchestrator of this build states on every call
 
 
 @pytest.fixture
@@ -54,7 +56,7 @@ def test_a_generation_that_does_not_fit_the_budget_is_refused_then_admitted(budg
 def test_an_open_that_reserves_nothing_reserves_the_full_context(budget, tiny_services):
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
-            call = pb_grpc.TargetServiceStub(channel).Session(timeout=30)
+            call = pb_grpc.TargetServiceStub(channel).Session(timeout=30, metadata=VERSION)
             await call.write(pb.TargetRequest(open=pb.TargetOpen(
                 session_id="whole", tokens=[1, 2, 3], sampling=pb.SamplingParams(), mode=pb.VERIFICATION_MODE_GREEDY)))
             try:
@@ -70,7 +72,7 @@ def test_an_open_that_reserves_nothing_reserves_the_full_context(budget, tiny_se
 def test_a_block_past_the_sessions_reservation_is_refused(budget, tiny_services):
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
-            call = pb_grpc.TargetServiceStub(channel).Session(timeout=30)
+            call = pb_grpc.TargetServiceStub(channel).Session(timeout=30, metadata=VERSION)
             await call.write(pb.TargetRequest(open=pb.TargetOpen(
                 session_id="tight", tokens=[1, 2, 3], sampling=pb.SamplingParams(), mode=pb.VERIFICATION_MODE_GREEDY,
                 reserve_tokens=6)))

@@ -10,11 +10,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit.lmkit.message_limits import draft_request_bytes, target_request_bytes
+from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
+VERSION = wire_metadata()  # what an orchestrator of this build states on every call
 
 
 async def _refused_then_healthy(address: str, stub_type, send):
@@ -29,7 +31,7 @@ async def _refused_then_healthy(address: str, stub_type, send):
 
 
 async def _open_stream(stub, request):
-    call = stub.Session(timeout=30)
+    call = stub.Session(timeout=30, metadata=VERSION)
     try:
         await call.write(request)
         answer = await call.read()
@@ -67,7 +69,7 @@ def test_an_oversized_sessions_message_is_refused(tiny_services):
     assert message.ByteSize() > bound
 
     async def send(stub):
-        call = stub.Sessions(timeout=30)
+        call = stub.Sessions(timeout=30, metadata=VERSION)
         try:
             await call.write(message)
             await call.read()

@@ -25,6 +25,7 @@ from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import start_service
 from specsplit.lmkit.security import ClientTls, ServerTls, open_channel
 from specsplit.lmkit.sessions import SessionLimits
+from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
 from specsplit.target_service.server import SERVICE_NAME as TARGET_SERVICE
@@ -36,6 +37,7 @@ from tests.conftest import run_async, wait_until
 from tests.services.test_greedy_e2e import generate_ids
 
 pytestmark = pytest.mark.services
+VERSION = wire_metadata()  # what an orchestrator of this build states on every call
 
 GREEDY = pb.SamplingParams()
 
@@ -80,11 +82,11 @@ async def _call(service: str, address: str, method: str, metadata=()):
         if method == "Info":
             return await stub.Info(pb.InfoRequest(), metadata=metadata, timeout=10)
         if method == "Session":
-            call = stub.Session(metadata=metadata, timeout=10)
+            call = stub.Session(metadata=(*metadata, *VERSION), timeout=10)
             request = pb.TargetRequest if service == "target" else pb.DraftRequest
             message = request(open=_open_message(service, "auth-own"))
         else:
-            call = stub.Sessions(metadata=metadata, timeout=10)
+            call = stub.Sessions(metadata=(*metadata, *VERSION), timeout=10)
             calls, one = (pb.TargetCalls, pb.TargetCall) if service == "target" else (pb.DraftCalls, pb.DraftCall)
             message = calls(calls=[one(session_id="auth-mux", open=_open_message(service, ""))])
         try:
@@ -158,7 +160,7 @@ def test_one_caller_is_capped_while_another_still_gets_in(guarded, tiny_services
             stub = pb_grpc.TargetServiceStub(channel)
 
             async def open_as(token: str, session_id: str):
-                call = stub.Session(metadata=_bearer(token))
+                call = stub.Session(metadata=(*_bearer(token), *VERSION))
                 await call.write(pb.TargetRequest(open=_open_message("target", session_id)))
                 return call, await call.read()
 

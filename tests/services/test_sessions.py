@@ -8,11 +8,13 @@ import time
 import grpc
 import pytest
 
+from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services
+VERSION = wire_metadata()  # what an orchestrator of this build states on every call
 
 
 def active(services) -> tuple[int, int]:
@@ -30,7 +32,7 @@ def test_sessions_live_while_streaming_and_end_with_the_stream(tiny_services):
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
             stub = pb_grpc.TargetServiceStub(channel)
-            call = stub.Session()
+            call = stub.Session(metadata=VERSION)
             await call.write(pb.TargetRequest(open=pb.TargetOpen(
                 session_id="live", tokens=[1, 2, 3], sampling=pb.SamplingParams(), mode=pb.VERIFICATION_MODE_GREEDY)))
             opened = await call.read()
@@ -95,7 +97,7 @@ def test_idle_sessions_are_evicted_after_the_ttl(tiny_services):
 
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
-            call = pb_grpc.TargetServiceStub(channel).Session()
+            call = pb_grpc.TargetServiceStub(channel).Session(metadata=VERSION)
             await call.write(pb.TargetRequest(open=pb.TargetOpen(
                 session_id="idle", tokens=[1, 2], sampling=pb.SamplingParams(), mode=pb.VERIFICATION_MODE_GREEDY)))
             await call.read()
@@ -127,7 +129,7 @@ def test_a_model_draft_session_reads_its_context_before_its_first_proposal(tiny_
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.draft_address) as channel:
             stub = pb_grpc.DraftServiceStub(channel)
-            call = stub.Session()
+            call = stub.Session(metadata=VERSION)
             await call.write(pb.DraftRequest(open=pb.DraftOpen(
                 session_id="warm", tokens=prompt, sampling=pb.SamplingParams(), drafter=DrafterKind.MODEL.value)))
             await call.read()

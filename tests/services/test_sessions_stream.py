@@ -10,6 +10,7 @@ import pytest
 
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
 from specsplit.target_service.servicer import TargetServicer
@@ -19,6 +20,7 @@ from tests.conftest import run_async
 from tests.services.test_sessions import wait_for_zero
 
 pytestmark = pytest.mark.services
+VERSION = wire_metadata()  # what an orchestrator of this build states on every call
 
 GREEDY = pb.VERIFICATION_MODE_GREEDY
 PROMPTS = {"a": [1, 2, 3, 4], "b": [7, 8, 9], "c": [5, 5, 5, 5, 5]}
@@ -30,7 +32,7 @@ def target_open(tokens) -> pb.TargetOpen:
 
 async def own_stream_tokens(stub, tokens: list[int], steps: int) -> list[int]:
     """Greedy decoding on a session's own stream: the reference."""
-    call = stub.Session()
+    call = stub.Session(metadata=VERSION)
     await call.write(pb.TargetRequest(open=pb.TargetOpen(session_id="own", tokens=tokens, mode=GREEDY)))
     await call.read()
     out = list(tokens)
@@ -47,7 +49,7 @@ def test_sessions_on_one_stream_decode_as_on_their_own_and_a_step_answers_in_one
         async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
             stub = pb_grpc.TargetServiceStub(channel)
             expected = {sid: await own_stream_tokens(stub, tokens, 6) for sid, tokens in PROMPTS.items()}
-            call = stub.Sessions()
+            call = stub.Sessions(metadata=VERSION)
             await call.write(pb.TargetCalls(calls=[pb.TargetCall(session_id=sid, open=target_open(tokens))
                                                    for sid, tokens in PROMPTS.items()]))
             opened = []
@@ -85,7 +87,7 @@ def test_sessions_on_one_stream_decode_as_on_their_own_and_a_step_answers_in_one
 def test_a_calls_error_closes_its_session_alone(tiny_services):
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
-            call = pb_grpc.TargetServiceStub(channel).Sessions()
+            call = pb_grpc.TargetServiceStub(channel).Sessions(metadata=VERSION)
             await call.write(pb.TargetCalls(calls=[pb.TargetCall(session_id=sid, open=target_open(PROMPTS[sid]))
                                                    for sid in ("a", "b")]))
             opened = []
@@ -123,7 +125,7 @@ def test_a_calls_error_closes_its_session_alone(tiny_services):
 def test_an_idle_session_of_the_stream_is_evicted(tiny_services):
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.target_address) as channel:
-            call = pb_grpc.TargetServiceStub(channel).Sessions()
+            call = pb_grpc.TargetServiceStub(channel).Sessions(metadata=VERSION)
             await call.write(pb.TargetCalls(calls=[pb.TargetCall(session_id="idle", open=target_open([1, 2]))]))
             await call.read()
             await asyncio.sleep(1.2)
@@ -147,14 +149,14 @@ def test_draft_sessions_on_one_stream_propose_as_on_their_own(tiny_services):
     async def go():
         async with grpc.aio.insecure_channel(tiny_services.draft_address) as channel:
             stub = pb_grpc.DraftServiceStub(channel)
-            own = stub.Session()
+            own = stub.Session(metadata=VERSION)
             await own.write(pb.DraftRequest(open=pb.DraftOpen(session_id="own", tokens=tokens,
                                                               drafter=pb.DRAFTER_KIND_NGRAM)))
             await own.read()
             await own.write(pb.DraftRequest(propose=pb.ProposeRequest(position=len(tokens), k=3)))
             expected = (await own.read()).block
             own.cancel()
-            shared = stub.Sessions()
+            shared = stub.Sessions(metadata=VERSION)
             await shared.write(pb.DraftCalls(calls=[
                 pb.DraftCall(session_id="m", open=pb.DraftOpen(tokens=tokens, drafter=pb.DRAFTER_KIND_NGRAM)),
                 pb.DraftCall(session_id="m", propose=pb.ProposeRequest(position=len(tokens), k=3)),

@@ -1,10 +1,14 @@
-"""A client built from the published contract (protos/baseline/) is served as today's client is.
+"""Builds of different wire versions either work together or refuse each other by name, never misread.
+
+A client built from the published contract (protos/baseline/) is served as today's client is.
 
 The old client's stubs are generated at test time from the baseline .proto and run in a process of their
 own (both builds register the same proto file name, so one process cannot hold both). Its generation must
 equal a current client's: text, token ids, finish reason and the stats that do not depend on timing. The
 negative control builds the same client from a baseline with two fields' numbers swapped (what a
-renumbering does to a client in the field) and shows the comparison catches the misreading.
+renumbering does to a client in the field) and shows the comparison catches the misreading. An
+orchestrator built from the baseline is refused by today's target at its session's first call; today's
+orchestrator refuses a service that states no version at connect; both messages name both versions.
 """
 
 from __future__ import annotations
@@ -101,3 +105,107 @@ def test_a_renumbered_client_is_caught_by_the_same_comparison(public_api, tmp_pa
     old = old_client(build_stubs(root, tmp_path / "renumbered-stubs"), public_api)
     assert old != current_client(public_api)
     assert len(old["ids"]) == 4  # the server read k = 4 as max_new_tokens
+
+
+# An orchestrator built from the baseline: it reads the target's Info, then opens a session as it always did.
+OLD_ORCHESTRATOR = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from specsplit.v1 import specsplit_pb2 as pb, specsplit_pb2_grpc as pb_grpc
+with grpc.insecure_channel(sys.argv[2]) as channel:
+    stub = pb_grpc.TargetServiceStub(channel)
+    info = stub.Info(pb.InfoRequest(), timeout=30)
+    print(info.model_id, info.max_context, info.max_block)
+    opening = pb.TargetRequest(open=pb.TargetOpen(session_id="old", tokens=[1, 2, 3],
+                                                  sampling=pb.SamplingParams(temperature=0)))
+    try:
+        print(list(stub.Session(iter([opening]), timeout=30)))
+    except grpc.RpcError as exc:
+        print(exc.code().name)
+        print(exc.details())
+"""
+
+
+def test_services_and_the_generator_state_their_wire_versions(tiny_services, public_api):
+    from specsplit.lmkit import wire_version
+
+    with grpc.insecure_channel(tiny_services.target_address) as channel:
+        target = pb_grpc.TargetServiceStub(channel).Info(pb.InfoRequest(), timeout=30)
+    with grpc.insecure_channel(tiny_services.draft_address) as channel:
+        draft = pb_grpc.DraftServiceStub(channel).Info(pb.InfoRequest(), timeout=30)
+    with grpc.insecure_channel(public_api) as channel:
+        generator = pb_grpc.GeneratorStub(channel).Info(pb.InfoRequest(), timeout=30)
+    assert (target.wire_version, target.min_wire_version) == (wire_version.WIRE_VERSION, 2)
+    assert (draft.wire_version, draft.min_wire_version) == (wire_version.WIRE_VERSION, 2)
+    assert (generator.wire_version, generator.min_wire_version) == (wire_version.WIRE_VERSION, 1)
+    assert generator.model_id == target.model_id and generator.max_context == target.max_context
+
+
+def test_an_orchestrator_built_from_the_baseline_is_refused_by_name(tiny_services, tmp_path):
+    """It reads Info right (the numbers are its own) and its session is refused before the target reads it."""
+    stubs = build_stubs(BASELINE, tmp_path / "baseline-stubs")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", OLD_ORCHESTRATOR, str(stubs), tiny_services.target_address],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=stubs)
+    assert run.returncode == 0, run.stderr
+    identity, code, details = run.stdout.strip().split("\n")
+    engine = tiny_services.target_engine
+    assert identity == f"{engine.model_id} {engine.max_context} {engine.limits.max_block}"
+    assert code == "FAILED_PRECONDITION"
+    assert "speaks specsplit.v1 wire version 2 and accepts orchestrators of version 2 or later" in details
+    assert "the orchestrator speaks wire version 1 (it states none" in details
+
+
+@pytest.mark.parametrize("rpc", ["Session", "Sessions"])
+@pytest.mark.parametrize("service", ["target", "draft"])
+def test_a_session_stream_is_refused_or_served_by_the_version_stated(tiny_services, service, rpc):
+    from specsplit.lmkit.wire_version import METADATA_KEY
+
+    address, stub_type = {
+        "target": (tiny_services.target_address, pb_grpc.TargetServiceStub),
+        "draft": (tiny_services.draft_address, pb_grpc.DraftServiceStub),
+    }[service]
+
+    def first_reply(metadata):
+        with grpc.insecure_channel(address) as channel:
+            call = getattr(stub_type(channel), rpc)(iter([]), metadata=metadata, timeout=30)
+            try:
+                return list(call), None
+            except grpc.RpcError as exc:
+                return None, exc
+
+    served, error = first_reply(((METADATA_KEY, "3"),))  # a newer orchestrator speaks down to this service
+    assert error is None and served == []
+    for metadata, code, says in [
+        ((), grpc.StatusCode.FAILED_PRECONDITION, "wire version 1 (it states none"),
+        (((METADATA_KEY, "1"),), grpc.StatusCode.FAILED_PRECONDITION, "the orchestrator speaks wire version 1"),
+        (((METADATA_KEY, "two"),), grpc.StatusCode.INVALID_ARGUMENT, "must be a positive integer; got 'two'"),
+    ]:
+        _, error = first_reply(metadata)
+        assert error is not None and error.code() == code and says in error.details(), metadata
+
+
+def test_an_orchestrator_refuses_a_service_that_states_no_version(background_loop, tiny_target_dir):
+    """A service from before versions were stated answers Info without them: the orchestrator refuses it at
+    connect, naming both versions, instead of reading the timings it would not send."""
+    from specsplit.lmkit import errors
+    from specsplit.lmkit.grpc_server import start_in_process
+    from specsplit.orchestrator.config import OrchestratorConfig
+    from specsplit.orchestrator.generation import Orchestrator
+
+    class Unversioned(pb_grpc.TargetServiceServicer):
+        async def Info(self, request, context):
+            return pb.ModelInfo(model_id="old-target", vocab_size=49152, max_context=2048, max_block=16)
+
+    server, port = background_loop.run(start_in_process(
+        Unversioned(), pb_grpc.add_TargetServiceServicer_to_server, "specsplit.v1.TargetService"))
+    try:
+        config = OrchestratorConfig(f"127.0.0.1:{port}", "", str(tiny_target_dir), connect_timeout_s=10)
+        with pytest.raises(errors.FailedPrecondition) as refused:
+            background_loop.run(Orchestrator.connect(config))
+    finally:
+        background_loop.run(server.stop(0))
+    message = str(refused.value)
+    assert f"the target at 127.0.0.1:{port} speaks specsplit.v1 wire version 1 (it states none" in message
+    assert "this orchestrator speaks wire version 2 and accepts targets of version 2 or later" in message
