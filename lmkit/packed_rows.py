@@ -7,7 +7,9 @@ draft block or token tree. All rows of a forward are packed end to end, with no 
 
 The linear layers see T tokens whatever the rows are; attention runs per row (``_attention``,
 registered with transformers' ``AttentionInterface``) against the row's own cache in place, so each
-row computes what its solo step computes, and a wide row costs the forward its own tokens only.
+row computes what its solo step computes, and a wide row costs the forward its own tokens only. A
+model given a decoder step (``use_step``; ``specsplit.lmkit.decoder_step``) runs the same arithmetic
+as plain tensor functions instead of transformers' module tree.
 Only the positions whose logits are needed go through the LM head (``logits_to_keep``). A model
 whose layers are not all full attention (sliding windows, linear attention) or that does not
 dispatch attention through ``AttentionInterface`` is not installed and keeps its stock forward and
@@ -16,8 +18,10 @@ dispatch attention through ``AttentionInterface`` is not installed and keeps its
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +30,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specsplit.lmkit import decoder_step
 from specsplit.lmkit.kv_buffer import KVBuffer
 from specsplit.lmkit.models import cache_kwargs
 from specsplit.lmkit.transfer import to_host
 
+log = logging.getLogger(__name__)
+
 ATTENTION = "specsplit_packed_rows"
 _INSTALLED = "_specsplit_packed_rows"
+_STEP = "_specsplit_decoder_step"
 # A 4D attention mask is passed through transformers untouched: in a packed forward the masks are per row.
 _NO_MODEL_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
@@ -96,6 +104,57 @@ def installed(model) -> bool:
     return bool(getattr(model, _INSTALLED, False))
 
 
+def use_step(model, step) -> None:
+    """Run the packed forwards of an installed ``model`` through ``step`` (a ``decoder_step.DecoderStep`` over its
+    weights), or through transformers' forward again (None)."""
+    if not installed(model):
+        raise ValueError("install the packed-rows forward before giving it a decoder step")
+    setattr(model, _STEP, step)
+
+
+def install_fast_forward(model, compile_mode: str = "off", pack: Callable[[object], int] | None = None) -> str:
+    """Install the packed-rows forward and, where the model allows, a decoder step compiled by ``compile_mode``
+    (resolved: ``off`` or ``inductor``); returns what runs the packed forwards, for the log.
+
+    ``pack`` (oneDNN-packed linears, ``packed_linear.pack_linears``) runs for an eager step or transformers'
+    forward; inductor compiles plain linears, since it cannot lower packed weights of a dynamic token count.
+    The inductor step is compiled here, by warm-up forwards of one and of several tokens; a failure leaves
+    the eager step in place and says why."""
+    if not install(model):
+        if pack:
+            pack(model)
+        return "transformers' stock forward (the model is not all full attention)"
+    reason = decoder_step.unsupported(model)
+    if reason:
+        if pack:
+            pack(model)
+        return f"transformers' forward over packed rows ({reason})"
+    if compile_mode == "inductor":
+        began = time.perf_counter()
+        try:
+            use_step(model, decoder_step.DecoderStep(model, decoder_step.compiler("inductor")))
+            warm_up(model)
+            return f"the decoder step, compiled by inductor in {time.perf_counter() - began:.1f} s"
+        except Exception as exc:  # a model or platform inductor cannot compile: run eager, say why once
+            log.warning("could not compile the decoder step (%s: %s); running it eager", type(exc).__name__, exc)
+    if pack:
+        pack(model)
+    use_step(model, decoder_step.DecoderStep(model))
+    return "the decoder step, eager"
+
+
+def warm_up(model) -> None:
+    """Run the packed forward once with one token and once with several (two rows), on scratch caches."""
+    layers = int(model.config.num_hidden_layers)
+    for widths in ((1,), (3, 2)):
+        forward_rows(model, [RowStep(KVBuffer(layers), 0, [0] * width, [width - 1]) for width in widths])
+
+
+def step_of(model):
+    """The decoder step ``use_step`` gave ``model``; None: transformers' forward runs its packed steps."""
+    return getattr(model, _STEP, None)
+
+
 def causal_mask(start: int, width: int, device=None) -> torch.Tensor:  # -> [width, start + width] bool
     """Fed token i attends to every cached position and to fed tokens 0..i."""
     return torch.ones(width, start + width, dtype=torch.bool, device=device).tril(diagonal=start)
@@ -132,18 +191,27 @@ def forward_rows_with_features(
         positions.extend(range(step.start, step.start + width) if step.positions is None else step.positions)
         keep.extend(offset + i for i in step.logit_rows)
         offset += width
-    n_layers = int(model.config.num_hidden_layers)
-    out = model(
-        input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-        position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-        attention_mask=_NO_MODEL_MASK.to(device),
-        **cache_kwargs(model, _RowsCache(rows, n_layers)),
-        use_cache=True,
-        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-        output_hidden_states=any(step.feature_layers for step in steps),
-        specsplit_rows=rows,
-    )
-    logits = to_host(out.logits[0])  # [len(keep), vocab]
+    decoder = step_of(model)
+    wanted = sorted({i for s in steps for i in s.feature_layers})
+    if decoder is not None and all(i < decoder.num_layers for i in wanted):
+        logits, hidden = decoder(
+            torch.tensor([ids], dtype=torch.long, device=device),
+            torch.tensor([positions], dtype=torch.long, device=device),
+            rows, torch.tensor(keep, dtype=torch.long, device=device), wanted,
+        )
+    else:
+        out = model(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+            attention_mask=_NO_MODEL_MASK.to(device),
+            **cache_kwargs(model, _RowsCache(rows, int(model.config.num_hidden_layers))),
+            use_cache=True,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+            output_hidden_states=bool(wanted),
+            specsplit_rows=rows,
+        )
+        logits, hidden = out.logits[0], out.hidden_states
+    logits = to_host(logits)  # [len(keep), vocab]
     results, features, first = [], [], 0
     for step, row in zip(steps, rows):
         step.kv.length = row.start + row.width
@@ -151,7 +219,7 @@ def forward_rows_with_features(
         first += len(step.logit_rows)
         fed = slice(row.offset, row.offset + row.width)  # each hidden state: [1, T, hidden]
         features.append(
-            torch.cat([out.hidden_states[i][0, fed] for i in step.feature_layers], dim=-1).float().cpu()
+            torch.cat([hidden[i][0, fed] for i in step.feature_layers], dim=-1).float().cpu()
             if step.feature_layers else None
         )
     return results, features

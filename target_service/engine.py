@@ -123,14 +123,17 @@ class TargetEngine:
         tp_degree: int = 1,
         fast_forward: bool = True,
         batch_invariant: bool = False,  # never share a forward between sessions (docs/protocol.md)
+        compile_mode: str = "off",  # the decoder step's compilation (serve-target --compile, resolved)
     ) -> None:
-        """``fast_forward``: pack the linear layers for oneDNN (fp32 CPU) and run verify steps through the
-        packed-rows forward (``specsplit.lmkit.packed_rows``) where the model allows (full attention only: a
-        sliding-window model keeps the stock forward); off, the model's stock forward."""
+        """``fast_forward``: run verify steps through the packed-rows forward (``specsplit.lmkit.packed_rows``)
+        where the model allows (full attention only: a sliding-window model keeps the stock forward), as the
+        decoder step (``specsplit.lmkit.decoder_step``, compiled by ``compile_mode``) where the model's layout
+        allows, with linear layers packed for oneDNN (fp32 CPU) unless compiled; off, the model's stock
+        forward."""
         check_cache_layout(model)
+        self.forward_kind = "transformers' stock forward"
         if fast_forward and new_cache is None and next(model.parameters()).device.type == "cpu":
-            pack_linears(model)
-            packed_rows.install(model)
+            self.forward_kind = packed_rows.install_fast_forward(model, compile_mode, pack=pack_linears)
         self.model = model
         self.model_id = model_id
         self.vocab_fingerprint = vocab_fingerprint

@@ -9,10 +9,11 @@ import os
 import signal
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from specsplit.lmkit import entry, logs, models
+from specsplit.lmkit import decoder_step, entry, logs, models
 from specsplit.lmkit.caller_check import CallerPolicy
 from specsplit.lmkit.grpc_server import (
     ComputeThread,
@@ -58,8 +59,25 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="run transformers' own forward (DynamicCache, MKL linears, padded batches) instead of the fast "
         "one (oneDNN linears on fp32 CPU, KV buffers, packed rows, token trees); for comparisons",
     )
+    parser.add_argument(
+        "--compile", default="auto", choices=decoder_step.COMPILE_MODES,
+        help="compile the target's decoder step: off (eager), inductor (torch.compile, at start-up, health "
+             "NOT_SERVING until done), auto (what measured faster on the device: off on the CPU)",
+    )
+    parser.add_argument(
+        "--compile-cache-dir", default=str(Path.home() / ".cache" / "specsplit" / "inductor"),
+        help="where compiled code is kept between starts (TORCHINDUCTOR_CACHE_DIR): a restart reuses it",
+    )
     add_common_flags(parser, DEFAULT_PORT)
     return parser
+
+
+def compile_mode(args) -> str:
+    """--compile resolved for --device; refused (ValueError) where nothing would be compiled."""
+    mode = decoder_step.resolve_compile(args.compile, args.device.split(":")[0])
+    if mode != "off" and args.stock_forward:
+        raise ValueError(f"--compile {args.compile} compiles the fast forward; drop --stock-forward or use --compile off")
+    return mode
 
 
 def kv_budget_tokens(model, budget_bytes: int, tp_degree: int) -> int:
@@ -83,6 +101,11 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
     limits = replace(session_limits(args), kv_budget_tokens=kv_budget_tokens(model, args.kv_budget_bytes, args.tp))
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     leader = tp.Leader(model, on_broken=leader_hook) if args.tp > 1 else None
+    mode = compile_mode(args)
+    if mode != "off":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache_dir
+        log.info("compiling the decoder step (%s; cache %s): health stays NOT_SERVING until done", mode,
+                 args.compile_cache_dir)
     engine = TargetEngine(
         model,
         model_id=args.model,
@@ -92,7 +115,9 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
         tp_degree=args.tp,
         fast_forward=not args.stock_forward,
         batch_invariant=args.batch_invariant,
+        compile_mode=mode,
     )
+    log.info("target step: %s", engine.forward_kind)
     rank = int(os.environ.get("RANK", "0"))
     log.info("rank %d holds %.1f MB of weights (tp=%d)", rank, tp.weight_bytes(model) / 1e6, args.tp)
     return engine, leader
@@ -143,6 +168,7 @@ def run(args) -> int:
         raise ValueError(f"--kv-budget-bytes must be >= 0 (0: no budget), got {args.kv_budget_bytes}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    compile_mode(args)  # fail fast, before the model loads
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     logs.configure(args.log_level, "target", args.log_format)
     if args.tp > 1 and "RANK" not in os.environ:

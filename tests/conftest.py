@@ -231,7 +231,7 @@ class Services:
         self.loop.run(self.draft_server.stop(0))
 
 
-def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32):
+def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32, compile_mode: str = "off"):
     from specsplit.draft_service.engine import DraftEngine
     from specsplit.lmkit import models
     from specsplit.lmkit.sessions import SessionLimits
@@ -240,7 +240,8 @@ def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32):
     target_model = models.load_model(models.ModelSpec(target_ref))
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(target_ref))
     target = TargetEngine(
-        target_model, model_id=target_ref, vocab_fingerprint=fingerprint, limits=SessionLimits(max_block=max_block)
+        target_model, model_id=target_ref, vocab_fingerprint=fingerprint, limits=SessionLimits(max_block=max_block),
+        compile_mode=compile_mode,
     )
     draft_model = models.load_model(models.ModelSpec(draft_ref)) if draft_ref else None
     draft = DraftEngine(

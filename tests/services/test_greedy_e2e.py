@@ -21,7 +21,7 @@ pytestmark = pytest.mark.services
 
 async def generate_ids(
     orch: Orchestrator, prompt_ids, k, drafter, max_new_tokens, adaptive=False, branches=1, tree_rounds=None,
-    overlap=False,
+    overlap=False, stats=None,
 ) -> list[int]:
     request = GenerationRequest(
         "", False, max_new_tokens, SamplingParams(), (), k, drafter, False, adaptive, overlap=overlap,
@@ -32,6 +32,8 @@ async def generate_ids(
         ids.extend(event.token_ids)
         if event.stats is not None and tree_rounds is not None:
             tree_rounds.append((event.stats.tree_rounds, event.stats.branch_accepted))
+        if event.stats is not None and stats is not None:
+            stats.append(event.stats)
     return ids
 
 

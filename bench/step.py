@@ -1,0 +1,172 @@
+"""``specsplit bench --suite step``: the target's packed forward by width and batch, through each way to run it.
+
+In this process, one thread, no services: for the near-zero model (one layer, hidden 16, the default
+vocabulary) and for ``--model`` (SmolLM2 by default), each row a session with a 64-token context
+verifying a block of ``width`` tokens, ``batch`` rows packed into one forward:
+
+- ``transformers``: transformers' module forward over packed rows, oneDNN-packed linears (the target's
+  step before the decoder step);
+- ``step``: the decoder step, eager, the same packed linears (``--compile off``, and ``auto`` on the CPU);
+- ``inductor``: the decoder step compiled by ``torch.compile`` (plain linears; ``--compile inductor``).
+
+Modes are measured in turn within each repeat (interleaved), the fastest repeat kept. Also: the compile
+time, and the first forward after it (a new session's prefill). The logits of every mode are compared with
+``transformers``' at each cell: ``step`` must equal them bit for bit, ``inductor`` to rounding (its fused
+kernels sum in another order), with the same argmax. JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specsplit.bench import runs
+from specsplit.lmkit import models, packed_rows
+from specsplit.lmkit.kv_buffer import KVBuffer
+from specsplit.lmkit.packed_linear import pack_linears
+
+MODES = ("transformers", "step", "inductor")
+CONTEXT = 64
+
+
+def add_flags(parser) -> None:
+    parser.add_argument("--step-widths", default="1,2,3,5,9", help="--suite step: verify widths (tokens per row)")
+    parser.add_argument("--step-batches", default="1,8,32", help="--suite step: rows packed into one forward")
+    parser.add_argument("--step-repeats", type=int, default=3, help="--suite step: interleaved repeats per cell")
+
+
+def load(ref: str, mode: str):
+    """``ref`` loaded and set up as ``mode`` runs it; returns (model, what runs its forward, compile seconds)."""
+    model = models.load_model(models.ModelSpec(ref))
+    began = time.perf_counter()
+    if mode == "transformers":
+        pack_linears(model)
+        packed_rows.install(model)
+        return model, "transformers' forward", 0.0
+    kind = packed_rows.install_fast_forward(model, "inductor" if mode == "inductor" else "off", pack=pack_linears)
+    return model, kind, time.perf_counter() - began if mode == "inductor" else 0.0
+
+
+def _rows(model, batch: int, width: int, kvs: list[KVBuffer]) -> list[packed_rows.RowStep]:
+    block = [(7 * i + 3) % 1000 + 100 for i in range(width)]
+    return [packed_rows.RowStep(kv, CONTEXT, block, list(range(width))) for kv in kvs[:batch]]
+
+
+def _prefill(model, batches: int) -> list[KVBuffer]:
+    layers = int(model.config.num_hidden_layers)
+    kvs = [KVBuffer(layers) for _ in range(batches)]
+    context = [(11 * i + 5) % 1000 + 100 for i in range(CONTEXT)]
+    for kv in kvs:
+        packed_rows.forward_rows(model, [packed_rows.RowStep(kv, 0, context, [CONTEXT - 1])])
+    return kvs
+
+
+def _time(model, steps, n: int) -> float:
+    packed_rows.forward_rows(model, steps)
+    began = time.perf_counter()
+    for _ in range(n):
+        packed_rows.forward_rows(model, steps)
+    return (time.perf_counter() - began) / n
+
+
+def measure_model(ref: str, widths: list[int], batches: list[int], repeats: int, n_for) -> dict:
+    loaded, kvs, first = {}, {}, {}
+    for mode in MODES:
+        model, kind, compile_s = load(ref, mode)
+        began = time.perf_counter()
+        kvs[mode] = _prefill(model, max(batches))
+        first[mode] = {"what": kind, "compile_s": round(compile_s, 2),
+                       "first_prefill_ms": round((time.perf_counter() - began) / max(batches) * 1e3, 3)}
+        loaded[mode] = model
+    cells, mismatch = {}, []
+    for batch in batches:
+        for width in widths:
+            reference = packed_rows.forward_rows(loaded["transformers"], _rows(loaded["transformers"], batch, width,
+                                                                              kvs["transformers"]))
+            for mode in MODES[1:]:
+                got = packed_rows.forward_rows(loaded[mode], _rows(loaded[mode], batch, width, kvs[mode]))
+                exact = all(torch.equal(a, b) for a, b in zip(got, reference))
+                same_argmax = all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(got, reference))
+                if (mode == "step" and not exact) or not same_argmax:
+                    mismatch.append({"mode": mode, "batch": batch, "width": width, "exact": exact,
+                                     "same_argmax": same_argmax})
+            times = {mode: [] for mode in MODES}
+            for _ in range(repeats):
+                for mode in MODES:
+                    steps = _rows(loaded[mode], batch, width, kvs[mode])
+                    times[mode].append(_time(loaded[mode], steps, n_for(batch, width)))
+            cells[(batch, width)] = {mode: min(t) for mode, t in times.items()}
+    rows = []
+    for (batch, width), best in cells.items():
+        for mode, seconds in best.items():
+            one = cells[(batch, widths[0])][mode]
+            rows.append({"batch": batch, "width": width, "mode": mode, "ms": round(seconds * 1e3, 3),
+                         "t_over_t1": round(seconds / one, 3), "positions_per_s": round(batch * width / seconds, 1),
+                         "vs_transformers": round(cells[(batch, width)]["transformers"] / seconds, 3)})
+    return {"model": ref, "modes": first, "cells": rows, "mismatches": mismatch}
+
+
+def run(args) -> int:
+    from specsplit.bench.overhead import tiny_model
+
+    torch.set_num_threads(1)
+    widths = [int(w) for w in args.step_widths.split(",")]
+    batches = [int(b) for b in args.step_batches.split(",")]
+    if min(widths) < 1 or min(batches) < 1 or args.step_repeats < 1:
+        raise ValueError("--step-widths, --step-batches and --step-repeats take positive integers")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "specsplit-bench-inductor"))
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = str(tiny_model(Path(tmp) / "near-zero"))
+        near_zero = measure_model(tiny, widths, batches, args.step_repeats, lambda b, w: 200 if b == 1 else 50)
+    real = measure_model(args.model, widths, batches, args.step_repeats, lambda b, w: 3 if b * w <= 16 else 1)
+    near_zero["model"] = "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)"
+    out = {
+        "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
+        "repeats": args.step_repeats, "results": [near_zero, real],
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "duration_s": round(time.time() - started, 1),
+    }
+    path = runs.write(out, args.json)
+    png = plot(out, path.with_suffix(".png"))
+    for result in out["results"]:
+        print(result["model"])
+        for mode, first in result["modes"].items():
+            print(f"  {mode}: {first['what']}; compile {first['compile_s']} s, first prefill {first['first_prefill_ms']} ms")
+        for row in result["cells"]:
+            print(f"  batch {row['batch']:>2} width {row['width']}: {row['mode']:>12} {row['ms']:9.3f} ms "
+                  f"(x{row['vs_transformers']:.2f} vs transformers, t/t1 {row['t_over_t1']:.2f})")
+        print(f"  mismatches: {result['mismatches'] or 'none'}")
+    print(f"-> {path}" + (f", {png}" if png else ""))
+    return 0 if not any(r["mismatches"] for r in out["results"]) else 1
+
+
+def plot(out: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    results = out["results"]
+    fig, axes = plt.subplots(len(results), len(out["batches"]), figsize=(4.2 * len(out["batches"]), 3.6 * len(results)),
+                             squeeze=False)
+    for row_axes, result in zip(axes, results):
+        for ax, batch in zip(row_axes, out["batches"]):
+            for mode in MODES:
+                cells = [c for c in result["cells"] if c["batch"] == batch and c["mode"] == mode]
+                ax.plot([c["width"] for c in cells], [c["ms"] for c in cells], marker="o", label=mode)
+            ax.set(xlabel="verify width (tokens per row)", ylabel="ms per forward",
+                   title=f"{result['model'][:40]}\nbatch {batch}")
+            ax.title.set_fontsize(8)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

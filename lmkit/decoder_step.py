@@ -1,0 +1,214 @@
+"""A Llama-family decoder's packed-rows step as a few functions of tensors: what ``--compile`` compiles.
+
+transformers' forward walks a module tree every step (hooks, keyword plumbing, output records, mask
+builders): a few hundred small Python calls that cost more than a small model's arithmetic. This
+module runs the same arithmetic over the model's own weights (no copy), the same ops in the same order
+as transformers' Llama forward, so in float32 it returns the same logits bit for bit:
+
+    per layer:  x -> rms_norm -> q, k, v projections -> rotary      (``attention_inputs``: every token)
+                keys/values written into each row's KVBuffer; attention per row    (``_row_attention``)
+                o projection -> + residual -> rms_norm -> MLP -> + residual   (``attention_outputs``)
+    then        final rms_norm of the kept positions -> LM head
+
+The two per-token functions see the packed tokens [1, T, hidden] whatever the rows are, so one
+``torch.compile`` with a dynamic T serves every width and batch (``Compiled``); attention stays per row,
+against each session's cache in place, as ``packed_rows`` does it. Llama, Mistral and Qwen2 layouts
+(full attention, default or frequency-scaled RoPE) are supported; ``unsupported`` names what is not.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specsplit.lmkit.packed_linear import PackedLinear
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+COMPILE_MODES = ("off", "auto", "inductor")  # serve-target --compile
+
+
+def resolve_compile(mode: str, device_type: str) -> str:
+    """The mode ``auto`` stands for on ``device_type``: the faster one measured there (``bench --suite step``).
+
+    On the CPU the compiled regions pay more in guards and wrappers than their fused kernels save (the plain
+    step is the faster at every width measured, docs/performance.md), so ``off``; on CUDA nothing is
+    measured yet, so ``off`` as well."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
+    return "off" if mode == "auto" else mode
+
+
+def compiler(mode: str) -> Callable | None:
+    """What wraps the step's per-token functions for ``mode`` (already resolved): None leaves them eager."""
+    if mode == "inductor":
+        # One graph per function for every token count T > 1 (and one for T = 1): widths and batches share it.
+        return functools.partial(torch.compile, backend="inductor", dynamic=True)
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalised in float32, scaled in the input's dtype."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [1, T, head_dim] of ``positions`` [1, T], as LlamaRotaryEmbedding computes them."""
+    freqs = positions[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
+
+
+def linear(module) -> Linear:
+    """A projection of ``module`` (an ``nn.Linear`` or a ``PackedLinear``) as one call, the same op its forward runs."""
+    if isinstance(module, PackedLinear):
+        weight, bias = module.packed_weight, module.bias
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if type(module) is not torch.nn.Linear:
+        raise ValueError(f"the decoder step runs nn.Linear projections, not {type(module).__name__}")
+    weight, bias = module.weight, module.bias
+    return lambda x: F.linear(x, weight, bias)
+
+
+def attention_inputs(
+    hidden: torch.Tensor,  # [1, T, hidden]
+    norm: torch.Tensor, eps: float, q_proj: Linear, k_proj: Linear, v_proj: Linear,
+    cos: torch.Tensor, sin: torch.Tensor,  # [1, T, head_dim]
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries [1, heads, T, head_dim], keys and values [1, kv_heads, T, head_dim], rotary applied."""
+    x = rms_norm(hidden, norm, eps)
+    shape = (*hidden.shape[:-1], -1, head_dim)
+    q = q_proj(x).view(shape).transpose(1, 2)
+    k = k_proj(x).view(shape).transpose(1, 2)
+    v = v_proj(x).view(shape).transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin), v
+
+
+def attention_outputs(
+    residual: torch.Tensor,  # [1, T, hidden]
+    attended: torch.Tensor,  # [1, T, heads, head_dim]
+    o_proj: Linear, norm: torch.Tensor, eps: float, gate_proj: Linear, up_proj: Linear, down_proj: Linear,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The layer's output [1, T, hidden]: o projection and residual, then the MLP and residual."""
+    hidden = residual + o_proj(attended.reshape(*residual.shape[:-1], -1).contiguous())
+    x = rms_norm(hidden, norm, eps)
+    return hidden + down_proj(act(gate_proj(x)) * up_proj(x))
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's weights (the model's own tensors) and settings."""
+
+    index: int
+    inputs: tuple  # attention_inputs' weight arguments: norm, eps, q_proj, k_proj, v_proj
+    outputs: tuple  # attention_outputs' weight arguments: o_proj, norm, eps, gate_proj, up_proj, down_proj, act
+    scaling: float
+
+
+def unsupported(model) -> str | None:
+    """Why ``DecoderStep`` cannot run ``model`` (None: it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED_TYPES:
+        return f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral or Qwen2 layout"
+    if getattr(config, "sliding_window", None) and config.model_type != "qwen2" or getattr(
+        config, "use_sliding_window", False
+    ):
+        return "it uses sliding-window attention"
+    rotary_emb = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary_emb is None or getattr(rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+        return "its rotary embedding depends on the forward's positions (dynamic or longrope)"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "it splits its projections (pretraining_tp > 1)"
+    return None
+
+
+class DecoderStep:
+    """The step of one model: ``DecoderStep(model)(ids, positions, rows, keep, feature_layers)``.
+
+    ``compile_fn`` wraps the two per-token functions (``torch.compile``), or leaves them eager (None).
+    """
+
+    def __init__(self, model, compile_fn: Callable | None = None) -> None:
+        reason = unsupported(model)
+        if reason:
+            raise ValueError(f"the decoder step cannot run this model: {reason}")
+        decoder = model.model
+        rotary_emb = decoder.rotary_emb
+        self.inv_freq = rotary_emb.inv_freq
+        self.rope_scaling = float(rotary_emb.attention_scaling)
+        self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
+        self.norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
+        self.lm_head = linear(model.lm_head)  # [..., hidden] -> [..., vocab]
+        self.head_dim = decoder.layers[0].self_attn.head_dim
+        self.layers = [self._layer(i, layer) for i, layer in enumerate(decoder.layers[: model.config.num_hidden_layers])]
+        self.attention_inputs = compile_fn(attention_inputs) if compile_fn else attention_inputs
+        self.attention_outputs = compile_fn(attention_outputs) if compile_fn else attention_outputs
+
+    @staticmethod
+    def _layer(index: int, layer) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        inputs = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
+                  linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj))
+        outputs = (linear(attn.o_proj), layer.post_attention_layernorm.weight,
+                   float(layer.post_attention_layernorm.variance_epsilon), linear(mlp.gate_proj), linear(mlp.up_proj),
+                   linear(mlp.down_proj), mlp.act_fn)
+        return _Layer(index, inputs, outputs, float(attn.scaling))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @torch.inference_mode()
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, rows: Sequence, keep: torch.Tensor,
+        feature_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits [K, vocab] of the ``keep`` positions of the packed ``ids``/``positions`` [1, T], and the hidden
+        states [1, T, hidden] entering each decoder layer in ``feature_layers`` (0 = the embeddings).
+
+        ``rows`` are ``packed_rows._Row``s: each row's keys/values are written into its buffer at its positions."""
+        hidden = F.embedding(ids, self.embed)  # [1, T, hidden]
+        cos, sin = rotary(self.inv_freq, self.rope_scaling, positions, hidden.dtype)
+        wanted = set(feature_layers)
+        features = {}
+        for layer in self.layers:
+            if layer.index in wanted:
+                features[layer.index] = hidden
+            q, k, v = self.attention_inputs(hidden, *layer.inputs, cos, sin, self.head_dim)
+            attended = _row_attention(layer, q, k, v, rows)
+            hidden = self.attention_outputs(hidden, attended, *layer.outputs)
+        kept = rms_norm(hidden[:, keep], *self.norm)
+        return self.lm_head(kept)[0], features
+
+
+def _row_attention(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Sequence) -> torch.Tensor:
+    """Each row's queries against its own buffer (its new keys/values written first): [1, T, heads, head_dim]."""
+    gqa = q.shape[1] != k.shape[1]
+    out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    for row in rows:
+        fed = slice(row.offset, row.offset + row.width)
+        row.kv.write(layer.index, row.start, k[:, :, fed], v[:, :, fed])
+        keys, values = row.kv.view(layer.index, row.start + row.width)
+        attended = F.scaled_dot_product_attention(
+            q[:, :, fed], keys, values, attn_mask=row.mask, scale=layer.scaling, enable_gqa=gqa
+        )  # [1, heads, width, head_dim]
+        out[:, fed] = attended.transpose(1, 2)
+    return out

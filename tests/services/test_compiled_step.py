@@ -1,0 +1,91 @@
+"""serve-target --compile inductor: the decoder step compiled at start-up gives the target's own greedy output.
+
+The tiny target is compiled once for the module (a few seconds; the compile cache makes a second start
+cheaper). Chains of both drafters, token trees and several sessions batched into one forward all equal
+the target's own greedy continuations, as the eager step's do (test_greedy_e2e). Bad --compile values are
+refused at start-up with a message that names the choices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import Orchestrator
+from tests.conftest import Services, make_engines, run_async
+from tests.services.test_greedy_e2e import generate_all, generate_ids
+
+pytestmark = pytest.mark.services
+
+
+@pytest.fixture(scope="module")
+def compiled_services(background_loop, tiny_target_dir, tiny_draft_dir, tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    target, draft = make_engines(str(tiny_target_dir), str(tiny_draft_dir), compile_mode="inductor")
+    services = Services(background_loop, target, draft)
+    yield services
+    services.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_the_step_was_compiled_at_start(compiled_services):
+    assert compiled_services.target_engine.forward_kind.startswith("the decoder step, compiled by inductor in")
+
+
+@pytest.mark.parametrize("drafter,k", [(DrafterKind.NGRAM, 0), (DrafterKind.NGRAM, 4), (DrafterKind.MODEL, 4)])
+def test_compiled_greedy_equals_generate(compiled_services, tiny_target_dir, tiny_reference, drafter, k):
+    prompts_ids, expected = tiny_reference
+    assert run_async(generate_all(compiled_services, str(tiny_target_dir), prompts_ids, k, drafter, 24)) == expected
+
+
+def test_compiled_token_trees_equal_generate(compiled_services, tiny_target_dir, tiny_reference):
+    prompts_ids, expected = tiny_reference
+    trees: list[tuple[int, int]] = []
+    got = run_async(generate_all(compiled_services, str(tiny_target_dir), prompts_ids, 6, DrafterKind.MODEL, 24,
+                                 False, 4, trees))
+    assert got == expected and sum(rounds for rounds, _ in trees) > 0
+
+
+def test_compiled_batched_sessions_equal_generate(compiled_services, tiny_target_dir, tiny_reference):
+    """Every prompt at once: the target packs the sessions' blocks into shared forwards."""
+    prompts_ids, expected = tiny_reference
+    engine = compiled_services.target_engine
+    passes_before = engine.forward_passes
+
+    async def go():
+        config = OrchestratorConfig(compiled_services.target_address, compiled_services.draft_address,
+                                    tokenizer=str(tiny_target_dir))
+        orch = await Orchestrator.connect(config)
+        stats: list = []
+        try:
+            got = await asyncio.gather(*(generate_ids(orch, ids, 4, DrafterKind.NGRAM, 24, stats=stats)
+                                         for ids in prompts_ids))
+        finally:
+            await orch.close()
+        return got, stats
+
+    got, stats = run_async(go())
+    assert got == expected
+    rounds = sum(s.rounds for s in stats)
+    assert engine.forward_passes - passes_before < rounds  # some forwards carried several sessions
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--compile", "cuda-graphs"], "invalid choice: 'cuda-graphs' (choose from 'off', 'auto', 'inductor')"),
+    (["--compile", "inductor", "--stock-forward"], "--compile inductor compiles the fast forward"),
+])
+def test_a_bad_compile_flag_is_refused_at_start(flags, says):
+    run = subprocess.run([sys.executable, "-m", "specsplit.target_service.server", "--port", "0", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and says in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
