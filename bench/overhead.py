@@ -74,6 +74,8 @@ def add_flags(parser) -> None:
                         help="--suite overhead: new tokens per session in the CPU per token part")
     parser.add_argument("--overhead-repeats", type=int, default=2,
                         help="--suite overhead: interleaved passes over the modes; medians are reported")
+    parser.add_argument("--overhead-target-compile", default="auto", choices=("off", "auto", "inductor"),
+                        help="--suite overhead: the target's --compile (its decoder step eager, or compiled)")
     parser.add_argument("--overhead-transports", default="shared,own",
                         help="--suite overhead: how the orchestrator reaches the services, interleaved: shared (every "
                              "session on one Sessions stream per service) and/or own (a stream per session)")
@@ -251,13 +253,15 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model(Path(tmp) / "tiny"))
         service = ["--model", model, "--threads", "1"]
-        with processes.local_services(service, service) as (target, draft):
+        target_service = [*service, "--compile", args.overhead_target_compile]
+        with processes.local_services(target_service, service) as (target, draft):
             pids = {"orchestrator": os.getpid(), "target": target.process.pid, "draft": draft.process.pid}
             result = asyncio.run(measure(target.address, draft.address, model, args, pids))
     report = {
         "benchmark": "overhead",
         "model": "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)",
         "services": "processes on 127.0.0.1, 1 thread each; the orchestrator in the bench process; greedy, fixed K",
+        "target_compile": args.overhead_target_compile,
         "transports": "shared: every session on one Sessions stream per service; own: a stream per session",
         "machine": runs.machine(),
         **result,

@@ -89,3 +89,41 @@ def test_a_bad_compile_flag_is_refused_at_start(flags, says):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def _greedy_run(engine, prompt: list[int], steps: int, allowed=None) -> tuple[list[int], list[int]]:
+    """k = 0 steps of a session and of a second one forked from its prompt, interleaved: each one's new tokens."""
+    import torch
+
+    from specsplit.lmkit.kinds import VerificationMode
+    from specsplit.lmkit.sampling import SamplingParams
+
+    mask = None if allowed is None else torch.zeros(1, engine.vocab_size, dtype=torch.bool)
+    if mask is not None:
+        mask[0, allowed] = True
+    first = engine.open("compiled-a", prompt, SamplingParams(), VerificationMode.GREEDY)
+    shared_before = engine.shared_tokens
+    second = engine.open("compiled-b", prompt, SamplingParams(), VerificationMode.GREEDY, fork_from="compiled-a")
+    assert engine.shared_tokens > shared_before  # the fork copied the prompt's keys/values
+    try:
+        for _ in range(steps):
+            for session in (first, second):
+                engine.verify(session, len(session.tokens), [], None, None, mask)
+        return first.tokens[len(prompt):], second.tokens[len(prompt):]
+    finally:
+        engine.close("compiled-a")
+        engine.close("compiled-b")
+
+
+def test_compiled_forks_and_masks_commit_the_eager_steps_tokens(compiled_services, tiny_services, tiny_reference):
+    """A forked session (n samples of one prompt) and a grammar-style mask: the compiled step commits what the
+    eager step commits; unmasked, both forks are the target's own greedy continuation."""
+    prompts_ids, expected = tiny_reference
+    compiled, eager = compiled_services.target_engine, tiny_services.target_engine
+    assert eager.forward_kind == "the decoder step, eager"
+    a, b = _greedy_run(compiled, prompts_ids[0], 12)
+    assert a == b == expected[0][:12]
+    allowed = list(range(0, compiled.vocab_size, 3))  # every third id: the model's own choices are mostly banned
+    masked = _greedy_run(compiled, prompts_ids[1], 10, allowed)
+    assert masked == _greedy_run(eager, prompts_ids[1], 10, allowed)
+    assert all(t % 3 == 0 for t in masked[0]) and masked[0] != expected[1][:10]
