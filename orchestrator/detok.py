@@ -5,7 +5,7 @@ All classes keep one promise: text handed to the client is never retracted.
 incomplete; ``StopMatcher`` withholds text that could be the start of a stop
 string; ``TokenTextAlignment`` releases token ids in step with the text they
 make, so ids after a stop string are never sent. None imports grpc or
-transformers; the tokenizer is passed in and only its ``decode`` is used.
+transformers; the tokenizer is passed in (its ``backend_tokenizer`` and ``decode``).
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Any, Sequence
 
+from tokenizers.decoders import DecodeStream
+
 # Tokens of the prompt decoded together with the first output tokens, so that
 # tokenizers whose decoding depends on the left context (SentencePiece's
 # leading-space handling) render the first output token as they would mid-text.
 PROMPT_CONTEXT_TOKENS = 5
-
-# A UTF-8 character is at most 4 bytes, so an incomplete one at the tail has at
-# most 3 bytes, in at most 3 tokens: backing off 3 tokens always drops it.
-MAX_INCOMPLETE_TOKENS = 3
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -28,11 +26,12 @@ REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Turns committed token ids into text deltas without retracting anything already emitted.
 
-    The prefix_offset / read_offset technique of vLLM and HF TGI: decode the
-    tokens from ``prefix_offset`` (a few already-emitted tokens, for context) to
-    the end, and emit what extends past the decoding of ``prefix_offset:read_offset``
-    (the already-emitted part of the window). A delta ending in U+FFFD means a
-    character's bytes are still arriving, so it waits.
+    tokenizers' own incremental decoder (``tokenizers.decoders.DecodeStream``), one step a token: it
+    holds a token whose bytes do not make a complete character yet, so text before an incomplete
+    character flows and the character follows whole. The last few prompt tokens prime it, so a
+    tokenizer whose decoding depends on the left context renders the first output token as it would
+    mid-text. ``flush`` hands out what it still holds, incomplete characters as U+FFFD, as ``decode``
+    renders them.
 
     For tokenizers whose ``decode`` is a concatenation of per-token pieces
     (byte-level BPE, SentencePiece with byte fallback),
@@ -42,36 +41,41 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's tokenizers.Tokenizer
+        if self._backend is None:
+            raise ValueError(f"streaming text needs a fast tokenizer (the tokenizers library); "
+                             f"{type(tokenizer).__name__} is not one")
         self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = [int(t) for t in prompt_ids]
-        self._prefix_offset = max(len(self._ids) - PROMPT_CONTEXT_TOKENS, 0)
-        self._read_offset = len(self._ids)  # tokens before this have been emitted
+        self._context = [int(t) for t in prompt_ids[max(len(prompt_ids) - PROMPT_CONTEXT_TOKENS, 0) :]]
+        self._pending: list[int] = []  # stepped, not emitted yet (an incomplete character)
+        self._stream = DecodeStream(self._context, skip_special_tokens=skip_special_tokens)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append output tokens; return the newly stable text ("" while a character is incomplete)."""
-        self._ids.extend(int(t) for t in token_ids)
-        if len(self._ids) == self._read_offset:
-            return ""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        # Longest stable prefix of the new tokens first; shorter ones only when the
-        # tail ends mid-character, so text before an incomplete character still flows.
-        lowest_end = max(self._read_offset, len(self._ids) - MAX_INCOMPLETE_TOKENS - 1)
-        for end in range(len(self._ids), lowest_end, -1):
-            text = self._decode(self._prefix_offset, end)
-            if len(text) > len(prefix_text) and not text.endswith(REPLACEMENT_CHAR):
-                self._prefix_offset, self._read_offset = self._read_offset, end
-                return text[len(prefix_text) :]
-        return ""
+        out = []
+        for token in token_ids:
+            token = int(token)
+            self._pending.append(token)
+            text = self._stream.step(self._backend, token)
+            if text is not None:
+                out.append(text)
+                self._context = (self._context + self._pending)[-PROMPT_CONTEXT_TOKENS:]
+                self._pending = []
+        return "".join(out)
 
     def flush(self) -> str:
         """Return all text not yet emitted, incomplete characters included (as U+FFFD)."""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        text = self._decode(self._prefix_offset, len(self._ids))
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return text[len(prefix_text) :]
+        if not self._pending:
+            return ""
+        both = self._decode(self._context + self._pending)
+        text = both[len(self._decode(self._context)) :]
+        self._context = (self._context + self._pending)[-PROMPT_CONTEXT_TOKENS:]
+        self._pending = []
+        self._stream = DecodeStream(self._context, skip_special_tokens=self._skip_special_tokens)
+        return text
 
-    def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
 
 class StopMatcher:
