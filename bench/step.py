@@ -10,7 +10,8 @@ verifying a block of ``width`` tokens, ``batch`` rows packed into one forward:
 - ``inductor``: the decoder step compiled by ``torch.compile`` (plain linears; ``--compile inductor``).
 
 Modes are measured in turn within each repeat (interleaved), the fastest repeat kept. Also: the compile
-time, and the first forward after it (a new session's prefill). The logits of every mode are compared with
+time, and the first forward after it (a new session's prefill); and a greedy block's decision, the argmax
+of its rows, through torch's max and through ``row_argmax``. The logits of every mode are compared with
 ``transformers``' at each cell: ``step`` must equal them bit for bit, ``inductor`` to rounding (its fused
 kernels sum in another order), with the same argmax. JSON and a PNG.
 """
@@ -38,6 +39,9 @@ def add_flags(parser) -> None:
     parser.add_argument("--step-widths", default="1,2,3,5,9", help="--suite step: verify widths (tokens per row)")
     parser.add_argument("--step-batches", default="1,8,32", help="--suite step: rows packed into one forward")
     parser.add_argument("--step-repeats", type=int, default=3, help="--suite step: interleaved repeats per cell")
+    parser.add_argument("--step-parts", default="forward,decision",
+                        help="--suite step: forward (the packed forward by width and batch) and/or decision (a greedy "
+                             "block's argmax rows: torch's max against row_argmax)")
 
 
 def load(ref: str, mode: str):
@@ -111,29 +115,59 @@ def measure_model(ref: str, widths: list[int], batches: list[int], repeats: int,
     return {"model": ref, "modes": first, "cells": rows, "mismatches": mismatch}
 
 
+def measure_decision(widths: list[int], vocab: int = 49152, repeats: int = 5) -> list[dict]:
+    """A greedy block's decision, the argmax of its [width, vocab] logits rows: torch's max, then row_argmax
+    (what the verifiers call), interleaved; microseconds a block."""
+    from specsplit.lmkit.sampling import row_argmax
+
+    rows = []
+    for width in widths:
+        logits = torch.randn(width, vocab, generator=torch.Generator().manual_seed(width))
+        assert torch.equal(row_argmax(logits)[1], logits.max(dim=-1).indices)
+        best = {"max": float("inf"), "row_argmax": float("inf")}
+        for _ in range(repeats):
+            for name, fn in (("max", lambda: logits.max(dim=-1)), ("row_argmax", lambda: row_argmax(logits))):
+                fn()
+                began = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                best[name] = min(best[name], (time.perf_counter() - began) / 200)
+        rows.append({"rows": width, "vocab": vocab, "max_us": round(best["max"] * 1e6, 1),
+                     "row_argmax_us": round(best["row_argmax"] * 1e6, 1),
+                     "ratio": round(best["max"] / best["row_argmax"], 2)})
+    return rows
+
+
 def run(args) -> int:
     from specsplit.bench.overhead import tiny_model
 
     torch.set_num_threads(1)
+    parts = {p.strip() for p in args.step_parts.split(",") if p.strip()}
+    if not parts or parts - {"forward", "decision"}:
+        raise ValueError(f"--step-parts: forward and/or decision, got {args.step_parts!r}")
     widths = [int(w) for w in args.step_widths.split(",")]
     batches = [int(b) for b in args.step_batches.split(",")]
     if min(widths) < 1 or min(batches) < 1 or args.step_repeats < 1:
         raise ValueError("--step-widths, --step-batches and --step-repeats take positive integers")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "specsplit-bench-inductor"))
     started = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny = str(tiny_model(Path(tmp) / "near-zero"))
-        near_zero = measure_model(tiny, widths, batches, args.step_repeats, lambda b, w: 200 if b == 1 else 50)
-    real = measure_model(args.model, widths, batches, args.step_repeats, lambda b, w: 3 if b * w <= 16 else 1)
-    near_zero["model"] = "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)"
+    results = []
+    if "forward" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            tiny = str(tiny_model(Path(tmp) / "near-zero"))
+            near_zero = measure_model(tiny, widths, batches, args.step_repeats, lambda b, w: 200 if b == 1 else 50)
+        near_zero["model"] = "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)"
+        real = measure_model(args.model, widths, batches, args.step_repeats, lambda b, w: 3 if b * w <= 16 else 1)
+        results = [near_zero, real]
+    decision = measure_decision(widths) if "decision" in parts else []
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
-        "repeats": args.step_repeats, "results": [near_zero, real],
+        "repeats": args.step_repeats, "results": results, "decision": decision,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "duration_s": round(time.time() - started, 1),
     }
     path = runs.write(out, args.json)
-    png = plot(out, path.with_suffix(".png"))
+    png = plot(out, path.with_suffix(".png")) if results else None
     for result in out["results"]:
         print(result["model"])
         for mode, first in result["modes"].items():
@@ -142,6 +176,9 @@ def run(args) -> int:
             print(f"  batch {row['batch']:>2} width {row['width']}: {row['mode']:>12} {row['ms']:9.3f} ms "
                   f"(x{row['vs_transformers']:.2f} vs transformers, t/t1 {row['t_over_t1']:.2f})")
         print(f"  mismatches: {result['mismatches'] or 'none'}")
+    for row in out["decision"]:
+        print(f"greedy decision, {row['rows']} x {row['vocab']}: max {row['max_us']} us, row_argmax "
+              f"{row['row_argmax_us']} us (x{row['ratio']})")
     print(f"-> {path}" + (f", {png}" if png else ""))
     return 0 if not any(r["mismatches"] for r in out["results"]) else 1
 

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from specsplit.lmkit.draws import ACCEPT, SAMPLE, gumbel_max, inverse_cdf
+from specsplit.lmkit.sampling import row_argmax
 
 # Rows of target_probs / draft_probs must sum to 1 within this; catches logits passed by mistake
 # while tolerating bf16/fp16 softmax rounding.
@@ -46,7 +47,7 @@ def verify_greedy(
     Argmax ties go to the lowest token id (``torch.max`` returns the first maximum).
     """
     tokens = _check_block("target_logits", target_logits, draft_tokens)
-    best, argmax = target_logits.max(dim=-1)  # [k+1] each; a NaN anywhere in a row becomes its max
+    best, argmax = row_argmax(target_logits)  # [k+1] each; a NaN anywhere in a row becomes its max
     if any(math.isnan(v) for v in best.tolist()):
         raise ValueError("target_logits contain NaN; check the model output")
     argmax = argmax.tolist()

@@ -23,6 +23,7 @@ import torch
 
 from specsplit.lmkit import token_tree
 from specsplit.lmkit.draws import ACCEPT, SAMPLE, inverse_cdf
+from specsplit.lmkit.sampling import row_argmax
 
 ROW_SUM_TOLERANCE = 1e-2  # as the chain verifiers: catches logits passed as probabilities
 
@@ -50,7 +51,7 @@ def verify_tree_greedy(
     a leaf, so the output equals the target's own greedy output.
     """
     tokens = _check_tree(target_logits, draft_tokens, parents)
-    best, argmax = target_logits.max(dim=-1)  # [n+1] each
+    best, argmax = row_argmax(target_logits)  # [n+1] each
     if any(math.isnan(v) for v in best.tolist()):
         raise ValueError("target_logits contain NaN; check the model output")
     argmax = argmax.tolist()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specsplit.lmkit.sampling import SamplingParams, first_rows, logits_to_probs, rows_when_reached
+from specsplit.lmkit.sampling import SamplingParams, first_rows, logits_to_probs, row_argmax, rows_when_reached
 
 pytestmark = pytest.mark.unit
 
@@ -265,3 +265,25 @@ def test_top_k_from_candidates_equals_the_full_sort(top_k, top_p, scale):
     assert torch.equal(fast, sampling._sorted_truncation_mask(scaled, top_k, top_p))
     if top_p == 1.0:
         assert fast.sum(dim=-1).tolist() == [top_k] * 8
+
+
+@pytest.mark.parametrize("rows,vocab", [(2, 64), (5, 49152), (9, 128 * 3), (3, 100), (1, 49152)])
+def test_row_argmax_is_max_with_first_index(rows, vocab):
+    generator = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=generator)
+    logits[0, vocab // 3] = logits[0, vocab - 1] = 99.0  # a tie across chunks: the lower id wins
+    logits[-1, 1] = logits[-1, 2] = 98.0  # a tie within a chunk
+    if rows > 2:
+        logits[1] = float("-inf")  # a row a mask refused entirely
+    best, index = row_argmax(logits)
+    want_best, want_index = logits.max(dim=-1)
+    assert torch.equal(best, want_best) and torch.equal(index, want_index)
+    assert index[0] == vocab // 3
+
+
+def test_row_argmax_reports_a_nan_row_as_max_does():
+    logits = torch.randn(4, 256)
+    logits[2, 130] = float("nan")
+    best, index = row_argmax(logits)
+    assert torch.isnan(best[2]) and not torch.isnan(best[[0, 1, 3]]).any()
+    assert torch.equal(index[[0, 1, 3]], logits.max(dim=-1).indices[[0, 1, 3]])
