@@ -67,6 +67,14 @@ class SamplingDrafter(Drafter):
         token = draws.inverse_cdf(q[0].to(torch.float64), u)
         return token, (q if self._return_probs else None)
 
+    def _runner_up(self, logits: torch.Tensor, token: int, position: int) -> tuple[float, int] | None:
+        """The second choice at absolute ``position`` beside the drafted ``token`` ([1, vocab] logits)."""
+        if self._sampling.greedy:
+            return _runner_up(logits[0], token)
+        q = logits_to_probs(logits, self._sampling)[0]  # [vocab]
+        seed = self._sampling.seed
+        return _coupled_runner_up(q, token, lambda ids: draws.gumbel(seed, draws.Stream.COUPLED, position, ids))
+
 
 class ModelDrafter(SamplingDrafter):
     def __init__(
@@ -105,13 +113,15 @@ class ModelDrafter(SamplingDrafter):
         return self._draft(k, None)
 
     def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> Proposal:
-        """Greedy: the chain plus up to max_branches - 1 second choices as leaves; sampling: the chain.
+        """Greedy and coupled: the chain plus up to max_branches - 1 second choices as leaves; other sampling:
+        the chain.
 
         The second choices go where the draft was least sure (the largest second-best probability), each
         as a leaf beside its first: the top-2 branching of EAGLE-2 (Li et al. 2024), kept to leaves so
-        that a tree costs no extra draft forward.
+        that a tree costs no extra draft forward. Coupled, a second choice is the runner-up of log q + G
+        with the target's noise: what the target's coupled token is when it is not the chain's.
         """
-        if not self._sampling.greedy or max_branches <= 1:
+        if not (self._sampling.greedy or self._coupled) or max_branches <= 1:
             return self.propose(min(k, max_nodes))
         k = min(k, max_nodes)
         runners_up: list[tuple[float, int, int]] = []  # (probability, position, token) of each second choice
@@ -131,7 +141,7 @@ class ModelDrafter(SamplingDrafter):
         return Proposal(tokens=tokens, parents=parents)
 
     def _draft(self, k: int, runners_up: list | None) -> Proposal:
-        """The chain; with ``runners_up`` (greedy), also the second choice at each position."""
+        """The chain; with ``runners_up`` (greedy, coupled), also the second choice at each position."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         drafted: list[int] = []
@@ -146,14 +156,21 @@ class ModelDrafter(SamplingDrafter):
             if probs is not None:
                 rows.append(probs)
             if runners_up is not None:
-                probability, other = _runner_up(logits[0], token)
-                runners_up.append((probability, position, other))
+                found = self._runner_up(logits, token, len(self._tokens) + len(drafted) - 1)
+                if found is not None:
+                    runners_up.append((found[0], position, found[1]))
         probs = torch.cat(rows) if self._return_probs and rows else None
         second_guess = None
         if margins:
             index = min(range(len(margins)), key=lambda i: margins[i][0])
             second_guess = (index, margins[index][1])
         return Proposal(tokens=drafted, probs=probs, second_guess=second_guess)
+
+
+def _coupled_runner_up(q: torch.Tensor, token: int, noise) -> tuple[float, int] | None:
+    """The probability and id of the runner-up of log q + G (q: [vocab]); None when q has one token."""
+    other = draws.gumbel_runner_up(q, noise, token)
+    return None if other is None else (float(q[other]), other)
 
 
 def _runner_up(logits: torch.Tensor, token: int) -> tuple[float, int]:

@@ -144,6 +144,22 @@ def gumbel_max(
     return int(ids[int(scores.argmax())])
 
 
+def gumbel_runner_up(
+    probs: torch.Tensor,  # [vocab] >= 0, need not be normalised
+    noise: Callable[[torch.Tensor], torch.Tensor],  # token ids [n] int64 -> their Gumbel noise [n] float64
+    first: int,  # the token gumbel_max chose with the same noise
+) -> int | None:
+    """The token with the second largest log p + G over the support (the largest being ``first``); None when the
+    support holds one token. A coupled drafter's second choice: what it would have drafted had ``first`` not
+    been there."""
+    ids = probs.nonzero().flatten()  # [n] ascending
+    if ids.numel() < 2:
+        return None
+    scores = probs[ids].to(torch.float64).log() + noise(ids)
+    scores[ids == first] = float("-inf")
+    return int(ids[int(scores.argmax())])
+
+
 def inverse_cdf(
     probs: torch.Tensor,  # [vocab] float64 >= 0, need not be normalised
     uniform: float,  # in (0, 1)

@@ -34,7 +34,7 @@ class VerificationMode(enum.Enum):
 
 
 # The modes a target verifies token trees in (target_service.tree_verify); the others take chains.
-TREE_MODES = frozenset({VerificationMode.GREEDY, VerificationMode.TOKEN_ONLY})
+TREE_MODES = frozenset({VerificationMode.GREEDY, VerificationMode.TOKEN_ONLY, VerificationMode.COUPLED})
 
 
 class _KindRegistry(type):

@@ -423,7 +423,7 @@ class Orchestrator:
 
     def tree_branches(self, request: GenerationRequest, mode: VerificationMode) -> int:
         """The request's tree width where draft and target both take trees and its mode verifies them
-        (GREEDY, TOKEN_ONLY: not COUPLED, the default for sampled requests), else 1. A feature drafter's
+        (GREEDY, TOKEN_ONLY, COUPLED: not DRAFT_PROBS), else 1. A feature drafter's
         (EAGLE, alone or in a chain) rounds are chains: 1."""
         both = self.target.info.token_trees and self.draft is not None and self.draft.info.token_trees
         chains_only = self.feature_traits(request).needs_features

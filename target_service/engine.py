@@ -511,7 +511,7 @@ class TargetEngine:
             raise errors.InvalidArgument("two siblings in the token tree carry the same token; merge them")
         if session.mode not in TREE_MODES:
             raise errors.InvalidArgument(
-                f"token trees are verified in GREEDY and TOKEN_ONLY modes; {session.mode.name} takes chains"
+                f"token trees are verified in GREEDY, TOKEN_ONLY and COUPLED modes; {session.mode.name} takes chains"
             )
 
     @staticmethod
@@ -519,6 +519,12 @@ class TargetEngine:
         tokens = torch.tensor(list(draft_tokens), dtype=torch.long)
         if session.mode is VerificationMode.GREEDY:
             return tree_verify.verify_tree_greedy(logits, tokens, parents)
+        if session.mode is VerificationMode.COUPLED:
+            # Depth d decides absolute position len(tokens) + d, with that position's noise, as a chain does.
+            position, seed = len(session.tokens), session.sampling.seed
+            noise = lambda d, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + d, ids)  # noqa: E731
+            row = rows_when_reached(logits, session.sampling)
+            return tree_verify.verify_tree_coupled(row, tokens, parents, logits.shape[1], noise)
         target_probs = logits_to_probs(logits, session.sampling)
         # The walk decides one node per depth: depth d's draws are those of absolute position len(tokens) + d.
         position, depth = len(session.tokens), max(token_tree.depths(parents)) + 2

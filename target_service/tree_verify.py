@@ -6,7 +6,9 @@ al. 2024): the draft offers several continuations merged into a tree (``specspli
 and the target scores every node in one forward. Row 0 of its output is p after the context, row
 i + 1 is p after node i. Greedy follows the target's argmax; sampling (token-only: the children are
 point proposals, as from an n-gram drafter) tries each node's children against the residual, so
-every emitted token is distributed exactly as p whatever the candidates.
+every emitted token is distributed exactly as p whatever the candidates; coupled sampling follows, at
+each depth, the child carrying the target's Gumbel-max token, so the output is the target's own coupled
+sampling for the seed.
 
 The answer is the accepted path (node indices, root first) and the next token; a chain gets the
 same verdict as from the chain verifiers of ``rejection``. Randomness is passed in
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from specsplit.lmkit import token_tree
-from specsplit.lmkit.draws import ACCEPT, SAMPLE, inverse_cdf
+from specsplit.lmkit.draws import ACCEPT, SAMPLE, gumbel_max, inverse_cdf
 from specsplit.lmkit.sampling import row_argmax
 
 ROW_SUM_TOLERANCE = 1e-2  # as the chain verifiers: catches logits passed as probabilities
@@ -123,6 +126,44 @@ def verify_tree_token_only(
             # An all-zero residual means the children held all of p up to rounding: reached with
             # probability ~0, and sampling from p keeps the output exact.
             return TreeVerdict(path, inverse_cdf(residual, u[SAMPLE], fallback=p))
+        path.append(following)
+        node = following
+
+
+def verify_tree_coupled(
+    row_probs: Callable[[int], torch.Tensor],  # row r -> [vocab] p_r, rows sum to 1: r = 0 after the context, i+1 after node i
+    draft_tokens: torch.Tensor,  # [n] int64
+    parents: list[int],  # [n], see lmkit.token_tree
+    vocab: int,
+    noise: Callable[[int, torch.Tensor], torch.Tensor],  # (depth d, token ids [m] int64) -> Gumbel noise [m] float64
+) -> TreeVerdict:
+    """Gumbel-max coupling down a tree: at each depth the target's token is argmax(log p + G(depth)) of the node
+    reached; follow the child that carries it, else emit it (**recovered**), and after a leaf emit the
+    leaf's (**bonus**).
+
+    Every emitted token is the target's coupled token for its absolute position given the tokens before
+    it, so the output is the target's own coupled sampling, the same whatever the tree (or K, or drafter)
+    for a seed. Only the rows on the walked path are asked for, and only their depths' noise.
+    """
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 1 or draft_tokens.dtype != torch.int64:
+        raise ValueError("draft_tokens must be a 1-D int64 tensor [n]")
+    tokens = draft_tokens.tolist()
+    token_tree.check_parents(parents, len(tokens))
+    if any(not 0 <= token < vocab for token in tokens):
+        raise ValueError(f"draft_tokens must be token ids in [0, {vocab})")
+    kids = token_tree.children(parents)
+    path, node = [], token_tree.ROOT
+    while True:
+        p = row_probs(node + 1)
+        if not isinstance(p, torch.Tensor) or tuple(p.shape) != (vocab,):
+            raise ValueError(f"row {node + 1} must be a tensor [vocab] = [{vocab}]")
+        p = p.to(device="cpu", dtype=torch.float64)
+        if not float(p.min()) >= 0.0 or not abs(float(p.sum()) - 1.0) <= ROW_SUM_TOLERANCE:
+            raise ValueError(f"row {node + 1} is not a distribution (negative, NaN, or not summing to 1)")
+        chosen = gumbel_max(p, lambda ids, depth=len(path): noise(depth, ids))
+        following = next((child for child in kids[node + 1] if tokens[child] == chosen), None)
+        if following is None:
+            return TreeVerdict(path, chosen)
         path.append(following)
         node = following
 

@@ -101,22 +101,17 @@ def test_system_output_distribution_is_the_targets(tiny_services, tiny_target_di
     assert_distributed_as(samples, exact)
 
 
-def test_token_trees_keep_system_sampling_lossless(tiny_services, tiny_target_dir):
-    """n-gram trees (the suffix 5 6 occurred twice before, with different continuations) in TOKEN_ONLY mode.
-
-    COUPLED (the default for sampled requests) verifies chains only: its rounds send no tree.
-    """
+@pytest.mark.parametrize("mode", [VerificationMode.TOKEN_ONLY, VerificationMode.COUPLED])
+def test_token_trees_keep_system_sampling_lossless(tiny_services, tiny_target_dir, mode):
+    """n-gram trees (the suffix 5 6 occurred twice before, with different continuations), sampled: TOKEN_ONLY
+    tries the children against the residual, COUPLED follows the child carrying the target's coupled token."""
     prompt = [5, 6, 7, 9, 5, 6, 8, 9, 5, 6]
     sampling = SamplingParams(temperature=4.0, top_k=3)
-    coupled: list[int] = []
-    run_async(sample_many(tiny_services, tiny_target_dir, 4, 2, DrafterKind.NGRAM, VerificationMode.COUPLED, sampling, 2,
-                          prompt=prompt, tree_branches=4, tree_rounds=coupled))
-    assert coupled == [0] * 4
     exact = exact_first_two(tiny_target_dir, sampling, prompt)
     trees: list[int] = []
     runs = 800  # ~89 expected per cell on average over the 9 (t1, t2) pairs
     samples = run_async(
-        sample_many(tiny_services, tiny_target_dir, runs, 2, DrafterKind.NGRAM, VerificationMode.TOKEN_ONLY, sampling, 2,
+        sample_many(tiny_services, tiny_target_dir, runs, 2, DrafterKind.NGRAM, mode, sampling, 2,
                     prompt=prompt, tree_branches=4, tree_rounds=trees, concurrent=16)
     )
     assert sum(trees) >= runs  # every first round verified a tree

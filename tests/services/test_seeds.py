@@ -100,10 +100,11 @@ def test_a_target_losing_every_session_gives_the_same_tokens_for_a_seed(
     assert [ids for ids, _ in lost] == [ids for ids, _ in steady]
 
 
-def coupled(seed: int, k: int, drafter=DrafterKind.MODEL, *, adaptive=False, overlap=False) -> GenerationRequest:
+def coupled(seed: int, k: int, drafter=DrafterKind.MODEL, *, adaptive=False, overlap=False,
+            branches: int = 1) -> GenerationRequest:
     sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
     return GenerationRequest("", False, NEW, sampling, (), k, drafter, False, adaptive, (), overlap,
-                             sampling_mode=VerificationMode.COUPLED)
+                             sampling_mode=VerificationMode.COUPLED, tree_branches=branches)
 
 
 SETTINGS = [  # (k, drafter, adaptive, overlap): every way a seed's run may be scheduled
@@ -132,6 +133,18 @@ def test_coupled_tokens_depend_on_the_seed_alone(tiny_services, tiny_target_dir,
     for request, (ids, stats) in zip(requests, results):
         assert stats.mode == VerificationMode.COUPLED.value
         assert ids == target_only_tokens[request.sampling.seed], request
+
+
+@pytest.mark.parametrize("drafter", [DrafterKind.MODEL, DrafterKind.NGRAM])
+def test_coupled_token_trees_give_the_seeds_own_tokens(tiny_services, tiny_target_dir, target_only_tokens, drafter):
+    """Trees in COUPLED mode: each depth follows the child carrying the target's coupled token, so every tree
+    the drafter offers leaves the seed's tokens as they are at k = 0."""
+    requests = [coupled(seed, 6, drafter, branches=4, overlap=overlap) for seed in SEEDS for overlap in (False, True)]
+    (results,) = run_async(generate_on_each([tiny_services], tiny_target_dir, requests))
+    for request, (ids, stats) in zip(requests, results):
+        assert ids == target_only_tokens[request.sampling.seed], request
+    if drafter is DrafterKind.MODEL:  # the model's second choices make a tree every round
+        assert sum(stats.tree_rounds for _, stats in results) > 0
 
 
 def test_coupled_tokens_survive_a_target_that_loses_every_session(forgetful_target, tiny_target_dir, target_only_tokens):

@@ -5,6 +5,8 @@ token, the first one expanded by two more, the second by one. Rounds run until t
 emitted, and the joint of those tokens is compared with the target's exact joint (chi-square and total
 variation, as for chains in stats/test_rejection.py). The negative control accepts a later sibling
 with its plain probability p(c) instead of its share of the residual, and the same test catches it.
+Coupled trees (Gumbel-max) emit, trial by trial, exactly the tokens coupled sampling emits one at a time
+with the same noise, and so the target's joint; a walk that follows the first child is caught.
 Why 25,000 trials a run suffice: docs/testing.md ("Wall time").
 """
 
@@ -15,8 +17,13 @@ import pytest
 import torch
 
 from specsplit.lmkit import token_tree
-from specsplit.lmkit.draws import ACCEPT, SAMPLE, inverse_cdf
-from specsplit.target_service.tree_verify import TreeVerdict, uniform_columns, verify_tree_token_only
+from specsplit.lmkit.draws import ACCEPT, SAMPLE, gumbel_max, inverse_cdf
+from specsplit.target_service.tree_verify import (
+    TreeVerdict,
+    uniform_columns,
+    verify_tree_coupled,
+    verify_tree_token_only,
+)
 from tests.stats.test_rejection import DRAFT, EMITTED, START, TARGET, fit_to_target
 from tests.unit.target_service.test_rejection import seeded
 
@@ -88,4 +95,59 @@ def test_tree_sampling_is_distributed_as_the_target(verify, lossless):
         assert fit.pvalue > 1e-3, fit
         assert fit.tv < fit.tv_bound, fit
     else:
+        assert fit.pvalue < 1e-6, fit
+
+
+COUPLED_TRIALS = 6_000  # the negative control below fails at p ~ 0 with far fewer; each trial is a Python loop
+
+
+def coupled_samples(walk, seed: int) -> tuple[np.ndarray, np.ndarray]:  # -> [TRIALS, EMITTED] walked, sequential
+    """Per trial one Gumbel table [EMITTED, vocab] (noise keyed by position): the tokens the tree walks emit, and
+    the tokens coupled sampling emits one at a time (k = 0) with the same noise."""
+    generator = seeded(seed)
+    vocab = TARGET.shape[1]
+    walked = np.empty((COUPLED_TRIALS, EMITTED), dtype=np.int64)
+    alone = np.empty((COUPLED_TRIALS, EMITTED), dtype=np.int64)
+    for trial in range(COUPLED_TRIALS):
+        u = torch.rand(EMITTED + 8, vocab, dtype=torch.float64, generator=generator)
+        gumbel = -torch.log(-torch.log(u))  # [positions, vocab]
+        emitted, last = [], START
+        while len(emitted) < EMITTED:
+            tokens, parents = TREES[last]
+            rows = TARGET[[last, *tokens]].double()  # [n+1, vocab]
+            start = len(emitted)
+            verdict = walk(lambda r: rows[r], torch.tensor(tokens), parents, vocab,
+                           lambda depth, ids, start=start: gumbel[start + depth, ids])
+            new = [tokens[i] for i in verdict.path] + [verdict.next_token]
+            emitted.extend(new)
+            last = new[-1]
+        walked[trial] = emitted[:EMITTED]
+        last = START
+        for position in range(EMITTED):
+            last = gumbel_max(TARGET[last].double(), lambda ids, position=position: gumbel[position, ids])
+            alone[trial, position] = last
+    return walked, alone
+
+
+def first_child_walk(row_probs, draft_tokens, parents, vocab, noise) -> TreeVerdict:
+    """Negative control: follows the first child whatever the target's coupled token is."""
+    kids = token_tree.children(parents)
+    path, node = [], token_tree.ROOT
+    while kids[node + 1]:
+        node = kids[node + 1][0]
+        path.append(node)
+    return TreeVerdict(path, gumbel_max(row_probs(node + 1), lambda ids: noise(len(path), ids)))
+
+
+@pytest.mark.parametrize("walk, lossless", [(verify_tree_coupled, True), (first_child_walk, False)],
+                         ids=["coupled-walk", "negative-control"])
+def test_coupled_trees_emit_the_seeds_own_tokens_and_the_targets_distribution(walk, lossless):
+    walked, alone = coupled_samples(walk, seed=7)
+    fit = fit_to_target(walked)
+    if lossless:
+        assert np.array_equal(walked, alone)  # the same tokens as k = 0, trial by trial
+        assert fit.pvalue > 1e-3, fit
+        assert fit.tv < fit.tv_bound, fit
+    else:
+        assert not np.array_equal(walked, alone)
         assert fit.pvalue < 1e-6, fit

@@ -133,7 +133,7 @@ def test_bad_trees_are_refused(engine, tokens, parents, message):
 def test_trees_need_a_tree_mode_and_the_packed_forward(engine, tiny_target_dir):
     session = engine.open("s", [1, 2, 3], SamplingParams(temperature=0.8), VerificationMode.DRAFT_PROBS)
     try:
-        with pytest.raises(errors.InvalidArgument, match="GREEDY and TOKEN_ONLY"):
+        with pytest.raises(errors.InvalidArgument, match="GREEDY, TOKEN_ONLY and COUPLED modes; DRAFT_PROBS takes chains"):
             engine.verify(session, 3, [4, 5], torch.full((2, 49152), 1 / 49152), [-1, -1])
     finally:
         engine.close("s")
