@@ -44,6 +44,7 @@ class OrchestratorConfig:
     max_prompt_bytes: int = 0  # UTF-8 bytes of a prompt (all turns); 0: the context length x the longest token
     max_stop_chars: int = 256  # characters of one stop string
     tokenize_threads: int = 2  # threads that tokenize prompts and render chat templates, off the event loop
+    grammar_timeout_s: float = 10.0  # a request's grammar compiling longer is refused (on those threads); 0: no bound
     ngram_min: int = 2
     ngram_max: int = 4
     connect_timeout_s: float = 120.0
@@ -88,6 +89,8 @@ class OrchestratorConfig:
             raise ValueError(f"--grpc-stalled-send-s must be > 0, got {self.grpc_stalled_send_s}")
         if self.max_prompt_bytes < 0:
             raise ValueError(f"--max-prompt-bytes must be >= 0 (0: from the context length), got {self.max_prompt_bytes}")
+        if self.grammar_timeout_s < 0:
+            raise ValueError(f"--grammar-timeout-s must be >= 0 (0: no bound), got {self.grammar_timeout_s}")
         if self.max_stop_chars < 1 or self.tokenize_threads < 1:
             raise ValueError("max_stop_chars and --tokenize-threads must be >= 1")
         if self.default_sampling_mode not in (VerificationMode.TOKEN_ONLY, VerificationMode.COUPLED):

@@ -222,10 +222,18 @@ class Orchestrator:
 
     def compile_grammar(self, spec: GrammarSpec):
         """A request's grammar compiled for this tokenizer and the target's vocabulary (GrammarError if it
-        does not compile)."""
+        does not compile). Blocking: requests compile through ``compile_grammar_off_loop``."""
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.target.info.vocab_size, self.eos_ids)
         return self._grammars.compile(spec)
+
+    async def compile_grammar_off_loop(self, spec: GrammarSpec):
+        """``compile_grammar`` on the tokenizing threads, so the event loop keeps serving; a grammar still compiling
+        after ``--grammar-timeout-s`` raises TimeoutError (its thread finishes on its own, its result unused)."""
+        loop = asyncio.get_running_loop()
+        compiling = loop.run_in_executor(self._tokenize_pool, self.compile_grammar, spec)
+        bound = self.config.grammar_timeout_s
+        return await (asyncio.wait_for(compiling, bound) if bound else compiling)
 
     def encode(self, prompt: str, chat: bool, messages: Sequence[dict] = (), tools: Sequence[dict] = ()) -> list[int]:
         """Token ids of a raw prompt, of a prompt as one user turn (``chat``), or of a conversation (turns as chat

@@ -87,7 +87,8 @@ def prompt_byte_limit(configured: int, max_context: int, longest: int) -> int:
 
 
 def check_prompt_size(prompt: str, messages: Sequence[tuple[str, str]], limit: int) -> None:
-    """Refuse a prompt (or conversation) over ``limit`` UTF-8 bytes, before it is tokenized."""
+    """Refuse a prompt (or conversation; with the request's tools and grammar text) over ``limit`` UTF-8 bytes,
+    before it is tokenized."""
     chars = len(prompt) + sum(len(role) + len(content) for role, content in messages)
     if chars > limit:  # a character is at least one byte: no need to encode what is over by characters alone
         size = f"at least {chars}"
@@ -101,6 +102,6 @@ def check_prompt_size(prompt: str, messages: Sequence[tuple[str, str]], limit: i
         size = str(encoded)
     metrics.REFUSED.inc(reason="prompt_too_large")
     raise errors.InvalidArgument(
-        f"the prompt is {size} bytes; at most {limit} are accepted (the model's context in tokens times the "
-        "longest token's bytes); shorten the prompt"
+        f"the prompt is {size} bytes (with its tools and grammar); at most {limit} are accepted (the model's "
+        "context in tokens times the longest token's bytes); shorten the prompt"
     )

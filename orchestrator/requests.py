@@ -37,7 +37,7 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     """
     config = orch.config
     messages = _messages(msg)
-    check_prompt_size(msg.prompt + msg.tools, _sized(msg.messages), orch.prompt_byte_limit)
+    check_prompt_size(msg.prompt + msg.tools + grammar_text(msg), _sized(msg.messages), orch.prompt_byte_limit)
     tools = _tools(msg)
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else config.default_max_new_tokens
     if not 1 <= max_new <= config.max_new_tokens_limit:
@@ -66,7 +66,7 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     if wants_probs and not (traits is not None and traits.has_probs):
         names = "/".join(sorted(t.kind.name for t in orch.drafter_traits.values() if t.has_probs)) or "model"
         raise errors.InvalidArgument(f"draft_probs needs a {names} drafter; {drafter.name} sends token ids only")
-    grammar = _grammar(msg, orch, wants_probs)
+    grammar = await _grammar(msg, orch, wants_probs)
     chain = _chain(msg.chain, drafter, orch.drafters if k > 0 and orch.draft is not None else None)
     top_logprobs = _top_logprobs(msg)
     request_id = _request_id(msg.request_id)
@@ -166,9 +166,19 @@ def _tools(msg: pb.GenerateRequest) -> list[dict]:
     return tools
 
 
-def _grammar(msg: pb.GenerateRequest, orch: Orchestrator, wants_probs: bool):
-    """GenerateRequest.grammar compiled (None: free text); a grammar that does not compile names xgrammar's
-    reason."""
+def grammar_text(msg: pb.GenerateRequest) -> str:
+    """The text of the request's grammar (schema, regex, choices or EBNF), which the size check counts."""
+    if not msg.HasField("grammar"):
+        return ""
+    kind = msg.grammar.WhichOneof("kind")
+    if kind == "choice":
+        return "".join(msg.grammar.choice.choices)
+    return getattr(msg.grammar, kind) if kind in ("json_schema", "regex", "ebnf") else ""
+
+
+async def _grammar(msg: pb.GenerateRequest, orch: Orchestrator, wants_probs: bool):
+    """GenerateRequest.grammar compiled off the event loop (None: free text); a grammar that does not compile
+    names xgrammar's reason, one that compiles too long names the bound."""
     if not msg.HasField("grammar"):
         return None
     spec = grammar_spec(msg.grammar)
@@ -177,11 +187,15 @@ def _grammar(msg: pb.GenerateRequest, orch: Orchestrator, wants_probs: bool):
     if msg.sampling.ignore_eos or msg.sampling.min_tokens:
         # Where the grammar is complete it allows only the end of text, which these would ban: no token left.
         raise errors.InvalidArgument("a grammar ends the text itself; send it without ignore_eos and min_tokens")
+    what = _GRAMMAR_NAMES[msg.grammar.WhichOneof("kind")]
     try:
-        return orch.compile_grammar(spec)
+        return await orch.compile_grammar_off_loop(spec)
     except GrammarError as exc:
-        what = _GRAMMAR_NAMES[msg.grammar.WhichOneof("kind")]
         raise errors.InvalidArgument(f"{what} does not compile: {exc}") from None
+    except TimeoutError:
+        raise errors.InvalidArgument(
+            f"{what} took over {orch.config.grammar_timeout_s:g} s to compile (--grammar-timeout-s); simplify it"
+        ) from None
 
 
 def grammar_spec(msg: pb.Grammar) -> GrammarSpec:

@@ -105,7 +105,11 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
                         help="UTF-8 bytes a prompt (all its turns) may have, checked before tokenizing "
                              "(0: the target's context length times the tokenizer's longest token)")
     parser.add_argument("--tokenize-threads", type=int, default=2,
-                        help="threads that tokenize prompts and render chat templates, off the event loop")
+                        help="threads that tokenize prompts, render chat templates and compile grammars, off the "
+                             "event loop")
+    parser.add_argument("--grammar-timeout-s", type=float, default=10.0,
+                        help="a request's grammar that takes longer to compile is refused (400 / INVALID_ARGUMENT); "
+                             "0: no bound")
     parser.add_argument("--draft-timeout-s", type=float, default=5.0, help="a propose slower than this drops the draft")
     parser.add_argument("--draft-deadline-s", type=float, default=0.0,
                         help="how long a round waits for a draft block before the target steps alone "
@@ -142,6 +146,7 @@ def config_from_args(args) -> OrchestratorConfig:
         grpc_stalled_send_s=args.grpc_stalled_send_s,
         max_prompt_bytes=args.max_prompt_bytes,
         tokenize_threads=args.tokenize_threads,
+        grammar_timeout_s=args.grammar_timeout_s,
         peer_tls=ClientTls(ca=args.peer_tls_ca, cert=args.peer_tls_cert, key=args.peer_tls_key),
         peer_token_file=args.peer_token_file,
         link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,

@@ -132,7 +132,7 @@ def test_a_prompt_over_its_byte_limit_is_refused_before_tokenizing_on_grpc_and_h
 
     error = run_async(generate(), 60)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"the prompt is {2 * over} bytes; at most {limit}" in error.details()
+    assert f"the prompt is {2 * over} bytes (with its tools and grammar); at most {limit}" in error.details()
     turns = [{"role": "user", "content": "a" * (limit // 2)}, {"role": "assistant", "content": "b" * (limit // 2)}]
     response = front.post("/v1/chat/completions", json.dumps({**CHAT, "messages": turns}).encode())
     assert_openai_error(response, 400, f"at most {limit} are accepted")

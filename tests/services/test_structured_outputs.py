@@ -212,3 +212,32 @@ def test_a_grammar_with_the_end_of_text_banned_is_refused(api, sampling):
         generate(address, TINY_PROMPTS[0], GRAMMARS["regex"], sampling=sampling)
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "ignore_eos and min_tokens" in refused.value.details()
+
+
+def test_a_grammar_compiles_off_the_loop_within_its_bound_and_counts_toward_the_size_limit(
+    tiny_services, tiny_target_dir
+):
+    """--grammar-timeout-s refuses a grammar still compiling (INVALID_ARGUMENT naming the flag), a grammar's text
+    counts toward the request's byte limit, and within both a grammar request parses."""
+    from specsplit.lmkit import errors
+    from specsplit.orchestrator.requests import parse_request
+
+    schema = pb.Grammar(json_schema=json.dumps(SCHEMA))  # ~300 bytes of text
+    request = pb.GenerateRequest(prompt="Describe a person.", chat=False, max_new_tokens=8, grammar=schema)
+
+    async def parse(**config):
+        orch = await Orchestrator.connect(OrchestratorConfig(
+            tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir), **config))
+        try:
+            return await parse_request(request, orch)
+        finally:
+            await orch.close()
+
+    parsed, prompt_ids = run_async(parse())
+    assert parsed.grammar is not None and prompt_ids
+    with pytest.raises(errors.InvalidArgument, match=r"took over 1e-06 s to compile \(--grammar-timeout-s\); simplify it"):
+        run_async(parse(grammar_timeout_s=1e-6))
+    size = len(request.prompt) + len(schema.json_schema)
+    with pytest.raises(errors.InvalidArgument, match=f"the prompt is (at least )?{size} bytes \\(with its tools and grammar\\)"):
+        run_async(parse(max_prompt_bytes=size - 1))
+    assert run_async(parse(max_prompt_bytes=size))[0].grammar is not None

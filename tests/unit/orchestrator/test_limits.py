@@ -67,7 +67,7 @@ def test_the_derived_prompt_limit_is_the_context_times_the_longest_token():
 
 def test_a_prompt_is_measured_in_utf8_bytes_over_all_turns():
     check_prompt_size("é" * 5, (), 10)
-    with pytest.raises(errors.InvalidArgument, match="the prompt is 12 bytes; at most 10"):
+    with pytest.raises(errors.InvalidArgument, match=r"the prompt is 12 bytes \(with its tools and grammar\); at most 10"):
         check_prompt_size("é" * 6, (), 10)
     with pytest.raises(errors.InvalidArgument, match="at least 18 bytes"):
         check_prompt_size("", (("user", "abc"), ("assistant", "ab")), 10)
