@@ -134,6 +134,8 @@ class TargetEngine:
         self.forward_kind = "transformers' stock forward"
         if fast_forward and new_cache is None and next(model.parameters()).device.type == "cpu":
             self.forward_kind = packed_rows.install_fast_forward(model, compile_mode, pack=pack_linears)
+        elif compile_mode != "off":
+            self.forward_kind += f" (--compile {compile_mode} applies to the decoder step, which runs on an unsharded CPU target)"
         self.model = model
         self.model_id = model_id
         self.vocab_fingerprint = vocab_fingerprint

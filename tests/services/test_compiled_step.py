@@ -127,3 +127,15 @@ def test_compiled_forks_and_masks_commit_the_eager_steps_tokens(compiled_service
     masked = _greedy_run(compiled, prompts_ids[1], 10, allowed)
     assert masked == _greedy_run(eager, prompts_ids[1], 10, allowed)
     assert all(t % 3 == 0 for t in masked[0]) and masked[0] != expected[1][:10]
+
+
+def test_a_target_the_step_does_not_run_on_says_why_compile_did_nothing(tiny_target_dir):
+    from specsplit.lmkit import models
+    from specsplit.lmkit.sessions import SessionLimits
+    from specsplit.target_service.engine import TargetEngine
+
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    engine = TargetEngine(model, model_id="t", vocab_fingerprint="", limits=SessionLimits(), fast_forward=False,
+                          compile_mode="inductor")
+    assert engine.forward_kind == ("transformers' stock forward (--compile inductor applies to the decoder step, "
+                                   "which runs on an unsharded CPU target)")
