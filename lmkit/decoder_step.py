@@ -11,7 +11,7 @@ as transformers' Llama forward, so in float32 it returns the same logits bit for
     then        final rms_norm of the kept positions -> LM head
 
 The two per-token functions see the packed tokens [1, T, hidden] whatever the rows are, so one
-``torch.compile`` with a dynamic T serves every width and batch (``Compiled``); attention stays per row,
+``torch.compile`` with a dynamic T serves every width and batch (``compiler``); attention stays per row,
 against each session's cache in place, as ``packed_rows`` does it. Llama, Mistral and Qwen2 layouts
 (full attention, default or frequency-scaled RoPE) are supported; ``unsupported`` names what is not.
 """
@@ -34,9 +34,9 @@ COMPILE_MODES = ("off", "auto", "inductor")  # serve-target --compile
 def resolve_compile(mode: str, device_type: str) -> str:
     """The mode ``auto`` stands for on ``device_type``: the faster one measured there (``bench --suite step``).
 
-    On the CPU the compiled regions pay more in guards and wrappers than their fused kernels save (the plain
-    step is the faster at every width measured, docs/performance.md), so ``off``; on CUDA nothing is
-    measured yet, so ``off`` as well."""
+    On the CPU the compiled step runs plain linears, which lose to the eager step's oneDNN-packed ones for a
+    real model (SmolLM2: 0.65-0.91x at widths above 1; only a near-zero model gains, docs/performance.md),
+    so ``off``; on CUDA nothing is measured yet, so ``off`` as well."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
     return "off" if mode == "auto" else mode
@@ -128,7 +128,7 @@ def unsupported(model) -> str | None:
     config = model.config
     if config.model_type not in SUPPORTED_TYPES:
         return f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral or Qwen2 layout"
-    if getattr(config, "sliding_window", None) and config.model_type != "qwen2" or getattr(
+    if (getattr(config, "sliding_window", None) and config.model_type != "qwen2") or getattr(
         config, "use_sliding_window", False
     ):
         return "it uses sliding-window attention"
@@ -200,15 +200,23 @@ class DecoderStep:
 
 
 def _row_attention(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Sequence) -> torch.Tensor:
-    """Each row's queries against its own buffer (its new keys/values written first): [1, T, heads, head_dim]."""
-    gqa = q.shape[1] != k.shape[1]
-    out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    """Each row's new keys/values written into its buffer, then its queries against it: [1, T, heads, head_dim]."""
     for row in rows:
         fed = slice(row.offset, row.offset + row.width)
         row.kv.write(layer.index, row.start, k[:, :, fed], v[:, :, fed])
-        keys, values = row.kv.view(layer.index, row.start + row.width)
+    return attend_rows(layer.index, q, rows, layer.scaling, gqa=q.shape[1] != k.shape[1])
+
+
+def attend_rows(layer: int, q: torch.Tensor, rows: Sequence, scaling: float, gqa: bool) -> torch.Tensor:
+    """Each row's queries (q: [1, heads, T, head_dim]) against its own buffer of ``layer`` (no copy), under its
+    mask (causal, or a token tree's ancestor mask): [1, T, heads, head_dim]. Grouped-query attention runs through
+    ``enable_gqa`` instead of repeating the keys/values per query head (the same numbers, without the copy)."""
+    out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    for row in rows:
+        keys, values = row.kv.view(layer, row.start + row.width)
+        fed = slice(row.offset, row.offset + row.width)
         attended = F.scaled_dot_product_attention(
-            q[:, :, fed], keys, values, attn_mask=row.mask, scale=layer.scaling, enable_gqa=gqa
+            q[:, :, fed], keys, values, attn_mask=row.mask, scale=scaling, enable_gqa=gqa
         )  # [1, heads, width, head_dim]
         out[:, fed] = attended.transpose(1, 2)
     return out

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -120,27 +119,26 @@ def install_fast_forward(model, compile_mode: str = "off", pack: Callable[[objec
     forward; inductor compiles plain linears, since it cannot lower packed weights of a dynamic token count.
     The inductor step is compiled here, by warm-up forwards of one and of several tokens; a failure leaves
     the eager step in place and says why."""
+    step = False  # whether the eager decoder step runs the packed forwards
     if not install(model):
-        if pack:
-            pack(model)
-        return "transformers' stock forward (the model is not all full attention)"
-    reason = decoder_step.unsupported(model)
-    if reason:
-        if pack:
-            pack(model)
-        return f"transformers' forward over packed rows ({reason})"
-    if compile_mode == "inductor":
-        began = time.perf_counter()
-        try:
-            use_step(model, decoder_step.DecoderStep(model, decoder_step.compiler("inductor")))
-            warm_up(model)
-            return f"the decoder step, compiled by inductor in {time.perf_counter() - began:.1f} s"
-        except Exception as exc:  # a model or platform inductor cannot compile: run eager, say why once
-            log.warning("could not compile the decoder step (%s: %s); running it eager", type(exc).__name__, exc)
+        kind = "transformers' stock forward (the model is not all full attention)"
+    elif reason := decoder_step.unsupported(model):
+        kind = f"transformers' forward over packed rows ({reason})"
+    else:
+        if compile_mode == "inductor":
+            began = time.perf_counter()
+            try:
+                use_step(model, decoder_step.DecoderStep(model, decoder_step.compiler("inductor")))
+                warm_up(model)
+                return f"the decoder step, compiled by inductor in {time.perf_counter() - began:.1f} s"
+            except Exception as exc:  # a model or platform inductor cannot compile: run eager, say why once
+                log.warning("could not compile the decoder step (%s: %s); running it eager", type(exc).__name__, exc)
+        step, kind = True, "the decoder step, eager"
     if pack:
         pack(model)
-    use_step(model, decoder_step.DecoderStep(model))
-    return "the decoder step, eager"
+    if step:
+        use_step(model, decoder_step.DecoderStep(model))  # built after packing: it calls the packed linears
+    return kind
 
 
 def warm_up(model) -> None:
@@ -266,22 +264,10 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
 
     query: [1, heads, T, head_dim]. Returns [1, T, heads, head_dim], as the
     attention interface expects. Row i's queries attend to its own session's cached
-    keys/values (a ``KVBuffer``, no copy) plus its new ones, which the cache adapter
-    wrote there before attention reads them, under the row's mask (causal, or a token
-    tree's ancestor mask). Grouped-query attention runs through ``enable_gqa`` instead
-    of repeating the keys/values per query head (the same numbers, without the copy).
+    keys/values plus its new ones, which the cache adapter wrote there before attention
+    reads them (``decoder_step.attend_rows``, which the decoder step runs too).
     """
     rows = kwargs.pop("specsplit_rows", None)
     if rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    layer = module.layer_idx
-    gqa = query.shape[1] != key.shape[1]
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for row in rows:
-        keys, values = row.kv.view(layer, row.start + row.width)
-        fed = slice(row.offset, row.offset + row.width)
-        attended = F.scaled_dot_product_attention(
-            query[:, :, fed], keys, values, attn_mask=row.mask, scale=scaling, enable_gqa=gqa
-        )  # [1, heads, width, head_dim]
-        out[:, fed] = attended.transpose(1, 2)
-    return out, None
+    return decoder_step.attend_rows(module.layer_idx, query, rows, scaling, gqa=query.shape[1] != key.shape[1]), None
