@@ -73,7 +73,8 @@ class SamplingDrafter(Drafter):
             return _runner_up(logits[0], token)
         q = logits_to_probs(logits, self._sampling)[0]  # [vocab]
         seed = self._sampling.seed
-        return _coupled_runner_up(q, token, lambda ids: draws.gumbel(seed, draws.Stream.COUPLED, position, ids))
+        other = draws.gumbel_runner_up(q, lambda ids: draws.gumbel(seed, draws.Stream.COUPLED, position, ids), token)
+        return None if other is None else (float(q[other]), other)
 
 
 class ModelDrafter(SamplingDrafter):
@@ -165,12 +166,6 @@ class ModelDrafter(SamplingDrafter):
             index = min(range(len(margins)), key=lambda i: margins[i][0])
             second_guess = (index, margins[index][1])
         return Proposal(tokens=drafted, probs=probs, second_guess=second_guess)
-
-
-def _coupled_runner_up(q: torch.Tensor, token: int, noise) -> tuple[float, int] | None:
-    """The probability and id of the runner-up of log q + G (q: [vocab]); None when q has one token."""
-    other = draws.gumbel_runner_up(q, noise, token)
-    return None if other is None else (float(q[other]), other)
 
 
 def _runner_up(logits: torch.Tensor, token: int) -> tuple[float, int]:

@@ -314,11 +314,12 @@ class WireVersionCheck(grpc.aio.ServerInterceptor):
     versions) before the handler reads a message; a malformed version is INVALID_ARGUMENT."""
 
     def __init__(self, service_names: list[str]) -> None:
-        self._checks = {
-            f"/{service}/{method}": (oldest, service.rsplit(".", 1)[-1], caller)
-            for service in service_names if service in VERSIONED_CALLS
-            for methods, oldest, caller in [VERSIONED_CALLS[service]] for method in methods
-        }
+        self._checks = {}  # "/service/method" -> (oldest accepted, the service's short name, who calls it)
+        for service in service_names:
+            if service in VERSIONED_CALLS:
+                methods, oldest, caller = VERSIONED_CALLS[service]
+                for method in methods:
+                    self._checks[f"/{service}/{method}"] = (oldest, service.rsplit(".", 1)[-1], caller)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)

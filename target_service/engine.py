@@ -521,12 +521,9 @@ class TargetEngine:
         tokens = torch.tensor(list(draft_tokens), dtype=torch.long)
         if session.mode is VerificationMode.GREEDY:
             return tree_verify.verify_tree_greedy(logits, tokens, parents)
-        if session.mode is VerificationMode.COUPLED:
-            # Depth d decides absolute position len(tokens) + d, with that position's noise, as a chain does.
-            position, seed = len(session.tokens), session.sampling.seed
-            noise = lambda d, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + d, ids)  # noqa: E731
+        if session.mode is VerificationMode.COUPLED:  # depth d decides absolute position len(tokens) + d
             row = rows_when_reached(logits, session.sampling)
-            return tree_verify.verify_tree_coupled(row, tokens, parents, logits.shape[1], noise)
+            return tree_verify.verify_tree_coupled(row, tokens, parents, logits.shape[1], _coupled_noise(session))
         target_probs = logits_to_probs(logits, session.sampling)
         # The walk decides one node per depth: depth d's draws are those of absolute position len(tokens) + d.
         position, depth = len(session.tokens), max(token_tree.depths(parents)) + 2
@@ -545,12 +542,18 @@ class TargetEngine:
         row = rows_when_reached(logits, session.sampling, first)
         vocab = logits.shape[1]
         if session.mode is VerificationMode.COUPLED:
-            noise = lambda i, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + i, ids)  # noqa: E731
-            return rejection.verify_coupled_rows(row, tokens, vocab, noise)
+            return rejection.verify_coupled_rows(row, tokens, vocab, _coupled_noise(session))
         uniforms = draws.uniforms(seed, draws.Stream.TARGET, range(position, position + len(tokens) + 1), 2)
         if session.mode is VerificationMode.TOKEN_ONLY or not draft_tokens:
             return rejection.verify_token_only_rows(row, tokens, vocab, uniforms)
         return rejection.verify_draft_probs_rows(row, draft_probs, tokens, vocab, uniforms)
+
+
+def _coupled_noise(session: TargetSession) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """The Gumbel noise of the session's position ``i`` past its committed tokens, for token ids [n]: the draws
+    coupled verification decides a block's row i (a chain) or a tree's depth i with."""
+    position, seed = len(session.tokens), session.sampling.seed
+    return lambda i, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + i, ids)
 
 
 def penalized(

@@ -18,6 +18,7 @@ positions.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -160,7 +161,7 @@ def verify_tree_coupled(
         p = p.to(device="cpu", dtype=torch.float64)
         if not float(p.min()) >= 0.0 or not abs(float(p.sum()) - 1.0) <= ROW_SUM_TOLERANCE:
             raise ValueError(f"row {node + 1} is not a distribution (negative, NaN, or not summing to 1)")
-        chosen = gumbel_max(p, lambda ids, depth=len(path): noise(depth, ids))
+        chosen = gumbel_max(p, functools.partial(noise, len(path)))  # this depth's noise for token ids
         following = next((child for child in kids[node + 1] if tokens[child] == chosen), None)
         if following is None:
             return TreeVerdict(path, chosen)
