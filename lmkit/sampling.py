@@ -222,6 +222,44 @@ def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [r
     return chunk_max.gather(1, chunk[:, None])[:, 0], chunk * ARGMAX_CHUNK + inner.argmax(dim=-1)
 
 
+def block_argmax(blocks: Sequence[torch.Tensor]) -> list[list[int] | None]:
+    """The argmax id of every row of each block [m_i, vocab] (ties to the lowest id), or None for a block with a
+    NaN row: one ``row_argmax`` per run of blocks that are consecutive rows of one tensor, as a packed forward's
+    per-session logits are, so a batch's greedy rows are decided by a few ops whatever the number of sessions."""
+    choices: list[list[int] | None] = [None] * len(blocks)
+    for run in consecutive_runs(blocks):
+        first, rows = blocks[run[0]], sum(blocks[i].shape[0] for i in run)
+        joined = first if len(run) == 1 else first.as_strided((rows, first.shape[1]), first.stride(),
+                                                               first.storage_offset())
+        best, index = row_argmax(joined)
+        best, index, start = best.tolist(), index.tolist(), 0
+        for i in run:
+            end = start + blocks[i].shape[0]
+            if not any(math.isnan(v) for v in best[start:end]):
+                choices[i] = index[start:end]
+            start = end
+    return choices
+
+
+def consecutive_runs(blocks: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``blocks`` grouped into runs whose rows follow each other in one contiguous storage."""
+    runs: list[list[int]] = []
+    end = None  # (storage, element offset) just past the last block of the current run
+    for i, block in enumerate(blocks):
+        if block.dim() != 2 or not block.is_contiguous():
+            runs.append([i])
+            end = None
+            continue
+        storage, offset = block.untyped_storage().data_ptr(), block.storage_offset()
+        previous = blocks[runs[-1][-1]] if runs else None
+        if end == (storage, offset) and previous.dtype == block.dtype and previous.shape[1] == block.shape[1]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        end = (storage, offset + block.numel())
+    return runs
+
+
 def _check_logits(logits: torch.Tensor) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [n, vocab], got {_describe(logits)}")

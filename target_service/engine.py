@@ -22,6 +22,7 @@ from specsplit.lmkit.packed_linear import pack_linears
 from specsplit.lmkit.sampling import (
     SamplingParams,
     apply_penalties,
+    block_argmax,
     chain_paths,
     first_rows,
     logits_to_probs,
@@ -364,9 +365,10 @@ class TargetEngine:
             for item, rows, step in zip(items, raw, steps)
         ]
         firsts = self._first_rows(items, adjusted, steps)
+        choices = self._greedy_choices(items, adjusted)
         decided = [
-            self._commit_isolated(item, rows, step.parents, first)
-            for item, rows, step, first in zip(items, adjusted, steps, firsts)
+            self._commit_isolated(item, rows, step.parents, first, chosen)
+            for item, rows, step, first, chosen in zip(items, adjusted, steps, firsts, choices)
         ]
         logprobs = [self._logprobs(item.session, rows, d) if not isinstance(d, errors.SpecsplitError) else ()
                     for item, rows, d in zip(items, raw, decided)]
@@ -415,9 +417,21 @@ class TargetEngine:
             firsts[i] = row
         return firsts
 
-    def _commit_isolated(self, item: VerifyItem, logits, parents, first=None) -> Decided | errors.SpecsplitError:
+    @staticmethod
+    def _greedy_choices(items: Sequence[VerifyItem], logits) -> list[list[int] | None]:
+        """The argmax ids of every greedy block's rows, found for the whole batch at once (its rows are consecutive
+        in the forward's logits unless a mask or penalty made them anew); None for a sampled block, and for a greedy
+        one with a NaN row, which its own verifier then refuses."""
+        greedy = [i for i, item in enumerate(items) if item.session.mode is VerificationMode.GREEDY]
+        choices: list[list[int] | None] = [None] * len(items)
+        for i, chosen in zip(greedy, block_argmax([logits[i] for i in greedy])):
+            choices[i] = chosen
+        return choices
+
+    def _commit_isolated(self, item: VerifyItem, logits, parents, first=None, choices=None
+                         ) -> Decided | errors.SpecsplitError:
         try:
-            return self._commit(item.session, logits, item.draft_tokens, item.draft_probs, parents, first)
+            return self._commit(item.session, logits, item.draft_tokens, item.draft_probs, parents, first, choices)
         except errors.SpecsplitError as exc:
             return exc
         except Exception as exc:  # noqa: BLE001 - NaN logits in this session's rows: its failure alone
@@ -432,14 +446,20 @@ class TargetEngine:
             "committed and its cache was dropped: resend the block or re-open the session"
         )
 
-    def _commit(self, session, logits, draft_tokens, draft_probs, parents, first=None) -> Decided:
+    def _commit(self, session, logits, draft_tokens, draft_probs, parents, first=None, choices=None) -> Decided:
         """Decide on the block from its logits and commit the accepted tokens + 1 to the session (``first``:
-        row 0 of a sampled chain's probabilities, made with other sessions' rows, or None)."""
-        if parents is None:
+        row 0 of a sampled chain's probabilities, made with other sessions' rows, or None; ``choices``: a greedy
+        block's argmax ids, found with other sessions' rows, or None)."""
+        if choices is not None:
+            verdict = (rejection.greedy_verdict(choices, draft_tokens) if parents is None
+                       else tree_verify.greedy_tree_verdict(choices, draft_tokens, list(parents)))
+        elif parents is None:
             verdict = self._decide(session, logits, draft_tokens, draft_probs, first)
-            path = range(verdict.accepted)
         else:
             verdict = self._decide_tree(session, logits, draft_tokens, list(parents))
+        if parents is None:
+            path = range(verdict.accepted)
+        else:
             path = verdict.path
             session.cache.keep_path(len(session.tokens), path)  # the rejected branches leave nothing behind
         session.tokens.extend(draft_tokens[i] for i in path)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -50,13 +50,19 @@ def verify_greedy(
     best, argmax = row_argmax(target_logits)  # [k+1] each; a NaN anywhere in a row becomes its max
     if any(math.isnan(v) for v in best.tolist()):
         raise ValueError("target_logits contain NaN; check the model output")
-    argmax = argmax.tolist()
+    return greedy_verdict(argmax.tolist(), tokens)
+
+
+def greedy_verdict(choices: Sequence[int], draft_tokens: Sequence[int]) -> Verdict:
+    """``verify_greedy`` from the target's argmax of each row ([k+1] ids, e.g. ``sampling.block_argmax``'s)."""
+    if len(choices) != len(draft_tokens) + 1:
+        raise ValueError(f"{len(choices)} argmax ids for {len(draft_tokens)} draft tokens; expected one per row, k+1")
     accepted = 0
-    for drafted, target_choice in zip(tokens, argmax):
+    for drafted, target_choice in zip(draft_tokens, choices):
         if drafted != target_choice:
             break
         accepted += 1
-    return Verdict(accepted=accepted, next_token=argmax[accepted])
+    return Verdict(accepted=accepted, next_token=choices[accepted])
 
 
 def verify_token_only(

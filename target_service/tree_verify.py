@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -58,12 +58,18 @@ def verify_tree_greedy(
     best, argmax = row_argmax(target_logits)  # [n+1] each
     if any(math.isnan(v) for v in best.tolist()):
         raise ValueError("target_logits contain NaN; check the model output")
-    argmax = argmax.tolist()
+    return greedy_tree_verdict(argmax.tolist(), tokens, parents)
+
+
+def greedy_tree_verdict(choices: Sequence[int], draft_tokens: Sequence[int], parents: list[int]) -> TreeVerdict:
+    """``verify_tree_greedy`` from the target's argmax of each row ([n+1] ids, e.g. ``sampling.block_argmax``'s)."""
+    if len(choices) != len(draft_tokens) + 1:
+        raise ValueError(f"{len(choices)} argmax ids for a tree of {len(draft_tokens)} nodes; expected n+1")
     kids = token_tree.children(parents)
     path, node = [], token_tree.ROOT
     while True:
-        choice = argmax[node + 1]
-        following = next((child for child in kids[node + 1] if tokens[child] == choice), None)
+        choice = choices[node + 1]
+        following = next((child for child in kids[node + 1] if draft_tokens[child] == choice), None)
         if following is None:
             return TreeVerdict(path, choice)
         path.append(following)

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from specsplit.lmkit.sampling import SamplingParams, first_rows, logits_to_probs, row_argmax, rows_when_reached
+from specsplit.lmkit.sampling import (
+    SamplingParams,
+    block_argmax,
+    consecutive_runs,
+    first_rows,
+    logits_to_probs,
+    row_argmax,
+    rows_when_reached,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -287,3 +295,30 @@ def test_row_argmax_reports_a_nan_row_as_max_does():
     best, index = row_argmax(logits)
     assert torch.isnan(best[2]) and not torch.isnan(best[[0, 1, 3]]).any()
     assert torch.equal(index[[0, 1, 3]], logits.max(dim=-1).indices[[0, 1, 3]])
+
+
+def test_block_argmax_decides_consecutive_blocks_together_and_others_alone():
+    logits = torch.randn(12, 256, generator=torch.Generator().manual_seed(3))
+    logits[5, 7] = float("nan")  # in the second block: it alone gets None
+    apart = torch.randn(2, 256)  # rows of another tensor (a block a mask made anew): its own run
+    blocks = [logits[0:3], logits[3:6], logits[6:7], apart, logits[7:12]]
+    assert consecutive_runs(blocks) == [[0, 1, 2], [3], [4]]
+    choices = block_argmax(blocks)
+    assert choices[1] is None
+    for block, chosen in zip(blocks, choices):
+        if chosen is not None:
+            assert chosen == block.max(dim=-1).indices.tolist()
+
+
+def test_a_packed_forwards_blocks_are_one_run(tiny_target_dir):
+    """The batch's greedy decision is one argmax only if the packed forward hands out consecutive views."""
+    from specsplit.lmkit import models, packed_rows
+    from specsplit.lmkit.kvcache import SessionCache
+    from specsplit.target_service.batched_forward import Step, forward_batch
+
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    assert packed_rows.install(model)
+    steps = [Step(SessionCache(model), 0, [1 + i, 2, 3][: 1 + i], 1 + i) for i in range(3)]
+    blocks = forward_batch(model, steps)
+    assert consecutive_runs(blocks) == [[0, 1, 2]]
+    assert block_argmax(blocks) == [block.max(dim=-1).indices.tolist() for block in blocks]
