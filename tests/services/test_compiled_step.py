@@ -2,7 +2,8 @@
 
 The tiny target is compiled once for the module (a few seconds; the compile cache makes a second start
 cheaper). Chains of both drafters, token trees and several sessions batched into one forward all equal
-the target's own greedy continuations, as the eager step's do (test_greedy_e2e). Bad --compile values are
+the target's own greedy continuations, as the eager step's do (test_greedy_e2e); sampled chains and coupled
+trees are distributed as the target (χ²). Bad --compile values are
 refused at start-up with a message that names the choices.
 """
 
@@ -14,11 +15,13 @@ import sys
 
 import pytest
 
-from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import Orchestrator
 from tests.conftest import Services, make_engines, run_async
 from tests.services.test_greedy_e2e import generate_all, generate_ids
+from tests.services.test_sampling_e2e import assert_distributed_as, exact_first_two, sample_many
 
 pytestmark = pytest.mark.services
 
@@ -78,6 +81,23 @@ def test_compiled_batched_sessions_equal_generate(compiled_services, tiny_target
     assert got == expected
     rounds = sum(s.rounds for s in stats)
     assert engine.forward_passes - passes_before < rounds  # some forwards carried several sessions
+
+
+@pytest.mark.parametrize("drafter,mode,prompt,branches", [
+    pytest.param(DrafterKind.MODEL, VerificationMode.DRAFT_PROBS, [504, 2365, 6354], 1, id="draft-probs-chains"),
+    # n-gram trees (the suffix 5 6 occurred twice, with different continuations) in the default sampling mode
+    pytest.param(DrafterKind.NGRAM, VerificationMode.COUPLED, [5, 6, 7, 9, 5, 6, 8, 9, 5, 6], 4, id="coupled-trees"),
+])
+def test_compiled_sampling_is_distributed_as_the_target(compiled_services, tiny_target_dir, drafter, mode, prompt,
+                                                        branches):
+    """χ² of the first two sampled tokens against the target's exact joint, sessions batched in the compiled
+    step's forwards (the pure verifiers' negative controls are in tests/stats)."""
+    sampling = SamplingParams(temperature=4.0, top_k=3)
+    trees: list[int] = []
+    samples = run_async(sample_many(compiled_services, tiny_target_dir, 800, 2, drafter, mode, sampling, 2,
+                                    prompt=prompt, tree_branches=branches, tree_rounds=trees, concurrent=16))
+    assert (sum(trees) >= 800) == (branches > 1)  # every first round verified a tree, where trees were asked for
+    assert_distributed_as(samples, exact_first_two(tiny_target_dir, sampling, prompt))
 
 
 @pytest.mark.parametrize("flags,says", [
