@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -227,10 +227,7 @@ def block_argmax(blocks: Sequence[torch.Tensor]) -> list[list[int] | None]:
     NaN row: one ``row_argmax`` per run of blocks that are consecutive rows of one tensor, as a packed forward's
     per-session logits are, so a batch's greedy rows are decided by a few ops whatever the number of sessions."""
     choices: list[list[int] | None] = [None] * len(blocks)
-    for run in consecutive_runs(blocks):
-        first, rows = blocks[run[0]], sum(blocks[i].shape[0] for i in run)
-        joined = first if len(run) == 1 else first.as_strided((rows, first.shape[1]), first.stride(),
-                                                               first.storage_offset())
+    for run, joined in _joined_runs(blocks):
         best, index = row_argmax(joined)
         best, index, start = best.tolist(), index.tolist(), 0
         for i in run:
@@ -239,6 +236,27 @@ def block_argmax(blocks: Sequence[torch.Tensor]) -> list[list[int] | None]:
                 choices[i] = index[start:end]
             start = end
     return choices
+
+
+def block_topk(blocks: Sequence[torch.Tensor], k: int) -> list[torch.Tensor]:
+    """The ``k`` highest-scoring ids of every row of each block [m_i, vocab], best first: per block [m_i, k] int64,
+    one ``topk`` per run of consecutive blocks (``block_argmax``)."""
+    chosen: list[torch.Tensor | None] = [None] * len(blocks)
+    for run, joined in _joined_runs(blocks):
+        ids, start = joined.topk(min(k, joined.shape[1]), dim=-1).indices, 0
+        for i in run:
+            end = start + blocks[i].shape[0]
+            chosen[i] = ids[start:end]
+            start = end
+    return chosen
+
+
+def _joined_runs(blocks: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """Each run of consecutive blocks, and a view of all its rows [sum of m_i, vocab] (no copy)."""
+    for run in consecutive_runs(blocks):
+        first, rows = blocks[run[0]], sum(blocks[i].shape[0] for i in run)
+        yield run, first if len(run) == 1 else first.as_strided((rows, first.shape[1]), first.stride(),
+                                                                 first.storage_offset())
 
 
 def consecutive_runs(blocks: Sequence[torch.Tensor]) -> list[list[int]]:

@@ -13,6 +13,7 @@ from specsplit.lmkit.features import FeatureBlock, decode_features, encode_featu
 from specsplit.lmkit.kinds import VerificationMode
 from specsplit.lmkit.probs_codec import EncodedProbs, decode_probs, encode_probs
 from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.successors import Successors
 from specsplit.v1 import specsplit_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20  # most likely alternatives a session may ask for per token (OpenAI's limit)
@@ -135,3 +136,15 @@ def join_features(held: pb.HiddenFeatures | None, new: pb.HiddenFeatures) -> pb.
         position=held.position, rows=keep + new.rows, width=new.width,
         values=held.values[: 2 * keep * held.width] + new.values,
     )
+
+
+def successors_to_proto(successors: Successors) -> pb.Successors:
+    return pb.Successors(k=successors.k, tokens=successors.tokens, ids=successors.ids)
+
+
+def successors_from_proto(msg: pb.Successors) -> Successors:
+    """Raises InvalidArgument when the ids are not one row of k per token."""
+    try:
+        return Successors(msg.k, tuple(msg.tokens), tuple(msg.ids))
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"successors: {exc}") from None

@@ -23,12 +23,14 @@ from specsplit.lmkit.sampling import (
     SamplingParams,
     apply_penalties,
     block_argmax,
+    block_topk,
     chain_paths,
     first_rows,
     logits_to_probs,
     rows_when_reached,
 )
 from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
+from specsplit.lmkit.successors import Successors, check_successors_k
 from specsplit.target_service import rejection, tree_verify
 from specsplit.target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
 from specsplit.target_service.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, committed_logprobs
@@ -51,6 +53,7 @@ class TargetSession:
     rounds: int = 0
     top_logprobs: int | None = None  # None: no logprobs; else also this many most likely tokens per position
     reserved: int = 0  # positions reserved against the KV budget at the open: the most it may hold
+    successors_k: int = 0  # the target's best successors of each verified position to return, ids per position
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class VerifyOutcome:
     path: tuple[int, ...] = ()  # a tree block's accepted nodes, root first; empty for a chain
     logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token when the session asked for them
     forward_s: float = 0.0  # the model's forward alone, within compute_s
+    successors: Successors | None = None  # the block's positions' best successors, when the session asked
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,7 @@ class TargetEngine:
         top_logprobs: int | None = None, feature_layers: Sequence[int] = (), caller: str = "",
         reserve_tokens: int = 0,  # positions it may hold (TargetOpen.reserve_tokens); 0: the full context
         fork_from: str = "",  # a live session to copy the shared prefix's keys/values from (TargetOpen.fork_from)
+        successors_k: int = 0,  # successors of every verified position to return (TargetOpen.successors_k)
     ):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -174,9 +179,13 @@ class TargetEngine:
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise errors.InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
         self._check_feature_layers(feature_layers)
+        try:
+            check_successors_k(successors_k)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
         reserve = max(min(reserve_tokens or self.max_context, self.max_context), len(tokens) + 1)
         session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
-                                top_logprobs=top_logprobs, reserved=reserve)
+                                top_logprobs=top_logprobs, reserved=reserve, successors_k=successors_k)
         session.cache.feature_layers = tuple(feature_layers)
         try:
             self.sessions.add(session_id, session, caller, reserve)
@@ -248,13 +257,14 @@ class TargetEngine:
         self.forward_passes += 1
         masked = token_mask.apply(logits, allowed)  # a grammar's refusals at -inf; penalties keep them there
         adjusted = penalized(session, masked, draft_tokens, parents)  # logprobs stay the model's own
+        successors = block_successors([session], [logits], [draft_tokens])[0]
         result = self._commit(session, adjusted, draft_tokens, draft_probs, parents)
         logprobs = self._logprobs(session, logits, result)
         path = _tree_path(result, parents)
         return VerifyOutcome(
             result.accepted, result.next_token, time.perf_counter() - start, path=path,
             features=committed_features(session.cache, position, result.accepted, path), logprobs=logprobs,
-            forward_s=forward_s,
+            forward_s=forward_s, successors=successors,
         )
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome | errors.SpecsplitError]:
@@ -366,6 +376,7 @@ class TargetEngine:
         ]
         firsts = self._first_rows(items, adjusted, steps)
         choices = self._greedy_choices(items, adjusted)
+        successors = block_successors([item.session for item in items], raw, [item.draft_tokens for item in items])
         decided = [
             self._commit_isolated(item, rows, step.parents, first, chosen)
             for item, rows, step, first, chosen in zip(items, adjusted, steps, firsts, choices)
@@ -379,16 +390,17 @@ class TargetEngine:
         share = lambda d: BatchShare(len(done), width, committed - (d.accepted + 1), tokens, packed)  # noqa: E731
         return [
             d if isinstance(d, errors.SpecsplitError)
-            else self._verified(item, d, elapsed, share(d), step.parents, lp, forward_s)
-            for item, d, lp, step in zip(items, decided, logprobs, steps)
+            else self._verified(item, d, elapsed, share(d), step.parents, lp, forward_s, succ)
+            for item, d, lp, step, succ in zip(items, decided, logprobs, steps, successors)
         ]
 
     @staticmethod
     def _verified(item: VerifyItem, d: Decided, elapsed: float, batch: BatchShare, parents, logprobs,
-                  forward_s: float) -> VerifyOutcome:
+                  forward_s: float, successors: Successors | None) -> VerifyOutcome:
         path = _tree_path(d, parents)
         features = committed_features(item.session.cache, item.position, d.accepted, path)
-        return VerifyOutcome(d.accepted, d.next_token, elapsed, batch, features, path, logprobs, forward_s)
+        return VerifyOutcome(d.accepted, d.next_token, elapsed, batch, features, path, logprobs, forward_s,
+                             successors)
 
     @staticmethod
     def _logprobs(session: TargetSession, logits, verdict: Decided) -> tuple[TokenLogprob, ...]:
@@ -574,6 +586,23 @@ def _coupled_noise(session: TargetSession) -> Callable[[int, torch.Tensor], torc
     coupled verification decides a block's row i (a chain) or a tree's depth i with."""
     position, seed = len(session.tokens), session.sampling.seed
     return lambda i, ids: draws.gumbel(seed, draws.Stream.COUPLED, position + i, ids)
+
+
+def block_successors(
+    sessions: Sequence[TargetSession], logits: Sequence[torch.Tensor], blocks: Sequence[Sequence[int]]
+) -> list[Successors | None]:
+    """Per block (rows [k+1, vocab] of the raw logits, before its tokens are committed) the session's best
+    successors of each position: after its last context token, then after each draft token. One ``topk`` over
+    the forward's rows for every session that asked; None for the others."""
+    asking = [i for i, session in enumerate(sessions) if session.successors_k]
+    found: list[Successors | None] = [None] * len(sessions)
+    if not asking:
+        return found
+    ranked = block_topk([logits[i] for i in asking], max(sessions[i].successors_k for i in asking))
+    for i, ids in zip(asking, ranked):
+        k = sessions[i].successors_k
+        found[i] = Successors(k, (sessions[i].tokens[-1], *blocks[i]), tuple(ids[:, :k].flatten().tolist()))
+    return found
 
 
 def penalized(

@@ -18,6 +18,7 @@ from specsplit.lmkit.wire import (
     mode_from_proto,
     probs_from_proto,
     sampling_from_proto,
+    successors_to_proto,
 )
 from specsplit.target_service.engine import TargetEngine, VerifyItem
 from specsplit.target_service.scheduler import VerifyScheduler
@@ -108,7 +109,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         top_logprobs = msg.top_logprobs if msg.return_logprobs else None
         return await self.compute.run(
             engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs, list(msg.feature_layers),
-            current_caller(), msg.reserve_tokens, msg.fork_from,
+            current_caller(), msg.reserve_tokens, msg.fork_from, msg.successors_k,
         )
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
@@ -149,6 +150,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         )
         if done.features is not None:
             result.features.CopyFrom(features_to_proto(done.features))
+        if done.successors is not None:
+            result.successors.CopyFrom(successors_to_proto(done.successors))
         return result
 
 

@@ -24,6 +24,7 @@ class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_KIND_QUANTIZED: _ClassVar[DrafterKind]
     DRAFTER_KIND_CHAIN: _ClassVar[DrafterKind]
     DRAFTER_KIND_EAGLE: _ClassVar[DrafterKind]
+    DRAFTER_KIND_RECYCLING: _ClassVar[DrafterKind]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ DRAFTER_KIND_LAYERSKIP: DrafterKind
 DRAFTER_KIND_QUANTIZED: DrafterKind
 DRAFTER_KIND_CHAIN: DrafterKind
 DRAFTER_KIND_EAGLE: DrafterKind
+DRAFTER_KIND_RECYCLING: DrafterKind
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -112,6 +114,16 @@ class HiddenFeatures(_message.Message):
     width: int
     values: bytes
     def __init__(self, position: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class Successors(_message.Message):
+    __slots__ = ("k", "tokens", "ids")
+    K_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, k: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token", "top")
@@ -212,7 +224,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., wire_version: _Optional[int] = ..., min_wire_version: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width")
+    __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width", "successors_k")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HAS_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +233,7 @@ class DrafterInfo(_message.Message):
     NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSORS_K_FIELD_NUMBER: _ClassVar[int]
     kind: DrafterKind
     name: str
     has_probs: bool
@@ -229,7 +242,8 @@ class DrafterInfo(_message.Message):
     needs_features: bool
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     feature_width: int
-    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ..., free: _Optional[bool] = ..., needs_features: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ...) -> None: ...
+    successors_k: int
+    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ..., free: _Optional[bool] = ..., needs_features: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ..., successors_k: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -304,20 +318,22 @@ class DraftOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., return_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., feature_width: _Optional[int] = ..., fork_from: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("position", "tokens", "k", "free_k", "max_branches", "features")
+    __slots__ = ("position", "tokens", "k", "free_k", "max_branches", "features", "successors")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     FREE_K_FIELD_NUMBER: _ClassVar[int]
     MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSORS_FIELD_NUMBER: _ClassVar[int]
     position: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
     free_k: int
     max_branches: int
     features: HiddenFeatures
-    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., free_k: _Optional[int] = ..., max_branches: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ...) -> None: ...
+    successors: _containers.RepeatedCompositeFieldContainer[Successors]
+    def __init__(self, position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., free_k: _Optional[int] = ..., max_branches: _Optional[int] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., successors: _Optional[_Iterable[_Union[Successors, _Mapping]]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "propose")
@@ -410,7 +426,7 @@ class DraftReplies(_message.Message):
     def __init__(self, replies: _Optional[_Iterable[_Union[DraftReply, _Mapping]]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "mode", "feature_layers", "return_logprobs", "top_logprobs", "reserve_tokens", "fork_from")
+    __slots__ = ("session_id", "tokens", "sampling", "mode", "feature_layers", "return_logprobs", "top_logprobs", "reserve_tokens", "fork_from", "successors_k")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +436,7 @@ class TargetOpen(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORK_FROM_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSORS_K_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -429,7 +446,8 @@ class TargetOpen(_message.Message):
     top_logprobs: int
     reserve_tokens: int
     fork_from: str
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., reserve_tokens: _Optional[int] = ..., fork_from: _Optional[str] = ...) -> None: ...
+    successors_k: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., reserve_tokens: _Optional[int] = ..., fork_from: _Optional[str] = ..., successors_k: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("position", "draft_tokens", "parents", "draft_probs", "allowed")
@@ -454,12 +472,13 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "path", "features", "logprobs", "timing", "forward")
+    __slots__ = ("position", "accepted", "next_token", "path", "features", "successors", "logprobs", "timing", "forward")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSORS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
@@ -468,10 +487,11 @@ class VerifyResult(_message.Message):
     next_token: int
     path: _containers.RepeatedScalarFieldContainer[int]
     features: HiddenFeatures
+    successors: Successors
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     timing: ServiceTiming
     forward: ForwardReport
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., timing: _Optional[_Union[ServiceTiming, _Mapping]] = ..., forward: _Optional[_Union[ForwardReport, _Mapping]] = ...) -> None: ...
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., successors: _Optional[_Union[Successors, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., timing: _Optional[_Union[ServiceTiming, _Mapping]] = ..., forward: _Optional[_Union[ForwardReport, _Mapping]] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
