@@ -20,6 +20,7 @@ from typing import Sequence
 from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.successors import Successors
 
 
 class ChainDrafter(Drafter):
@@ -58,6 +59,10 @@ class ChainDrafter(Drafter):
         for _, drafter in self.members:
             if drafter.needs_features:
                 drafter.add_features(block)
+
+    def add_successors(self, successors: Successors) -> None:
+        for _, drafter in self.members:
+            drafter.add_successors(successors)
 
     def propose(self, k: int) -> Proposal:
         return self.propose_within(k, 0)

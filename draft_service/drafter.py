@@ -24,6 +24,7 @@ import torch
 
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.successors import Successors
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,9 @@ class Drafter(abc.ABC):
     def add_features(self, block: FeatureBlock) -> None:
         """Take the target's hidden features of committed positions (feature drafters only)."""
         raise ValueError(f"{type(self).__name__} takes no hidden features")
+
+    def add_successors(self, successors: Successors) -> None:  # noqa: B027 - optional hook
+        """Take the target's best successors of verified positions (drafters that recycle them; others ignore them)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release per-session resources (caches)."""

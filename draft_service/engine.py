@@ -10,6 +10,7 @@ from specsplit.draft_service import abandon
 from specsplit.draft_service.drafter import Drafter, Proposal
 from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.ngram import NgramConfig
+from specsplit.draft_service.recycling import SuccessorTable
 from specsplit.draft_service.registry import DRAFTERS, DraftRequestContext
 from specsplit.lmkit import errors
 from specsplit.lmkit.features import FeatureBlock
@@ -17,8 +18,10 @@ from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
 from specsplit.lmkit.kvcache import check_cache_layout
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
+from specsplit.lmkit.successors import Successors
 
 MAX_BRANCHES = 64  # continuations per token tree
+DEFAULT_SUCCESSOR_TABLE_TOKENS = 65536  # tokens a caller's shared successor table holds (about 20 MB at most)
 
 
 @dataclass
@@ -50,7 +53,10 @@ class DraftEngine:
         vocab_fingerprint: str = "",
         limits: SessionLimits,
         derived: Mapping[DrafterKind, object] | None = None,
+        successor_table_tokens: int = DEFAULT_SUCCESSOR_TABLE_TOKENS,
     ) -> None:
+        """``successor_table_tokens``: tokens each caller's shared table of the target's successors holds at most
+        (token recycling; serve-draft --recycling-table-tokens)."""
         derived = dict(derived or {})
         if derived and model is None:
             raise ValueError("self-drafters (--layerskip-layers, --quantize) derive from --model; pass --model")
@@ -68,6 +74,10 @@ class DraftEngine:
         self.limits = limits
         self.sessions: SessionTable[DraftSession] = SessionTable(limits, "draft")
         self.shared_tokens = 0  # context positions sessions copied from another's cache (DraftOpen.fork_from)
+        # Per caller: the target's successors every session of that caller reported (RECYCLING). Callers do not
+        # share one: a draft's speed would tell one caller about another's text.
+        self.successor_tables: dict[str, SuccessorTable] = {}
+        self.successor_table_tokens = successor_table_tokens
         abandon.watch([model, *derived.values()])  # a closed session's proposal stops at the next layer
 
     @property
@@ -135,8 +145,10 @@ class DraftEngine:
                 "COUPLED verification samples (temperature > 0) and sends token ids only; unset return_probs"
             )
         width = self._check_features(kind, chain, feature_width)
+        members = chain if kind is DrafterKind.CHAIN else (kind,)
+        table = self._successor_table(caller) if any(DRAFTERS[m].successors_k for m in members) else None
         context = DraftRequestContext(
-            list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled
+            list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled, table
         )
         session = DraftSession(session_id, kind, entry.build(context), feature_width=width, free=self.free(kind, chain))
         source = self.sessions.find(fork_from, caller) if fork_from else None
@@ -144,12 +156,18 @@ class DraftEngine:
             session.fork_source = source  # the same kind of model drafter: the same model
         return self.sessions.add(session_id, session, caller)
 
+    def _successor_table(self, caller: str) -> SuccessorTable:
+        table = self.successor_tables.get(caller)
+        if table is None:
+            table = self.successor_tables[caller] = SuccessorTable(self.successor_table_tokens)
+        return table
+
     @staticmethod
     def free(kind: DrafterKind, chain: Sequence[DrafterKind] = ()) -> bool:
         """Whether every drafter of a session (a chain's members) proposes at ~no cost: such a session's calls are
         served on the event loop, with no hop to the compute thread and no wait behind a model's work there."""
         members = chain if kind is DrafterKind.CHAIN else (kind,)
-        return bool(members) and all(DRAFTERS[m].free for m in members if m in DRAFTERS)
+        return bool(members) and all(DRAFTERS[m].free or DRAFTERS[m].cheap for m in members if m in DRAFTERS)
 
     def _check_features(self, kind: DrafterKind, chain: Sequence[DrafterKind], sent_width: int) -> int:
         """The features width a feature drafter (alone or in the chain) reads, checked against what the target sends."""
@@ -174,6 +192,7 @@ class DraftEngine:
     def propose(
         self, session: DraftSession, position: int, tokens: Sequence[int], k: int,
         free_k: int = 0, max_branches: int = 1, features: FeatureBlock | None = None,
+        successors: Sequence[Successors] = (),
     ) -> TimedProposal:
         """Take the committed tokens (and a feature drafter's features) from ``position`` on, then draft up to ``k``.
 
@@ -204,6 +223,8 @@ class DraftEngine:
             session.drafter.commit(position, tokens)
             if features is not None:
                 session.drafter.add_features(features)
+            for reported in successors:
+                session.drafter.add_successors(reported)
             if max_branches > 1:
                 proposal = session.drafter.propose_tree_within(k, free_k, max_branches, self.limits.max_block)
             else:

@@ -10,6 +10,7 @@ from specsplit.draft_service.drafter import Drafter
 from specsplit.draft_service.eagle import EagleDrafter
 from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.ngram import NgramConfig, NgramDrafter
+from specsplit.draft_service.recycling import SUCCESSORS_K, RecyclingDrafter, SuccessorTable
 from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
 from specsplit.lmkit.sampling import SamplingParams
 
@@ -27,6 +28,7 @@ class DraftRequestContext:
     derived: Mapping[DrafterKind, object] = field(default_factory=dict)
     chain: tuple[DrafterKind, ...] = ()  # the members, in order, when the kind is CHAIN
     coupled: bool = False  # COUPLED verification: sample by Gumbel-max with the target's noise
+    successors: SuccessorTable | None = None  # the caller's shared table of the target's successors (RECYCLING)
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,14 @@ class DrafterEntry:
     free: bool = False  # its proposals cost ~nothing (its Drafter class says ``free = True`` too)
     # Drafts from the target's hidden features; its derived model says which (feature_layers, feature_width).
     needs_features: bool = False
+    successors_k: int = 0  # drafts from the target's best successors of verified positions, this many per position
+    cheap: bool = False  # runs no model and proposes in microseconds: served on the event loop, as free drafters are
 
     def traits(self, derived: object | None = None) -> DrafterTraits:
         """What it can do; a feature drafter's layers and width come from its derived model."""
         if not self.needs_features:
-            return DrafterTraits(self.kind, self.has_probs, self.needs_model, self.free)
+            return DrafterTraits(self.kind, self.has_probs, self.needs_model, self.free,
+                                 successors_k=self.successors_k)
         return DrafterTraits(
             self.kind, self.has_probs, self.needs_model, self.free, needs_features=True,
             feature_layers=tuple(derived.feature_layers), feature_width=int(derived.feature_width),
@@ -84,3 +89,5 @@ register(DrafterEntry(
     needs_model=True, has_probs=True, derived=True, needs_features=True,
     enable_hint="start serve-draft with --model TARGET --eagle-head DIR (or the bundled head's name) to enable it",
 ))
+register(DrafterEntry(DrafterKind.RECYCLING, lambda c: RecyclingDrafter(c.prompt, c.successors),
+                      successors_k=SUCCESSORS_K, cheap=True))

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from specsplit.draft_service import eagle_head, self_draft
-from specsplit.draft_service.engine import DraftEngine
+from specsplit.draft_service.engine import DEFAULT_SUCCESSOR_TABLE_TOKENS, DraftEngine
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.self_draft import QuantizeMode
 from specsplit.draft_service.servicer import DraftServicer
@@ -57,6 +57,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="enable the EAGLE drafter: a head folder in the EAGLE-3 layout trained for --model (the target), "
              f"or a bundled head's name ({', '.join(sorted(eagle_head.BUNDLED))})",
     )
+    parser.add_argument(
+        "--recycling-table-tokens", type=int, default=DEFAULT_SUCCESSOR_TABLE_TOKENS,
+        help="RECYCLING drafter: tokens each caller's shared table of the target's successors holds at most "
+             "(about 300 bytes each)",
+    )
     add_common_flags(parser, DEFAULT_PORT)
     return parser
 
@@ -70,6 +75,8 @@ def check_self_draft_flags(args) -> None:
         )
     if args.eagle_head:
         eagle_head.read_config(eagle_head.resolve_head(args.eagle_head))
+    if args.recycling_table_tokens < 1:
+        raise ValueError(f"--recycling-table-tokens must be >= 1, got {args.recycling_table_tokens}")
     if args.layerskip_layers < 0:
         raise ValueError(f"--layerskip-layers must be >= 1 (0 = off), got {args.layerskip_layers}")
     if args.layerskip_adapter:
@@ -104,12 +111,13 @@ def derive_drafts(args, model, fingerprint: str) -> dict[DrafterKind, object]:
 
 def load_engine(args, limits: SessionLimits) -> DraftEngine:
     if not args.model:
-        return DraftEngine(None, limits=limits)
+        return DraftEngine(None, limits=limits, successor_table_tokens=args.recycling_table_tokens)
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     model = models.load_model(spec)
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     derived = derive_drafts(args, model, fingerprint)
-    return DraftEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits, derived=derived)
+    return DraftEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits, derived=derived,
+                       successor_table_tokens=args.recycling_table_tokens)
 
 
 async def serve(args) -> None:

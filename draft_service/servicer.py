@@ -16,7 +16,13 @@ from specsplit.lmkit.grpc_server import ComputeThread, EngineServicer, abort_on_
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.message_limits import draft_request_bytes
 from specsplit.lmkit.session_mux import SessionMux
-from specsplit.lmkit.wire import features_from_proto, mode_from_proto, probs_to_proto, sampling_from_proto
+from specsplit.lmkit.wire import (
+    features_from_proto,
+    mode_from_proto,
+    probs_to_proto,
+    sampling_from_proto,
+    successors_from_proto,
+)
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
@@ -78,7 +84,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
                 pb.DrafterInfo(
                     kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model,
                     free=t.free, needs_features=t.needs_features, feature_layers=list(t.feature_layers),
-                    feature_width=t.feature_width,
+                    feature_width=t.feature_width, successors_k=t.successors_k,
                 )
                 for t in e.traits
             ],
@@ -165,9 +171,11 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         features = None
         if msg.HasField("features"):
             features = features_from_proto(msg.features, session.feature_width or msg.features.width)
+        successors = [successors_from_proto(s) for s in msg.successors]
+
         def propose():  # on the compute thread, with the encoding of the block's distributions
             done = engine.propose(
-                session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches, features
+                session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches, features, successors
             )
             return done, probs_to_proto(done.proposal.probs) if done.proposal.probs is not None else None
 

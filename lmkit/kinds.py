@@ -65,6 +65,7 @@ class DrafterKind(metaclass=_KindRegistry):
     QUANTIZED: ClassVar[DrafterKind]
     CHAIN: ClassVar[DrafterKind]
     EAGLE: ClassVar[DrafterKind]
+    RECYCLING: ClassVar[DrafterKind]
 
     value: int
     name: str
@@ -109,6 +110,7 @@ DrafterKind.LAYERSKIP = DrafterKind(3, "LAYERSKIP")  # the target's own first L 
 DrafterKind.QUANTIZED = DrafterKind(4, "QUANTIZED")  # the target's own checkpoint, transformer layers in int8
 DrafterKind.CHAIN = DrafterKind(5, "CHAIN")  # an ordered list of other kinds, tried in turn each round
 DrafterKind.EAGLE = DrafterKind(6, "EAGLE")  # a feature head over the target's hidden states (EAGLE-3 layout)
+DrafterKind.RECYCLING = DrafterKind(7, "RECYCLING")  # token recycling: the target's own successors of verified tokens
 
 
 def drafter_value(drafter: DrafterKind | str | int) -> int:
@@ -138,6 +140,8 @@ class DrafterTraits:
     needs_features: bool = False
     feature_layers: tuple[int, ...] = ()  # the target's hidden-state indices it reads, in order
     feature_width: int = 0  # values per position it expects (the sum of those layers' hidden sizes)
+    # Drafts from the target's best successors of verified positions: this many per position (TargetOpen.successors_k).
+    successors_k: int = 0
 
 
 # Model-backed drafters in order of preference as the fallback behind n-gram lookup.

@@ -285,6 +285,7 @@ class Orchestrator:
         speculating = request.k > 0 and self.draft is not None
         # A feature drafter (EAGLE) reads the target's hidden states of these layers, sent with each result.
         layers = self.feature_traits(request).feature_layers if speculating else ()
+        successors_k = self.successors_k(request) if speculating else 0
         shared = self.shares_streams()
         # What the session can ever hold, reserved against the target's KV budget: the prompt, every new token
         # and the last round's block beyond them.
@@ -294,7 +295,7 @@ class Orchestrator:
             lambda sid, tokens: pb.TargetOpen(
                 session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value, return_logprobs=logprobs,
                 top_logprobs=request.top_logprobs or 0, feature_layers=layers,
-                reserve_tokens=min(reserve, 2**32 - 1),
+                reserve_tokens=min(reserve, 2**32 - 1), successors_k=successors_k,
             ),
             policy,
             self.measured.costs.links.target,
@@ -484,6 +485,11 @@ class Orchestrator:
                 return traits
         return DrafterTraits(request.drafter)
 
+    def successors_k(self, request: GenerationRequest) -> int:
+        """Successors per verified position the request's drafters read (a recycling drafter's; 0: none)."""
+        kinds = (request.drafter, *self._chain(request))
+        return max((self.drafter_traits[kind].successors_k for kind in kinds if kind in self.drafter_traits), default=0)
+
     def check_features(self, request: GenerationRequest) -> None:
         """Refuse a feature drafter whose head does not fit the target's hidden states."""
         traits = self.feature_traits(request)
@@ -547,7 +553,7 @@ def drafter_traits(info: pb.ModelInfo) -> list[DrafterTraits]:
     return [
         DrafterTraits(
             DrafterKind(d.kind, d.name), d.has_probs, d.needs_model, d.free, needs_features=d.needs_features,
-            feature_layers=tuple(d.feature_layers), feature_width=d.feature_width,
+            feature_layers=tuple(d.feature_layers), feature_width=d.feature_width, successors_k=d.successors_k,
         )
         for d in info.drafter_info
     ]

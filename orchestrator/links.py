@@ -16,6 +16,7 @@ Deadlines use ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -32,6 +33,8 @@ from specsplit.orchestrator.policy.measure import RttEstimator
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+_HELD_SUCCESSORS = 16  # the target's successor reports a draft link holds for the next proposal, the latest kept
 
 # Codes after which a new session may succeed (restart, eviction, a stall). RESOURCE_EXHAUSTED goes to the client.
 _RETRYABLE = {
@@ -225,6 +228,8 @@ class DraftLink(_SessionLink):
         self.warm_tokens = 0  # tokens of those replies, used or not (with ``warm_s``: the time a token costs)
         self.reattached = 0
         self._features: pb.HiddenFeatures | None = None  # the target's features not yet forwarded (feature drafters)
+        # The target's successors not yet forwarded (recycling drafters), the latest few while the draft is away.
+        self._successors: collections.deque[pb.Successors] = collections.deque(maxlen=_HELD_SUCCESSORS)
         self.session_id = ""  # the last session opened on the draft
         self.fork_from = ""  # a draft session whose context cache a new session copies (DraftOpen.fork_from)
 
@@ -258,6 +263,10 @@ class DraftLink(_SessionLink):
     def add_features(self, features: pb.HiddenFeatures) -> None:
         """Hold the target's features of committed positions until the next proposal carries them."""
         self._features = join_features(self._features, features)
+
+    def add_successors(self, successors: pb.Successors) -> None:
+        """Hold the target's successors of verified positions until the next proposal carries them."""
+        self._successors.append(successors)
 
     def send(
         self, committed: Sequence[int], assumed: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1
@@ -308,9 +317,11 @@ class DraftLink(_SessionLink):
             return None
         start = time.perf_counter()
         features, self._features = self._features, None  # a new session starts from whichever features come next
+        successors = list(self._successors)
+        self._successors.clear()
         try:
             call = self._stream.propose(
-                self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches, features
+                self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches, features, successors
             )
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 block = await call
@@ -378,6 +389,9 @@ class _NoDraft:
         return None
 
     def add_features(self, features: pb.HiddenFeatures) -> None:
+        pass
+
+    def add_successors(self, successors: pb.Successors) -> None:
         pass
 
     async def close(self) -> None:

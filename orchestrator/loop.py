@@ -369,6 +369,8 @@ class _Loop:
         if result.HasField("features"):
             stats.feature_bytes += len(result.features.values)
             self.draft.add_features(result.features)
+        if result.HasField("successors"):
+            self.draft.add_successors(result.successors)
         new, finish = cut_at_finish([*accepted, result.next_token], self.config.eos_ids, budget)
         if self.config.constraint is not None:
             self.config.constraint.advance(new)

@@ -140,9 +140,10 @@ class DraftStream(_Session):
 
     async def propose(
         self, position: int, tokens: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1,
-        features: pb.HiddenFeatures | None = None,
+        features: pb.HiddenFeatures | None = None, successors: Sequence[pb.Successors] = (),
     ) -> pb.DraftBlock:
-        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k, max_branches=max_branches)
+        msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k, max_branches=max_branches,
+                                successors=successors)
         if features is not None:
             msg.features.CopyFrom(features)
         return await self._transport.call("propose", msg)

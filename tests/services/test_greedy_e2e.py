@@ -88,6 +88,30 @@ def test_tiny_greedy_with_token_trees_equals_generate(
         assert sum(rounds for rounds, _ in trees) > 0
 
 
+@pytest.mark.parametrize("branches", [1, 4])
+def test_tiny_greedy_with_recycled_successors_equals_generate(tiny_services, tiny_target_dir, tiny_reference, branches):
+    """The target returns its best successors of every verified position, the orchestrator forwards them, the draft
+    drafts chains and trees from them: output stays the target's, and recycled drafts are accepted."""
+    prompts_ids, expected = tiny_reference
+
+    async def go():
+        config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
+        orch = await Orchestrator.connect(config)
+        stats: list = []
+        try:
+            got = [await generate_ids(orch, ids, 4, DrafterKind.RECYCLING, 24, branches=branches, stats=stats)
+                   for ids in prompts_ids]
+        finally:
+            await orch.close()
+        return got, stats
+
+    got, stats = run_async(go())
+    assert got == expected
+    assert sum(s.accepted_tokens for s in stats) > 0
+    if branches > 1:
+        assert sum(s.tree_rounds for s in stats) > 0
+
+
 def test_tiny_drafts_are_accepted_and_rejected(tiny_services, tiny_target_dir, tiny_reference):
     """The equality runs above must hit both paths: some draft tokens accepted, some rejected."""
     prompts_ids, _ = tiny_reference

@@ -1,0 +1,138 @@
+"""Token recycling: draft from the target's own best successors of the tokens it verified.
+
+Token Recycling (Luo et al. 2024, arXiv 2408.08696): every verifying forward ranks the vocabulary after
+each position it computes, rejected draft tokens included. The best few ids after a token are kept in a
+table token -> successors (``SuccessorTable``, the latest report of a token replacing the one before),
+and a draft is a tree grown from the last committed token through the table: its children are the
+token's successors, theirs are looked up in turn. It needs no model and costs the draft a few
+dictionary lookups, and unlike prompt lookup it drafts text that never occurred before, since the
+table holds what the target itself would say next.
+
+Each session has its own table (what its own context taught) in front of one shared by every session of
+the same caller (what earlier requests taught: warm from the first round). Both are bounded by tokens
+held, the least recently reported going first. The target sends the successors
+(``lmkit.successors.Successors``) with each verify result; the orchestrator forwards them with the next
+proposal.
+
+The tree is grown best first under the proposal's bounds (depth, nodes, branches): a node's score is
+its parent's times ``RANK_PRIOR`` of its rank among the parent's successors, so the primary chain is the
+chain of first successors and the other branches leave it where a second choice is likelier than going
+deeper.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from typing import Sequence
+
+from specsplit.draft_service.drafter import Drafter, Proposal
+from specsplit.lmkit.successors import Successors
+
+SUCCESSORS_K = 8  # successors per position the drafter asks the target for (DrafterInfo.successors_k)
+SESSION_TABLE_TOKENS = 4096  # tokens a session's own table holds at most
+# The chance that a token's r-th successor is what follows it, before anything is measured: a node's score
+# is the product of its ancestors' priors. First choices are right about half the time on open text.
+RANK_PRIOR = tuple(0.5 ** (r + 1) for r in range(SUCCESSORS_K))
+
+
+class SuccessorTable:
+    """token -> its best successors (best first), the latest report winning; at most ``capacity`` tokens, the
+    least recently reported dropped first."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a successor table holds at least one token, got a capacity of {capacity}")
+        self.capacity = capacity
+        self._rows: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, token: int) -> tuple[int, ...] | None:
+        return self._rows.get(token)
+
+    def update(self, successors: Successors) -> None:
+        rows = self._rows
+        for token, ids in successors.rows():
+            rows[token] = ids
+            rows.move_to_end(token)
+        while len(rows) > self.capacity:
+            rows.popitem(last=False)
+
+
+class RecyclingDrafter(Drafter):
+    """Drafts from a session's table, then its caller's shared one (``shared``)."""
+
+    def __init__(self, prompt: Sequence[int], shared: SuccessorTable | None = None,
+                 capacity: int = SESSION_TABLE_TOKENS) -> None:
+        self._tokens = [int(t) for t in prompt]
+        self._own = SuccessorTable(capacity)
+        self._shared = shared
+
+    @property
+    def position(self) -> int:
+        return len(self._tokens)
+
+    def rollback(self, position: int) -> None:
+        if not 0 <= position <= len(self._tokens):
+            raise ValueError(f"rollback to position {position} is outside the drafter's context (0..{len(self._tokens)})")
+        del self._tokens[position:]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._tokens.extend(int(t) for t in tokens)
+
+    def add_successors(self, successors: Successors) -> None:
+        self._own.update(successors)
+        if self._shared is not None:
+            self._shared.update(successors)
+
+    def successors(self, token: int) -> tuple[int, ...]:
+        """The best successors of ``token`` known: the session's own, else its caller's; () when none is."""
+        found = self._own.get(token)
+        if found is None and self._shared is not None:
+            found = self._shared.get(token)
+        return found or ()
+
+    def propose(self, k: int) -> Proposal:
+        """The chain of first successors from the last committed token, up to ``k`` tokens."""
+        return self.propose_tree(k, 1, k)
+
+    def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> Proposal:
+        """A tree of at most ``max_nodes`` nodes, ``max_branches`` leaves and ``k`` levels, grown best first."""
+        if k < 0 or max_branches < 1 or max_nodes < 0:
+            raise ValueError(f"propose_tree needs k >= 0, max_branches >= 1, max_nodes >= 0; got {k}, {max_branches}, {max_nodes}")
+        if not k or not max_nodes or not self._tokens:
+            return Proposal(tokens=[])
+        tokens: list[int] = []
+        parents: list[int] = []
+        has_child: list[bool] = []
+        leaves = 0
+        # (-score, order, parent node (-1: the context), depth of the candidate, its rank, its token)
+        heap: list[tuple[float, int, int, int, int, int]] = []
+        order = 0
+
+        def offer(parent: int, token: int, depth: int, score: float) -> None:
+            nonlocal order
+            if depth >= k:
+                return
+            for rank, successor in enumerate(self.successors(token)[: len(RANK_PRIOR)]):
+                heapq.heappush(heap, (-score * RANK_PRIOR[rank], order, parent, depth, rank, successor))
+                order += 1
+
+        offer(-1, self._tokens[-1], 0, 1.0)
+        while heap and len(tokens) < max_nodes:
+            negative, _, parent, depth, _, token = heapq.heappop(heap)
+            new_leaf = parent == -1 and bool(tokens) or parent >= 0 and has_child[parent]
+            if new_leaf and leaves >= max_branches:
+                continue  # a branch more than asked for; a deeper node of a kept branch may still come
+            leaves += new_leaf or not tokens
+            if parent >= 0:
+                has_child[parent] = True
+            tokens.append(token)
+            parents.append(parent)
+            has_child.append(False)
+            offer(len(tokens) - 1, token, depth + 1, -negative)
+        if all(parent == i - 1 for i, parent in enumerate(parents)):
+            return Proposal(tokens=tokens)
+        return Proposal(tokens=tokens, parents=parents)
