@@ -23,10 +23,10 @@ deeper.
 from __future__ import annotations
 
 import collections
-import heapq
 from typing import Sequence
 
 from specsplit.draft_service.drafter import Drafter, Proposal
+from specsplit.lmkit import token_tree
 from specsplit.lmkit.successors import Successors
 
 SUCCESSORS_K = 8  # successors per position the drafter asks the target for (DrafterInfo.successors_k)
@@ -100,39 +100,11 @@ class RecyclingDrafter(Drafter):
 
     def propose_tree(self, k: int, max_branches: int, max_nodes: int) -> Proposal:
         """A tree of at most ``max_nodes`` nodes, ``max_branches`` leaves and ``k`` levels, grown best first."""
-        if k < 0 or max_branches < 1 or max_nodes < 0:
-            raise ValueError(f"propose_tree needs k >= 0, max_branches >= 1, max_nodes >= 0; got {k}, {max_branches}, {max_nodes}")
-        if not k or not max_nodes or not self._tokens:
+        if not self._tokens:
             return Proposal(tokens=[])
-        tokens: list[int] = []
-        parents: list[int] = []
-        has_child: list[bool] = []
-        leaves = 0
-        # (-score, order, parent node (-1: the context), depth of the candidate, its rank, its token)
-        heap: list[tuple[float, int, int, int, int, int]] = []
-        order = 0
 
-        def offer(parent: int, token: int, depth: int, score: float) -> None:
-            nonlocal order
-            if depth >= k:
-                return
-            for rank, successor in enumerate(self.successors(token)[: len(RANK_PRIOR)]):
-                heapq.heappush(heap, (-score * RANK_PRIOR[rank], order, parent, depth, rank, successor))
-                order += 1
+        def candidates(token: int, depth: int) -> list[tuple[int, float]]:
+            return [(s, RANK_PRIOR[r]) for r, s in enumerate(self.successors(token)[: len(RANK_PRIOR)])]
 
-        offer(-1, self._tokens[-1], 0, 1.0)
-        while heap and len(tokens) < max_nodes:
-            negative, _, parent, depth, _, token = heapq.heappop(heap)
-            new_leaf = parent == -1 and bool(tokens) or parent >= 0 and has_child[parent]
-            if new_leaf and leaves >= max_branches:
-                continue  # a branch more than asked for; a deeper node of a kept branch may still come
-            leaves += new_leaf or not tokens
-            if parent >= 0:
-                has_child[parent] = True
-            tokens.append(token)
-            parents.append(parent)
-            has_child.append(False)
-            offer(len(tokens) - 1, token, depth + 1, -negative)
-        if all(parent == i - 1 for i, parent in enumerate(parents)):
-            return Proposal(tokens=tokens)
-        return Proposal(tokens=tokens, parents=parents)
+        tokens, parents = token_tree.grow_best_first(self._tokens[-1], candidates, k, max_branches, max_nodes)
+        return Proposal(tokens=tokens, parents=None if token_tree.is_chain(parents) else parents)

@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Sequence
 from specsplit.draft_service.chain import ChainDrafter
 from specsplit.draft_service.drafter import Drafter
 from specsplit.draft_service.eagle import EagleDrafter
+from specsplit.draft_service.medusa import MedusaDrafter
 from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.ngram import NgramConfig, NgramDrafter
 from specsplit.draft_service.recycling import SUCCESSORS_K, RecyclingDrafter, SuccessorTable
@@ -91,3 +92,8 @@ register(DrafterEntry(
 ))
 register(DrafterEntry(DrafterKind.RECYCLING, lambda c: RecyclingDrafter(c.prompt, c.successors),
                       successors_k=SUCCESSORS_K, cheap=True))
+register(DrafterEntry(
+    DrafterKind.MEDUSA, lambda c: MedusaDrafter(c.derived[DrafterKind.MEDUSA], c.prompt),
+    needs_model=True, derived=True, needs_features=True,
+    enable_hint="start serve-draft with --model TARGET --medusa-head DIR to enable it",
+))

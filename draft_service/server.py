@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specsplit.draft_service import eagle_head, self_draft
+from specsplit.draft_service import eagle_head, medusa, self_draft
 from specsplit.draft_service.engine import DEFAULT_SUCCESSOR_TABLE_TOKENS, DraftEngine
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.self_draft import QuantizeMode
@@ -58,6 +58,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
              f"or a bundled head's name ({', '.join(sorted(eagle_head.BUNDLED))})",
     )
     parser.add_argument(
+        "--medusa-head", default="",
+        help="enable the MEDUSA drafter: a folder of Medusa heads (the Medusa-1 layout: config.json and "
+             "medusa_lm_head.safetensors) trained for --model (the target)",
+    )
+    parser.add_argument(
         "--recycling-table-tokens", type=int, default=DEFAULT_SUCCESSOR_TABLE_TOKENS,
         help="RECYCLING drafter: tokens each caller's shared table of the target's successors holds at most "
              "(about 300 bytes each)",
@@ -68,11 +73,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def check_self_draft_flags(args) -> None:
     """Fail fast (ValueError) on self-drafting flags that cannot work, before loading anything."""
-    wants = args.layerskip_layers or args.layerskip_adapter or args.quantize or args.eagle_head
+    wants = args.layerskip_layers or args.layerskip_adapter or args.quantize or args.eagle_head or args.medusa_head
     if wants and not args.model:
         raise ValueError(
-            "--layerskip-layers, --layerskip-adapter, --quantize and --eagle-head derive from --model; pass --model TARGET"
+            "--layerskip-layers, --layerskip-adapter, --quantize, --eagle-head and --medusa-head derive from --model; "
+            "pass --model TARGET"
         )
+    if args.medusa_head:
+        medusa.read_config(args.medusa_head)
     if args.eagle_head:
         eagle_head.read_config(eagle_head.resolve_head(args.eagle_head))
     if args.recycling_table_tokens < 1:
@@ -106,6 +114,8 @@ def derive_drafts(args, model, fingerprint: str) -> dict[DrafterKind, object]:
         derived[DrafterKind.QUANTIZED] = self_draft.quantized_view(model, QuantizeMode(args.quantize))
     if args.eagle_head:
         derived[DrafterKind.EAGLE] = eagle_head.load_head(args.eagle_head, model)
+    if args.medusa_head:
+        derived[DrafterKind.MEDUSA] = medusa.load_heads(args.medusa_head, model, args.model)
     return derived
 
 

@@ -182,7 +182,8 @@ class DecoderStep:
         feature_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Logits [K, vocab] of the ``keep`` positions of the packed ``ids``/``positions`` [1, T], and the hidden
-        states [1, T, hidden] entering each decoder layer in ``feature_layers`` (0 = the embeddings).
+        states [1, T, hidden] entering each decoder layer in ``feature_layers`` (0 = the embeddings; the number of
+        layers = the final norm's output).
 
         ``rows`` are ``packed_rows._Row``s: each row's keys/values are written into its buffer at its positions."""
         hidden = F.embedding(ids, self.embed)  # [1, T, hidden]
@@ -195,6 +196,9 @@ class DecoderStep:
             q, k, v = self.attention_inputs(hidden, *layer.inputs, cos, sin, self.head_dim)
             attended = _row_attention(layer, q, k, v, rows)
             hidden = self.attention_outputs(hidden, attended, *layer.outputs)
+        if self.num_layers in wanted:  # the final hidden state, after the norm (what the LM head reads)
+            features[self.num_layers] = rms_norm(hidden, *self.norm)
+            return self.lm_head(features[self.num_layers][:, keep])[0], features
         kept = rms_norm(hidden[:, keep], *self.norm)
         return self.lm_head(kept)[0], features
 

@@ -66,6 +66,7 @@ class DrafterKind(metaclass=_KindRegistry):
     CHAIN: ClassVar[DrafterKind]
     EAGLE: ClassVar[DrafterKind]
     RECYCLING: ClassVar[DrafterKind]
+    MEDUSA: ClassVar[DrafterKind]
 
     value: int
     name: str
@@ -111,6 +112,7 @@ DrafterKind.QUANTIZED = DrafterKind(4, "QUANTIZED")  # the target's own checkpoi
 DrafterKind.CHAIN = DrafterKind(5, "CHAIN")  # an ordered list of other kinds, tried in turn each round
 DrafterKind.EAGLE = DrafterKind(6, "EAGLE")  # a feature head over the target's hidden states (EAGLE-3 layout)
 DrafterKind.RECYCLING = DrafterKind(7, "RECYCLING")  # token recycling: the target's own successors of verified tokens
+DrafterKind.MEDUSA = DrafterKind(8, "MEDUSA")  # heads over the target's final hidden state, one shot, as a tree
 
 
 def drafter_value(drafter: DrafterKind | str | int) -> int:

@@ -191,7 +191,7 @@ def forward_rows_with_features(
         offset += width
     decoder = step_of(model)
     wanted = sorted({i for s in steps for i in s.feature_layers})
-    if decoder is not None and all(i < decoder.num_layers for i in wanted):
+    if decoder is not None and all(i <= decoder.num_layers for i in wanted):
         logits, hidden = decoder(
             torch.tensor([ids], dtype=torch.long, device=device),
             torch.tensor([positions], dtype=torch.long, device=device),

@@ -14,7 +14,8 @@ Pure: no I/O, no model; torch only for the mask.
 
 from __future__ import annotations
 
-from typing import Sequence
+import heapq
+from typing import Callable, Sequence
 
 import torch
 
@@ -159,3 +160,50 @@ def below(tokens: Sequence[int], parents: Sequence[int], node: int) -> tuple[lis
             out_tokens.append(tokens[i])
             out_parents.append(new_index[parents[i]])
     return out_tokens, out_parents
+
+
+# A node's candidate children: (token, probability) pairs, best first, given the node's token and its depth
+# (0 for the context's children).
+Candidates = Callable[[int, int], Sequence[tuple[int, float]]]
+
+
+def grow_best_first(
+    root: int, candidates: Candidates, depth: int, max_branches: int, max_nodes: int
+) -> tuple[list[int], list[int]]:
+    """A tree grown best first from the token ``root`` (the last committed one): (tokens, parents).
+
+    A node's score is the product of the probabilities on its path; the next node added is the best
+    candidate left whose branch fits: at most ``depth`` levels, ``max_branches`` leaves and ``max_nodes``
+    nodes. A node's first child is its best candidate, so the primary chain follows first choices; siblings
+    carry distinct tokens when each candidate list does.
+    """
+    if depth < 0 or max_branches < 1 or max_nodes < 0:
+        raise ValueError(f"a tree needs depth >= 0, max_branches >= 1, max_nodes >= 0; got {depth}, {max_branches}, "
+                         f"{max_nodes}")
+    tokens: list[int] = []
+    parents: list[int] = []
+    has_child: list[bool] = []
+    leaves, order = 0, 0
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, order, parent node, its depth + 1, token)
+
+    def offer(parent: int, token: int, level: int, score: float) -> None:
+        nonlocal order
+        if level < depth:
+            for child, probability in candidates(token, level):
+                heapq.heappush(heap, (-score * probability, order, parent, level, child))
+                order += 1
+
+    offer(ROOT, root, 0, 1.0)
+    while heap and len(tokens) < max_nodes:
+        negative, _, parent, level, token = heapq.heappop(heap)
+        branches = bool(tokens) if parent == ROOT else has_child[parent]  # adding it starts a new leaf
+        if branches and leaves >= max_branches:
+            continue  # a branch more than allowed; a deeper node of a kept branch may still come
+        leaves += branches or not tokens
+        if parent != ROOT:
+            has_child[parent] = True
+        tokens.append(token)
+        parents.append(parent)
+        has_child.append(False)
+        offer(len(tokens) - 1, token, level + 1, -negative)
+    return tokens, parents

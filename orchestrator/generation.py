@@ -435,7 +435,7 @@ class Orchestrator:
         (GREEDY, TOKEN_ONLY, COUPLED: not DRAFT_PROBS), else 1. A feature drafter's
         (EAGLE, alone or in a chain) rounds are chains: 1."""
         both = self.target.info.token_trees and self.draft is not None and self.draft.info.token_trees
-        chains_only = self.feature_traits(request).needs_features
+        chains_only = self.feature_traits(request).kind is DrafterKind.EAGLE  # its head chains one row to the next
         return request.tree_branches if both and mode in TREE_MODES and not chains_only else 1
 
     def controller(self, request: GenerationRequest, mode: VerificationMode, speculating: bool) -> Controller:

@@ -25,6 +25,7 @@ class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_KIND_CHAIN: _ClassVar[DrafterKind]
     DRAFTER_KIND_EAGLE: _ClassVar[DrafterKind]
     DRAFTER_KIND_RECYCLING: _ClassVar[DrafterKind]
+    DRAFTER_KIND_MEDUSA: _ClassVar[DrafterKind]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ DRAFTER_KIND_QUANTIZED: DrafterKind
 DRAFTER_KIND_CHAIN: DrafterKind
 DRAFTER_KIND_EAGLE: DrafterKind
 DRAFTER_KIND_RECYCLING: DrafterKind
+DRAFTER_KIND_MEDUSA: DrafterKind
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason

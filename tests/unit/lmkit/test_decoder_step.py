@@ -113,6 +113,8 @@ def test_feature_layers_equal_transformers_hidden_states(pair):
     have = _run(pair, True, plan, features=(0, 1))
     assert have[1][0].shape == (3, 2 * pair.model.config.hidden_size)
     _same(have, _run(pair, False, plan, features=(0, 1)))
+    final = pair.model.config.num_hidden_layers  # the final norm's output: what Medusa heads read
+    _same(_run(pair, True, plan, features=(1, final)), _run(pair, False, plan, features=(1, final)))
 
 
 def test_the_step_is_what_runs(pair, monkeypatch):

@@ -1,0 +1,103 @@
+"""Medusa heads: the Medusa-1 checkpoint layout read and written, refused for another target, drafted as a tree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specsplit.draft_service import medusa
+from specsplit.lmkit import models, token_tree
+from specsplit.lmkit.features import FeatureBlock
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return models.load_model(models.ModelSpec(str(tiny_target_dir)))
+
+
+def random_heads(target, num_heads=3, num_layers=1, own=True, seed=0) -> medusa.MedusaHeads:
+    torch.manual_seed(seed)
+    config = medusa.MedusaConfig(num_heads, num_layers, "tiny")
+    heads = medusa.MedusaHeads(config, target.config.hidden_size, target.config.num_hidden_layers,
+                               target.get_output_embeddings(), own)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.5)
+    return heads
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-lm-heads", "target-lm-head"])
+def test_heads_round_trip_through_the_medusa1_layout(target, tmp_path, own):
+    heads = random_heads(target, own=own)
+    medusa.save_heads(heads, tmp_path)
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "medusa_lm_head.safetensors")))
+    assert {"0.0.linear.weight", "0.0.linear.bias", "2.0.linear.bias"} <= names
+    assert ("1.1.weight" in names) == own  # a head's own LM head follows its blocks
+    assert json.loads((tmp_path / "config.json").read_text())["medusa_num_heads"] == 3
+    loaded = medusa.load_heads(tmp_path, target)
+    hidden = torch.randn(target.config.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(loaded.logits(hidden), heads.logits(hidden))
+    assert loaded.feature_layers == (target.config.num_hidden_layers,)
+
+
+def test_a_pt_checkpoint_loads_too(target, tmp_path):
+    heads = random_heads(target, num_heads=2, num_layers=2)
+    medusa.save_heads(heads, tmp_path)
+    (tmp_path / "medusa_lm_head.safetensors").unlink()
+    torch.save(heads.state(), tmp_path / "medusa_lm_head.pt")
+    hidden = torch.randn(target.config.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(medusa.load_heads(tmp_path, target).logits(hidden), heads.logits(hidden))
+
+
+def test_heads_for_another_target_are_refused_naming_both(target, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=target.config.vocab_size, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    medusa.save_heads(random_heads(other), tmp_path)
+    with pytest.raises(ValueError, match=r"shape \(32, 32\), but target tiny-t has hidden size 64"):
+        medusa.load_heads(tmp_path, target, "tiny-t")
+    (tmp_path / "medusa_lm_head.safetensors").unlink()
+    with pytest.raises(ValueError, match="has no Medusa weights"):
+        medusa.load_heads(tmp_path, target)
+    with pytest.raises(ValueError, match="has no config.json"):
+        medusa.read_config(tmp_path / "nowhere")
+
+
+def test_the_draft_is_a_tree_of_the_heads_best_and_its_primary_chain_their_argmax(target):
+    heads = random_heads(target, num_heads=3)
+    width = target.config.hidden_size
+    features = torch.randn(4, width)
+    drafter = medusa.MedusaDrafter(heads, [5, 6, 7, 8, 9])
+    assert drafter.propose(3).tokens == []  # no features yet: the first round is target-only
+    drafter.add_features(FeatureBlock(0, features))  # positions 0..3: the last token (9) has none yet
+    with torch.inference_mode():
+        best = heads.logits(features[-1]).argmax(-1).tolist()
+    assert drafter.propose(3).tokens == best
+    block = drafter.propose_tree(3, 4, 8)
+    parents = block.parents or token_tree.chain_parents(len(block.tokens))
+    assert len(block.tokens) <= 8 and sum(1 for kids in token_tree.children(parents)[1:] if not kids) <= 4
+    assert [block.tokens[i] for i in token_tree.primary_chain(parents)] == best
+    drafter.extend([11])  # a token drafted ahead of its features: the first head's position is past
+    assert drafter.propose(3).tokens == best[1:]
+    drafter.rollback(3)  # the features' own position goes: nothing to draft from
+    assert drafter.propose(2).tokens == []
+    with pytest.raises(ValueError, match="width"):
+        drafter.add_features(FeatureBlock(0, torch.randn(1, width + 1)))
+
+
+def test_serve_draft_refuses_heads_without_a_target_or_a_config(tmp_path):
+    from specsplit.draft_service.server import build_parser, check_self_draft_flags
+
+    with pytest.raises(ValueError, match="--medusa-head derive from --model"):
+        check_self_draft_flags(build_parser().parse_args(["--medusa-head", str(tmp_path)]))
+    with pytest.raises(ValueError, match="is not a Medusa head folder"):
+        check_self_draft_flags(build_parser().parse_args(["--model", "m", "--medusa-head", str(tmp_path)]))
