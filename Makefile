@@ -10,7 +10,7 @@ K8S_VENV := .venv-k8s
 K8S_REQS := k8s/requirements-tools.txt
 K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_REQS) | sha256sum | cut -c1-12)
 
-.PHONY: install k8s-tools demo test test-unit lint-imports bench bench-speed bench-network protos check-protos clean
+.PHONY: install k8s-tools demo test test-unit lint-imports bench bench-speed bench-network protos check-protos clean medusa-heads
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ k8s-tools: $(K8S_STAMP)
 DRAFTER ?= ngram
 demo: install
 	$(VENV)/bin/specsplit demo --drafter $(DRAFTER)
+
+# Medusa heads for the default target, self-distilled on this machine (draft_service/medusa_distill.py): data,
+# then training, each resumable; stops checkpointed after MEDUSA_MINUTES of training (rerun to continue).
+# Serve them with `specsplit serve-draft --model smollm2-135m --medusa-head $(MEDUSA_OUT)`.
+MEDUSA_OUT ?= $(HOME)/.cache/specsplit/medusa-smollm2-135m
+MEDUSA_MINUTES ?= 8
+medusa-heads: install
+	$(VENV)/bin/specsplit distill --medusa --target smollm2-135m --out $(MEDUSA_OUT) --max-minutes $(MEDUSA_MINUTES)
 
 # Two workers (CI has two cores); the Ray tests share one of them (tests/conftest.py). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2

@@ -1,4 +1,5 @@
-"""``specsplit distill``: train a layer-skip exit adapter for a target by distillation (``--eagle``: an EAGLE head).
+"""``specsplit distill``: train a layer-skip exit adapter for a target by distillation (``--eagle``: an EAGLE head;
+``--medusa``: Medusa heads).
 
 The draft is the target's own first L layers, then a small ``ExitAdapter`` (h + W·rmsnorm(h)), then
 the target's final norm and LM head, all frozen but W. Training minimises KL(p_target ‖ q_draft) per
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsplit.draft_service import eagle_distill, self_draft
+from specsplit.draft_service import eagle_distill, medusa_distill, self_draft
 from specsplit.draft_service.corpus import read_corpus
 from specsplit.lmkit import models
 
@@ -237,7 +238,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--max-corpus-tokens", type=int, default=d.max_corpus_tokens)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument(
+        "--medusa", action="store_true",
+        help="train Medusa heads (draft_service/medusa_distill.py) instead of a layer-skip exit adapter",
+    )
     eagle_distill.add_flags(parser)
+    medusa_distill.add_flags(parser)
     return parser
 
 
@@ -259,9 +265,16 @@ def config_from_args(args) -> DistillConfig:
 
 def run(args) -> int:
     # ValueError on bad flags, before loading anything
-    config = eagle_distill.config_from_args(args) if args.eagle else config_from_args(args)
+    if args.eagle and args.medusa:
+        raise ValueError("--eagle and --medusa train different drafters; pick one")
+    if args.medusa:
+        config = medusa_distill.config_from_args(args)
+    else:
+        config = eagle_distill.config_from_args(args) if args.eagle else config_from_args(args)
     models.configure_torch_threads(args.threads)
-    if args.eagle:
+    if args.medusa:
+        medusa_distill.distill_medusa(config)
+    elif args.eagle:
         eagle_distill.distill_eagle(config)
     else:
         distill(config)

@@ -245,8 +245,9 @@ def extract(model, sequences: list[list[int]], answer_from: list[int], layers: S
                 ids[row, : len(sequences[g])] = torch.tensor(sequences[g])
                 mask[row, : len(sequences[g])] = 1
             out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            features = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)  # [B, T, F]
             final = out.last_hidden_state  # [B, T, H], normed
+            # [B, T, F]; no layers: none (Medusa's heads read the final hidden state alone)
+            features = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1) if layers else final[..., :0]
             for row, g in enumerate(group):
                 n = len(sequences[g])
                 out_tokens.append(ids[row, :n])

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from specsplit.draft_service import distill, eagle_distill, eagle_head, self_draft
+from specsplit.draft_service import distill, eagle_distill, eagle_head, medusa, medusa_distill, self_draft
 from specsplit.draft_service.server import build_parser as draft_parser
 from specsplit.draft_service.server import check_self_draft_flags, derive_drafts
 from specsplit.lmkit import models
@@ -178,3 +178,56 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="refusing to unpickle"):
         eagle_distill._resume(path, None, None, None)
     assert "ran code" not in capsys.readouterr().out
+
+
+def medusa_args_for(target, out, corpus, steps, **extra):
+    argv = ["--medusa", "--target", str(target), "--out", str(out), "--corpus", str(corpus), "--steps", str(steps),
+            "--medusa-corpus-tokens", "256", "--medusa-prompts", "4", "--medusa-held-out-prompts", "2",
+            "--medusa-answer-tokens", "12", "--batch", "8", "--seq-len", "32", "--save-every", "2", "--gen-batch", "4"]
+    for key, value in extra.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return medusa_distill.config_from_args(distill.build_parser(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_medusa_distill_stops_on_time_resumes_and_writes_servable_heads(tiny_target_dir, corpus, tmp_path):
+    out = tmp_path / "medusa"
+    stopped = medusa_distill.distill_medusa(medusa_args_for(tiny_target_dir, out, corpus, 4, max_minutes=1e-8))
+    assert stopped == {"stopped_at": 1}
+    assert torch.load(out / medusa_distill.CHECKPOINT, weights_only=True)["step"] == 1
+    data_files = sorted(p.name for p in (out / "data").glob("*.pt"))
+    report = medusa_distill.distill_medusa(medusa_args_for(tiny_target_dir, out, corpus, 4))
+    assert report["resumed_at"] == 1 and sorted(p.name for p in (out / "data").glob("*.pt")) == data_files
+    assert json.loads((out / medusa_distill.REPORT).read_text()) == json.loads(json.dumps(report))
+    held = report["held_out"]
+    assert held["positions"] > 0 and len(held["top1_per_head"]) == 3
+    assert 0.0 <= held["mean_accepted_length"] <= 3.0
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    heads = medusa.load_heads(out, model)  # what serve-draft --medusa-head OUT loads
+    assert heads.config.num_heads == 3 and heads.lm_heads is None  # they share the target's LM head
+    with pytest.raises(ValueError, match="other settings"):
+        medusa_distill.distill_medusa(medusa_args_for(tiny_target_dir, out, corpus, 4, medusa_heads=2))
+
+
+def test_medusa_agreement_counts_a_chains_accepted_length():
+    """Two heads, held-out answers of one sequence: the report's figures from hand-made guesses."""
+    from specsplit.draft_service.eagle_data import Segments
+
+    class Fixed(torch.nn.Module):  # head i guesses token (position's argmax label + i), by construction
+        config = medusa.MedusaConfig(2, 1)
+
+        def logits(self, hidden, first=0, count=None):
+            ids = hidden[:, 0].long()  # [rows]: the row's own label, written into its hidden state below
+            out = torch.full((2, len(ids), 50), -1e9)
+            out[0, torch.arange(len(ids)), ids] = 0.0  # head 0 is right
+            out[1, torch.arange(len(ids)), (ids + 1) % 50] = 0.0  # head 1 is right only where labels repeat + 1
+            return out
+
+    argmax = torch.tensor([3, 4, 5, 9, 7, 8, 9, 1])
+    final = torch.zeros(8, 4)
+    final[:-1, 0] = argmax[1:].float()  # position j's hidden carries the label of head 0: argmax[j + 1]
+    held = Segments(torch.zeros(8, dtype=torch.long), final[:, :0].half(), final.half(), argmax,
+                    torch.tensor([0, 8]), torch.tensor([2]))
+    got = medusa_distill.agreement(Fixed(), held)
+    # rows 2..5 (answer from 2; j + 2 < 8): head 0 always right; head 1 right where argmax[j+2] == argmax[j+1] + 1
+    assert got["positions"] == 4 and got["top1_per_head"] == [1.0, 0.5]
+    assert got["mean_accepted_length"] == 1.5
