@@ -116,8 +116,10 @@ def test_greedy_k8_is_exact_and_hits_both_paths(self_draft_services, tiny_target
 
 def test_info_lists_every_drafter(self_draft_services):
     info = run_async(_info(self_draft_services.draft_address))
-    # Built in: served with --model and both self-draft flags (EAGLE needs --eagle-head: test_eagle_e2e.py).
-    assert sorted(info.drafters) == sorted(k.value for k in DRAFTERS if k is not DrafterKind.EAGLE)
+    # Built in: served with --model and both self-draft flags (EAGLE needs --eagle-head: test_eagle_e2e.py; MEDUSA
+    # --medusa-head: test_medusa_e2e.py).
+    heads = (DrafterKind.EAGLE, DrafterKind.MEDUSA)
+    assert sorted(info.drafters) == sorted(k.value for k in DRAFTERS if k not in heads)
 
 
 async def _info(address):

@@ -91,9 +91,9 @@ def test_token_ids_stop_where_the_text_stops(public_api, gguf_tokenizer, inside)
 class SlowDraft(DraftEngine):
     """Proposes like the tiny draft, 0.2 s late: a proposal drafted ahead is still running when a round ends."""
 
-    def propose(self, session, position, tokens, k, free_k=0, max_branches=1, features=None):
+    def propose(self, session, position, tokens, k, free_k=0, max_branches=1, features=None, successors=()):
         time.sleep(0.2)
-        return super().propose(session, position, tokens, k, free_k, max_branches, features)
+        return super().propose(session, position, tokens, k, free_k, max_branches, features, successors)
 
 
 @pytest.fixture(scope="module")
