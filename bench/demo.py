@@ -42,6 +42,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"--drafter eagle: a head folder (default: the bundled head for {', '.join(sorted(BUNDLED))})",
     )
     parser.add_argument(
+        "--medusa-head", default="",
+        help="--drafter medusa: a folder of Medusa heads for the target (`make medusa-heads` trains them)",
+    )
+    parser.add_argument(
         "--chain", default="ngram,quantized",
         help="--drafter chain: members tried in order each round (comma-separated drafter names)",
     )
@@ -78,6 +82,11 @@ def self_draft_flags(args) -> list[str]:
             raise ValueError(f"--drafter eagle: no head is bundled for {args.model}; pass --eagle-head DIR "
                              "(train one with `specsplit distill --eagle`)")
         flags += ["--eagle-head", args.eagle_head or args.model]  # a bundled head is named by its target
+    if DrafterKind.MEDUSA in kinds:
+        if not args.medusa_head:
+            raise ValueError("--drafter medusa: pass --medusa-head DIR (train heads with `make medusa-heads` or "
+                             "`specsplit distill --medusa`)")
+        flags += ["--medusa-head", args.medusa_head]
     return flags
 
 

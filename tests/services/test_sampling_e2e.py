@@ -118,6 +118,21 @@ def test_token_trees_keep_system_sampling_lossless(tiny_services, tiny_target_di
     assert_distributed_as(samples, exact)
 
 
+@pytest.mark.parametrize("mode", [VerificationMode.TOKEN_ONLY, VerificationMode.COUPLED])
+def test_recycled_trees_keep_system_sampling_lossless(tiny_services, tiny_target_dir, mode):
+    """Token recycling's trees, sampled: each round's successors come from the target's earlier verifications (this
+    session's and the caller's other sessions'), so later runs draft trees from the first ones' reports."""
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    sampling = SamplingParams(temperature=4.0, top_k=3)
+    trees: list[int] = []
+    samples = run_async(
+        sample_many(tiny_services, tiny_target_dir, 800, 3, DrafterKind.RECYCLING, mode, sampling, 3,
+                    prompt=prompt, tree_branches=4, tree_rounds=trees, concurrent=16)
+    )
+    assert sum(trees) > 0
+    assert_distributed_as([s[:2] for s in samples], exact_first_two(tiny_target_dir, sampling, prompt))
+
+
 def assert_distributed_as(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> None:
     """χ² of sampled token pairs against the target's exact joint; nothing outside its support."""
     counts = collections.Counter(samples)
