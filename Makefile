@@ -39,11 +39,12 @@ DRAFTER ?= ngram
 demo: install
 	$(VENV)/bin/specsplit demo --drafter $(DRAFTER)
 
-# Medusa heads for the default target, self-distilled on this machine (draft_service/medusa_distill.py): data,
-# then training, each resumable; stops checkpointed after MEDUSA_MINUTES of training (rerun to continue).
+# Medusa heads for the default target, self-distilled on this machine (draft_service/medusa_distill.py): the
+# recipe of the bundled heads (draft_service/heads/medusa-smollm2-135m), about 6 minutes of data and 10 of
+# training on 2 cores, each resumable; training stops checkpointed after MEDUSA_MINUTES (rerun to continue).
 # Serve them with `specsplit serve-draft --model smollm2-135m --medusa-head $(MEDUSA_OUT)`.
 MEDUSA_OUT ?= $(HOME)/.cache/specsplit/medusa-smollm2-135m
-MEDUSA_MINUTES ?= 8
+MEDUSA_MINUTES ?= 12
 medusa-heads: install
 	$(VENV)/bin/specsplit distill --medusa --target smollm2-135m --out $(MEDUSA_OUT) --max-minutes $(MEDUSA_MINUTES)
 

@@ -11,6 +11,7 @@ import asyncio
 
 from specsplit.bench.evaluation import compare, summarise
 from specsplit.bench.prompts import DEMO_PROMPTS
+from specsplit.draft_service import medusa
 from specsplit.draft_service.eagle_head import BUNDLED
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
@@ -43,7 +44,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--medusa-head", default="",
-        help="--drafter medusa: a folder of Medusa heads for the target (`make medusa-heads` trains them)",
+        help=f"--drafter medusa: a folder of Medusa heads (default: the bundled heads for {', '.join(sorted(medusa.BUNDLED))})",
     )
     parser.add_argument(
         "--chain", default="ngram,quantized",
@@ -83,10 +84,10 @@ def self_draft_flags(args) -> list[str]:
                              "(train one with `specsplit distill --eagle`)")
         flags += ["--eagle-head", args.eagle_head or args.model]  # a bundled head is named by its target
     if DrafterKind.MEDUSA in kinds:
-        if not args.medusa_head:
-            raise ValueError("--drafter medusa: pass --medusa-head DIR (train heads with `make medusa-heads` or "
-                             "`specsplit distill --medusa`)")
-        flags += ["--medusa-head", args.medusa_head]
+        if not args.medusa_head and args.model not in medusa.BUNDLED:
+            raise ValueError(f"--drafter medusa: no heads are bundled for {args.model}; pass --medusa-head DIR (train "
+                             "them with `specsplit distill --medusa`)")
+        flags += ["--medusa-head", args.medusa_head or args.model]  # bundled heads are named by their target
     return flags
 
 

@@ -184,6 +184,10 @@ def run(args) -> int:
     entries = parse_entries(args.drafters)
     target_args, draft_args = runs.service_args(argparse.Namespace(**{**vars(args), "drafter": "ngram"}))
     flags = draft_flags(args, entries)
+    if any(DrafterKind.RECYCLING in (e.chain or (e.drafter,)) for e in entries):
+        # Contenders run one after another on the same prompt: a shared table would hand the later ones the
+        # target's successors of the very text they are about to draft. Each session drafts from its own.
+        draft_args += ["--recycling-table-tokens", "0"]
     if flags:
         draft_args += ["--model", args.model, *flags]
     started = time.time()

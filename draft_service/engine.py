@@ -56,7 +56,8 @@ class DraftEngine:
         successor_table_tokens: int = DEFAULT_SUCCESSOR_TABLE_TOKENS,
     ) -> None:
         """``successor_table_tokens``: tokens each caller's shared table of the target's successors holds at most
-        (token recycling; serve-draft --recycling-table-tokens)."""
+        (token recycling; serve-draft --recycling-table-tokens); 0: no shared table, each session drafts from its
+        own reports alone."""
         derived = dict(derived or {})
         if derived and model is None:
             raise ValueError("self-drafters (--layerskip-layers, --quantize) derive from --model; pass --model")
@@ -156,7 +157,9 @@ class DraftEngine:
             session.fork_source = source  # the same kind of model drafter: the same model
         return self.sessions.add(session_id, session, caller)
 
-    def _successor_table(self, caller: str) -> SuccessorTable:
+    def _successor_table(self, caller: str) -> SuccessorTable | None:
+        if not self.successor_table_tokens:
+            return None
         table = self.successor_tables.get(caller)
         if table is None:
             table = self.successor_tables[caller] = SuccessorTable(self.successor_table_tokens)

@@ -36,6 +36,9 @@ from specsplit.lmkit.features import FeatureBlock
 
 WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 CONFIG = "config.json"
+BUNDLED_DIR = Path(__file__).resolve().parent / "heads"
+# Heads shipped with specsplit, by the target reference they were trained for (``make medusa-heads``).
+BUNDLED = {"smollm2-135m": BUNDLED_DIR / "medusa-smollm2-135m"}
 TOP_PER_HEAD = 8  # candidates per head a tree may use
 
 
@@ -50,9 +53,16 @@ class MedusaConfig:
                 "base_model_name_or_path": self.base_model, "architectures": ["MedusaModel"]}
 
 
+def resolve_heads(ref: str | Path) -> Path:
+    """A heads folder, or the bundled heads of the target ``ref`` names."""
+    if str(ref) in BUNDLED:
+        return BUNDLED[str(ref)]
+    return Path(ref).expanduser()
+
+
 def read_config(folder: str | Path) -> MedusaConfig:
     """The heads' config; ValueError naming what is missing."""
-    path = Path(folder) / CONFIG
+    path = resolve_heads(folder) / CONFIG
     if not path.is_file():
         raise ValueError(f"{folder} is not a Medusa head folder: it has no {CONFIG}")
     raw = json.loads(path.read_text())
@@ -70,24 +80,26 @@ class MedusaHeads(torch.nn.Module):
     """The heads of one target; ``logits(hidden, first, count)`` runs heads first .. first + count - 1."""
 
     def __init__(self, config: MedusaConfig, hidden_size: int, num_target_layers: int,
-                 lm_head: torch.nn.Module, own_lm_heads: bool = False) -> None:
+                 lm_head: torch.nn.Module, vocab_size: int, like: torch.Tensor, own_lm_heads: bool = False) -> None:
+        """``lm_head``: the target's (a module: packed or not); ``like``: a tensor of the target's device and dtype."""
         super().__init__()
         self.config = config
         self.blocks = torch.nn.ModuleList(
             torch.nn.ModuleList(torch.nn.Linear(hidden_size, hidden_size) for _ in range(config.num_layers))
             for _ in range(config.num_heads)
         )
-        vocab = lm_head.weight.shape[0]
         self.lm_heads = torch.nn.ModuleList(
-            torch.nn.Linear(hidden_size, vocab, bias=False) for _ in range(config.num_heads)
+            torch.nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(config.num_heads)
         ) if own_lm_heads else None
-        self._target_lm_head = [lm_head]  # the target's (a list: not a submodule of the heads, not saved)
+        # The target's LM head and a tensor like its weights (lists: not submodules of the heads, not saved).
+        self._target_lm_head = [lm_head]
+        self._like = [like]
         self.feature_layers = (num_target_layers,)  # the target's final hidden state, after its norm
         self.feature_width = hidden_size
 
     def parameter_like(self) -> torch.Tensor:
-        """A tensor of the heads' device and dtype (the target's LM head's)."""
-        return self._target_lm_head[0].weight
+        """A tensor of the heads' device and dtype (the target's)."""
+        return self._like[0]
 
     def head_output(self, i: int, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
         for block in self.blocks[i]:
@@ -117,7 +129,7 @@ def new_heads(target, num_heads: int, num_layers: int = 1, base_model: str = "")
     starts as the target's own next-token guess (Medusa's initialisation)."""
     config = MedusaConfig(num_heads, num_layers, base_model)
     heads = MedusaHeads(config, int(target.config.hidden_size), int(target.config.num_hidden_layers),
-                        target.get_output_embeddings())
+                        target.get_output_embeddings(), int(target.config.vocab_size), next(target.parameters()))
     for blocks in heads.blocks:
         for block in blocks:
             torch.nn.init.zeros_(block.weight)
@@ -137,8 +149,9 @@ def save_heads(heads: MedusaHeads, folder: str | Path) -> Path:
 
 def load_heads(folder: str | Path, target, target_name: str = "") -> MedusaHeads:
     """Heads from a Medusa-1 folder for ``target``; ValueError, naming both shapes, when they do not fit it."""
+    folder = resolve_heads(folder)
     config = read_config(folder)
-    tensors = _read_tensors(Path(folder))
+    tensors = _read_tensors(folder)
     hidden, vocab = int(target.config.hidden_size), int(target.config.vocab_size)
     own = f"0.{config.num_layers}.weight" in tensors
     expected = {}
@@ -159,7 +172,8 @@ def load_heads(folder: str | Path, target, target_name: str = "") -> MedusaHeads
                 f"{name} of shape {tuple(tensors[name].shape)}, but target {target_name or 'the target'} has hidden "
                 f"size {hidden} and vocabulary {vocab} (expected {shape}): pass heads trained for this target"
             )
-    heads = MedusaHeads(config, hidden, int(target.config.num_hidden_layers), target.get_output_embeddings(), own)
+    heads = MedusaHeads(config, hidden, int(target.config.num_hidden_layers), target.get_output_embeddings(), vocab,
+                        next(target.parameters()), own)
     parameter = next(target.parameters())
     heads.load_state_dict(_module_names(tensors, config, own), strict=True)
     return heads.to(device=parameter.device, dtype=parameter.dtype).eval()

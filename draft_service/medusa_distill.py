@@ -45,9 +45,9 @@ class MedusaDistillConfig:
     held_out_prompts: int = 24
     heads: int = 3
     layers: int = 1  # residual blocks per head
-    steps: int = 400
+    steps: int = 1200
     batch: int = 128  # positions per step
-    lr: float = 1e-3
+    lr: float = 2e-3
     save_every: int = 100
     gen_batch: int = 32
     seq_len: int = 256  # corpus window

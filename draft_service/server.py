@@ -60,12 +60,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--medusa-head", default="",
         help="enable the MEDUSA drafter: a folder of Medusa heads (the Medusa-1 layout: config.json and "
-             "medusa_lm_head.safetensors) trained for --model (the target)",
+             "medusa_lm_head.safetensors) trained for --model (the target), or a bundled heads' target name "
+             f"({', '.join(sorted(medusa.BUNDLED))})",
     )
     parser.add_argument(
         "--recycling-table-tokens", type=int, default=DEFAULT_SUCCESSOR_TABLE_TOKENS,
         help="RECYCLING drafter: tokens each caller's shared table of the target's successors holds at most "
-             "(about 300 bytes each)",
+             "(about 300 bytes each); 0: no shared table, each session drafts from its own reports alone",
     )
     add_common_flags(parser, DEFAULT_PORT)
     return parser
@@ -83,8 +84,8 @@ def check_self_draft_flags(args) -> None:
         medusa.read_config(args.medusa_head)
     if args.eagle_head:
         eagle_head.read_config(eagle_head.resolve_head(args.eagle_head))
-    if args.recycling_table_tokens < 1:
-        raise ValueError(f"--recycling-table-tokens must be >= 1, got {args.recycling_table_tokens}")
+    if args.recycling_table_tokens < 0:
+        raise ValueError(f"--recycling-table-tokens must be >= 0 (0: no shared table), got {args.recycling_table_tokens}")
     if args.layerskip_layers < 0:
         raise ValueError(f"--layerskip-layers must be >= 1 (0 = off), got {args.layerskip_layers}")
     if args.layerskip_adapter:

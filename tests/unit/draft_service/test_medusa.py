@@ -23,7 +23,7 @@ def random_heads(target, num_heads=3, num_layers=1, own=True, seed=0) -> medusa.
     torch.manual_seed(seed)
     config = medusa.MedusaConfig(num_heads, num_layers, "tiny")
     heads = medusa.MedusaHeads(config, target.config.hidden_size, target.config.num_hidden_layers,
-                               target.get_output_embeddings(), own)
+                               target.get_output_embeddings(), target.config.vocab_size, next(target.parameters()), own)
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.5)

@@ -103,3 +103,11 @@ def test_the_engine_keeps_one_table_per_caller_and_forwards_reports():
     assert engine.propose(opened["a2"], 2, [], 2).proposal.tokens == [2, 3]  # alice's other session
     assert engine.propose(opened["b1"], 2, [], 2).proposal.tokens == []  # bob learns nothing from alice's text
     assert engine.successor_tables["alice"].capacity == 50
+
+
+def test_without_a_shared_table_each_session_drafts_from_its_own_reports():
+    engine = DraftEngine(None, limits=SessionLimits(max_block=8), successor_table_tokens=0)
+    first, second = (engine.open(name, [0, 1], SamplingParams(), DrafterKind.RECYCLING, False, NgramConfig())
+                     for name in ("s1", "s2"))
+    assert engine.propose(first, 2, [], 2, successors=[report(GRAPH)]).proposal.tokens == [2, 3]
+    assert engine.propose(second, 2, [], 2).proposal.tokens == [] and not engine.successor_tables
