@@ -211,7 +211,7 @@ class MedusaDrafter(Drafter):
         self._heads = heads
         self._tokens = [int(t) for t in prompt]
         self._last: tuple[int, torch.Tensor] | None = None  # (position, its final hidden state [hidden])
-        self._ranked: tuple[int, list[list[tuple[int, float]]]] | None = None  # (position, per head its best)
+        self._ranked: tuple[int, dict[int, list[tuple[int, float]]]] | None = None  # (position, head -> its best)
 
     @property
     def position(self) -> int:
@@ -255,10 +255,18 @@ class MedusaDrafter(Drafter):
         return Proposal(tokens=tokens, parents=None if token_tree.is_chain(parents) else parents)
 
     def _ranked_from(self, first: int, count: int, width: int) -> list[list[tuple[int, float]]]:
-        """Heads first .. first + count - 1: each one's ``width`` best (token, probability), from the last feature."""
+        """Heads first .. first + count - 1: each one's ``width`` best (token, probability), from the last feature.
+        Each head runs once per feature row, and only when a proposal reaches its depth: a head's LM head is
+        most of a proposal's cost, and adaptive K often asks for one or two tokens."""
         position, hidden = self._last
         if self._ranked is None or self._ranked[0] != position:
-            logits = self._heads.logits(hidden.to(self._heads.parameter_like()))
+            self._ranked = (position, {})
+        ranked = self._ranked[1]
+        missing = [i for i in range(first, first + count) if i not in ranked]
+        if missing:
+            span = range(missing[0], missing[-1] + 1)
+            logits = self._heads.logits(hidden.to(self._heads.parameter_like()), span.start, len(span))
             probs, ids = logits.float().softmax(-1).topk(TOP_PER_HEAD, dim=-1)
-            self._ranked = (position, [list(zip(i.tolist(), p.tolist())) for i, p in zip(ids, probs)])
-        return [row[:width] for row in self._ranked[1][first : first + count]]
+            for i, head_ids, head_probs in zip(span, ids, probs):
+                ranked[i] = list(zip(head_ids.tolist(), head_probs.tolist()))
+        return [ranked[i][:width] for i in range(first, first + count)]

@@ -101,3 +101,18 @@ def test_serve_draft_refuses_heads_without_a_target_or_a_config(tmp_path):
         check_self_draft_flags(build_parser().parse_args(["--medusa-head", str(tmp_path)]))
     with pytest.raises(ValueError, match="is not a Medusa head folder"):
         check_self_draft_flags(build_parser().parse_args(["--model", "m", "--medusa-head", str(tmp_path)]))
+
+
+def test_heads_run_once_per_feature_and_only_as_deep_as_asked(target):
+    heads = random_heads(target, num_heads=3)
+    with torch.inference_mode():
+        hidden = torch.randn(1, target.config.hidden_size)
+        best = heads.logits(hidden[0]).argmax(-1).tolist()
+    calls = []
+    run = heads.logits
+    heads.logits = lambda h, first=0, count=None: calls.append((first, count)) or run(h, first, count)
+    drafter = medusa.MedusaDrafter(heads, [5, 6, 7])
+    drafter.add_features(FeatureBlock(1, hidden))  # position 1: the last token (7) has none yet
+    assert drafter.propose(1).tokens == best[:1] and calls == [(0, 1)]
+    assert drafter.propose(3).tokens == best and calls == [(0, 1), (1, 2)]
+    assert drafter.propose_tree(3, 4, 8).tokens and calls == [(0, 1), (1, 2)]  # a tree reuses the heads' rankings
