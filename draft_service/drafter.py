@@ -115,3 +115,22 @@ class Drafter(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release per-session resources (caches)."""
+
+
+class ContextDrafter(Drafter):
+    """A drafter that holds its committed context as a list of token ids (``_tokens``)."""
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        self._tokens = [int(t) for t in prompt]
+
+    @property
+    def position(self) -> int:
+        return len(self._tokens)
+
+    def rollback(self, position: int) -> None:
+        if not 0 <= position <= len(self._tokens):
+            raise ValueError(f"rollback to {position} is outside the context [0, {len(self._tokens)}]")
+        del self._tokens[position:]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._tokens.extend(int(t) for t in tokens)

@@ -146,8 +146,8 @@ class DraftEngine:
                 "COUPLED verification samples (temperature > 0) and sends token ids only; unset return_probs"
             )
         width = self._check_features(kind, chain, feature_width)
-        members = chain if kind is DrafterKind.CHAIN else (kind,)
-        table = self._successor_table(caller) if any(DRAFTERS[m].successors_k for m in members) else None
+        reads_successors = any(DRAFTERS[m].successors_k for m in _members(kind, chain))
+        table = self._successor_table(caller) if reads_successors else None
         context = DraftRequestContext(
             list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled, table
         )
@@ -169,7 +169,7 @@ class DraftEngine:
     def free(kind: DrafterKind, chain: Sequence[DrafterKind] = ()) -> bool:
         """Whether every drafter of a session (a chain's members) proposes at ~no cost: such a session's calls are
         served on the event loop, with no hop to the compute thread and no wait behind a model's work there."""
-        members = chain if kind is DrafterKind.CHAIN else (kind,)
+        members = _members(kind, chain)
         return bool(members) and all(DRAFTERS[m].free or DRAFTERS[m].cheap for m in members if m in DRAFTERS)
 
     def _check_features(self, kind: DrafterKind, chain: Sequence[DrafterKind], sent_width: int) -> int:
@@ -278,3 +278,8 @@ class DraftEngine:
         if session is not None:
             session.closed = True
             session.drafter.close()
+
+
+def _members(kind: DrafterKind, chain: Sequence[DrafterKind]) -> Sequence[DrafterKind]:
+    """The drafters a session runs: a chain's members, else its own kind."""
+    return chain if kind is DrafterKind.CHAIN else (kind,)

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.draft_service.drafter import Drafter, Proposal
+from specsplit.draft_service.drafter import ContextDrafter, Proposal
 from specsplit.lmkit import token_tree
 from specsplit.lmkit.features import FeatureBlock
 
@@ -202,30 +202,21 @@ def _module_names(tensors: dict[str, torch.Tensor], config: MedusaConfig, own: b
     return state
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(ContextDrafter):
     """Drafts a session's block from the target's last feature row with every head at once."""
 
     needs_features = True
 
     def __init__(self, heads: MedusaHeads, prompt: Sequence[int]) -> None:
+        super().__init__(prompt)
         self._heads = heads
-        self._tokens = [int(t) for t in prompt]
         self._last: tuple[int, torch.Tensor] | None = None  # (position, its final hidden state [hidden])
         self._ranked: tuple[int, dict[int, list[tuple[int, float]]]] | None = None  # (position, head -> its best)
 
-    @property
-    def position(self) -> int:
-        return len(self._tokens)
-
     def rollback(self, position: int) -> None:
-        if not 0 <= position <= len(self._tokens):
-            raise ValueError(f"rollback to position {position} is outside the drafter's context (0..{len(self._tokens)})")
-        del self._tokens[position:]
+        super().rollback(position)
         if self._last is not None and self._last[0] >= position:
-            self._last = None
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        self._tokens.extend(int(t) for t in tokens)
+            self._last = None  # the features' own position went
 
     def add_features(self, block: FeatureBlock) -> None:
         if block.width != self._heads.feature_width:

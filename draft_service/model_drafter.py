@@ -17,14 +17,14 @@ from typing import Sequence
 
 import torch
 
-from specsplit.draft_service.drafter import Drafter, Proposal
+from specsplit.draft_service.drafter import ContextDrafter, Proposal
 from specsplit.lmkit import draws, token_tree
 from specsplit.lmkit.kvcache import SessionCache, common_prefix
 from specsplit.lmkit.probs_codec import quantize_probs
 from specsplit.lmkit.sampling import SamplingParams, apply_penalties, logits_to_probs
 
 
-class SamplingDrafter(Drafter):
+class SamplingDrafter(ContextDrafter):
     """A drafter over a committed context that draws each token from logits: the argmax when greedy, else a
     sample from q = ``logits_to_probs(logits)`` (fp16-rounded first when q travels, DRAFT_PROBS mode) with the
     session's uniform for the token's absolute position; in coupled verification argmax(log q + G) with the
@@ -35,22 +35,10 @@ class SamplingDrafter(Drafter):
     ) -> None:
         if not prompt:
             raise ValueError(f"{type(self).__name__} needs a non-empty context")
-        self._tokens = list(prompt)
+        super().__init__(prompt)
         self._sampling = sampling
         self._return_probs = return_probs and not sampling.greedy
         self._coupled = coupled and not sampling.greedy
-
-    @property
-    def position(self) -> int:
-        return len(self._tokens)
-
-    def rollback(self, position: int) -> None:
-        if not 0 <= position <= len(self._tokens):
-            raise ValueError(f"rollback to {position} is outside the context [0, {len(self._tokens)}]")
-        del self._tokens[position:]
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        self._tokens.extend(tokens)
 
     def _next(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
         """The draft token at absolute ``position`` from [1, vocab] logits, and the distribution it came from."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 from typing import Sequence
 
-from specsplit.draft_service.drafter import Drafter, Proposal
+from specsplit.draft_service.drafter import ContextDrafter, Proposal
 from specsplit.lmkit import token_tree
 from specsplit.lmkit.successors import Successors
 
@@ -61,26 +61,14 @@ class SuccessorTable:
             rows.popitem(last=False)
 
 
-class RecyclingDrafter(Drafter):
+class RecyclingDrafter(ContextDrafter):
     """Drafts from a session's table, then its caller's shared one (``shared``)."""
 
     def __init__(self, prompt: Sequence[int], shared: SuccessorTable | None = None,
                  capacity: int = SESSION_TABLE_TOKENS) -> None:
-        self._tokens = [int(t) for t in prompt]
+        super().__init__(prompt)
         self._own = SuccessorTable(capacity)
         self._shared = shared
-
-    @property
-    def position(self) -> int:
-        return len(self._tokens)
-
-    def rollback(self, position: int) -> None:
-        if not 0 <= position <= len(self._tokens):
-            raise ValueError(f"rollback to position {position} is outside the drafter's context (0..{len(self._tokens)})")
-        del self._tokens[position:]
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        self._tokens.extend(int(t) for t in tokens)
 
     def add_successors(self, successors: Successors) -> None:
         self._own.update(successors)
