@@ -87,10 +87,12 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-class _Data:
-    """The data phase: chunks written under OUT/data, each loaded back when it exists."""
+class DataFolder:
+    """The data phase: chunks written under OUT/data, each loaded back when it exists; the settings they were made
+    with in OUT/data/settings.json, and other settings refused. ``config`` is a distill config with the data
+    fields (EAGLE's, or Medusa's: ``medusa_distill``); ``layers``: the target's hidden states kept as features."""
 
-    def __init__(self, config: EagleDistillConfig, model, tokenizer, layers: tuple[int, ...]) -> None:
+    def __init__(self, config, model, tokenizer, layers: tuple[int, ...]) -> None:
         self.config, self.model, self.tokenizer, self.layers = config, model, tokenizer, layers
         self.folder = Path(config.out) / "data"
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -237,7 +239,7 @@ def distill_eagle(config: EagleDistillConfig) -> dict:
     layers = eagle_head.eagle3_layers(int(model.config.num_hidden_layers))
     pool = eagle_data.prompt_pool(config.prompts + config.held_out_prompts, config.seed)
     held_prompts, train_prompts = pool[: config.held_out_prompts], pool[config.held_out_prompts :]
-    data = _Data(config, model, tokenizer, layers)
+    data = DataFolder(config, model, tokenizer, layers)
     corpus_train, corpus_held = data.corpus()
     greedy = data.answers(train_prompts, "greedy", 0.0)
     sampled = data.answers(train_prompts[: int(len(train_prompts) * config.sampled_share)], "sampled",

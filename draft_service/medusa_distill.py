@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsplit.draft_service import eagle_data, medusa
+from specsplit.draft_service import eagle_data, eagle_distill, medusa
 from specsplit.lmkit import models
 
 CHECKPOINT = "checkpoint.pt"
@@ -84,45 +84,20 @@ def _log(message: str) -> None:
 
 
 def _data(config: MedusaDistillConfig, model, tokenizer) -> tuple[eagle_data.Segments, eagle_data.Segments]:
-    """(training segments, held-out answers): made once, one file per chunk under OUT/data."""
-    folder = Path(config.out) / "data"
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest = folder / "settings.json"
-    if manifest.is_file() and json.loads(manifest.read_text()) != config.data_fields():
-        raise ValueError(f"{folder} holds data made with other settings ({manifest}); use another --out")
-    manifest.write_text(json.dumps(config.data_fields(), indent=2) + "\n")
-    eos = models.eos_ids(config.target, tokenizer)
-
-    def chunk(name: str, make) -> eagle_data.Segments:
-        path = folder / f"{name}.pt"
-        if path.is_file():
-            return eagle_data.Segments.load(path)
-        segments = make()
-        segments.save(path)
-        return segments
+    """(training segments, held-out answers): made once, one file per chunk under OUT/data (EAGLE's data phase,
+    keeping no feature layers: the heads read the final hidden state, which every chunk holds). The whole corpus
+    trains; the held-out part is answers to prompts never trained on."""
+    data = eagle_distill.DataFolder(config, model, tokenizer, ())
 
     def corpus() -> eagle_data.Segments:
         documents = eagle_data.corpus_documents(config.corpus)
         windows = eagle_data.corpus_sequences(tokenizer, documents, config.seq_len, config.corpus_tokens, config.seed)
         return eagle_data.extract(model, windows, [0] * len(windows), (), "corpus hidden states")
 
-    def answers(prompts: list[str], name: str) -> list[eagle_data.Segments]:
-        parts = []
-        for i in range(0, len(prompts), config.chunk_prompts):
-            group = [eagle_data.encode_chat(tokenizer, p) for p in prompts[i : i + config.chunk_prompts]]
-
-            def make(group=group, i=i):
-                got = eagle_data.generate_answers(model, tokenizer, group, config.answer_tokens, config.gen_batch, 0.0,
-                                                  config.seed + i, eos)
-                return eagle_data.extract(model, [p + a for p, a in zip(group, got)], [len(p) for p in group], (),
-                                          f"{name} hidden states")
-
-            parts.append(chunk(f"{name}-{i // config.chunk_prompts:03d}-{len(group):03d}", make))
-        return parts
-
     pool = eagle_data.prompt_pool(config.prompts + config.held_out_prompts, config.seed)
-    held = eagle_data.Segments.join(answers(pool[: config.held_out_prompts], "held-out"))
-    train = eagle_data.Segments.join([chunk("corpus", corpus), *answers(pool[config.held_out_prompts :], "greedy")])
+    held = eagle_data.Segments.join(data.answers(pool[: config.held_out_prompts], "held-out", 0.0))
+    train = eagle_data.Segments.join([data.chunk("corpus", corpus),
+                                      *data.answers(pool[config.held_out_prompts :], "greedy", 0.0)])
     return train, held
 
 
