@@ -39,13 +39,15 @@ async def generate_ids(
 
 async def generate_all(
     services: Services, tokenizer_ref, prompts_ids, k, drafter, max_new_tokens, adaptive=False, branches=1,
-    tree_rounds=None, overlap=False,
+    tree_rounds=None, overlap=False, stats=None,
 ) -> list[list[int]]:
+    """Each prompt's new tokens, one generation after another on one orchestrator (``stats``: each one's
+    GenerationStats appended)."""
     config = OrchestratorConfig(services.target_address, services.draft_address, tokenizer=tokenizer_ref)
     orch = await Orchestrator.connect(config)
     try:
         return [
-            await generate_ids(orch, ids, k, drafter, max_new_tokens, adaptive, branches, tree_rounds, overlap)
+            await generate_ids(orch, ids, k, drafter, max_new_tokens, adaptive, branches, tree_rounds, overlap, stats)
             for ids in prompts_ids
         ]
     finally:
@@ -93,19 +95,9 @@ def test_tiny_greedy_with_recycled_successors_equals_generate(tiny_services, tin
     """The target returns its best successors of every verified position, the orchestrator forwards them, the draft
     drafts chains and trees from them: output stays the target's, and recycled drafts are accepted."""
     prompts_ids, expected = tiny_reference
-
-    async def go():
-        config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
-        orch = await Orchestrator.connect(config)
-        stats: list = []
-        try:
-            got = [await generate_ids(orch, ids, 4, DrafterKind.RECYCLING, 24, branches=branches, stats=stats)
-                   for ids in prompts_ids]
-        finally:
-            await orch.close()
-        return got, stats
-
-    got, stats = run_async(go())
+    stats: list = []
+    got = run_async(generate_all(tiny_services, str(tiny_target_dir), prompts_ids, 4, DrafterKind.RECYCLING, 24,
+                                 branches=branches, stats=stats))
     assert got == expected
     assert sum(s.accepted_tokens for s in stats) > 0
     if branches > 1:

@@ -13,11 +13,9 @@ from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
 from specsplit.target_service.engine import TargetEngine
 from tests.conftest import Services, run_async
-from tests.services.test_greedy_e2e import generate_ids
+from tests.services.test_greedy_e2e import generate_all
 from tests.services.test_sampling_e2e import assert_distributed_as, exact_first_two, sample_many
 
 pytestmark = pytest.mark.services
@@ -47,20 +45,9 @@ def medusa_services(background_loop, tiny_target_dir, tmp_path_factory):
 @pytest.mark.parametrize("branches", [1, 4])
 def test_medusa_greedy_equals_the_targets_own(medusa_services, tiny_target_dir, tiny_reference, branches):
     prompts_ids, expected = tiny_reference
-
-    async def go():
-        config = OrchestratorConfig(medusa_services.target_address, medusa_services.draft_address,
-                                    str(tiny_target_dir))
-        orch = await Orchestrator.connect(config)
-        stats: list = []
-        try:
-            got = [await generate_ids(orch, ids, 3, DrafterKind.MEDUSA, 24, branches=branches, stats=stats)
-                   for ids in prompts_ids]
-        finally:
-            await orch.close()
-        return got, stats
-
-    got, stats = run_async(go())
+    stats: list = []
+    got = run_async(generate_all(medusa_services, str(tiny_target_dir), prompts_ids, 3, DrafterKind.MEDUSA, 24,
+                                 branches=branches, stats=stats))
     assert got == expected
     assert sum(s.drafted_tokens for s in stats) > 0 and sum(s.feature_bytes for s in stats) > 0
     if branches > 1:

@@ -11,10 +11,8 @@ from specsplit.draft_service.engine import DraftEngine
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sessions import SessionLimits
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
 from tests.conftest import Services, make_engines, reference_greedy, run_async
-from tests.services.test_greedy_e2e import generate_ids
+from tests.services.test_greedy_e2e import generate_all
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -42,18 +40,9 @@ def smollm2_medusa(background_loop):
 @pytest.mark.parametrize("branches", [1, 4])
 def test_smollm2_greedy_equals_generate_with_the_bundled_heads(smollm2_medusa, branches):
     services, prompts_ids, expected = smollm2_medusa
-
-    async def go():
-        orch = await Orchestrator.connect(OrchestratorConfig(services.target_address, services.draft_address,
-                                                             tokenizer="smollm2-135m"))
-        stats: list = []
-        try:
-            return [await generate_ids(orch, ids, 3, DrafterKind.MEDUSA, 32, branches=branches, stats=stats)
-                    for ids in prompts_ids], stats
-        finally:
-            await orch.close()
-
-    got, stats = run_async(go())
+    stats: list = []
+    got = run_async(generate_all(services, "smollm2-135m", prompts_ids, 3, DrafterKind.MEDUSA, 32, branches=branches,
+                                 stats=stats))
     for prompt, want, have in zip(PROMPTS, expected, got):
         assert have == want, f"medusa diverged on {prompt.name}"
     drafted, accepted = sum(s.drafted_tokens for s in stats), sum(s.accepted_tokens for s in stats)
