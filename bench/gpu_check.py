@@ -6,8 +6,9 @@
 It builds a draft and a target of real shapes with random weights on one vocabulary
 (``specsplit.bench.gpu_models``), starts the target service and a draft service that also serves the
 ORACLE drafter (``specsplit.bench.oracle_drafter``) as processes on the device, and runs the stages of
-``specsplit.bench.gpu_stages`` (copy bandwidth, host syncs, step and verify costs, end to end at
-controlled acceptance, batched verification, greedy equality), writing ``gpu_check.json`` after
+``specsplit.bench.gpu_stages`` (copy bandwidth, host syncs, the target's forward stock, as the decoder step
+and compiled, step and verify costs, batched verification, greedy equality, end to end at controlled
+acceptance), writing ``gpu_check.json`` after
 every stage, ``gpu_check.png`` and the services' log tails under ``--out``.
 
 Exit code: 0 when every stage ran (goals unmet are figures, not failures), 1 when a stage failed, 2
@@ -140,7 +141,9 @@ class Check:
         self.report["shapes"] = {
             "target": {**vars(self.pair.target), "parameters": self.pair.target.parameters(self.pair.vocab)},
             "draft": {**vars(self.pair.draft), "parameters": self.pair.draft.parameters(self.pair.vocab)},
-            "vocab": self.pair.vocab, "weights": "random (lmkit.models.random_model), embeddings x8",
+            "vocab": self.pair.vocab, "weights": (f"random (lmkit.models.random_model): embeddings x{gpu_models.EMBEDDING_SCALE:g}, layer outputs "
+                        f"x{gpu_models.residual_scale(self.pair.target):.4f} (target), an untied head made of the "
+                        "embedding rows: wide argmax margins"),
         }
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
             self.tmp = Path(tmp)
@@ -149,6 +152,7 @@ class Check:
                 self.stage("device", self.device_stage)
             else:
                 self.report["skipped"].append("device (copy bandwidth and host-sync audit need CUDA)")
+            self.stage("step_kinds", self.step_kinds_stage)
             self.services_stages()
         self.report["goals"] = goals(self.report)
         self.save()
@@ -174,6 +178,23 @@ class Check:
             torch.cuda.empty_cache()
         return result
 
+    def step_kinds_stage(self) -> dict:
+        """The target's forward in this process: stock, the decoder step eager and compiled (gpu_stages.step_kinds)."""
+        import torch
+
+        from specsplit.bench import gpu_stages
+        from specsplit.lmkit import models
+
+        model = models.load_model(models.ModelSpec(str(self.target_dir), self.device, "auto"))
+        try:
+            # compiling takes minutes on the CPU: the tiny run (the tests') times the two eager kinds
+            kinds = gpu_stages.STEP_KINDS if self.real else ("stock", "eager")
+            return gpu_stages.step_kinds(model, self.sizes, self.pair.vocab, kinds)
+        finally:
+            del model
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
     def services_stages(self) -> None:
         from specsplit.bench import gpu_stages
         from specsplit.bench.oracle_drafter import ORACLE_FILE_ENV, Oracle
@@ -194,13 +215,14 @@ class Check:
             ratios = steps["verify_over_step"] if steps else {}
             self.stage("draft_steps", lambda: asyncio.run(
                 gpu_stages.draft_steps(draft.address, prompts[1], s, vocab, step_ms)))
-            self.stage("end_to_end", lambda: asyncio.run(gpu_stages.end_to_end(
-                target.address, draft.address, str(self.target_dir), prompts[: s.prompts], s,
-                Path(os.environ[ORACLE_FILE_ENV]), step_ms, ratios, self.deadline)))
             self.stage("batched_verify", lambda: asyncio.run(
                 gpu_stages.batched_verify(target.address, prompts, s, vocab, step_ms)))
             self.stage("greedy_equality", lambda: asyncio.run(gpu_stages.greedy_equality(
                 target.address, str(self.target_dir), prompts[: s.equality_prompts], s.equality_tokens)))
+            # last: it runs as many acceptance rates as the budget leaves time for
+            self.stage("end_to_end", lambda: asyncio.run(gpu_stages.end_to_end(
+                target.address, draft.address, str(self.target_dir), prompts[: s.prompts], s,
+                Path(os.environ[ORACLE_FILE_ENV]), step_ms, ratios, self.deadline)))
         finally:
             for service in (draft, target):
                 code = service.stop(grace_s=60)  # SIGTERM: drain, then exit 0 (a loaded machine exits slowly)
@@ -319,6 +341,15 @@ def print_summary(report: dict, out: Path) -> None:
         print(f"target step {steps['decode_step_ms']} ms; verify/step " +
               ", ".join(f"w{w} {ratios[w]}" for w in ratios if w in ("2", "4", "5", "8", "9", "16")) +
               f"; target call overhead {steps['target_call_overhead_ms']} ms")
+    kinds = report.get("step_kinds")
+    if kinds:
+        for kind, figures in kinds.items():
+            if isinstance(figures, dict) and "error" in figures:
+                print(f"step {kind}: {figures['error']}")
+            elif isinstance(figures, dict):
+                print(f"step {kind} (set up in {figures['setup_s']} s): verify ms by width {figures['verify_ms']}; "
+                      f"x stock {figures.get('step_speedup_vs_stock')}; margin/std {figures['argmax_margin_over_std']}; "
+                      f"verify flips {figures['verify_flips']}; differs at {figures['first_token_differing_from_first_kind']}")
     draft = report.get("draft_steps")
     if draft:
         print(f"draft token {draft['draft_token_ms']} ms (by k); c = {draft['cost_ratio_c']}")

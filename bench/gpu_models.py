@@ -6,7 +6,10 @@ CPU run inside the tests. Neither has weights on disk: each folder holds a
 config, a tokenizer and ``specsplit.lmkit.models.RANDOM_WEIGHTS``, so a service builds
 the model directly on its device. The tokenizer is synthetic (one word per id,
 ``t0`` .. ``t{V-1}``): no hub is reachable, and the services only need the two
-folders to share a vocabulary fingerprint.
+folders to share a vocabulary fingerprint. The weights are shaped so that
+greedy argmax margins are wide (``residual_scale``, ``head_from_embedding``):
+a random model's near-ties flip in bf16 between a verify of several tokens
+and a decode of one, which a trained model's margins rarely allow.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ from specsplit.lmkit import models
 LLAMA3_VOCAB = 128256
 TINY_VOCAB = 4096
 EMBEDDING_SCALE = 8.0  # as the tests' tiny models: wide argmax margins (lmkit.models.random_model)
+
+
+def residual_scale(shape: "Shape") -> float:
+    """How much each layer's output projections shrink so that the token still dominates the residual stream
+    after every layer: at real widths a random layer's outputs outgrow the (scaled) embedding row."""
+    return 0.1 / shape.layers**0.5
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,7 @@ def write_pair(root: Path, pair: Pair, seed: int = 0) -> tuple[Path, Path]:
     folders = []
     for offset, shape in enumerate((pair.target, pair.draft)):
         folders.append(models.write_random_weights(
-            root / shape.name, llama_config(shape, pair), tokenizer, seed=seed + offset, embedding_scale=EMBEDDING_SCALE
+            root / shape.name, llama_config(shape, pair), tokenizer, seed=seed + offset, embedding_scale=EMBEDDING_SCALE,
+            head_from_embedding=not shape.tied, residual_scale=residual_scale(shape),
         ))
     return folders[0], folders[1]

@@ -344,5 +344,75 @@ def sync_audit(model, width: int = 5, sessions: int = 4) -> dict:
             "syncs_per_batched_forward": batched, "solo_sync_sites": solo_where, "batched_sync_sites": batched_where}
 
 
+STEP_KINDS = ("stock", "eager", "inductor")  # the target's forward: transformers', the decoder step eager, compiled
+
+
+def step_kinds(model, sizes: Sizes, vocab: int, kinds: tuple[str, ...] = STEP_KINDS) -> dict:
+    """The target's forward each way the engine can run it, through the session cache the engine uses: ms per
+    verify forward by width (context ``sizes.prompt_len``), a greedy decode, and how many of its tokens a
+    verify of several at once flips (a near-tie in bf16) or another kind's decode differs on.
+
+    ``stock``: transformers' forward over a ``DynamicCache`` (what a CUDA target runs today); ``eager``: the
+    decoder step over KV buffers; ``inductor``: that step compiled (``--compile inductor``). Each kind that
+    fails is recorded with its error and the others still run."""
+    from specsplit.lmkit import decoder_step, packed_rows
+    from specsplit.lmkit.kvcache import SessionCache
+
+    prompt = random_prompts(1, sizes.prompt_len, vocab, seed=5)[0]
+    block = random_prompts(1, max(sizes.widths), vocab, seed=6)[0]
+    widths = [w for w in (1, 2, 4, 5, 8, 16) if w <= max(sizes.widths)]
+    decode_len, verify_width = 2 * max(sizes.widths) + 1, 4
+    out: dict = {"context_tokens": len(prompt), "decode_tokens": decode_len - 1, "verify_width": verify_width}
+    reference: list[int] | None = None
+    for kind in kinds:
+        began = time.perf_counter()
+        try:
+            if kind != "stock":
+                if not packed_rows.installed(model) and not packed_rows.install(model):
+                    raise ValueError("the packed-rows forward cannot run this model")
+                packed_rows.use_step(model, decoder_step.DecoderStep(
+                    model, decoder_step.compiler(kind) if kind != "eager" else None))
+                if kind != "eager":
+                    packed_rows.warm_up(model)
+            setup_s = time.perf_counter() - began
+            cache = SessionCache(model)
+            cache.logits(prompt, [])
+            timed = {}
+            for width in widths:
+                for _ in range(sizes.warmup):
+                    cache.logits(prompt, block[: width - 1])
+                samples = []
+                for _ in range(sizes.reps):
+                    start = time.perf_counter()
+                    cache.logits(prompt, block[: width - 1])  # logits come back to the host: the device is done
+                    samples.append((time.perf_counter() - start) * 1e3)
+                timed[str(width)] = _ms(samples)
+            tokens, margins = list(prompt), []
+            for _ in range(decode_len):
+                logits = cache.logits(tokens, [])[-1]
+                top = logits.topk(2).values
+                margins.append(float((top[0] - top[1]) / logits.std()))
+                tokens.append(int(logits.argmax()))
+            decoded = tokens[len(prompt):]
+            flips = 0
+            for first in range(0, decode_len - verify_width, verify_width):
+                rows = cache.logits([*prompt, *decoded[: first + 1]], decoded[first + 1 : first + verify_width])
+                flips += sum(int(a) != b for a, b in zip(rows.argmax(-1).tolist(), decoded[first + 1 : first + verify_width + 1]))
+            reference = decoded if reference is None else reference
+            differ = next((i for i, (a, b) in enumerate(zip(decoded, reference)) if a != b), None)
+            out[kind] = {"setup_s": round(setup_s, 1), "verify_ms": timed,
+                         "verify_over_step": {w: round(ms / timed["1"], 3) for w, ms in timed.items()},
+                         "argmax_margin_over_std": {"min": round(min(margins), 3), "median": round(statistics.median(margins), 3)},
+                         "verify_flips": flips, "first_token_differing_from_first_kind": differ}
+        except Exception as exc:  # noqa: BLE001 - a kind that cannot run is a figure of this stage
+            out[kind] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    if "1" in out.get("stock", {}).get("verify_ms", {}):
+        for kind in kinds[1:]:
+            if "verify_ms" in out.get(kind, {}):
+                out[kind]["step_speedup_vs_stock"] = {w: round(out["stock"]["verify_ms"][w] / ms, 3)
+                                                      for w, ms in out[kind]["verify_ms"].items()}
+    return out
+
+
 def leviathan_curve(k: int, c: float, points: int = 21) -> list[tuple[float, float]]:
     return [(a / (points - 1), theoretical_speedup(a / (points - 1), k, c)) for a in range(points)]

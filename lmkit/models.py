@@ -304,7 +304,14 @@ def random_model(folder: Path, spec: ModelSpec):
     ``specsplit_random_weights.json`` gives the seed and ``embedding_scale``,
     which multiplies the input embeddings: a residual stream dominated by the
     token makes argmax margins wide, as in trained models, rather than the
-    near-ties of an untrained one.
+    near-ties of an untrained one. In a wide, deep model the layers' random
+    outputs outgrow the token unless ``residual_scale`` shrinks them (it
+    multiplies each layer's output projections, ``o_proj`` and ``down_proj``:
+    the same arithmetic, smaller numbers). A tied LM head reads the token back;
+    an untied one (``head_from_embedding``) is made of the embedding rows in a
+    seeded order, so its argmax is a function of the token with the same wide
+    margin (a random head's are near-ties: in bf16 a verify of several tokens
+    and a decode of one then disagree every few tokens).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -314,16 +321,29 @@ def random_model(folder: Path, spec: ModelSpec):
     with torch.device(spec.device):
         model = AutoModelForCausalLM.from_config(config, dtype=spec.torch_dtype)
     with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(float(meta.get("embedding_scale", 1.0)))
+        embedding = model.get_input_embeddings().weight
+        embedding.mul_(float(meta.get("embedding_scale", 1.0)))
+        residual_scale = float(meta.get("residual_scale", 1.0))
+        for name, module in model.named_modules():
+            if residual_scale != 1.0 and name.endswith(("self_attn.o_proj", "mlp.down_proj")):
+                module.weight.mul_(residual_scale)
+        head = model.get_output_embeddings()
+        if meta.get("head_from_embedding") and head is not None and head.weight is not embedding:
+            order = torch.randperm(embedding.shape[0], generator=torch.Generator().manual_seed(int(meta.get("seed", 0))))
+            head.weight.copy_(embedding[order.to(embedding.device)])
     return model.eval()
 
 
-def write_random_weights(folder: Path, config, tokenizer, seed: int = 0, embedding_scale: float = 1.0) -> Path:
-    """A model folder that ``load_model`` builds with random weights: config, tokenizer and the marker."""
+def write_random_weights(folder: Path, config, tokenizer, seed: int = 0, embedding_scale: float = 1.0,
+                         head_from_embedding: bool = False, residual_scale: float = 1.0) -> Path:
+    """A model folder that ``load_model`` builds with random weights: config, tokenizer and the marker
+    (``random_model`` says what the settings do)."""
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    (folder / RANDOM_WEIGHTS).write_text(json.dumps({"seed": seed, "embedding_scale": embedding_scale}))
+    (folder / RANDOM_WEIGHTS).write_text(json.dumps({"seed": seed, "embedding_scale": embedding_scale,
+                                                     "head_from_embedding": head_from_embedding,
+                                                     "residual_scale": residual_scale}))
     return folder
 
 

@@ -47,6 +47,33 @@ def test_a_random_weight_folder_loads_its_shape_seeded_with_scaled_embeddings(ti
     assert torch.allclose(target.model.embed_tokens.weight, unscaled * gpu_models.EMBEDDING_SCALE)
 
 
+def test_shaped_random_weights_give_wide_argmax_margins_where_plain_ones_near_tie(tmp_path):
+    """A wide, deep random model's top two logits nearly tie (bf16 flips them between a verify and a decode);
+    the bench's shaping (layer outputs scaled, an untied head of embedding rows) separates them."""
+    shape = gpu_models.Shape("wide", hidden=512, intermediate=1024, layers=8, heads=8, kv_heads=2, tied=False)
+    config = gpu_models.llama_config(shape, gpu_models.TINY)
+    tokenizer = gpu_models.synthetic_tokenizer(gpu_models.TINY_VOCAB)
+    ids = torch.randint(0, gpu_models.TINY_VOCAB, (4, 12), generator=torch.Generator().manual_seed(1))
+
+    def margins(folder) -> torch.Tensor:  # top-1 minus top-2 logit over the logits' std, last position of each
+        model = models.load_model(models.ModelSpec(str(folder)))
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, -1]
+        top = logits.topk(2, dim=-1).values
+        return (top[:, 0] - top[:, 1]) / logits.std(dim=-1)
+
+    plain = models.write_random_weights(tmp_path / "plain", config, tokenizer, embedding_scale=gpu_models.EMBEDDING_SCALE)
+    shaped = models.write_random_weights(tmp_path / "shaped", config, tokenizer,
+                                         embedding_scale=gpu_models.EMBEDDING_SCALE, head_from_embedding=True,
+                                         residual_scale=gpu_models.residual_scale(shape))
+    assert margins(plain).median() < 1.0
+    assert margins(shaped).min() > 10.0
+    model = models.load_model(models.ModelSpec(str(shaped)))
+    head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+    assert head is not embedding and torch.equal(head.sort(0).values, embedding.sort(0).values)  # rows reordered
+    assert not torch.equal(head, embedding)
+
+
 def test_random_weights_refuse_tensor_parallel(tiny_pair):
     with pytest.raises(ValueError, match="--tp 1"):
         models.load_model(models.ModelSpec(str(tiny_pair[0])), tensor_parallel=True)
