@@ -46,6 +46,9 @@ REQUIRED = (
 CARRY_HINT = ("fetch the wheels here with `bash bench/gpu_wheels.sh` and pass carry=[\".gpu-wheels\"] to the device "
               "tool's run (docs/performance.md, section 'On a GPU')")
 JSON_NAME, PNG_NAME = "gpu_check.json", "gpu_check.png"
+# --stages: device (copy bandwidth, host syncs), step_kinds (the target's forward in-process, each way),
+# services (the rest, through the real services: steps, batching, greedy equality, end to end)
+STAGE_GROUPS = ("device", "step_kinds", "services")
 
 
 def preflight() -> tuple[dict, list[str]]:
@@ -86,7 +89,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="real: the 1B/8B shapes; tiny: scaled down for the CPU; auto: real on CUDA, tiny on the CPU")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="stages starting after this many seconds are skipped (the JSON says which)")
+    parser.add_argument("--stages", default=",".join(STAGE_GROUPS),
+                        help=f"comma-separated groups of stages to run, of {', '.join(STAGE_GROUPS)} (default: all)")
     args = parser.parse_args(argv)
+    args.stages = [g.strip() for g in args.stages.split(",") if g.strip()]
+    if unknown := [g for g in args.stages if g not in STAGE_GROUPS]:
+        parser.error(f"--stages: {', '.join(unknown)} is not one of {', '.join(STAGE_GROUPS)}")
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be > 0, got {args.budget_s}")
     return args
@@ -148,12 +156,16 @@ class Check:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
             self.tmp = Path(tmp)
             self.target_dir, self.draft_dir = gpu_models.write_pair(self.tmp / "models", self.pair)
-            if self.device.startswith("cuda"):
+            if "device" not in self.args.stages:
+                self.report["skipped"].append("device (not in --stages)")
+            elif self.device.startswith("cuda"):
                 self.stage("device", self.device_stage)
             else:
                 self.report["skipped"].append("device (copy bandwidth and host-sync audit need CUDA)")
-            self.stage("step_kinds", self.step_kinds_stage)
-            self.services_stages()
+            if "step_kinds" in self.args.stages:
+                self.stage("step_kinds", self.step_kinds_stage)
+            if "services" in self.args.stages:
+                self.services_stages()
         self.report["goals"] = goals(self.report)
         self.save()
         self.stage("plot", lambda: plot(self.report, self.out / PNG_NAME) or {"png": PNG_NAME})
@@ -188,7 +200,7 @@ class Check:
         model = models.load_model(models.ModelSpec(str(self.target_dir), self.device, "auto"))
         try:
             # compiling takes minutes on the CPU: the tiny run (the tests') times the two eager kinds
-            kinds = gpu_stages.STEP_KINDS if self.real else ("stock", "eager")
+            kinds = gpu_stages.STEP_KINDS if self.real else ("stock", "eager", "cuda-graphs")
             return gpu_stages.step_kinds(model, self.sizes, self.pair.vocab, kinds)
         finally:
             del model

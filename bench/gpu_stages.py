@@ -344,7 +344,26 @@ def sync_audit(model, width: int = 5, sessions: int = 4) -> dict:
             "syncs_per_batched_forward": batched, "solo_sync_sites": solo_where, "batched_sync_sites": batched_where}
 
 
-STEP_KINDS = ("stock", "eager", "inductor")  # the target's forward: transformers', the decoder step eager, compiled
+# the target's forward: transformers', the decoder step eager and compiled, the static step captured as CUDA
+# graphs (uncaptured off CUDA) with eager or compiled per-token functions
+STEP_KINDS = ("stock", "eager", "inductor", "cuda-graphs", "inductor+cuda-graphs")
+
+
+class _GraphCache:
+    """A ``graph_step.GraphStep`` behind ``SessionCache.logits``: one session, in slot 0."""
+
+    def __init__(self, step) -> None:
+        self.step, self.tokens = step, []
+
+    def logits(self, context: list[int], block: list[int]) -> torch.Tensor:
+        from specsplit.lmkit.kvcache import common_prefix
+        from specsplit.lmkit.transfer import to_host
+
+        sequence = [*context, *block]
+        keep = min(common_prefix(self.tokens, sequence), len(context) - 1)
+        out = to_host(self.step.forward(0, keep, sequence[keep:])[-(len(block) + 1):])
+        self.tokens = sequence
+        return out
 
 
 def step_kinds(model, sizes: Sizes, vocab: int, kinds: tuple[str, ...] = STEP_KINDS) -> dict:
@@ -353,9 +372,11 @@ def step_kinds(model, sizes: Sizes, vocab: int, kinds: tuple[str, ...] = STEP_KI
     verify of several at once flips (a near-tie in bf16) or another kind's decode differs on.
 
     ``stock``: transformers' forward over a ``DynamicCache`` (what a CUDA target runs today); ``eager``: the
-    decoder step over KV buffers; ``inductor``: that step compiled (``--compile inductor``). Each kind that
-    fails is recorded with its error and the others still run."""
-    from specsplit.lmkit import decoder_step, packed_rows
+    decoder step over KV buffers; ``inductor``: that step compiled (``--compile inductor``); ``cuda-graphs``:
+    the static step of ``lmkit.graph_step`` captured per width bucket (run uncaptured off CUDA);
+    ``inductor+cuda-graphs``: the same with compiled per-token functions. Each kind that fails is recorded
+    with its error and the others still run."""
+    from specsplit.lmkit import decoder_step, graph_step, packed_rows
     from specsplit.lmkit.kvcache import SessionCache
 
     prompt = random_prompts(1, sizes.prompt_len, vocab, seed=5)[0]
@@ -367,15 +388,23 @@ def step_kinds(model, sizes: Sizes, vocab: int, kinds: tuple[str, ...] = STEP_KI
     for kind in kinds:
         began = time.perf_counter()
         try:
-            if kind != "stock":
+            if kind.endswith("cuda-graphs"):
+                device = next(model.parameters()).device
+                static = graph_step.GraphStep(
+                    model, slots=1, capacity=len(prompt) + 2 * decode_len + max(sizes.widths), max_width=max(sizes.widths),
+                    graphs=device.type == "cuda", compile_fn=decoder_step.compiler("inductor") if "inductor" in kind else None)
+                setup_s = time.perf_counter() - began
+                cache = _GraphCache(static)
+            elif kind != "stock":
                 if not packed_rows.installed(model) and not packed_rows.install(model):
                     raise ValueError("the packed-rows forward cannot run this model")
                 packed_rows.use_step(model, decoder_step.DecoderStep(
                     model, decoder_step.compiler(kind) if kind != "eager" else None))
                 if kind != "eager":
                     packed_rows.warm_up(model)
-            setup_s = time.perf_counter() - began
-            cache = SessionCache(model)
+            if not kind.endswith("cuda-graphs"):
+                setup_s = time.perf_counter() - began
+                cache = SessionCache(model)
             cache.logits(prompt, [])
             timed = {}
             for width in widths:

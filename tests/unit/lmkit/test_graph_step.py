@@ -1,0 +1,88 @@
+"""The static-shape step (what CUDA graphs capture) gives the stock forward's logits, in float32 on the CPU.
+
+Chunked prefills, decodes and verify blocks of two sessions in two slots, interleaved, with a rejected
+block rolled back by feeding from an earlier position; each step's logits against transformers' forward
+over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.lmkit import graph_step
+
+pytestmark = pytest.mark.unit
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target_dir):
+    from specsplit.lmkit import models
+
+    return models.load_model(models.ModelSpec(str(tiny_target_dir)))
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _stock(model, sequence: list[int], first: int) -> torch.Tensor:
+    """transformers' logits of positions first.. of ``sequence``, one forward from scratch."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([sequence])).logits[0, first:]
+
+
+def test_buckets_are_powers_of_two_up_to_the_widest_block():
+    assert graph_step.buckets(1) == (1,)
+    assert graph_step.buckets(16) == (1, 2, 4, 8, 16)
+    assert graph_step.buckets(9) == (1, 2, 4, 8, 9)
+    with pytest.raises(ValueError, match="max_width must be >= 1"):
+        graph_step.buckets(0)
+
+
+def test_prefill_decode_verify_and_rollback_in_two_slots_equal_the_stock_forward(model):
+    step = graph_step.GraphStep(model, slots=2, capacity=64, max_width=8)
+    a, b = _ids(37, 1), _ids(5, 2)  # a: prefilled in chunks of 8 (the last one padded), b: one padded bucket
+    checks = []
+
+    def feed(slot: int, sequence: list[int], start: int) -> None:
+        got = step.forward(slot, start, sequence[start:])
+        assert got.shape == (len(sequence) - start, VOCAB)
+        checks.append((got.clone(), _stock(model, sequence, start)))
+
+    feed(0, a, 0)
+    feed(1, b, 0)
+    a = a + _ids(4, 3)  # a verify block of 4 after a's prompt
+    feed(0, a, 37)
+    b = b + _ids(1, 4)  # b decodes one token
+    feed(1, b, 5)
+    a = a[:39] + _ids(3, 5)  # two of a's four accepted: the next block overwrites positions 39.. (rollback)
+    feed(0, a, 39)
+    b = b + _ids(7, 6)  # b: a block of 7 (bucket 8, padded)
+    feed(1, b, 6)
+    for got, want in checks:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_block_past_the_slot_and_a_bad_slot_are_refused(model):
+    step = graph_step.GraphStep(model, slots=1, capacity=16, max_width=4)
+    with pytest.raises(ValueError, match="do not fit a slot of 16"):
+        step.forward(0, 14, [1, 2, 3])  # bucket 4 at 14..17
+    with pytest.raises(ValueError, match="slot 1 is not one of the 1 slots"):
+        step.forward(1, 0, [1])
+    with pytest.raises(ValueError, match="must hold at least one block"):
+        graph_step.GraphStep(model, slots=1, capacity=2, max_width=4)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+        graph_step.GraphStep(model, slots=1, capacity=16, max_width=4, graphs=True)
+
+
+def test_slots_are_handed_out_once_and_reused_after_release():
+    slots = graph_step.Slots(2)
+    assert slots.take("a") == 0 and slots.take("b") == 1 and slots.take("a") == 0
+    with pytest.raises(RuntimeError, match="every one of the 2 KV slots is held"):
+        slots.take("c")
+    slots.release("a")
+    assert slots.take("c") == 0
