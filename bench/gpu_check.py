@@ -89,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="real: the 1B/8B shapes; tiny: scaled down for the CPU; auto: real on CUDA, tiny on the CPU")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="stages starting after this many seconds are skipped (the JSON says which)")
+    parser.add_argument("--target-compile", default="auto", choices=["off", "auto", "inductor", "cuda-graphs"],
+                        help="the target service's --compile (cuda-graphs: slots of 1024 positions, --graph-context)")
     parser.add_argument("--stages", default=",".join(STAGE_GROUPS),
                         help=f"comma-separated groups of stages to run, of {', '.join(STAGE_GROUPS)} (default: all)")
     args = parser.parse_args(argv)
@@ -249,7 +251,8 @@ class Check:
         threads = "4" if self.real else "1"
         common = ["--device", self.device, "--dtype", "auto", "--max-block", "32", "--max-sessions", "96",
                   "--threads", threads]
-        target_args = ["--model", str(self.target_dir), "--max-batch", "64", *common]
+        target_args = ["--model", str(self.target_dir), "--max-batch", "64", "--compile", self.args.target_compile,
+                       *(["--graph-context", "1024"] if self.args.target_compile == "cuda-graphs" else []), *common]
         draft_args = ["--model", str(self.draft_dir), *common]
         start = time.monotonic()
         with ThreadPoolExecutor(2) as pool:  # both load at once

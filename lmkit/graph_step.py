@@ -21,7 +21,8 @@ A prompt longer than the widest bucket is fed in chunks of it (chunked prefill).
 stock forward's to rounding; on the CPU the step runs eagerly, which is how the tests check it.
 
 Chains only, one session per replay: token trees (a non-causal mask) and several sessions in one graph
-are not captured here.
+are not captured here. ``GraphSessionCache`` is a session's cache in a slot (what the target engine holds
+per session under ``serve-target --compile cuda-graphs``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.lmkit import decoder_step
+from specsplit.lmkit import decoder_step, errors
+from specsplit.lmkit.kvcache import SessionCache
+from specsplit.lmkit.transfer import to_host
 
 
 def buckets(max_width: int) -> tuple[int, ...]:
@@ -47,24 +50,22 @@ def buckets(max_width: int) -> tuple[int, ...]:
 
 
 class Slots:
-    """Which session holds which slot of the KV buffers; a released slot is handed out again."""
+    """Which slots of the KV buffers are free; a released slot is handed out again, lowest first."""
 
     def __init__(self, count: int) -> None:
+        self.count = count
         self._free = list(range(count - 1, -1, -1))
-        self._held: dict[str, int] = {}
 
-    def take(self, session_id: str) -> int:
-        if session_id in self._held:
-            return self._held[session_id]
+    def take(self) -> int:
         if not self._free:
-            raise RuntimeError(f"every one of the {len(self._held)} KV slots is held")
-        self._held[session_id] = slot = self._free.pop()
-        return slot
+            raise errors.ResourceExhausted(f"every one of the {self.count} KV slots is held; retry when a session ends")
+        return self._free.pop()
 
-    def release(self, session_id: str) -> None:
-        slot = self._held.pop(session_id, None)
-        if slot is not None:
-            self._free.append(slot)
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.count or slot in self._free:
+            raise ValueError(f"slot {slot} is not held")
+        self._free.append(slot)
+        self._free.sort(reverse=True)
 
 
 @dataclass
@@ -169,6 +170,16 @@ class GraphStep:
         return torch.cat([self._chunk(slot, start + first, tokens[first : first + self.max_width]).clone()
                           for first in range(0, len(tokens), self.max_width)])
 
+    @torch.inference_mode()
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Positions 0..length-1 of slot ``source`` into slot ``target`` (a fork's shared prompt)."""
+        if length:
+            src = slice(source * self.capacity, source * self.capacity + length)
+            dst = slice(target * self.capacity, target * self.capacity + length)
+            for buffers in (self.keys, self.values):
+                for layer in buffers:
+                    layer[:, dst] = layer[:, src]
+
     def _chunk(self, slot: int, start: int, tokens: Sequence[int]) -> torch.Tensor:
         width = len(tokens)
         bucket = next(b for b in self.inputs if b >= width)
@@ -187,3 +198,63 @@ class GraphStep:
         else:
             self._run(inputs)
         return inputs.logits[:width]
+
+
+class GraphSessionCache(SessionCache):
+    """A session's cache in one slot of a shared ``GraphStep``: chains only, no hidden features.
+
+    Cropping only forgets tokens: the slot's stale positions are overwritten by the next step before any
+    query reads them."""
+
+    gives_features = False
+
+    def __init__(self, model, graph: GraphStep, slots: Slots) -> None:
+        super().__init__(model)
+        self.cache = None  # the keys and values live in the graph's buffers
+        self._graph, self._slots = graph, slots
+        self.slot: int | None = slots.take()
+
+    @property
+    def supports_trees(self) -> bool:
+        return False
+
+    @torch.inference_mode()
+    def apply(
+        self, keep: int, feed: Sequence[int], n_logits: int, parents: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        if parents is not None:
+            raise ValueError("the CUDA-graph step verifies chains only, not token trees")
+        if self.feature_layers:
+            raise ValueError("the CUDA-graph step returns no hidden features")
+        if self.slot is None:
+            raise ValueError("this session's cache was released")
+        self.crop(keep)
+        logits = to_host(self._graph.forward(self.slot, keep, feed)[-n_logits:])
+        self.tokens = [*self.tokens, *feed]
+        self.fed += len(feed)
+        return logits
+
+    def crop(self, length: int) -> None:
+        self.tokens = self.tokens[:length]
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.features = None
+
+    def runs_like(self, other: SessionCache) -> bool:
+        return isinstance(other, GraphSessionCache) and other._graph is self._graph
+
+    @torch.inference_mode()
+    def copy_prefix(self, source: SessionCache, length: int) -> None:
+        if not self.runs_like(source) or source.slot is None:
+            raise ValueError("both caches must be slots of the same CUDA-graph step")
+        if not 0 <= length <= len(source.tokens):
+            raise ValueError(f"cannot copy {length} of {len(source.tokens)} cached positions")
+        self._graph.copy(source.slot, self.slot, length)
+        self.tokens = source.tokens[:length]
+        self.features = None
+
+    def release(self) -> None:
+        if self.slot is not None:
+            self._slots.release(self.slot)
+            self.slot = None

@@ -104,6 +104,8 @@ class SessionCache:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    gives_features = True  # keeps the hidden states of ``feature_layers`` (EAGLE, Medusa)
+
     @property
     def supports_trees(self) -> bool:
         """Token-tree blocks need the packed-rows forward (a tree mask, positions by depth)."""

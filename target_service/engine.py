@@ -129,6 +129,7 @@ class TargetEngine:
         fast_forward: bool = True,
         batch_invariant: bool = False,  # never share a forward between sessions (docs/protocol.md)
         compile_mode: str = "off",  # the decoder step's compilation (serve-target --compile, resolved)
+        max_context: int = 0,  # positions a session may reach; 0: the model's (a CUDA-graph slot holds fewer)
     ) -> None:
         """``fast_forward``: run verify steps through the packed-rows forward (``specsplit.lmkit.packed_rows``)
         where the model allows (full attention only: a sliding-window model keeps the stock forward), as the
@@ -137,7 +138,9 @@ class TargetEngine:
         forward."""
         check_cache_layout(model)
         self.forward_kind = "transformers' stock forward"
-        if fast_forward and new_cache is None and next(model.parameters()).device.type == "cpu":
+        if compile_mode == "cuda-graphs":  # new_cache hands out slots of an lmkit.graph_step.GraphStep
+            self.forward_kind = "the static decoder step, captured as CUDA graphs (one session a replay, chains)"
+        elif fast_forward and new_cache is None and next(model.parameters()).device.type == "cpu":
             self.forward_kind = packed_rows.install_fast_forward(model, compile_mode, pack=pack_linears)
         elif compile_mode != "off":
             self.forward_kind += f" (--compile {compile_mode} applies to the decoder step, which runs on an unsharded CPU target)"
@@ -147,6 +150,7 @@ class TargetEngine:
         self.limits = limits
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.max_context = min(self.max_context, max_context or self.max_context)
         self.hidden_size = int(getattr(model.config, "hidden_size", 0) or 0)
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
         self.sessions: SessionTable[TargetSession] = SessionTable(limits, "target")
@@ -187,6 +191,11 @@ class TargetEngine:
         session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
                                 top_logprobs=top_logprobs, reserved=reserve, successors_k=successors_k)
         session.cache.feature_layers = tuple(feature_layers)
+        if feature_layers and not session.cache.gives_features:
+            session.cache.release()
+            raise errors.InvalidArgument(
+                f"this target ({self.forward_kind}) returns no hidden features, which a feature drafter (EAGLE, "
+                "Medusa) needs; serve it with --compile off or inductor for such drafters")
         try:
             self.sessions.add(session_id, session, caller, reserve)
         except errors.SpecsplitError:

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,7 +63,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--compile", default="auto", choices=decoder_step.COMPILE_MODES,
         help="compile the target's decoder step: off (eager), inductor (torch.compile, at start-up, health "
-             "NOT_SERVING until done), auto (what measured faster on the device: off on the CPU)",
+             "NOT_SERVING until done), cuda-graphs (a static step captured once per block width over KV slots "
+             "allocated at start-up: CUDA only, chains only, no hidden features for EAGLE/Medusa, one session a "
+             "replay), auto (what measured faster on the device: off on the CPU and, for now, on CUDA)",
+    )
+    parser.add_argument(
+        "--graph-context", type=int, default=4096,
+        help="with --compile cuda-graphs: positions each session's KV slot holds (prompt + output; capped at the "
+             "model's context); --max-sessions slots are allocated at start-up",
     )
     parser.add_argument(
         "--compile-cache-dir", default=str(Path.home() / ".cache" / "specsplit" / "inductor"),
@@ -77,7 +85,27 @@ def compile_mode(args) -> str:
     mode = decoder_step.resolve_compile(args.compile, args.device.split(":")[0])
     if mode != "off" and args.stock_forward:
         raise ValueError(f"--compile {args.compile} compiles the fast forward; drop --stock-forward or use --compile off")
+    if mode == "cuda-graphs" and args.tp > 1:
+        raise ValueError("--compile cuda-graphs runs an unsharded target; use --tp 1 or --compile off")
+    if mode == "cuda-graphs" and args.graph_context < 2:
+        raise ValueError(f"--graph-context must be >= 2 positions, got {args.graph_context}")
     return mode
+
+
+def graph_caches(model, args, limits):
+    """--compile cuda-graphs: the captured step, its KV slots (one per --max-sessions) and each session's cache
+    in one; returns (new_cache, the context a session may reach)."""
+    from specsplit.lmkit import graph_step
+
+    context = min(args.graph_context, int(getattr(model.config, "max_position_embeddings", 0) or args.graph_context))
+    width = limits.max_block + 1
+    started = time.perf_counter()
+    graph = graph_step.GraphStep(model, slots=limits.max_sessions, capacity=context + width, max_width=width, graphs=True)
+    slots = graph_step.Slots(limits.max_sessions)
+    kv_bytes = sum(t.numel() * t.element_size() for t in (*graph.keys, *graph.values))
+    log.info("captured the step for widths %s in %.1f s; %d KV slots of %d positions (%.2f GB)",
+             ",".join(map(str, graph.inputs)), time.perf_counter() - started, limits.max_sessions, context, kv_bytes / 1e9)
+    return (lambda: graph_step.GraphSessionCache(model, graph, slots)), context
 
 
 def kv_budget_tokens(model, budget_bytes: int, tp_degree: int) -> int:
@@ -102,16 +130,21 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     leader = tp.Leader(model, on_broken=leader_hook) if args.tp > 1 else None
     mode = compile_mode(args)
-    if mode != "off":
+    if mode == "inductor":
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache_dir
         log.info("compiling the decoder step (%s; cache %s): health stays NOT_SERVING until done", mode,
                  args.compile_cache_dir)
+    new_cache, context = leader.new_cache if leader else None, 0
+    if mode == "cuda-graphs":
+        log.info("capturing the decoder step as CUDA graphs: health stays NOT_SERVING until done")
+        new_cache, context = graph_caches(model, args, limits)
     engine = TargetEngine(
         model,
         model_id=args.model,
         vocab_fingerprint=fingerprint,
         limits=limits,
-        new_cache=leader.new_cache if leader else None,
+        new_cache=new_cache,
+        max_context=context,
         tp_degree=args.tp,
         fast_forward=not args.stock_forward,
         batch_invariant=args.batch_invariant,

@@ -80,9 +80,13 @@ def test_a_block_past_the_slot_and_a_bad_slot_are_refused(model):
 
 
 def test_slots_are_handed_out_once_and_reused_after_release():
+    from specsplit.lmkit import errors
+
     slots = graph_step.Slots(2)
-    assert slots.take("a") == 0 and slots.take("b") == 1 and slots.take("a") == 0
-    with pytest.raises(RuntimeError, match="every one of the 2 KV slots is held"):
-        slots.take("c")
-    slots.release("a")
-    assert slots.take("c") == 0
+    assert slots.take() == 0 and slots.take() == 1
+    with pytest.raises(errors.ResourceExhausted, match="every one of the 2 KV slots is held"):
+        slots.take()
+    slots.release(0)
+    with pytest.raises(ValueError, match="slot 0 is not held"):
+        slots.release(0)
+    assert slots.take() == 0

@@ -1,0 +1,103 @@
+"""The target engine over the CUDA-graph step's slots (``--compile cuda-graphs``; run uncaptured on the CPU).
+
+Greedy output equals the model's own with target-only steps and with draft blocks half of whose tokens
+are wrong (so blocks are rejected and slots rolled back), sessions interleaved in their slots, forks
+sharing a prompt; what the step does not do (trees, hidden features, more sessions than slots, a context
+past the slot) is refused with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specsplit.lmkit import errors, graph_step, models
+from specsplit.lmkit.kinds import VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.target_service import server
+from specsplit.target_service.engine import TargetEngine
+
+pytestmark = pytest.mark.unit
+
+GREEDY = SamplingParams()
+SLOTS, CONTEXT, MAX_BLOCK = 3, 96, 4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target_dir) -> TargetEngine:
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    graph = graph_step.GraphStep(model, slots=SLOTS, capacity=CONTEXT + MAX_BLOCK + 1, max_width=MAX_BLOCK + 1)
+    slots = graph_step.Slots(SLOTS)
+    return TargetEngine(model, model_id="tiny", vocab_fingerprint="", limits=SessionLimits(max_block=MAX_BLOCK),
+                        new_cache=lambda: graph_step.GraphSessionCache(model, graph, slots), compile_mode="cuda-graphs",
+                        max_context=CONTEXT)
+
+
+def test_greedy_output_is_the_models_own_with_rejected_blocks_and_interleaved_slots(engine, tiny_reference):
+    prompts, expected = tiny_reference
+    sessions = [engine.open(f"s{i}", p, GREEDY, VerificationMode.GREEDY) for i, p in enumerate(prompts[:SLOTS])]
+    accepted = 0
+    for step in range(9):  # 1 + 2 + 4 tokens every three steps: 21 of the 24 known
+        for i, session in enumerate(sessions):
+            out = session.tokens[len(prompts[i]):]
+            truth = expected[i][len(out):len(out) + 3]
+            # every other step a block whose second token is wrong: one accepted, the rest rolled back
+            block = [] if step % 3 == 0 else [truth[0], (truth[1] + 1) % 49152, truth[2]] if step % 3 == 1 else truth
+            accepted += engine.verify(session, len(session.tokens), block, None).accepted
+    for i, session in enumerate(sessions):
+        out = session.tokens[len(prompts[i]):]
+        assert out == expected[i][: len(out)] and len(out) == 21
+    assert accepted > 0
+    for i in range(SLOTS):
+        engine.close(f"s{i}")
+
+
+def test_forks_copy_the_prompt_between_slots_and_decode_as_alone(engine, tiny_reference):
+    prompts, expected = tiny_reference
+    source = engine.open("source", prompts[1], GREEDY, VerificationMode.GREEDY)
+    shared = engine.shared_tokens
+    fork = engine.open("fork", prompts[1], GREEDY, VerificationMode.GREEDY, fork_from="source")
+    assert engine.shared_tokens - shared == len(prompts[1]) - 1
+    for session in (fork, source):
+        for _ in range(5):
+            engine.verify(session, len(session.tokens), [], None)
+        assert session.tokens[len(prompts[1]):] == expected[1][:5]
+    engine.close("source")
+    engine.close("fork")
+
+
+def test_what_the_step_does_not_do_is_refused_with_what_to_do(engine, tiny_reference):
+    prompts, _ = tiny_reference
+    assert not engine.verifies_trees  # ModelInfo.token_trees: false
+    session = engine.open("chain", prompts[0], GREEDY, VerificationMode.GREEDY)
+    with pytest.raises(errors.InvalidArgument, match="does not verify token trees"):
+        engine.verify(session, len(session.tokens), [5, 6], None, parents=[-1, -1])
+    with pytest.raises(errors.InvalidArgument, match="returns no hidden features.*--compile off"):
+        engine.open("eagle", prompts[0], GREEDY, VerificationMode.GREEDY, feature_layers=[2])
+    others = [engine.open(f"o{i}", prompts[0], GREEDY, VerificationMode.GREEDY) for i in range(SLOTS - 1)]
+    with pytest.raises(errors.ResourceExhausted, match="KV slots is held"):
+        engine.open("one-too-many", prompts[0], GREEDY, VerificationMode.GREEDY)
+    for i in range(len(others)):
+        engine.close(f"o{i}")
+    with pytest.raises(errors.InvalidArgument, match=f"context is {CONTEXT}"):
+        engine.open("long", [5] * CONTEXT, GREEDY, VerificationMode.GREEDY)
+    engine.close("chain")
+    again = engine.open("after", prompts[0], GREEDY, VerificationMode.GREEDY)  # the closed sessions' slots are free
+    engine.close("after")
+    assert again.cache.slot is None  # released with the session
+
+
+def test_the_flag_is_refused_where_nothing_can_be_captured():
+    def args(**kw):
+        return argparse.Namespace(**{"compile": "cuda-graphs", "device": "cpu", "stock_forward": False, "tp": 1,
+                                     "graph_context": 4096, **kw})
+
+    with pytest.raises(ValueError, match="needs --device cuda, not cpu"):
+        server.compile_mode(args())
+    with pytest.raises(ValueError, match="--tp 1 or --compile off"):
+        server.compile_mode(args(device="cuda", tp=2))
+    with pytest.raises(ValueError, match="--graph-context must be >= 2"):
+        server.compile_mode(args(device="cuda", graph_context=1))
+    assert server.compile_mode(args(device="cuda:1")) == "cuda-graphs"
