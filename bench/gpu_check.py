@@ -258,14 +258,16 @@ class Check:
         with ThreadPoolExecutor(2) as pool:  # both load at once
             target = pool.submit(start_service, "specsplit.target_service.server", "target", target_args, self.tmp, 300)
             draft = pool.submit(start_service, "specsplit.bench.oracle_drafter", "draft", draft_args, self.tmp, 300)
-            started = []
-            try:
-                for future in (target, draft):
+            started, failure = [], None
+            for future in (target, draft):  # both are waited for: one that failed must not leave the other running
+                try:
                     started.append(future.result())
-            except BaseException:
+                except BaseException as exc:  # noqa: BLE001 - re-raised below, once the other has been stopped
+                    failure = failure or exc
+            if failure is not None:
                 for service in started:
                     service.stop()
-                raise
+                raise failure
         self.services = tuple(started)
         return {"start_s": round(time.monotonic() - start, 1), "target_args": target_args, "draft_args": draft_args}
 
