@@ -101,7 +101,8 @@ def test_compiled_sampling_is_distributed_as_the_target(compiled_services, tiny_
 
 
 @pytest.mark.parametrize("flags,says", [
-    (["--compile", "cuda-graphs"], "invalid choice: 'cuda-graphs' (choose from 'off', 'auto', 'inductor')"),
+    (["--compile", "tensorrt"], "invalid choice: 'tensorrt' (choose from 'off', 'auto', 'inductor', 'cuda-graphs')"),
+    (["--compile", "cuda-graphs"], "--compile cuda-graphs captures CUDA graphs: it needs --device cuda, not cpu"),
     (["--compile", "inductor", "--stock-forward"], "--compile inductor compiles the fast forward"),
 ])
 def test_a_bad_compile_flag_is_refused_at_start(flags, says):
