@@ -112,7 +112,8 @@ class SessionCache:
         return self.kv is not None
 
     def logits(
-        self, context: Sequence[int], block: Sequence[int], parents: Sequence[int] | None = None
+        self, context: Sequence[int], block: Sequence[int], parents: Sequence[int] | None = None,
+        all_rows: bool = False,
     ) -> torch.Tensor:
         """Logits after ``context[-1]`` and after each token of ``block``.
 
@@ -120,10 +121,11 @@ class SessionCache:
         token at position len(context) + i. Afterwards the cache holds
         context + block. With ``parents`` the block is a token tree
         (``specsplit.lmkit.token_tree``): row i + 1 follows node i's root path, and the
-        cache holds context + every node until ``keep_path``.
+        cache holds context + every node until ``keep_path``. ``all_rows``: a row
+        for every token fed, the context's not cached yet first (scoring a prompt).
         """
         keep, feed = self.plan(context, block)
-        return self.apply(keep, feed, len(block) + 1, parents)
+        return self.apply(keep, feed, len(feed) if all_rows else len(block) + 1, parents)
 
     def plan(self, context: Sequence[int], block: Sequence[int]) -> tuple[int, list[int]]:
         """How many cached positions to keep, and which tokens to feed after them."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -60,6 +61,7 @@ class GenerationRequest:
     second_guess: bool = True  # with overlap, also draft past the drafter's second guess where that is free
     messages: tuple[dict, ...] = ()  # turns for the chat template (``Orchestrator.encode``); prompt is then ""
     top_logprobs: int | None = None  # None: no logprobs; else each token's and this many alternatives
+    prompt_logprobs: int | None = None  # None: the prompt is not scored; else scored with this many alternatives
     request_id: str = ""  # in every log line of the generation
     # How sampled blocks are verified (TOKEN_ONLY, DRAFT_PROBS, COUPLED); None: DRAFT_PROBS when
     # draft_probs is set, else the server's default sampling mode. Greedy requests verify GREEDY.
@@ -76,6 +78,9 @@ class GenerationEvent:
     stats: pb.GenerationStats | None = None
     loop: LoopStats | None = None  # per-round figures, on the last event (benchmarks read them)
     logprobs: tuple[pb.TokenLogprob, ...] = ()  # one per token id, when the request asked for them
+    # On a sample's first event, when the request asked (GenerateResponse.prompt_logprobs): one per prompt
+    # token, the first (which nothing precedes) with a NaN logprob and no alternatives.
+    prompt_logprobs: tuple[pb.TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -296,6 +301,7 @@ class Orchestrator:
                 session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value, return_logprobs=logprobs,
                 top_logprobs=request.top_logprobs or 0, feature_layers=layers,
                 reserve_tokens=min(reserve, 2**32 - 1), successors_k=successors_k,
+                **({} if request.prompt_logprobs is None else {"prompt_logprobs": request.prompt_logprobs}),
             ),
             policy,
             self.measured.costs.links.target,
@@ -384,6 +390,7 @@ class Orchestrator:
         rounds = speculative_decode(prompt_ids, config, target, draft, stats, controller)
         deadline = time.monotonic() + self.config.max_generation_s if self.config.max_generation_s else None
         pending: list[pb.TokenLogprob] = []  # the logprobs of committed ids not sent yet (ids wait for their text)
+        scored = request.prompt_logprobs is None  # the prompt's logprobs went out (or were not asked for)
         last = None
         # A stop string ends the generation here: the loop (and the proposal it drafts ahead) is closed
         # before the last event goes out, not whenever the abandoned generator is collected.
@@ -408,11 +415,13 @@ class Orchestrator:
                 ids = aligned.release(emitted) if stopped or finish is None else aligned.release_all()
                 sent = tuple(self._with_text(lp) for lp in pending[: len(ids)])
                 del pending[: len(ids)]
+                prompt_logprobs = () if scored else self._prompt_logprobs(prompt_ids, target.prompt_logprobs)
+                scored = True
                 if finish is not None:
                     stats.delivered = aligned.released
-                    last = GenerationEvent(text, ids, finish, logprobs=sent)
+                    last = GenerationEvent(text, ids, finish, logprobs=sent, prompt_logprobs=prompt_logprobs)
                     break
-                yield GenerationEvent(text, ids, finish, logprobs=sent)
+                yield GenerationEvent(text, ids, finish, logprobs=sent, prompt_logprobs=prompt_logprobs)
         if last is not None:
             yield last
 
@@ -448,6 +457,11 @@ class Orchestrator:
         return kind(request.k if speculating else 0, self.measured, AcceptRule.of(mode, request.sampling.temperature),
                     drafters, overlap=request.overlap and speculating, second_guess=request.second_guess,
                     draft_timeout_s=policy.draft_timeout_s, draft_deadline_s=policy.draft_deadline_s)
+
+    def _prompt_logprobs(self, prompt_ids: Sequence[int], scored: Sequence[pb.TokenLogprob]) -> tuple[pb.TokenLogprob, ...]:
+        """The prompt's first token (unscored: NaN) and the target's scores of the others, with their text."""
+        first = pb.TokenLogprob(token_id=prompt_ids[0], logprob=math.nan, token=self.token_text(prompt_ids[0]))
+        return (first, *(self._with_text(lp) for lp in scored))
 
     def _with_text(self, logprob: pb.TokenLogprob) -> pb.TokenLogprob:
         """The target's TokenLogprob with each token's text filled in."""

@@ -104,6 +104,8 @@ class TargetLink(_SessionLink):
         self.last_wall_s = 0.0  # the last verify's wall time here, send to result
         self.session_id = ""  # the open session's id on the target ("" while none is open)
         self.fork_from = ""  # a session whose prompt cache a new session of this link copies (TargetOpen.fork_from)
+        # The target's scores of the prompt (TargetOpen.prompt_logprobs), from the first session's first result
+        self.prompt_logprobs: list[pb.TokenLogprob] = []
 
     @property
     def reopens(self) -> int:
@@ -156,6 +158,8 @@ class TargetLink(_SessionLink):
                 self._rtt.observe(self.last_wall_s - (result.timing.service_us or result.timing.compute_us) / 1e6)
                 self._verified += 1
                 self.last_prefilled = self._verified == 1  # a session's first block carries its prefill
+                if result.prompt_logprobs and not self.prompt_logprobs:  # a re-opened session's scores come again
+                    self.prompt_logprobs = list(result.prompt_logprobs)
                 return result
             except (PeerError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:

@@ -188,9 +188,14 @@ def to_generate_request(
         msg.prompt = _one_prompt(req.prompt)
         max_tokens, max_name = req.max_tokens, "max_tokens"
         _completion_logprobs(req, msg)
+        if req.echo and (req.logprobs is not None or max_tokens == 0):
+            msg.prompt_logprobs = req.logprobs or 0  # echoed tokens carry logprobs; 0 new tokens need a scored prompt
     if max_tokens is not None:
-        if not 1 <= max_tokens <= config.max_new_tokens_limit:
-            raise RequestError(f"{max_name} must be in [1, {config.max_new_tokens_limit}], got {max_tokens}", max_name)
+        least = 0 if msg.HasField("prompt_logprobs") else 1
+        if not least <= max_tokens <= config.max_new_tokens_limit:
+            zero = " (0 only with echo)" if least and isinstance(req, CompletionRequest) else ""
+            raise RequestError(f"{max_name} must be in [{least}, {config.max_new_tokens_limit}]{zero}, got {max_tokens}",
+                               max_name)
         msg.max_new_tokens = max_tokens
     _extensions(req, msg)
     _grammar(req, msg)
@@ -199,8 +204,6 @@ def to_generate_request(
 
 def _refuse_unsupported(req: _Common) -> None:
     if not isinstance(req, ChatCompletionRequest):
-        if req.echo:
-            raise RequestError("echo is not supported", "echo")
         if req.suffix:
             raise RequestError("suffix is not supported", "suffix")
         if req.best_of not in (None, req.n or 1):
@@ -488,16 +491,18 @@ def chat_logprobs(items) -> dict:
 
 
 def completion_logprobs(items, text_offset: int) -> dict:
-    """``choices[].logprobs`` of the completions API; offsets count from the start of the completion."""
+    """``choices[].logprobs`` of the completions API; offsets count from the start of the text (with echo, the
+    prompt's). An echoed prompt's first token has no logprob (NaN in ``pb.TokenLogprob``): null, as OpenAI's."""
     tokens, offsets = [], []
     for lp in items:
         offsets.append(text_offset)
         tokens.append(lp.token)
         text_offset += len(lp.token)
+    unscored = [math.isnan(lp.logprob) for lp in items]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items],
+        "token_logprobs": [None if none else lp.logprob for lp, none in zip(items, unscored)],
+        "top_logprobs": [None if none else {t.token: t.logprob for t in lp.top} for lp, none in zip(items, unscored)],
         "text_offset": offsets,
     }
 

@@ -24,7 +24,7 @@ import secrets
 import socket
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -160,6 +160,8 @@ class OpenAIApi:
             shape = _shape(shape_cls, body, response_id, msg.return_logprobs, self.orch.config.tool_call_parser)
             n = sample_count(msg, self.orch.config.max_n)
             events = self._events(msg, n, arrived, _caller(request))
+            if isinstance(body, CompletionRequest) and body.echo:
+                events = _echoed(events, msg.prompt, msg.return_logprobs)
             if body.stream:
                 first = await _until_disconnected(request, anext(events))
                 usage = body.stream_options is not None and body.stream_options.include_usage
@@ -273,6 +275,19 @@ class _ClosingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+async def _echoed(events, prompt: str, logprobs: bool):
+    """Completions' ``echo``: each sample's first event begins with the prompt, and with ``logprobs`` its tokens'
+    (the first one unscored)."""
+    started: set[int] = set()
+    async with contextlib.aclosing(events):
+        async for index, event in events:
+            if index not in started:
+                started.add(index)
+                event = replace(event, text=prompt + event.text,
+                                logprobs=(*event.prompt_logprobs, *event.logprobs) if logprobs else event.logprobs)
+            yield index, event
 
 
 def _shape(shape_cls, body, response_id: str, logprobs: bool, tool_call_parser: str):

@@ -39,9 +39,13 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     messages = _messages(msg)
     check_prompt_size(msg.prompt + msg.tools + grammar_text(msg), _sized(msg.messages), orch.prompt_byte_limit)
     tools = _tools(msg)
+    prompt_logprobs = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and prompt_logprobs > MAX_TOP_LOGPROBS:
+        raise errors.InvalidArgument(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_logprobs}")
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else config.default_max_new_tokens
-    if not 1 <= max_new <= config.max_new_tokens_limit:
-        raise errors.InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
+    if not (0 if prompt_logprobs is not None else 1) <= max_new <= config.max_new_tokens_limit:
+        raise errors.InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}] (0 only with "
+                                     f"prompt_logprobs, to score the prompt alone), got {max_new}")
     sampling = sampling_from_proto(with_defaults(msg.sampling, orch.sampling_defaults))
     if not msg.sampling.HasField("seed"):
         sampling = replace(sampling, seed=secrets.randbelow(2**63))
@@ -84,7 +88,8 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
         raise errors.InvalidArgument(f"tree_branches must be in [1, {MAX_TREE_BRANCHES}] (1 = chains only), got {branches}")
     request = GenerationRequest(
         msg.prompt, msg.chat, max_new, sampling, stop, k, drafter, msg.draft_probs, adaptive, chain, overlap,
-        messages=messages, top_logprobs=top_logprobs, request_id=request_id, sampling_mode=sampling_mode,
+        messages=messages, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, request_id=request_id,
+        sampling_mode=sampling_mode,
         tree_branches=branches, grammar=grammar,
     )
     if k > 0 and orch.draft is not None:

@@ -84,7 +84,8 @@ def generator_info(orch: Orchestrator) -> pb.ModelInfo:
 
 
 def _response(request: pb.GenerateRequest, index: int, event) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(text=event.text, logprobs=event.logprobs, index=index)
+    response = pb.GenerateResponse(text=event.text, logprobs=event.logprobs, prompt_logprobs=event.prompt_logprobs,
+                                   index=index)
     if request.return_token_ids:
         response.token_ids.extend(event.token_ids)
     if event.finish is not None:

@@ -54,6 +54,8 @@ class TargetSession:
     top_logprobs: int | None = None  # None: no logprobs; else also this many most likely tokens per position
     reserved: int = 0  # positions reserved against the KV budget at the open: the most it may hold
     successors_k: int = 0  # the target's best successors of each verified position to return, ids per position
+    prompt_logprobs: int | None = None  # score the prompt at the first verify, with this many alternatives
+    prompt_scored: bool = False  # the first verify has scored the prompt (TargetOpen.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class VerifyOutcome:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token when the session asked for them
     forward_s: float = 0.0  # the model's forward alone, within compute_s
     successors: Successors | None = None  # the block's positions' best successors, when the session asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first verify of a session scoring its prompt
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,7 @@ class TargetEngine:
         reserve_tokens: int = 0,  # positions it may hold (TargetOpen.reserve_tokens); 0: the full context
         fork_from: str = "",  # a live session to copy the shared prefix's keys/values from (TargetOpen.fork_from)
         successors_k: int = 0,  # successors of every verified position to return (TargetOpen.successors_k)
+        prompt_logprobs: int | None = None,  # score the prompt, with this many alternatives (TargetOpen.prompt_logprobs)
     ):
         check_open(session_id, tokens, self.max_context, "model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -182,6 +186,8 @@ class TargetEngine:
         check_mode(mode, sampling)
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise errors.InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise errors.InvalidArgument(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_logprobs}")
         self._check_feature_layers(feature_layers)
         try:
             check_successors_k(successors_k)
@@ -189,7 +195,8 @@ class TargetEngine:
             raise errors.InvalidArgument(str(exc)) from None
         reserve = max(min(reserve_tokens or self.max_context, self.max_context), len(tokens) + 1)
         session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
-                                top_logprobs=top_logprobs, reserved=reserve, successors_k=successors_k)
+                                top_logprobs=top_logprobs, reserved=reserve, successors_k=successors_k,
+                                prompt_logprobs=prompt_logprobs)
         session.cache.feature_layers = tuple(feature_layers)
         if feature_layers and not session.cache.gives_features:
             session.cache.release()
@@ -203,7 +210,7 @@ class TargetEngine:
             raise
         # A feature session's first verify sends the prompt's features. Batch-invariant: a fork's prompt keys
         # come from forwards of the source's shapes, which depend on when the fork arrives.
-        if fork_from and not feature_layers and not self.batch_invariant:
+        if fork_from and not feature_layers and not self.batch_invariant and prompt_logprobs is None:
             self._fork(session, fork_from, caller)
         return session
 
@@ -260,8 +267,16 @@ class TargetEngine:
         self._check_block(session, position, draft_tokens, draft_probs, parents, allowed)
         start = time.perf_counter()
         fed = session.cache.fed
-        logits = session.cache.logits(session.tokens, draft_tokens, parents)  # [k+1, vocab]
+        scoring = session.prompt_logprobs is not None and not session.prompt_scored
+        # [k+1, vocab]; scoring the prompt: a row for every position fed, the prompt's first (the cache is new)
+        logits = session.cache.logits(session.tokens, draft_tokens, parents, all_rows=scoring)
         forward_s = time.perf_counter() - start
+        prompt_logprobs = ()
+        if scoring:
+            verified = len(draft_tokens) + 1
+            scored = session.tokens[len(session.tokens) - (logits.shape[0] - verified) :]  # the fed context after the first
+            prompt_logprobs = tuple(committed_logprobs(logits[:-verified], scored, session.prompt_logprobs))
+            logits, session.prompt_scored = logits[-verified:], True
         self.fed_tokens += session.cache.fed - fed
         self.forward_passes += 1
         masked = token_mask.apply(logits, allowed)  # a grammar's refusals at -inf; penalties keep them there
@@ -273,7 +288,7 @@ class TargetEngine:
         return VerifyOutcome(
             result.accepted, result.next_token, time.perf_counter() - start, path=path,
             features=committed_features(session.cache, position, result.accepted, path), logprobs=logprobs,
-            forward_s=forward_s, successors=successors,
+            forward_s=forward_s, successors=successors, prompt_logprobs=prompt_logprobs,
         )
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome | errors.SpecsplitError]:
@@ -296,7 +311,8 @@ class TargetEngine:
                 results[i] = exc
                 continue
             keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
-            if self.can_batch and len(feed) <= self.limits.max_block + 1:
+            scoring = item.session.prompt_logprobs is not None and not item.session.prompt_scored
+            if self.can_batch and len(feed) <= self.limits.max_block + 1 and not scoring:
                 batch.append(i)
                 steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1, parents))
             else:

@@ -110,6 +110,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         return await self.compute.run(
             engine.open, msg.session_id, list(msg.tokens), sampling, mode, top_logprobs, list(msg.feature_layers),
             current_caller(), msg.reserve_tokens, msg.fork_from, msg.successors_k,
+            msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         )
 
     async def _verify(self, engine: TargetEngine, session, msg: pb.VerifyRequest) -> pb.VerifyResult:
@@ -133,11 +134,8 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
                 service_us=int((time.perf_counter() - received) * 1e6),
                 forward_us=int(done.forward_s * 1e6),
             ),
-            logprobs=[
-                pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-                for lp in done.logprobs
-            ],
+            logprobs=_logprobs_to_proto(done.logprobs),
+            prompt_logprobs=_logprobs_to_proto(done.prompt_logprobs),
             forward=pb.ForwardReport(
                 batch_size=done.batch.size,
                 batch_width=done.batch.width,
@@ -153,6 +151,11 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         if done.successors is not None:
             result.successors.CopyFrom(successors_to_proto(done.successors))
         return result
+
+
+def _logprobs_to_proto(logprobs) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
 
 
 class _TargetCalls:

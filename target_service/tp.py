@@ -128,16 +128,18 @@ class ShardedSessionCache(SessionCache):
         self.slot = slot
 
     def logits(
-        self, context: Sequence[int], block: Sequence[int], parents: Sequence[int] | None = None
+        self, context: Sequence[int], block: Sequence[int], parents: Sequence[int] | None = None,
+        all_rows: bool = False,
     ) -> torch.Tensor:
         if parents is not None:  # ModelInfo.token_trees is false for a sharded target: chains only
             raise ValueError("a tensor-parallel target verifies chains only, not token trees")
         if self._leader.broken:
             raise errors.Unavailable(f"the tensor-parallel target lost a rank ({self._leader.broken})")
         keep, feed = self.plan(context, block)
+        n_logits = len(feed) if all_rows else len(block) + 1
         try:
-            self._leader.announce(OP_FORWARD, self.slot, keep, feed, len(block) + 1)
-            return self.apply(keep, feed, len(block) + 1)
+            self._leader.announce(OP_FORWARD, self.slot, keep, feed, n_logits)
+            return self.apply(keep, feed, n_logits)
         except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError) included
             raise self._leader.fail(exc) from None
 

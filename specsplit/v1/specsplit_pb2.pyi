@@ -428,7 +428,7 @@ class DraftReplies(_message.Message):
     def __init__(self, replies: _Optional[_Iterable[_Union[DraftReply, _Mapping]]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "mode", "feature_layers", "return_logprobs", "top_logprobs", "reserve_tokens", "fork_from", "successors_k")
+    __slots__ = ("session_id", "tokens", "sampling", "mode", "feature_layers", "return_logprobs", "top_logprobs", "prompt_logprobs", "reserve_tokens", "fork_from", "successors_k")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +436,7 @@ class TargetOpen(_message.Message):
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORK_FROM_FIELD_NUMBER: _ClassVar[int]
     SUCCESSORS_K_FIELD_NUMBER: _ClassVar[int]
@@ -446,10 +447,11 @@ class TargetOpen(_message.Message):
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     return_logprobs: bool
     top_logprobs: int
+    prompt_logprobs: int
     reserve_tokens: int
     fork_from: str
     successors_k: int
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., reserve_tokens: _Optional[int] = ..., fork_from: _Optional[str] = ..., successors_k: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., reserve_tokens: _Optional[int] = ..., fork_from: _Optional[str] = ..., successors_k: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("position", "draft_tokens", "parents", "draft_probs", "allowed")
@@ -474,7 +476,7 @@ class TargetRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("position", "accepted", "next_token", "path", "features", "successors", "logprobs", "timing", "forward")
+    __slots__ = ("position", "accepted", "next_token", "path", "features", "successors", "logprobs", "prompt_logprobs", "timing", "forward")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -482,6 +484,7 @@ class VerifyResult(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     SUCCESSORS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     position: int
@@ -491,9 +494,10 @@ class VerifyResult(_message.Message):
     features: HiddenFeatures
     successors: Successors
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     timing: ServiceTiming
     forward: ForwardReport
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., successors: _Optional[_Union[Successors, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., timing: _Optional[_Union[ServiceTiming, _Mapping]] = ..., forward: _Optional[_Union[ForwardReport, _Mapping]] = ...) -> None: ...
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[HiddenFeatures, _Mapping]] = ..., successors: _Optional[_Union[Successors, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., timing: _Optional[_Union[ServiceTiming, _Mapping]] = ..., forward: _Optional[_Union[ForwardReport, _Mapping]] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("opened", "result")
@@ -554,7 +558,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "messages", "tools", "max_new_tokens", "stop", "sampling", "mode", "draft_probs", "drafter", "chain", "k", "adaptive_k", "overlap", "tree_branches", "return_token_ids", "return_logprobs", "top_logprobs", "request_id", "grammar", "n")
+    __slots__ = ("prompt", "chat", "messages", "tools", "max_new_tokens", "stop", "sampling", "mode", "draft_probs", "drafter", "chain", "k", "adaptive_k", "overlap", "tree_branches", "return_token_ids", "return_logprobs", "top_logprobs", "prompt_logprobs", "request_id", "grammar", "n")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -573,6 +577,7 @@ class GenerateRequest(_message.Message):
     RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
@@ -594,10 +599,11 @@ class GenerateRequest(_message.Message):
     return_token_ids: bool
     return_logprobs: bool
     top_logprobs: int
+    prompt_logprobs: int
     request_id: str
     grammar: Grammar
     n: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., draft_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., k: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., return_token_ids: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., draft_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., k: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., return_token_ids: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "ebnf", "strict")
@@ -686,17 +692,19 @@ class GenerationStats(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., seed: _Optional[int] = ..., k: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., mean_k: _Optional[float] = ..., overlap: _Optional[bool] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., overlap_hits: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branch_accepted: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., target_compute_s: _Optional[float] = ..., mean_batch_size: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., feature_bytes_per_round: _Optional[float] = ..., draft_fallback_rounds: _Optional[int] = ..., draft_reattached: _Optional[int] = ..., target_reopens: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stats", "index")
+    __slots__ = ("text", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stats", "index")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: FinishReason
     stats: GenerationStats
     index: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...

@@ -183,3 +183,34 @@ def test_a_long_generation_keeps_its_draft_whatever_room_is_left(tiny_services, 
     assert tiny_services.draft_engine.limits.max_block < 96
     assert last.stats.new_tokens == 96 and last.stats.draft_compute_s > 0  # the draft was asked and answered
     assert last.stats.draft_fallback_rounds == 0 and last.stats.draft_reattached == 0
+
+
+def test_prompt_logprobs_come_on_each_samples_first_message_and_0_new_tokens_score_the_prompt_alone(
+        public_api, gguf_tokenizer, tiny_target_dir):
+    import math
+
+    import torch
+
+    from specsplit.lmkit import models
+
+    ids = list(gguf_tokenizer.encode(PROMPT))
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    with torch.no_grad():
+        want = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+    chosen = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    sampled = run_async(public_generate(public_api, pb.GenerateRequest(
+        prompt=PROMPT, max_new_tokens=5, k=3, n=2, prompt_logprobs=2, sampling=pb.SamplingParams(temperature=0.8, seed=3))))
+    for index in (0, 1):
+        messages = [r for r in sampled if r.index == index]
+        scored = messages[0].prompt_logprobs
+        assert [lp.token_id for lp in scored] == ids and math.isnan(scored[0].logprob) and not scored[0].top
+        assert [lp.logprob for lp in scored[1:]] == pytest.approx(chosen, abs=1e-4)
+        assert [[t.token_id for t in lp.top] for lp in scored[1:]] == want.topk(2).indices.tolist()
+        assert all(not r.prompt_logprobs for r in messages[1:])
+    alone = run_async(public_generate(public_api, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=0, prompt_logprobs=0)))
+    assert "".join(r.text for r in alone) == "" and alone[-1].stats.new_tokens == 0
+    assert alone[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert [lp.logprob for lp in alone[0].prompt_logprobs[1:]] == pytest.approx(chosen, abs=1e-4)
+    with pytest.raises(grpc.RpcError) as info:  # 0 new tokens only to score the prompt
+        run_async(public_generate(public_api, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=0)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "0 only with prompt_logprobs" in info.value.details()

@@ -225,6 +225,51 @@ def test_completion_logprobs_in_the_legacy_shape_streamed(api, reference, gguf_t
     assert tokens == [reference.tokenizer.decode([i]) for i in ids]
 
 
+def _prompt_logprobs(reference, prompt_ids: list[int]) -> torch.Tensor:  # [len - 1, vocab]: row i scores token i + 1
+    return reference.logprobs(prompt_ids[:1], prompt_ids[1:])
+
+
+def test_echo_with_logprobs_and_no_new_tokens_scores_the_prompt_as_lm_eval_asks(api, reference, gguf_tokenizer):
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs, max_tokens 0, greedy."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = list(gguf_tokenizer.encode(prompt))
+    with api.client() as client:
+        response = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0,
+                                             temperature=0)
+    choice = response.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == [reference.tokenizer.decode([i]) for i in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    want = _prompt_logprobs(reference, ids)
+    assert lp.token_logprobs[1:] == pytest.approx(want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(), abs=1e-4)
+    for top, row in zip(lp.top_logprobs[1:], want):
+        best = row.argmax().item()
+        assert top == {reference.tokenizer.decode([best]): pytest.approx(row[best].item(), abs=1e-4)}
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert response.usage.prompt_tokens == len(ids) and response.usage.completion_tokens == 0
+
+
+def test_echo_prepends_the_prompt_to_new_text_and_its_logprobs_streamed_or_not(api, reference, gguf_tokenizer):
+    prompt = "a b a b a b"
+    ids = list(gguf_tokenizer.encode(prompt))
+    new = reference.greedy(ids, 6)
+    with api.client() as client:
+        plain = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=6, temperature=0)
+        whole = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=6, temperature=0,
+                                          logprobs=0, extra_body={"k": 3, "drafter": "ngram"})
+        chunks = [c for c in client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=6,
+                                                       temperature=0, logprobs=0, stream=True) if c.choices]
+    assert plain.choices[0].text == prompt + reference.tokenizer.decode(new) and plain.choices[0].logprobs is None
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text == plain.choices[0].text
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(whole.choices[0].logprobs.token_logprobs[1:], abs=1e-6)
+    want = torch.cat([_prompt_logprobs(reference, ids), reference.logprobs(ids, new)])
+    chosen = want.gather(1, torch.tensor(ids[1:] + new)[:, None])[:, 0].tolist()
+    assert whole.choices[0].logprobs.token_logprobs[1:] == pytest.approx(chosen, abs=1e-4)
+    assert whole.choices[0].logprobs.tokens == [reference.tokenizer.decode([i]) for i in ids + new]
+
+
 def test_seed_reproduces_a_sample_and_stop_ends_the_text(api, reference):
     messages = [{"role": "user", "content": "Tell me a story."}]
     with api.client() as client:
@@ -277,6 +322,9 @@ def test_bad_requests_get_openai_errors_with_the_right_status(api):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=[{"role": "function", "content": "x"}])
         assert info.value.param.startswith("messages")
+        with pytest.raises(openai.BadRequestError) as info:  # 0 new tokens score the prompt: echo only
+            client.completions.create(model=MODEL, prompt="a b", max_tokens=0)
+        assert info.value.param == "max_tokens" and "0 only with echo" in info.value.message
         with pytest.raises(openai.BadRequestError) as info:  # about 1000 tokens; the tiny target's context is 512
             client.completions.create(model=MODEL, prompt="word " * 1000, max_tokens=4)
         assert "context" in info.value.message
