@@ -33,7 +33,8 @@ from specsplit.orchestrator.mux import Mux
 from specsplit.orchestrator.peers import ServiceClient, draft_client, peer_tokens, target_client
 from specsplit.orchestrator.policy.controller import AdaptiveK, Controller, Drafters, FixedK
 from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
-from specsplit.orchestrator.tools import renders_tools
+from specsplit.orchestrator.tool_parsers import FORMATS
+from specsplit.orchestrator.tools import inline_tools, renders_tools
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -253,12 +254,8 @@ class Orchestrator:
                 f"the tokenizer of {self.config.tokenizer} has no chat template; send a raw prompt (chat off) instead"
             )
         uses_tools = tools or any(turn["role"] == "tool" or "tool_calls" in turn for turn in turns)
-        if uses_tools and not renders_tools(template):
-            raise errors.InvalidArgument(
-                f"the chat template of {self.config.tokenizer} does not render tools (nor tool calls and results); "
-                "serve one that does with --chat-template FILE (a Jinja template, e.g. Hermes-style), or send "
-                "the request without them"
-            )
+        if uses_tools and not renders_tools(template):  # written into the turns instead, in the parser's format
+            turns, tools = inline_tools(turns, tools, FORMATS[self.config.tool_call_parser]), ()
         from jinja2 import TemplateError
 
         try:

@@ -10,7 +10,9 @@ the generation does (docs/http-api.md, "Tool calls"):
 
 A forced call's grammar is the format's call text around the function's ``parameters`` schema
 (``call_grammar``), sent as ``Grammar.ebnf``: the same masks as every structured output, so greedy output
-under speculation is the target's own constrained greedy output. No I/O.
+under speculation is the target's own constrained greedy output. A chat template that renders no tools
+gets them written into the conversation instead (``inline_tools``), so any model can be asked for a call.
+No I/O.
 """
 
 from __future__ import annotations
@@ -187,6 +189,44 @@ def renders_tools(template: str | None) -> bool:
         return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
     except jinja2.TemplateSyntaxError:
         return False
+
+
+TOOLS_INTRO = "You may call one or more functions to assist with the user query."
+
+
+def inline_tools(turns: Sequence[dict], tools: Sequence[dict], fmt: ToolCallFormat) -> list[dict]:
+    """The conversation for a chat template that renders no tools, in the roles every template knows, as the
+    Hermes-style templates render it (docs/http-api.md, "Tool calls"): the tools' definitions appended to the
+    system turn (one is added when there is none), each assistant call written in ``fmt``'s call text after the
+    turn's content, and each run of tool results one user turn of ``<tool_response>`` blocks."""
+    out: list[dict] = []
+    for turn in turns:
+        role, content = turn["role"], turn.get("content") or ""
+        if role == "assistant" and turn.get("tool_calls"):
+            calls = [fmt.call_prefix(call["function"]["name"]) + json.dumps(call["function"]["arguments"], ensure_ascii=False)
+                     + fmt.call_suffix() for call in turn["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join([content, *calls] if content else calls)})
+        elif role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+        else:
+            out.append({"role": role, "content": content})
+    for turn in out:
+        turn.pop("tool_results", None)
+    if tools:
+        listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        example = fmt.call_prefix("<function-name>").replace('"<function-name>"', "<function-name>")
+        block = (f"# Tools\n\n{TOOLS_INTRO}\n\nYou are provided with function signatures within <tools></tools> XML "
+                 f"tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, return a json object with function name "
+                 f"and arguments within {fmt.start}{fmt.end} XML tags:\n{example}<args-json-object>{fmt.call_suffix()}")
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
 
 
 def template_calls(tool_calls_json: str) -> list[dict]:

@@ -4,8 +4,9 @@ The tools are rendered by a Hermes-style chat template given as a file (``--chat
 transformers' ``apply_chat_template``. A named ``tool_choice`` (and ``"required"``) forces one call through
 the grammar: the reply's ``tool_calls`` parse and their arguments validate against the function's schema,
 greedy speculative output equals target-only decoding (k = 0), and the streamed deltas add up to the same
-call. ``"none"`` gives plain text; a template that renders no tools, bad tools, an uncompilable schema and
-an unknown function are 400s in OpenAI's shape.
+call. ``"none"`` gives plain text. A template that renders no tools (SmolLM2's own) gets them written into
+the conversation in the Hermes format, so a forced call works there too. Bad tools, an uncompilable schema
+and an unknown function are 400s in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def named(name: str) -> dict:
 
 
 class Api:
-    def __init__(self, url: str, plain_url: str, orch: Orchestrator, grpc_address: str) -> None:
-        self.url, self.plain_url, self.orch, self.grpc_address = url, plain_url, orch, grpc_address
+    def __init__(self, url: str, plain_url: str, orch: Orchestrator, grpc_address: str, plain: Orchestrator) -> None:
+        self.url, self.plain_url, self.orch, self.grpc_address, self.plain = url, plain_url, orch, grpc_address, plain
 
     def client(self, plain: bool = False) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.plain_url if plain else self.url, api_key="-", max_retries=0, timeout=120)
@@ -92,7 +93,7 @@ def api(tiny_services, tiny_target_dir, background_loop):
         for o in (orch, plain)
     ]
     grpc_server, grpc_port = background_loop.run(start_server(orch))
-    yield Api(*(f"http://127.0.0.1:{s.port}/v1" for s in servers), orch, f"127.0.0.1:{grpc_port}")
+    yield Api(*(f"http://127.0.0.1:{s.port}/v1" for s in servers), orch, f"127.0.0.1:{grpc_port}", plain)
     background_loop.run(grpc_server.stop(0))
     for server in servers:
         background_loop.run(server.stop())
@@ -309,13 +310,32 @@ def refused(call, status: int = 400) -> dict:
     return error
 
 
-def test_a_template_without_tools_is_a_400_naming_the_flag(api):
-    error = refused(lambda: create(api.client(plain=True), tools=TOOLS, tool_choice=named("add")))
-    assert "does not render tools" in error["message"] and "--chat-template" in error["message"]
-    error = refused(lambda: create(api.client(plain=True), tools=TOOLS))
+def test_a_template_without_tools_gets_them_written_into_the_conversation(api):
+    """SmolLM2's template renders no tools: a named or required call still comes back valid, exact under
+    speculation, and the tools, the calls and their results reach the model as the Hermes template writes them."""
+    client = api.client(plain=True)
+    speculative = create(client, tools=TOOLS, tool_choice=named("add"), extra_body={"k": 6, "drafter": "ngram"})
+    target_only = create(client, tools=TOOLS, tool_choice=named("add"), extra_body={"k": 0})
+    assert checked_call(speculative.choices[0], ["add"]) == checked_call(target_only.choices[0], ["add"])
+    checked_call(create(client, tools=TOOLS, tool_choice="required", temperature=0.9, seed=4).choices[0], SCHEMAS)
+    turns = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    text = api.plain.tokenizer.decode(api.plain.encode("", True, turns, TOOLS))
+    for tool in TOOLS:
+        assert json.dumps(tool) in text  # the definitions, in the system turn
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in text
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text
+    hermes = api.orch.tokenizer.apply_chat_template(
+        [*ASK, {**turns[1], "content": ""}, turns[2]], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert text.split("</tools>")[1] == hermes.split("</tools>")[1]  # from the tools on, as the Hermes template
+    call = turns[1]["tool_calls"][0]  # over HTTP the arguments are a JSON text, as OpenAI sends them
+    sent = [*ASK, {**turns[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": json.dumps(
+        call["function"]["arguments"])}}]}, turns[2]]
+    reply = create(client, sent, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert reply.usage.prompt_tokens == len(api.plain.encode("", True, turns, TOOLS))
+    error = refused(lambda: create(client, tools=TOOLS))  # auto still needs the flag
     assert error["param"] == "tool_choice" and "--enable-auto-tool-choice" in error["message"]
-    result = [*ASK, {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
-    assert "--chat-template" in refused(lambda: create(api.client(plain=True), result))["message"]
 
 
 @pytest.mark.parametrize(

@@ -159,3 +159,26 @@ def test_assistant_calls_reach_the_template_with_arguments_as_objects():
     for bad in ("{}", '[{"function": "add"}]', '[{"function": {"name": "f", "arguments": "{"}}]'):
         with pytest.raises(ValueError):
             tools.template_calls(bad)
+
+
+def test_inline_tools_writes_definitions_calls_and_results_into_roles_every_template_knows():
+    from specsplit.orchestrator.tool_parsers import HERMES
+    from specsplit.orchestrator.tools import inline_tools
+
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+?"},
+             {"role": "assistant", "content": "Adding.", "tool_calls": [call, call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "2"}, {"role": "tool", "tool_call_id": "c1", "content": "3"},
+             {"role": "user", "content": "thanks"}]
+    out = inline_tools(turns, [tool], HERMES)
+    assert [t["role"] for t in out] == ["system", "user", "assistant", "user", "user"]
+    assert out[0]["content"].startswith("Be brief.\n\n# Tools") and json.dumps(tool) in out[0]["content"]
+    written = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert out[2]["content"] == f"Adding.\n{written}\n{written}"
+    assert out[3]["content"] == "<tool_response>\n2\n</tool_response>\n<tool_response>\n3\n</tool_response>"
+    assert all(set(t) == {"role", "content"} for t in out)
+    alone = inline_tools([{"role": "user", "content": "hi"}], [tool], HERMES)  # no system turn: one is added
+    assert [t["role"] for t in alone] == ["system", "user"] and alone[0]["content"].startswith("# Tools")
+    assert inline_tools(turns[3:4], [], HERMES) == [{"role": "user", "content": "<tool_response>\n2\n</tool_response>"}]
+    assert turns[2]["tool_calls"] == [call, call]  # the request's turns are left as they were
