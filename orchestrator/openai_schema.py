@@ -94,6 +94,13 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class Speculation(_Strict):
+    """The ``speculation`` extra: ``{"enabled": false}`` decodes target-only, ``{"k": N}`` fixes the block size."""
+
+    enabled: bool | None = None
+    k: int | None = None
+
+
 class _Common(_Strict):
     """Parameters both endpoints take; specsplit's extensions last."""
 
@@ -116,6 +123,7 @@ class _Common(_Strict):
     min_tokens: int | None = None  # vLLM's: no EOS before this many new tokens
     ignore_eos: bool | None = None  # vLLM's: do not stop at EOS
     k: int | None = None  # draft block size (0 = no speculation)
+    speculation: Speculation | None = None  # {"enabled": false} or {"k": N}: k, as one object
     drafter: str | None = None
     adaptive_k: bool | None = None
     overlap: bool | None = None
@@ -322,6 +330,7 @@ def _completion_logprobs(req: CompletionRequest, msg: pb.GenerateRequest) -> Non
 
 
 def _extensions(req: _Common, msg: pb.GenerateRequest) -> None:
+    _speculation(req, msg)
     if req.k is not None:
         if req.k < 0:
             raise RequestError(f"k must be >= 0 (0 = no speculation), got {req.k}", "k")
@@ -335,6 +344,25 @@ def _extensions(req: _Common, msg: pb.GenerateRequest) -> None:
         if getattr(req, name) is not None:
             setattr(msg, name, getattr(req, name))
     msg.draft_probs = bool(req.draft_probs)
+
+
+def _speculation(req: _Common, msg: pb.GenerateRequest) -> None:
+    """``speculation``: this request's block size, bounded by the server's (the services' max block) when parsed."""
+    spec = req.speculation
+    if spec is None:
+        return
+    if req.k is not None:
+        raise RequestError("send the block size as k or as speculation.k, not both", "speculation")
+    if spec.enabled is False:
+        if spec.k:
+            raise RequestError(f"speculation.k = {spec.k} with speculation.enabled false: drop one", "speculation.k")
+        msg.k = 0
+        msg.adaptive_k = False
+    elif spec.k is not None:
+        if not 0 <= spec.k <= _WIRE_MAX["k"]:
+            raise RequestError(f"speculation.k must be >= 0 (0 = no speculation), got {_shown(spec.k)}", "speculation.k")
+        msg.k = spec.k
+        msg.adaptive_k = False  # fixed: every round drafts k
 
 
 def _chat_message(turn: ChatTurn) -> pb.ChatMessage:

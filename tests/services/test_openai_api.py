@@ -270,6 +270,32 @@ def test_echo_prepends_the_prompt_to_new_text_and_its_logprobs_streamed_or_not(a
     assert whole.choices[0].logprobs.tokens == [reference.tokenizer.decode([i]) for i in ids + new]
 
 
+def test_the_speculation_extra_turns_drafting_off_or_fixes_k_for_one_request(api, reference, gguf_tokenizer):
+    prompt = "a b a b a b a b"
+    ids = list(gguf_tokenizer.encode(prompt))
+    want = reference.tokenizer.decode(reference.greedy(ids, 12))
+    with api.client() as client:
+        def ask(speculation):
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                             extra_body={"speculation": speculation, "drafter": "ngram"})
+        off, fixed = ask({"enabled": False}), ask({"k": 3})
+        assert off.choices[0].text == fixed.choices[0].text == want
+        assert off.usage.speculative["drafted_tokens"] == 0 and off.usage.speculative["k"] == 0
+        assert fixed.usage.speculative["k"] == 3 and not fixed.usage.speculative["adaptive_k"]
+        assert fixed.usage.speculative["drafted_tokens"] > 0
+        for speculation, param in [({"k": -1}, "speculation.k"), ({"enabled": False, "k": 2}, "speculation.k"),
+                                   ({"k": "4"}, "speculation.k"), ({"depth": 2}, "speculation.depth")]:
+            with pytest.raises(openai.BadRequestError) as info:
+                ask(speculation)
+            assert info.value.param == param, (speculation, info.value.message)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"speculation": {"k": 2}, "k": 2})
+        assert "not both" in info.value.message
+        with pytest.raises(openai.BadRequestError) as info:
+            ask({"k": 1000})
+        assert "max block" in info.value.message
+
+
 def test_seed_reproduces_a_sample_and_stop_ends_the_text(api, reference):
     messages = [{"role": "user", "content": "Tell me a story."}]
     with api.client() as client:
