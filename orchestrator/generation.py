@@ -462,7 +462,8 @@ class Orchestrator:
 
     def _with_text(self, logprob: pb.TokenLogprob) -> pb.TokenLogprob:
         """The target's TokenLogprob with each token's text filled in."""
-        out = pb.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, token=self.token_text(logprob.token_id))
+        out = pb.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, token=self.token_text(logprob.token_id),
+                              rank=logprob.rank)
         out.top.extend(
             pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=self.token_text(t.token_id)) for t in logprob.top
         )

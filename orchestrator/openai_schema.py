@@ -124,6 +124,7 @@ class _Common(_Strict):
     ignore_eos: bool | None = None  # vLLM's: do not stop at EOS
     k: int | None = None  # draft block size (0 = no speculation)
     speculation: Speculation | None = None  # {"enabled": false} or {"k": N}: k, as one object
+    prompt_logprobs: int | None = None  # vLLM's: score the prompt, this many alternatives a position
     drafter: str | None = None
     adaptive_k: bool | None = None
     overlap: bool | None = None
@@ -198,6 +199,7 @@ def to_generate_request(
         _completion_logprobs(req, msg)
         if req.echo and (req.logprobs is not None or max_tokens == 0):
             msg.prompt_logprobs = req.logprobs or 0  # echoed tokens carry logprobs; 0 new tokens need a scored prompt
+    _prompt_logprobs(req, msg)
     if max_tokens is not None:
         least = 0 if msg.HasField("prompt_logprobs") else 1
         if not least <= max_tokens <= config.max_new_tokens_limit:
@@ -344,6 +346,35 @@ def _extensions(req: _Common, msg: pb.GenerateRequest) -> None:
         if getattr(req, name) is not None:
             setattr(msg, name, getattr(req, name))
     msg.draft_probs = bool(req.draft_probs)
+
+
+def _prompt_logprobs(req: _Common, msg: pb.GenerateRequest) -> None:
+    """vLLM's ``prompt_logprobs``: the prompt scored with this many alternatives a position (whole responses)."""
+    if req.prompt_logprobs is None:
+        return
+    if not 0 <= req.prompt_logprobs <= 20:
+        raise RequestError(f"prompt_logprobs must be in [0, 20], got {_shown(req.prompt_logprobs)}", "prompt_logprobs")
+    if req.stream:
+        raise RequestError("prompt_logprobs come with whole responses: send stream false", "prompt_logprobs")
+    if msg.HasField("prompt_logprobs") and msg.prompt_logprobs != req.prompt_logprobs:
+        raise RequestError(f"prompt_logprobs ({req.prompt_logprobs}) and echo's logprobs ({msg.prompt_logprobs}) "
+                           "score the same prompt: send one count", "prompt_logprobs")
+    msg.prompt_logprobs = req.prompt_logprobs
+
+
+def vllm_prompt_logprobs(items) -> list:
+    """``prompt_logprobs`` in vLLM's shape for a run of ``pb.TokenLogprob`` (the first prompt token's unscored):
+    per position null or {token id: {"logprob", "rank", "decoded_token"}} for the prompt's token and the most
+    likely ones."""
+    out = []
+    for lp in items:
+        if math.isnan(lp.logprob):
+            out.append(None)
+            continue
+        entry = {str(t.token_id): {"logprob": t.logprob, "rank": i + 1, "decoded_token": t.token} for i, t in enumerate(lp.top)}
+        entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}
+        out.append(entry)
+    return out
 
 
 def _speculation(req: _Common, msg: pb.GenerateRequest) -> None:
@@ -542,6 +573,7 @@ class Choice:
     text: str
     logprobs: list
     finish: str
+    prompt_logprobs: tuple = ()  # pb.TokenLogprob of the prompt, when the request asked (vLLM's extra)
 
 
 class ResponseShape:
@@ -555,6 +587,7 @@ class ResponseShape:
         self.response_id = response_id
         self.model = model
         self.logprobs = logprobs
+        self.prompt_logprobs = False  # the request asked for vLLM's prompt_logprobs (whole responses only)
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
@@ -574,7 +607,14 @@ class ResponseShape:
     def whole(self, choices: Sequence[Choice], samples: Sequence[pb.GenerationStats]) -> dict:
         """The response of every sample (``choices[i]`` is sample i's)."""
         made = [self._choice(i, c.text, c.logprobs, c.finish, delta=False) for i, c in enumerate(choices)]
-        return {**self._envelope(self.whole_object, made), "usage": usage(samples)}
+        whole = {**self._envelope(self.whole_object, made), "usage": usage(samples)}
+        if self.prompt_logprobs:  # vLLM: on each choice of a completion, once on a chat response
+            if isinstance(self, CompletionShape):
+                for choice, c in zip(made, choices):
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs)
+            else:
+                whole["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs)
+        return whole
 
     def _choice(self, index: int, text: str, logprobs, finish: str | None, delta: bool) -> dict:
         raise NotImplementedError

@@ -158,6 +158,7 @@ class OpenAIApi:
             self._check_model(body.model)
             msg = to_generate_request(body, self.orch.config, request_id, self.orch.sampling_defaults)
             shape = _shape(shape_cls, body, response_id, msg.return_logprobs, self.orch.config.tool_call_parser)
+            shape.prompt_logprobs = body.prompt_logprobs is not None
             n = sample_count(msg, self.orch.config.max_n)
             events = self._events(msg, n, arrived, _caller(request))
             if isinstance(body, CompletionRequest) and body.echo:
@@ -191,13 +192,16 @@ class OpenAIApi:
     async def _whole(shape, n: int, events) -> dict:
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list] = [[] for _ in range(n)]
+        prompt_logprobs: list[tuple] = [()] * n
         choices: list[Choice | None] = [None] * n
         stats: list = [None] * n
         async for index, event in events:
             texts[index].append(event.text)
             logprobs[index].extend(event.logprobs)
+            prompt_logprobs[index] = prompt_logprobs[index] or event.prompt_logprobs
             if event.finish is not None:
-                choices[index] = Choice("".join(texts[index]), logprobs[index], finish_reason(event.finish.value))
+                choices[index] = Choice("".join(texts[index]), logprobs[index], finish_reason(event.finish.value),
+                                        prompt_logprobs[index])
                 stats[index] = event.stats
         if None in choices:
             raise AssertionError("every sample ends with a finish reason")  # pragma: no cover

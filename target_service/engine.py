@@ -275,7 +275,7 @@ class TargetEngine:
         if scoring:
             verified = len(draft_tokens) + 1
             scored = session.tokens[len(session.tokens) - (logits.shape[0] - verified) :]  # the fed context after the first
-            prompt_logprobs = tuple(committed_logprobs(logits[:-verified], scored, session.prompt_logprobs))
+            prompt_logprobs = tuple(committed_logprobs(logits[:-verified], scored, session.prompt_logprobs, ranks=True))
             logits, session.prompt_scored = logits[-verified:], True
         self.fed_tokens += session.cache.fed - fed
         self.forward_passes += 1

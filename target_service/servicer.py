@@ -154,7 +154,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
 
 
 def _logprobs_to_proto(logprobs) -> list[pb.TokenLogprob]:
-    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
 
 

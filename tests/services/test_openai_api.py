@@ -270,6 +270,34 @@ def test_echo_prepends_the_prompt_to_new_text_and_its_logprobs_streamed_or_not(a
     assert whole.choices[0].logprobs.tokens == [reference.tokenizer.decode([i]) for i in ids + new]
 
 
+def test_vllms_prompt_logprobs_extra_on_completions_and_chat(api, reference, gguf_tokenizer):
+    prompt = "The quick brown fox"
+    ids = list(gguf_tokenizer.encode(prompt))
+    want = _prompt_logprobs(reference, ids)
+    with api.client() as client:
+        completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                               extra_body={"prompt_logprobs": 2})
+        chat = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=2, temperature=0,
+                                              extra_body={"prompt_logprobs": 0})
+        scored = completion.choices[0].model_extra["prompt_logprobs"]
+        assert scored[0] is None and len(scored) == len(ids)
+        for position, (token, row) in enumerate(zip(ids[1:], want), start=1):
+            entry = scored[position]
+            assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[str(token)]["rank"] == int((row > row[token]).sum()) + 1
+            assert entry[str(token)]["decoded_token"] == reference.tokenizer.decode([token])
+            best = row.topk(2).indices.tolist()
+            assert {k: v["rank"] for k, v in entry.items() if k != str(token)} == {
+                str(b): r for r, b in enumerate(best, start=1) if b != token}
+        chat_ids = reference.chat_ids(CONVERSATION)
+        assert len(chat.model_extra["prompt_logprobs"]) == len(chat_ids) and chat.model_extra["prompt_logprobs"][0] is None
+        assert all(len(p) == 1 for p in chat.model_extra["prompt_logprobs"][1:])  # the prompt's token alone
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                      extra_body={"prompt_logprobs": 1})
+        assert info.value.param == "prompt_logprobs" and "stream false" in info.value.message
+
+
 def test_the_speculation_extra_turns_drafting_off_or_fixes_k_for_one_request(api, reference, gguf_tokenizer):
     prompt = "a b a b a b a b"
     ids = list(gguf_tokenizer.encode(prompt))

@@ -68,3 +68,11 @@ def test_no_logprobs_unless_asked_and_the_limit_is_checked(engine):
     engine.close("plain")
     with pytest.raises(errors.InvalidArgument, match="top_logprobs"):
         engine.open("greedy-many", [1, 2], SamplingParams(), VerificationMode.GREEDY, top_logprobs=21)
+
+
+def test_ranks_count_the_more_likely_tokens_and_equal_ones_of_lower_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 1.0, 1.0, 1.0]])
+    scored = committed_logprobs(logits, [2, 3], top_n=1, ranks=True)
+    assert [lp.rank for lp in scored] == [2, 4]  # token 2 ties token 1 (lower id first); token 3 is last of three ties
+    assert [lp.rank for lp in committed_logprobs(logits, [1, 0], top_n=0, ranks=True)] == [1, 1]
+    assert [lp.rank for lp in committed_logprobs(logits, [1, 0], top_n=0)] == [0, 0]  # not asked: not computed

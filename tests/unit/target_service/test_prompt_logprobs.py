@@ -44,6 +44,7 @@ def check(scored, prompt: list[int], want: torch.Tensor, top: int) -> None:
     got = torch.tensor([lp.logprob for lp in scored])
     torch.testing.assert_close(got, want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], rtol=0, atol=1e-4)
     for lp, row in zip(scored, want):
+        assert lp.rank == int((row > row[lp.token_id]).sum()) + 1  # 1 = the most likely (no ties here)
         assert len(lp.top) == top
         ids = [t for t, _ in lp.top]
         assert ids == row.topk(top).indices.tolist()
