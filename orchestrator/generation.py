@@ -133,10 +133,14 @@ class Orchestrator:
         self.target = target
         self.draft = draft
         self.eos_ids = frozenset(models.eos_ids(config.tokenizer, tokenizer))
-        # What a request that leaves these unset samples with (docs/http-api.md, "Model defaults").
-        self.sampling_defaults: dict[str, float] = (
-            models.sampling_defaults(config.tokenizer) if config.generation_config == "auto" else {}
-        )
+        # What a request that leaves these unset samples with (docs/http-api.md, "Model defaults"): the target
+        # model's, as the target reports them; a target that reports none (an older build): the tokenizer folder's.
+        self.sampling_defaults: dict[str, float] = {}
+        if config.generation_config == "auto":
+            info = target.info
+            reported = info.sampling_defaults if info is not None and info.HasField("sampling_defaults") else None
+            self.sampling_defaults = ({f.name: v for f, v in reported.ListFields()} if reported is not None
+                                      else models.sampling_defaults(config.tokenizer))
         # The drafters the draft serves and what each can do, as it reports them.
         self.drafter_traits: dict[DrafterKind, DrafterTraits] = {
             t.kind: t for t in (drafter_traits(draft.info) if draft is not None else ())

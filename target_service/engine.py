@@ -133,6 +133,7 @@ class TargetEngine:
         batch_invariant: bool = False,  # never share a forward between sessions (docs/protocol.md)
         compile_mode: str = "off",  # the decoder step's compilation (serve-target --compile, resolved)
         max_context: int = 0,  # positions a session may reach; 0: the model's (a CUDA-graph slot holds fewer)
+        sampling_defaults: dict[str, float] | None = None,  # what its generation_config.json sets (ModelInfo)
     ) -> None:
         """``fast_forward``: run verify steps through the packed-rows forward (``specsplit.lmkit.packed_rows``)
         where the model allows (full attention only: a sliding-window model keeps the stock forward), as the
@@ -150,6 +151,7 @@ class TargetEngine:
         self.model = model
         self.model_id = model_id
         self.vocab_fingerprint = vocab_fingerprint
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.limits = limits
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)

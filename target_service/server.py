@@ -145,6 +145,7 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
         limits=limits,
         new_cache=new_cache,
         max_context=context,
+        sampling_defaults=models.sampling_defaults(args.model),
         tp_degree=args.tp,
         fast_forward=not args.stock_forward,
         batch_invariant=args.batch_invariant,

@@ -66,6 +66,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             max_request_bytes=self._max_request_bytes,
             wire_version=wire_version.WIRE_VERSION,
             min_wire_version=wire_version.OLDEST_ORCHESTRATOR,
+            sampling_defaults=pb.SamplingDefaults(**e.sampling_defaults),
         )
 
     async def Stats(self, request, context):

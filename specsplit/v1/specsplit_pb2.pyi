@@ -194,7 +194,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "device", "tp_degree", "max_context", "max_block", "token_trees", "hidden_size", "num_layers", "drafters", "drafter_info", "max_request_bytes", "wire_version", "min_wire_version")
+    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "device", "tp_degree", "max_context", "max_block", "token_trees", "hidden_size", "num_layers", "drafters", "drafter_info", "max_request_bytes", "wire_version", "min_wire_version", "sampling_defaults")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class ModelInfo(_message.Message):
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     vocab_fingerprint: str
@@ -225,7 +226,20 @@ class ModelInfo(_message.Message):
     max_request_bytes: int
     wire_version: int
     min_wire_version: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., wire_version: _Optional[int] = ..., min_wire_version: _Optional[int] = ...) -> None: ...
+    sampling_defaults: SamplingDefaults
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., wire_version: _Optional[int] = ..., min_wire_version: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
+
+class SamplingDefaults(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
     __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width", "successors_k")

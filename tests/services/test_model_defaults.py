@@ -3,7 +3,10 @@
 A model folder whose generation config sets repetition_penalty: greedy output
 through the services (HTTP with the openai client, and a GenerateRequest) equals
 transformers' ``generate``, which applies the same config; with ``ignore`` it
-equals plain greedy decoding instead.
+equals plain greedy decoding instead. The defaults are the target model's, as the
+target reports them (``ModelInfo.sampling_defaults``), not the orchestrator's
+tokenizer folder's: a real ``serve-target`` process over the penalized folder
+with the orchestrator's tokenizer the plain one gives the penalized text.
 """
 
 from __future__ import annotations
@@ -41,6 +44,30 @@ def penalized_dir(tiny_target_dir, tmp_path_factory):
     return folder
 
 
+class _Addresses:
+    def __init__(self, target_address: str, draft_address: str) -> None:
+        self.target_address, self.draft_address = target_address, draft_address
+
+
+@pytest.fixture(scope="module")
+def penalized_services(penalized_dir, tiny_draft_dir, tmp_path_factory):
+    """Real serve-target (over the penalized folder) and serve-draft processes."""
+    from specsplit.lmkit.processes import start_service
+
+    workdir = tmp_path_factory.mktemp("penalized-services")
+    target = start_service("specsplit.target_service.server", "target",
+                           ["--model", str(penalized_dir), "--threads", "1"], workdir, 120)
+    try:
+        draft = start_service("specsplit.draft_service.server", "draft",
+                              ["--model", str(tiny_draft_dir), "--threads", "1"], workdir, 120)
+    except BaseException:
+        target.stop()
+        raise
+    yield _Addresses(target.address, draft.address)
+    draft.stop()
+    target.stop()
+
+
 @pytest.fixture(scope="module")
 def expected(penalized_dir, gguf_tokenizer):
     """transformers' greedy generate from the folder (its generation config applied), and without the penalty."""
@@ -60,7 +87,8 @@ async def grpc_ids(services, folder, mode: str) -> list[int]:
     config = OrchestratorConfig(services.target_address, services.draft_address, str(folder), generation_config=mode)
     orch = await Orchestrator.connect(config)
     try:
-        msg = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=NEW, sampling=pb.SamplingParams(temperature=0.0), k=4)
+        msg = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=NEW, sampling=pb.SamplingParams(temperature=0.0),
+                                 k=4)
         request, prompt_ids = await parse_request(msg, orch)
         got: list[int] = []
         async for event in orch.generate(request, prompt_ids):
@@ -71,17 +99,27 @@ async def grpc_ids(services, folder, mode: str) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["auto", "ignore"])
-def test_generate_request_takes_the_models_repetition_penalty(tiny_services, penalized_dir, expected, mode):
+def test_generate_request_takes_the_models_repetition_penalty(penalized_services, penalized_dir, expected, mode):
     _, with_config, plain = expected
-    got = run_async(grpc_ids(tiny_services, penalized_dir, mode))
+    got = run_async(grpc_ids(penalized_services, penalized_dir, mode))
     assert got == (with_config if mode == "auto" else plain)
 
 
-def test_an_explicit_value_wins_over_the_models(tiny_services, penalized_dir, expected):
+def test_the_defaults_are_the_target_models_as_the_target_reports_them(penalized_services, tiny_target_dir, expected,
+                                                                        tiny_services):
+    _, with_config, plain = expected
+    # the orchestrator's tokenizer folder is the plain one: the penalty comes from the target's report
+    assert run_async(grpc_ids(penalized_services, tiny_target_dir, "auto")) == with_config
+    # and a target over the plain model reports none, whatever the tokenizer folder says
+    assert run_async(grpc_ids(tiny_services, tiny_target_dir, "auto")) == plain
+
+
+def test_an_explicit_value_wins_over_the_models(penalized_services, penalized_dir, expected):
     _, _, plain = expected
 
     async def go():
-        config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(penalized_dir))
+        config = OrchestratorConfig(penalized_services.target_address, penalized_services.draft_address,
+                                    str(penalized_dir))
         orch = await Orchestrator.connect(config)
         try:
             sampling = pb.SamplingParams(temperature=0.0, repetition_penalty=1.0)
@@ -95,10 +133,11 @@ def test_an_explicit_value_wins_over_the_models(tiny_services, penalized_dir, ex
     assert run_async(go()) == plain
 
 
-def test_the_openai_client_gets_the_models_defaults(tiny_services, penalized_dir, expected, background_loop):
+def test_the_openai_client_gets_the_models_defaults(penalized_services, penalized_dir, expected, background_loop):
     ids, with_config, _ = expected
     config = OrchestratorConfig(
-        tiny_services.target_address, tiny_services.draft_address, str(penalized_dir), served_model_names=("tiny",)
+        penalized_services.target_address, penalized_services.draft_address, str(penalized_dir),
+        served_model_names=("tiny",)
     )
     orch = background_loop.run(Orchestrator.connect(config))
     app = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch), "127.0.0.1", 0))
