@@ -99,3 +99,40 @@ def test_a_batch_invariant_target_does_not_fork(tiny_target_dir, gguf_tokenizer)
     engine.open("src", prompt, GREEDY, VerificationMode.GREEDY)
     fork = engine.open("dst", prompt, GREEDY, VerificationMode.GREEDY, fork_from="src")
     assert (engine.shared_tokens, len(fork.cache)) == (0, 0)
+
+
+def test_forks_that_decode_different_tokens_keep_their_own_keys_and_values(engine, gguf_tokenizer):
+    """Forks of one prompt that go different ways, stepped in turn and in shared forwards: each decodes what it
+    decodes alone, each token with the logprob it has alone, so none reads or writes another's positions (a
+    buffer shared by the copies fails this: the tiny model's argmax barely depends on the context, its logprobs do)."""
+    from specsplit.target_service.engine import VerifyItem
+
+    def step(sessions, together: bool) -> list[float]:
+        if together:
+            outcomes = engine.verify_batch([VerifyItem(s, len(s.tokens), [], None) for s in sessions])
+        else:
+            outcomes = [engine.verify(s, len(s.tokens), [], None) for s in sessions]
+        return [o.logprobs[0].logprob for o in outcomes]
+
+    prompt = gguf_tokenizer.encode(TINY_PROMPTS[2])
+    branches = [[*prompt, t] for t in (101, 2024, 7777)]  # the prompt, then a token of each fork's own
+    expected = []
+    for i, tokens in enumerate(branches):
+        alone = engine.open(f"alone{i}", tokens, GREEDY, VerificationMode.GREEDY, top_logprobs=0)
+        expected.append((decode(engine, alone, 6), [step([alone], False)[0] for _ in range(6)]))
+        engine.close(f"alone{i}")
+    assert len({tuple(tokens) for tokens, _ in expected}) == len(branches)  # they really go different ways
+    shared = engine.shared_tokens
+    engine.open("source", prompt, GREEDY, VerificationMode.GREEDY)
+    forks = [engine.open(f"fork{i}", tokens, GREEDY, VerificationMode.GREEDY, top_logprobs=0, fork_from="source")
+             for i, tokens in enumerate(branches)]
+    assert engine.shared_tokens - shared == len(branches) * len(prompt)  # each took the whole prompt, its token fed
+    logprobs = [[] for _ in forks]
+    for n in range(12):
+        for i, lp in enumerate(step(forks, together=n % 2 == 0)):  # in shared forwards where the engine batches
+            logprobs[i].append(lp)
+    for fork, got, (tokens, solo) in zip(forks, logprobs, expected):
+        assert fork.tokens[len(prompt) + 1 : len(prompt) + 7] == tokens
+        assert got[6:] == pytest.approx(solo, abs=1e-5)
+    for name in ("source", *(f"fork{i}" for i in range(len(branches)))):
+        engine.close(name)
