@@ -120,6 +120,18 @@ def test_every_drafter_and_tree_gives_the_target_only_tokens(api, drafter, branc
             assert got == expected, (kind, prompt, drafter, branches)
 
 
+def test_coupled_sampling_under_a_grammar_gives_the_seeds_k_0_text(api):
+    """COUPLED verification: a seed gives the same text whatever K and drafter, the grammar's masks included."""
+    address, _ = api
+    for kind in ("json_schema", "regex", "choice"):
+        for seed in (1, 2):
+            options = dict(sampling=pb.SamplingParams(temperature=1.0, seed=seed), mode=pb.VERIFICATION_MODE_COUPLED)
+            expected, _ = generate(address, TINY_PROMPTS[seed], GRAMMARS[kind], k=0, **options)
+            for drafter in (pb.DRAFTER_KIND_MODEL, pb.DRAFTER_KIND_NGRAM):
+                got, last = generate(address, TINY_PROMPTS[seed], GRAMMARS[kind], k=5, drafter=drafter, **options)
+                assert got == expected, (kind, seed, drafter)
+
+
 def test_forced_tokens_are_drafted_for_free(api):
     """A schema's keys and punctuation are forced: they reach the target as drafts even with no drafter match."""
     address, _ = api
