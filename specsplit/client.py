@@ -16,6 +16,7 @@ distribution (``clients/python``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -55,13 +56,23 @@ def build_request(
     min_tokens: int = 0,
     ignore_eos: bool = False,
     n: int | None = None,  # samples of the prompt (GenerateResponse.index names each); None: 1
+    json_schema: str | dict | None = None,  # the output is one JSON value this schema validates
+    regex: str | None = None,  # the whole output matches this regular expression
+    choice: Sequence[str] | None = None,  # the output is exactly one of these strings
+    tools: Sequence[dict] | str | None = None,  # OpenAI's tools array (or its JSON text) for the chat template
+    prompt_logprobs: int | None = None,  # score the prompt, this many alternatives (GenerateResponse.prompt_logprobs)
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for a prompt or a conversation (``messages``: system, user, assistant turns, rendered
     with the model's chat template); unset options take the server's defaults. The server validates every field.
 
     ``logprobs``: stream each token's log-probability under the target (and the ``top_logprobs`` most likely
-    tokens); ``request_id``: the id the server's log lines carry for this request.
+    tokens); ``request_id``: the id the server's log lines carry for this request. ``json_schema``, ``regex``
+    and ``choice`` (one at most) constrain the output (``GenerateRequest.grammar``).
     """
+    grammars = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choice", choice))
+                if value is not None]
+    if len(grammars) > 1:
+        raise ValueError(f"send one constraint at most, not {' and '.join(grammars)}")
     sampling = pb.SamplingParams(temperature=temperature, top_k=top_k)
     if top_p is not None:
         sampling.top_p = top_p
@@ -85,6 +96,16 @@ def build_request(
         request.drafter = drafter_value(drafter)
     if mode is not None:
         request.mode = mode_value(mode)
+    if json_schema is not None:
+        request.grammar.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif regex is not None:
+        request.grammar.regex = regex
+    elif choice is not None:
+        request.grammar.choice.choices.extend(choice)
+    if tools is not None:
+        request.tools = tools if isinstance(tools, str) else json.dumps(list(tools))
+    if prompt_logprobs is not None:
+        request.prompt_logprobs = prompt_logprobs
     return request
 
 

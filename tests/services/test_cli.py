@@ -54,6 +54,34 @@ def test_generate_streams_the_targets_greedy_text(stack, tiny_target_dir, drafte
     assert "acceptance" in result.stderr and "tok/s" in result.stderr
 
 
+def test_generate_constrains_samples_and_sends_tools_from_its_flags(stack, tmp_path):
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "tools.json").write_text(json.dumps([{"type": "function", "function": {"name": "add", "parameters": schema}}]))
+    common = ("--server", stack, "--max-new-tokens", "24", "--k", "4")
+    shaped = specsplit("generate", "Give me JSON.", *common, "--json-schema", str(tmp_path / "schema.json"))
+    assert shaped.returncode == 0, shaped.stderr
+    assert set(json.loads(shaped.stdout)) == {"a"} and 0 <= json.loads(shaped.stdout)["a"] <= 9
+    matched = specsplit("generate", "Answer.", *common, "--regex", r"(yes|no), [a-z]{2,6}\.")
+    assert re.fullmatch(r"(yes|no), [a-z]{2,6}\.", matched.stdout), matched.stdout
+    picked = specsplit("generate", "Pick.", *common, "--choice", "alpha", "--choice", "beta gamma",
+                       "--temperature", "1", "--seed", "3", "--n", "3")
+    assert picked.returncode == 0, picked.stderr
+    assert picked.stdout.splitlines() and all(line in ("alpha", "beta gamma") for line in picked.stdout.splitlines())
+    assert len(picked.stdout.splitlines()) == 3 and picked.stderr.count("--- sample") == 3
+    tools = specsplit("generate", "Add.", *common, "--tools", str(tmp_path / "tools.json"))
+    assert tools.returncode == 0, tools.stderr  # written into the conversation: SmolLM2's template renders none
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = specsplit("generate", "x", *common, "--json-schema", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "is not JSON" in bad.stderr and "Traceback" not in bad.stderr
+    both = specsplit("generate", "x", *common, "--regex", "a", "--choice", "b")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+
+
 def test_generate_reports_bad_input_without_traceback(stack):
     result = specsplit("generate", "hi", "--server", stack, "--temperature", "-1")
     assert result.returncode == 1
