@@ -155,6 +155,7 @@ class SessionMux:
                     return
                 await self._ready.wait()
                 self._ready.clear()
+                await asyncio.sleep(0)  # answers completing in this pass of the loop go in the same message
                 continue
             out, self._out = self._out, []
             await self._context.write(self._handler.replies(out))
