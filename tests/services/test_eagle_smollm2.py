@@ -5,36 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from specsplit.bench.prompts import DEMO_PROMPTS
 from specsplit.draft_service import eagle_head
-from specsplit.draft_service.engine import DraftEngine
-from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
-from specsplit.lmkit.sessions import SessionLimits
-from tests.conftest import Services, make_engines, reference_greedy, run_async
+from tests.conftest import run_async
+from tests.services.smollm2_heads import PROMPTS, smollm2_with_head
 from tests.services.test_drafters_e2e import run_greedy
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
-PROMPTS = [p for p in DEMO_PROMPTS if p.name in ("summarise", "story", "explain")]
-
 
 @pytest.fixture(scope="module")
 def smollm2_eagle(background_loop):
-    target, _ = make_engines("smollm2-135m", None)
-    model = target.model  # the draft reads the target's embedding; in one process the two share it
-    fingerprint = models.vocab_fingerprint(models.load_tokenizer("smollm2-135m"))
-    head = eagle_head.load_head("smollm2-135m", model)  # the bundled head, by its target's name
-    draft = DraftEngine(model, model_id="smollm2-135m", vocab_fingerprint=fingerprint, limits=SessionLimits(),
-                        derived={DrafterKind.EAGLE: head})
-    services = Services(background_loop, target, draft)
-    tokenizer = models.load_tokenizer("smollm2-135m")
-    prompts_ids = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True)["input_ids"])
-        for p in PROMPTS
-    ]
-    yield services, prompts_ids, [reference_greedy(model, ids, 32) for ids in prompts_ids]
-    services.stop()
+    with smollm2_with_head(background_loop, DrafterKind.EAGLE, eagle_head.load_head) as built:  # the bundled head(s)
+        yield built
 
 
 @pytest.mark.parametrize("drafter,chain,k,adaptive,overlap", [
