@@ -349,23 +349,6 @@ def sync_audit(model, width: int = 5, sessions: int = 4) -> dict:
 STEP_KINDS = ("stock", "eager", "inductor", "cuda-graphs", "inductor+cuda-graphs")
 
 
-class _GraphCache:
-    """A ``graph_step.GraphStep`` behind ``SessionCache.logits``: one session, in slot 0."""
-
-    def __init__(self, step) -> None:
-        self.step, self.tokens = step, []
-
-    def logits(self, context: list[int], block: list[int]) -> torch.Tensor:
-        from specsplit.lmkit.kvcache import common_prefix
-        from specsplit.lmkit.transfer import to_host
-
-        sequence = [*context, *block]
-        keep = min(common_prefix(self.tokens, sequence), len(context) - 1)
-        out = to_host(self.step.forward(0, keep, sequence[keep:])[-(len(block) + 1):])
-        self.tokens = sequence
-        return out
-
-
 def step_kinds(model, sizes: Sizes, vocab: int, kinds: tuple[str, ...] = STEP_KINDS) -> dict:
     """The target's forward each way the engine can run it, through the session cache the engine uses: ms per
     verify forward by width (context ``sizes.prompt_len``), a greedy decode, and how many of its tokens a
@@ -394,7 +377,7 @@ def step_kinds(model, sizes: Sizes, vocab: int, kinds: tuple[str, ...] = STEP_KI
                     model, slots=1, capacity=len(prompt) + 2 * decode_len + max(sizes.widths), max_width=max(sizes.widths),
                     graphs=device.type == "cuda", compile_fn=decoder_step.compiler("inductor") if "inductor" in kind else None)
                 setup_s = time.perf_counter() - began
-                cache = _GraphCache(static)
+                cache = graph_step.GraphSessionCache(model, static, graph_step.Slots(1))  # what the engine holds
             elif kind != "stock":
                 if not packed_rows.installed(model) and not packed_rows.install(model):
                     raise ValueError("the packed-rows forward cannot run this model")
