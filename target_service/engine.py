@@ -57,6 +57,11 @@ class TargetSession:
     prompt_logprobs: int | None = None  # score the prompt at the first verify, with this many alternatives
     prompt_scored: bool = False  # the first verify has scored the prompt (TargetOpen.prompt_logprobs)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Its next verify scores the prompt: a row for every fed position, and it runs alone."""
+        return self.prompt_logprobs is not None and not self.prompt_scored
+
 
 @dataclass(frozen=True)
 class BatchShare:
@@ -269,7 +274,7 @@ class TargetEngine:
         self._check_block(session, position, draft_tokens, draft_probs, parents, allowed)
         start = time.perf_counter()
         fed = session.cache.fed
-        scoring = session.prompt_logprobs is not None and not session.prompt_scored
+        scoring = session.scores_prompt
         # [k+1, vocab]; scoring the prompt: a row for every position fed, the prompt's first (the cache is new)
         logits = session.cache.logits(session.tokens, draft_tokens, parents, all_rows=scoring)
         forward_s = time.perf_counter() - start
@@ -313,8 +318,7 @@ class TargetEngine:
                 results[i] = exc
                 continue
             keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
-            scoring = item.session.prompt_logprobs is not None and not item.session.prompt_scored
-            if self.can_batch and len(feed) <= self.limits.max_block + 1 and not scoring:
+            if self.can_batch and len(feed) <= self.limits.max_block + 1 and not item.session.scores_prompt:
                 batch.append(i)
                 steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1, parents))
             else:
