@@ -200,7 +200,7 @@ def inline_tools(turns: Sequence[dict], tools: Sequence[dict], fmt: ToolCallForm
     system turn (one is added when there is none), each assistant call written in ``fmt``'s call text after the
     turn's content, and each run of tool results one user turn of ``<tool_response>`` blocks."""
     out: list[dict] = []
-    for turn in turns:
+    for i, turn in enumerate(turns):
         role, content = turn["role"], turn.get("content") or ""
         if role == "assistant" and turn.get("tool_calls"):
             calls = [fmt.call_prefix(call["function"]["name"]) + json.dumps(call["function"]["arguments"], ensure_ascii=False)
@@ -208,14 +208,12 @@ def inline_tools(turns: Sequence[dict], tools: Sequence[dict], fmt: ToolCallForm
             out.append({"role": "assistant", "content": "\n".join([content, *calls] if content else calls)})
         elif role == "tool":
             block = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1].get("tool_results"):
+            if i and turns[i - 1]["role"] == "tool":  # a run of results: one user turn
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "tool_results": True})
+                out.append({"role": "user", "content": block})
         else:
             out.append({"role": role, "content": content})
-    for turn in out:
-        turn.pop("tool_results", None)
     if tools:
         listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
         example = fmt.call_prefix("<function-name>").replace('"<function-name>"', "<function-name>")
