@@ -17,6 +17,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 
@@ -25,10 +26,24 @@ class ParsedCall:
     """One call read from the model's text."""
 
     name: str
-    arguments: str  # a JSON object's text
+    arguments: str  # a JSON object's text: as the model wrote it, or re-written when it wrote a JSON string
 
 
-Piece = str | ParsedCall  # streamed content text, or a whole call
+@dataclass(frozen=True)
+class CallHead:
+    """A streamed call begins: its name is known; its arguments follow in ``CallArguments`` pieces."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """The next piece of the arguments text of the call last begun."""
+
+    text: str
+
+
+Piece = str | CallHead | CallArguments  # streamed content text, or a call's start or a piece of its arguments
 
 
 @dataclass(frozen=True)
@@ -48,9 +63,17 @@ class ToolCallFormat:
         """The text of a call after its arguments object."""
         return f"}}\n{self.end}"
 
+    def head(self, text: str) -> tuple[str, int] | None:
+        """The name and the offset of the arguments object of a call that ``text`` begins, when it is written
+        name first (``start {"name": "...", "arguments": {``, as the prefix above and every Hermes model
+        writes it); None when ``text`` does not (yet) begin one so."""
+        found = re.match(re.escape(self.start) + _NAME_THEN_ARGUMENTS, text)
+        return (json.loads(found.group(1)), found.end()) if found else None
+
     def read_block(self, block: str) -> ParsedCall | None:
         """The call a ``start ... end`` block holds; None when it holds none (bad JSON, no name, arguments not an
-        object): the block is then content, as the model wrote it."""
+        object): the block is then content, as the model wrote it. Arguments keep the model's text when it
+        wrote them name first as an object (so a streamed call's pieces add up to the whole call's)."""
         body = block[len(self.start) : len(block) - len(self.end)].strip()
         try:
             value = json.loads(body)
@@ -66,27 +89,43 @@ class ToolCallFormat:
                 return None
         if not isinstance(arguments, dict):
             return None
-        return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+        written = json.dumps(arguments, ensure_ascii=False)
+        head = self.head(block)
+        if head is not None and head[0] == value["name"]:
+            end = _object_end(block, head[1])
+            if end is not None and _loads(block[head[1] : end]) == arguments:
+                written = block[head[1] : end]
+        return ParsedCall(value["name"], written)
 
     def stream(self) -> "CallStream":
         return CallStream(self)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """A whole completion's content (the text outside the calls, stripped; None if empty) and its calls."""
-        stream = self.stream()
-        pieces = stream.feed(text) + stream.finish()
-        content = "".join(p for p in pieces if isinstance(p, str)).strip()
-        return content or None, [p for p in pieces if isinstance(p, ParsedCall)]
+        """A whole completion's content (the text outside the calls, stripped; None if empty) and its calls: a
+        block that holds no call, or a call never ended, is content."""
+        content, calls = [], []
+        while (at := text.find(self.start)) >= 0 and (end := text.find(self.end, at)) >= 0:
+            end += len(self.end)
+            call = self.read_block(text[at:end])
+            content.append(text[:at] if call else text[:end])
+            calls += [call] if call else []
+            text = text[end:]
+        joined = ("".join(content) + text).strip()
+        return joined or None, calls
 
 
 class CallStream:
-    """Reads a completion as it streams: content is passed on as soon as it cannot begin a call, a call once its
-    end arrives."""
+    """Reads a completion as it streams: content is passed on as soon as it cannot begin a call. A call written
+    name first (``ToolCallFormat.head``) is passed on as it comes: its ``CallHead`` once the name is read, its
+    arguments in ``CallArguments`` pieces as they arrive, so a client sees the call grow (OpenAI's deltas); one
+    written otherwise is passed on whole once its end arrives. A call whose name has been passed on stands: its
+    arguments are what the model wrote, even if it stops before their end."""
 
     def __init__(self, fmt: ToolCallFormat) -> None:
         self.fmt = fmt
         self.buffer = ""  # text held back: a possible start of a call, or a call not yet ended
         self.inside = False  # the buffer begins with fmt.start
+        self.arguments: _ObjectScan | None = None  # the arguments being streamed, once the head was read
 
     def feed(self, text: str) -> list[Piece]:
         self.buffer += text
@@ -101,6 +140,19 @@ class CallStream:
                     break
                 pieces.append(self.buffer[:at])
                 self.buffer, self.inside = self.buffer[at:], True
+            elif self.arguments is None and (head := self.fmt.head(self.buffer)) is not None:
+                pieces.append(CallHead(head[0]))
+                self.arguments = _ObjectScan(head[1])
+            elif self.arguments is not None:
+                piece = self.arguments.scan(self.buffer)
+                if piece:
+                    pieces.append(CallArguments(piece))
+                if self.arguments.end is None:
+                    break
+                at = self.buffer.find(self.fmt.end, self.arguments.end)
+                if at < 0:
+                    break
+                self.buffer, self.inside, self.arguments = self.buffer[at + len(self.fmt.end) :], False, None
             else:
                 at = self.buffer.find(self.fmt.end)
                 if at < 0:
@@ -108,13 +160,64 @@ class CallStream:
                 block, self.buffer = self.buffer[: at + len(self.fmt.end)], self.buffer[at + len(self.fmt.end) :]
                 self.inside = False
                 call = self.fmt.read_block(block)
-                pieces.append(call if call is not None else block)
+                pieces += [CallHead(call.name), CallArguments(call.arguments)] if call is not None else [block]
         return _merged(pieces)
 
     def finish(self) -> list[Piece]:
-        """What is held back when the text ends (a call never ended is content)."""
-        rest, self.buffer, self.inside = self.buffer, "", False
-        return [rest] if rest else []
+        """What is held back when the text ends: a call never ended is content, unless its head was passed on."""
+        rest, streamed = self.buffer, self.arguments is not None
+        self.buffer, self.inside, self.arguments = "", False, None
+        return [rest] if rest and not streamed else []
+
+
+_STRING = r'"(?:[^"\\]|\\.)*"'
+_NAME_THEN_ARGUMENTS = rf'\s*\{{\s*"name"\s*:\s*({_STRING})\s*,\s*"arguments"\s*:\s*(?=\{{)'
+
+
+class _ObjectScan:
+    """Finds where a JSON object that begins at ``start`` ends, over text that grows: strings and escapes
+    followed, braces counted; ``scan`` hands out the text not handed out before, up to the object's end."""
+
+    def __init__(self, start: int) -> None:
+        self.at = self.sent = start
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.end: int | None = None
+
+    def scan(self, text: str) -> str:
+        while self.end is None and self.at < len(text):
+            char = text[self.at]
+            self.at += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.at
+        piece, self.sent = text[self.sent : self.at], self.at
+        return piece
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """Where the JSON object that begins at ``start`` of ``text`` ends; None when it does not end there."""
+    scan = _ObjectScan(start)
+    scan.scan(text)
+    return scan.end
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _held(text: str, start: str) -> int:

@@ -1,9 +1,10 @@
 """Chat responses with tool calls: the model's text parsed into ``message.tool_calls`` (OpenAI's shape).
 
 Whole: the calls in ``message.tool_calls``, the rest of the text in ``message.content`` (null when there is
-none), ``finish_reason: "tool_calls"``. Streamed: content deltas as the text comes, held back only where it
-may begin a call; each call in one delta once its text is complete,
-``{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments"}}]}``.
+none), ``finish_reason: "tool_calls"``. Streamed as OpenAI streams them: content deltas as the text comes,
+held back only where it may begin a call; a call's first delta once its name is read,
+``{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]}``, then its
+arguments in pieces as they come, ``{"tool_calls": [{"index", "function": {"arguments"}}]}``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import secrets
 
 from specsplit.orchestrator.openai_schema import ChatShape
-from specsplit.orchestrator.tool_parsers import ParsedCall, ToolCallFormat
+from specsplit.orchestrator.tool_parsers import CallArguments, CallHead, ParsedCall, ToolCallFormat
 
 
 def call_id() -> str:
@@ -53,12 +54,18 @@ class ToolChatShape(ChatShape):
         content = "".join(p for p in pieces if isinstance(p, str))
         if content:
             delta["content"] = content
-        calls = []
+        calls: list[dict] = []
         for piece in pieces:
-            if isinstance(piece, ParsedCall):
+            if isinstance(piece, CallHead):
                 sent = self.calls_sent.get(index, 0)
-                calls.append(tool_call(piece, sent))
+                calls.append(tool_call(ParsedCall(piece.name, ""), sent))
                 self.calls_sent[index] = sent + 1
+            elif isinstance(piece, CallArguments):
+                number = self.calls_sent[index] - 1
+                if calls and calls[-1]["index"] == number:
+                    calls[-1]["function"]["arguments"] += piece.text
+                else:
+                    calls.append({"index": number, "function": {"arguments": piece.text}})
         if calls:
             delta["tool_calls"] = calls
         if not delta and not finish and not (self.logprobs and logprobs):

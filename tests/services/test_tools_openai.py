@@ -140,33 +140,39 @@ def test_each_of_n_samples_parses_its_own_call_whole_and_streamed(api):
     whole = create(api.client(), **options)
     calls = [checked_call(choice, SCHEMAS) for choice in sorted(whole.choices, key=lambda c: c.index)]
     assert len(calls) == 3 and len(set(map(json.dumps, calls))) > 1  # the samples differ
-    streamed: dict[int, dict] = {}
+    streamed: dict[int, list[str]] = {}
     for chunk in create(api.client(), stream=True, **options):
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or ():
                 assert delta.index == 0  # one call in each choice
-                streamed[choice.index] = {"name": delta.function.name, "arguments": json.loads(delta.function.arguments)}
+                if delta.id:
+                    streamed[choice.index] = [delta.function.name, ""]
+                streamed[choice.index][1] += delta.function.arguments
             if choice.finish_reason:
                 assert choice.finish_reason == "tool_calls"
-    assert [(streamed[i]["name"], streamed[i]["arguments"]) for i in range(3)] == calls
+    assert [(streamed[i][0], json.loads(streamed[i][1])) for i in range(3)] == calls
 
 
 def test_streamed_call_deltas_add_up_to_the_whole_call(api):
+    """As OpenAI streams a call: the first delta carries its id and name, the arguments follow in pieces."""
     client = api.client()
-    whole = create(client, tools=TOOLS, tool_choice=named("get_weather")).choices[0]
+    whole = create(client, tools=TOOLS, tool_choice=named("get_weather"), extra_body={"k": 0}).choices[0]
     calls: dict[int, dict] = {}
     finish, content = None, ""
-    for chunk in create(client, tools=TOOLS, tool_choice=named("get_weather"), stream=True):
+    stream = create(client, tools=TOOLS, tool_choice=named("get_weather"), stream=True, extra_body={"k": 0})
+    for chunk in stream:
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for delta in choice.delta.tool_calls or ():
-                call = calls.setdefault(delta.index, {"name": "", "arguments": "", "ids": []})
+                call = calls.setdefault(delta.index, {"name": "", "arguments": "", "ids": [], "pieces": 0})
                 call["ids"].append(delta.id)
                 call["name"] += delta.function.name or ""
                 call["arguments"] += delta.function.arguments or ""
+                call["pieces"] += bool(delta.function.arguments)
             finish = choice.finish_reason or finish
     assert finish == "tool_calls" and content == ""
-    assert list(calls) == [0] and calls[0]["ids"][0].startswith("call_")
+    assert list(calls) == [0] and calls[0]["ids"][0].startswith("call_") and set(calls[0]["ids"][1:]) == {None}
+    assert calls[0]["pieces"] > 1, calls  # the arguments came in several deltas
     assert (calls[0]["name"], calls[0]["arguments"]) == (
         whole.message.tool_calls[0].function.name,
         whole.message.tool_calls[0].function.arguments,
@@ -208,8 +214,10 @@ def test_auto_parses_the_calls_the_model_writes_whole_and_streamed(api):
         for part in chunk.choices:
             content += part.delta.content or ""
             for delta in part.delta.tool_calls or ():
-                streamed[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
+                name, arguments = streamed.get(delta.index, (delta.function.name, ""))
+                streamed[delta.index] = (name, arguments + delta.function.arguments)
             finish = part.finish_reason or finish
+    streamed = {index: (name, json.loads(arguments)) for index, (name, arguments) in streamed.items()}
     assert (content.strip(), [streamed[i] for i in sorted(streamed)], finish) == (
         "Ok.",
         WRITTEN_CALLS,
