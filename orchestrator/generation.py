@@ -111,8 +111,16 @@ def verification_mode(request: GenerationRequest, default: VerificationMode = DE
     return VerificationMode.DRAFT_PROBS if request.draft_probs else default
 
 
+# Chat templates shipped with specsplit, by the name --chat-template takes for them: ChatML (the default model's
+# format) that renders tools and tool turns as Hermes 2 Pro and Qwen do (the ``hermes`` tool-call parser's format).
+BUNDLED_TEMPLATES = {"hermes-tools": Path(__file__).parent / "templates" / "hermes_tools.jinja"}
+
+
 def read_chat_template(path: str) -> str:
-    """The Jinja chat template of ``--chat-template``; ValueError saying what is wrong with the file."""
+    """The Jinja chat template of ``--chat-template``: a file, or the name of a bundled one where no such file
+    exists; ValueError saying what is wrong with the file."""
+    if path in BUNDLED_TEMPLATES and not Path(path).exists():
+        path = str(BUNDLED_TEMPLATES[path])
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -79,7 +79,8 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--chat-template", default="",
                         help="a Jinja chat template file to render conversations (and tools) with, instead of the "
-                             "tokenizer's own")
+                             "tokenizer's own; hermes-tools: the bundled ChatML template with Hermes-style tools "
+                             "(for the default model)")
     parser.add_argument("--tool-call-parser", default="hermes", choices=sorted(FORMATS),
                         help="how the model writes tool calls: the grammar of a forced call and the parser of the "
                              "output (hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")

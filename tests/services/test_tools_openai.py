@@ -1,6 +1,6 @@
 """Tool calls with the official `openai` client against a real server over the tiny models.
 
-The tools are rendered by a Hermes-style chat template given as a file (``--chat-template``), through
+The tools are rendered by the bundled Hermes-style chat template (``--chat-template hermes-tools``), through
 transformers' ``apply_chat_template``. A named ``tool_choice`` (and ``"required"``) forces one call through
 the grammar: the reply's ``tool_calls`` parse and their arguments validate against the function's schema,
 greedy speculative output equals target-only decoding (k = 0), and the streamed deltas add up to the same
@@ -12,7 +12,6 @@ and an unknown function are 400s in OpenAI's shape.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import grpc
 import jsonschema
@@ -35,7 +34,7 @@ from tests.services.masked_reference import masked_greedy
 pytestmark = pytest.mark.services
 
 MODEL = "tiny-llama"
-TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
+TEMPLATE = "hermes-tools"  # the bundled template, by the name --chat-template takes
 WEATHER_ARGS = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -85,7 +84,7 @@ def api(tiny_services, tiny_target_dir, background_loop):
         served_model_names=(MODEL,),
     )
     orch = background_loop.run(
-        Orchestrator.connect(OrchestratorConfig(**base, chat_template=str(TEMPLATE), enable_auto_tool_choice=True))
+        Orchestrator.connect(OrchestratorConfig(**base, chat_template=TEMPLATE, enable_auto_tool_choice=True))
     )
     plain = background_loop.run(Orchestrator.connect(OrchestratorConfig(**base)))
     servers = [
@@ -399,15 +398,18 @@ def test_bad_tool_turns_are_400s(api):
 
 def test_the_flags_reach_the_config_and_a_bad_template_file_is_refused(tmp_path, tiny_target_dir):
     args = build_parser().parse_args(
-        ["--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+        ["--chat-template", TEMPLATE, "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
     )
     config = config_from_args(args)
     assert (config.chat_template, config.tool_call_parser, config.enable_auto_tool_choice) == (
-        str(TEMPLATE),
+        TEMPLATE,
         "hermes",
         True,
     )
     assert "tools" in read_chat_template(config.chat_template)
+    own = tmp_path / "own.jinja"
+    own.write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(str(own)) == own.read_text()  # a file of one's own
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% if tools %}")
     with pytest.raises(ValueError, match="not a Jinja template"):
