@@ -120,6 +120,40 @@ def test_every_drafter_and_tree_gives_the_target_only_tokens(api, drafter, branc
             assert got == expected, (kind, prompt, drafter, branches)
 
 
+# Grammars loose enough that the model drafter's second choices survive the mask, so its rounds can stay trees
+# (under a JSON schema's a runner-up is nearly always refused and pruned, leaving a chain).
+LOOSE = {"line": pb.Grammar(regex=r"[^\n]{1,80}"), "words": pb.Grammar(regex=r"[a-z ,.']{1,60}")}
+
+
+@pytest.fixture
+def fresh_api(tiny_services, tiny_target_dir, background_loop):
+    """An orchestrator of its own: no figures measured by the tests before (the round model keeps a tree's
+    second choices only while their measured acceptance pays for them)."""
+    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
+    orch = background_loop.run(Orchestrator.connect(config))
+    server, port = background_loop.run(start_server(orch))
+    yield f"127.0.0.1:{port}", orch
+    background_loop.run(server.stop(0))
+    background_loop.run(orch.close())
+
+
+def test_trees_under_a_grammar_give_the_target_only_tokens_and_are_trees(fresh_api):
+    """The target masks every node of a tree (each node's row is the grammar's after its own path): the text is
+    the target-only text and follows the grammar, and rounds were trees. How many nodes a round keeps is the
+    round model's choice from measured costs, so the count of tree rounds varies; some there must be."""
+    address, orch = fresh_api
+    trees = 0
+    for kind, grammar in LOOSE.items():
+        for prompt in TINY_PROMPTS[:3]:
+            expected, _ = generate(address, prompt, grammar, k=0)
+            for _ in range(2):  # the second pass drafts with the figures the first measured
+                got, last = generate(address, prompt, grammar, k=5, drafter=pb.DRAFTER_KIND_MODEL, tree_branches=3)
+                assert got == expected, (kind, prompt)
+                assert _follows(orch, grammar, got)
+                trees += last.stats.tree_rounds
+    assert trees > 0
+
+
 def test_coupled_sampling_under_a_grammar_gives_the_seeds_k_0_text(api):
     """COUPLED verification: a seed gives the same text whatever K and drafter, the grammar's masks included."""
     address, _ = api
