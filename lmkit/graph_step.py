@@ -6,23 +6,26 @@ gpt-fast, vLLM and SGLang capture the step once per shape as a CUDA graph and re
 the same kernels on the same addresses, so everything that changes between steps must be data in tensors
 the graph reads, never a Python value or a new allocation:
 
-    keys/values   one buffer per layer for every slot: [kv_heads, slots * capacity, head_dim], allocated once;
-                  a session's slot is a range of ``capacity`` positions (``Slots`` hands them out)
-    inputs        ids and positions [1, width], and the flat indices where the fed tokens' keys/values go
-                  (slot * capacity + position) and where the slot's keys/values are read from
+    keys/values   one buffer per layer for every slot: [kv_heads, (slots + 1) * capacity, head_dim], allocated
+                  once; a session's slot is a range of ``capacity`` positions (``Slots`` hands them out); the
+                  last slot is scratch, written and read by the padding rows of a batch
+    inputs        ids and positions [batch, width] and each row's slot [batch]; where a fed token's keys and
+                  values go (slot * capacity + position) and which a row reads are computed inside the step
     mask          computed inside the step: key position p is visible to a fed token at position q when p <= q
-    output        logits [width, vocab] of every fed token, in a buffer the graph owns
+    output        logits [batch, width, vocab] of every fed token, in a buffer the graph owns
 
-One graph per width bucket (1, 2, 4, 8, 16, ... up to ``max_width``): a block of w tokens replays the
-smallest bucket >= w, padded with copies of its last token; the padding writes keys/values at positions
-past the block, which no query of this step sees (the mask) and the next step overwrites before reading.
-A prompt longer than the widest bucket is fed in chunks of it (chunked prefill). The arithmetic is
-``decoder_step``'s (the same functions over the model's own weights), so in float32 the logits equal the
-stock forward's to rounding; on the CPU the step runs eagerly, which is how the tests check it.
+One graph per (batch, width) bucket: batches 1, 2, 4, ... up to ``max_batch`` sessions, widths 1, 2, 4, 8, 16,
+... up to ``max_width`` tokens. Rows (sessions) of a step replay the smallest bucket that holds them: each row
+padded to the bucket's width with copies of its last token, whose keys and values land at positions past the
+row's block, which no query of this step sees (the mask) and the next step overwrites before reading; missing
+rows run in the scratch slot. More sessions than ``max_batch`` replay in groups. A prompt longer than the
+widest bucket is fed in chunks of it (chunked prefill). The arithmetic is ``decoder_step``'s (the same
+functions over the model's own weights), so in float32 the logits equal the stock forward's to rounding; on
+the CPU the step runs eagerly, which is how the tests check it.
 
-Chains only, one session per replay: token trees (a non-causal mask) and several sessions in one graph
-are not captured here. ``GraphSessionCache`` is a session's cache in a slot (what the target engine holds
-per session under ``serve-target --compile cuda-graphs``).
+Chains only: token trees (a non-causal mask) are not captured here. ``GraphSessionCache`` is a session's cache
+in a slot (what the target engine holds per session under ``serve-target --compile cuda-graphs``);
+``forward_steps`` runs several sessions' steps in one replay (the engine's batched verify).
 """
 
 from __future__ import annotations
@@ -72,22 +75,25 @@ class Slots:
 class _Inputs:
     """One bucket's static inputs and output (their addresses are what its graph reads and writes)."""
 
-    ids: torch.Tensor  # [1, width] long
-    positions: torch.Tensor  # [1, width] long
-    write_index: torch.Tensor  # [width] long: slot * capacity + position of each fed token
-    read_index: torch.Tensor  # [capacity] long: slot * capacity + 0 .. capacity - 1
-    logits: torch.Tensor | None = None  # [width, vocab], the step's output
+    ids: torch.Tensor  # [batch, width] long
+    positions: torch.Tensor  # [batch, width] long
+    slots: torch.Tensor  # [batch] long: each row's slot (padding rows: the scratch slot)
+    logits: torch.Tensor | None = None  # [batch, width, vocab], the step's output
+
+
+Row = tuple[int, int, Sequence[int]]  # (slot, start position, tokens fed at start..)
 
 
 class GraphStep:
-    """``GraphStep(model, slots, capacity, max_width, graphs)``; ``forward(slot, start, tokens)`` -> logits.
+    """``GraphStep(model, slots, capacity, max_width, graphs, max_batch=...)``; ``forward(slot, start, tokens)``
+    -> logits of one session; ``forward_rows(rows)`` -> each row's logits, the rows replayed together.
 
     ``graphs``: capture each bucket as a CUDA graph (a CUDA model only); off, the same static step runs
     eagerly (any device). ``compile_fn`` (``decoder_step.compiler``) compiles the per-token functions, whose
     kernels the graphs then capture."""
 
     def __init__(self, model, slots: int, capacity: int, max_width: int = 16, graphs: bool = False,
-                 compile_fn=None) -> None:
+                 compile_fn=None, max_batch: int = 1) -> None:
         if capacity < max_width:
             raise ValueError(f"capacity {capacity} must hold at least one block of max_width {max_width}")
         # the weights and per-token functions (``compile_fn``: compiled first, then captured with the rest)
@@ -96,29 +102,31 @@ class GraphStep:
         first = model.model.layers[0].self_attn
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(first.head_dim)
-        self.capacity, self.slots, self.max_width = capacity, slots, max_width
+        self.capacity, self.slots, self.max_width, self.max_batch = capacity, slots, max_width, max_batch
+        self.scratch = slots  # the slot padding rows run in
         weight = self.step.embed
         self.device, self.dtype = weight.device, weight.dtype
+        self.widths, self.batches = buckets(max_width), buckets(max_batch)
         with torch.inference_mode():
-            shape = (self.kv_heads, slots * capacity, self.head_dim)
+            shape = (self.kv_heads, (slots + 1) * capacity, self.head_dim)
             self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.step.layers]
             self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.step.layers]
             self.key_positions = torch.arange(capacity, device=self.device)
-            self.inputs = {w: self._new_inputs(w) for w in buckets(max_width)}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+            self.inputs = {(b, w): self._new_inputs(b, w) for b in self.batches for w in self.widths}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if graphs:
             if self.device.type != "cuda":
                 raise ValueError(f"CUDA graphs need a CUDA model; this one is on {self.device}")
             self._capture()
 
-    def _new_inputs(self, width: int) -> _Inputs:
+    def _new_inputs(self, batch: int, width: int) -> _Inputs:
         long = dict(dtype=torch.long, device=self.device)
-        return _Inputs(torch.zeros(1, width, **long), torch.zeros(1, width, **long), torch.zeros(width, **long),
-                       torch.arange(self.capacity, **long))
+        positions = torch.arange(width, **long).repeat(batch, 1)
+        return _Inputs(torch.zeros(batch, width, **long), positions, torch.full((batch,), self.scratch, **long))
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Capture every bucket (widest first, so the narrower ones reuse its memory pool)."""
+        """Capture every bucket (largest first, so the smaller ones reuse its memory pool)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -127,30 +135,37 @@ class GraphStep:
                     self._run(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = None
-        for width in sorted(self.inputs, reverse=True):
+        for bucket in sorted(self.inputs, key=lambda bw: (bw[0] * bw[1], bw), reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._run(self.inputs[width])
+                self._run(self.inputs[bucket])
             pool = graph.pool()
-            self.graphs[width] = graph
+            self.graphs[bucket] = graph
 
     def _run(self, inputs: _Inputs) -> None:
         """The step over ``inputs``, writing ``inputs.logits``: only tensor operations, no host value read."""
         step = self.step
-        hidden = F.embedding(inputs.ids, step.embed)  # [1, w, hidden]
+        batch, width = inputs.ids.shape
+        hidden = F.embedding(inputs.ids, step.embed)  # [b, w, hidden]
         cos, sin = decoder_step.rotary(step.inv_freq, step.rope_scaling, inputs.positions, hidden.dtype)
-        visible = self.key_positions[None, :] <= inputs.positions[0][:, None]  # [w, capacity]
+        visible = (self.key_positions <= inputs.positions[:, :, None])[:, None]  # [b, 1, w, capacity]
+        base = inputs.slots[:, None] * self.capacity  # [b, 1]
+        write_index = (base + inputs.positions).reshape(-1)  # [b * w]
+        read_index = (base + self.key_positions).reshape(-1)  # [b * capacity]
         for layer in step.layers:
             q, k, v = step.attention_inputs(hidden, *layer.inputs, cos, sin, self.head_dim)
             keys, values = self.keys[layer.index], self.values[layer.index]
-            keys.index_copy_(1, inputs.write_index, k[0])
-            values.index_copy_(1, inputs.write_index, v[0])
+            keys.index_copy_(1, write_index, k.transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim))
+            values.index_copy_(1, write_index, v.transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim))
+            rows = (self.kv_heads, batch, self.capacity, self.head_dim)
             attended = F.scaled_dot_product_attention(
-                q, keys.index_select(1, inputs.read_index)[None], values.index_select(1, inputs.read_index)[None],
+                q,
+                keys.index_select(1, read_index).view(rows).transpose(0, 1),
+                values.index_select(1, read_index).view(rows).transpose(0, 1),
                 attn_mask=visible, scale=layer.scaling, enable_gqa=q.shape[1] != k.shape[1],
-            )  # [1, heads, w, head_dim]
+            )  # [b, heads, w, head_dim]
             hidden = step.attention_outputs(hidden, attended.transpose(1, 2), *layer.outputs)
-        logits = step.lm_head(decoder_step.rms_norm(hidden, *step.norm))[0]
+        logits = step.lm_head(decoder_step.rms_norm(hidden, *step.norm))
         if inputs.logits is None:
             inputs.logits = logits
         else:
@@ -160,15 +175,55 @@ class GraphStep:
     def forward(self, slot: int, start: int, tokens: Sequence[int]) -> torch.Tensor:
         """Feed ``tokens`` at positions start.. of ``slot`` (whose positions < start hold this session's keys and
         values); returns their logits [len(tokens), vocab] on the device, valid until the next call."""
-        if not 0 <= slot < self.slots:
-            raise ValueError(f"slot {slot} is not one of the {self.slots} slots")
-        if not tokens:
-            raise ValueError("feed at least one token")
         if len(tokens) <= self.max_width:
-            return self._chunk(slot, start, tokens)
+            return self.forward_rows([(slot, start, tokens)])[0]
         # chunked: each chunk's logits are copied out before the next replay overwrites its bucket's output
-        return torch.cat([self._chunk(slot, start + first, tokens[first : first + self.max_width]).clone()
+        return torch.cat([self.forward_rows([(slot, start + first, tokens[first : first + self.max_width])])[0].clone()
                           for first in range(0, len(tokens), self.max_width)])
+
+    @torch.inference_mode()
+    def forward_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        """Each row's step (its tokens, at most ``max_width``, fed at start.. of its slot), replayed together
+        ``max_batch`` rows at a time; returns each row's logits [len(tokens), vocab] on the device, valid until
+        the next call."""
+        for slot, _, tokens in rows:
+            if not 0 <= slot < self.slots:
+                raise ValueError(f"slot {slot} is not one of the {self.slots} slots")
+            if not tokens:
+                raise ValueError("feed at least one token")
+            if len(tokens) > self.max_width:
+                raise ValueError(f"a row of {len(tokens)} tokens is wider than max_width {self.max_width}")
+        if len({slot for slot, _, _ in rows}) != len(rows):
+            raise ValueError("a step feeds each slot at most once")
+        groups = [rows[i : i + self.max_batch] for i in range(0, len(rows), self.max_batch)]
+        out: list[torch.Tensor] = []
+        for group in groups:  # a later group's replay may overwrite an earlier one's output: copies, then
+            logits = self._replay(group)
+            out += [t.clone() for t in logits] if len(groups) > 1 else logits
+        return out
+
+    def _replay(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        batch = next(b for b in self.batches if b >= len(rows))
+        width = next(w for w in self.widths if w >= max(len(tokens) for _, _, tokens in rows))
+        for _, start, tokens in rows:
+            if start + width > self.capacity:
+                raise ValueError(f"positions {start}..{start + len(tokens) - 1} (a block of {width} with its padding) "
+                                 f"do not fit a slot of {self.capacity}")
+        inputs = self.inputs[(batch, width)]
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        starts = torch.zeros(batch, 1, dtype=torch.long)
+        slots = torch.full((batch,), self.scratch, dtype=torch.long)
+        for row, (slot, start, tokens) in enumerate(rows):
+            ids[row] = torch.tensor([*tokens, *[tokens[-1]] * (width - len(tokens))])
+            starts[row, 0], slots[row] = start, slot
+        inputs.ids.copy_(ids, non_blocking=True)
+        inputs.positions.copy_(starts + torch.arange(width), non_blocking=True)
+        inputs.slots.copy_(slots, non_blocking=True)
+        if (batch, width) in self.graphs:
+            self.graphs[(batch, width)].replay()
+        else:
+            self._run(inputs)
+        return [inputs.logits[row, : len(tokens)] for row, (_, _, tokens) in enumerate(rows)]
 
     @torch.inference_mode()
     def copy(self, source: int, target: int, length: int) -> None:
@@ -179,25 +234,6 @@ class GraphStep:
             for buffers in (self.keys, self.values):
                 for layer in buffers:
                     layer[:, dst] = layer[:, src]
-
-    def _chunk(self, slot: int, start: int, tokens: Sequence[int]) -> torch.Tensor:
-        width = len(tokens)
-        bucket = next(b for b in self.inputs if b >= width)
-        if start + bucket > self.capacity:
-            raise ValueError(f"positions {start}..{start + width - 1} (a block of {bucket} with its padding) do not fit "
-                             f"a slot of {self.capacity}")
-        inputs = self.inputs[bucket]
-        padded = [*tokens, *[tokens[-1]] * (bucket - width)]
-        positions = torch.arange(start, start + bucket)
-        inputs.ids.copy_(torch.tensor([padded]), non_blocking=True)
-        inputs.positions.copy_(positions[None], non_blocking=True)
-        inputs.write_index.copy_(positions + slot * self.capacity, non_blocking=True)
-        inputs.read_index.copy_(torch.arange(self.capacity) + slot * self.capacity, non_blocking=True)
-        if bucket in self.graphs:
-            self.graphs[bucket].replay()
-        else:
-            self._run(inputs)
-        return inputs.logits[:width]
 
 
 class GraphSessionCache(SessionCache):
@@ -222,17 +258,21 @@ class GraphSessionCache(SessionCache):
     def apply(
         self, keep: int, feed: Sequence[int], n_logits: int, parents: Sequence[int] | None = None
     ) -> torch.Tensor:
+        self.check_step(parents)
+        self.crop(keep)
+        logits = to_host(self._graph.forward(self.slot, keep, feed)[-n_logits:])
+        self.tokens = [*self.tokens, *feed]
+        self.fed += len(feed)
+        return logits
+
+    def check_step(self, parents: Sequence[int] | None) -> None:
+        """What the step cannot run is refused, saying so."""
         if parents is not None:
             raise ValueError("the CUDA-graph step verifies chains only, not token trees")
         if self.feature_layers:
             raise ValueError("the CUDA-graph step returns no hidden features")
         if self.slot is None:
             raise ValueError("this session's cache was released")
-        self.crop(keep)
-        logits = to_host(self._graph.forward(self.slot, keep, feed)[-n_logits:])
-        self.tokens = [*self.tokens, *feed]
-        self.fed += len(feed)
-        return logits
 
     def crop(self, length: int) -> None:
         self.tokens = self.tokens[:length]
@@ -258,3 +298,24 @@ class GraphSessionCache(SessionCache):
         if self.slot is not None:
             self._slots.release(self.slot)
             self.slot = None
+
+
+@torch.inference_mode()
+def forward_steps(steps: Sequence) -> list[torch.Tensor]:
+    """Several sessions' steps (``batched_forward.Step``s over ``GraphSessionCache``s of one ``GraphStep``) in one
+    replay: each cache cropped to its ``keep``, fed its ``feed``; returns each step's last ``n_logits`` rows
+    (float32, on the host), as each cache's ``apply`` would."""
+    caches = [step.cache for step in steps]
+    graph = caches[0]._graph
+    for step, cache in zip(steps, caches):
+        if not cache.runs_like(caches[0]):
+            raise ValueError("a batched step runs slots of one CUDA-graph step")
+        cache.check_step(step.parents)
+        cache.crop(step.keep)
+    logits = graph.forward_rows([(cache.slot, step.keep, step.feed) for step, cache in zip(steps, caches)])
+    host = to_host(torch.cat([rows[-step.n_logits :] for rows, step in zip(logits, steps)]))  # one wait
+    out = list(host.split([step.n_logits for step in steps]))
+    for step, cache in zip(steps, caches):
+        cache.tokens = [*cache.tokens, *step.feed]
+        cache.fed += len(step.feed)
+    return out

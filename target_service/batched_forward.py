@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specsplit.lmkit import packed_rows
+from specsplit.lmkit import graph_step, packed_rows
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.models import cache_kwargs
 from specsplit.lmkit.transfer import to_device, to_host
@@ -96,6 +96,8 @@ def forward_batch(model, steps: Sequence[Step]) -> list[torch.Tensor]:
     """
     if not steps:
         return []
+    if all(isinstance(step.cache, graph_step.GraphSessionCache) for step in steps):
+        return graph_step.forward_steps(steps)
     if all(step.cache.kv is not None for step in steps):
         return _forward_packed(model, steps)
     if any(step.parents is not None for step in steps):

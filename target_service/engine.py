@@ -148,7 +148,7 @@ class TargetEngine:
         check_cache_layout(model)
         self.forward_kind = "transformers' stock forward"
         if compile_mode == "cuda-graphs":  # new_cache hands out slots of an lmkit.graph_step.GraphStep
-            self.forward_kind = "the static decoder step, captured as CUDA graphs (one session a replay, chains)"
+            self.forward_kind = "the static decoder step, captured as CUDA graphs (sessions batched, chains)"
         elif fast_forward and new_cache is None and next(model.parameters()).device.type == "cpu":
             self.forward_kind = packed_rows.install_fast_forward(model, compile_mode, pack=pack_linears)
         elif compile_mode != "off":
@@ -171,7 +171,9 @@ class TargetEngine:
         # batch_invariant: each session's rows run with the shapes they would have alone, so a session's
         # greedy tokens do not depend on which sessions arrive with it (a bf16 near-tie cannot flip).
         self.batch_invariant = batch_invariant
-        self.can_batch = not batch_invariant and new_cache is None and rows_share_rope(model)
+        # A CUDA-graph target's sessions replay together in its batch buckets (lmkit.graph_step).
+        own_caches = new_cache is None or compile_mode == "cuda-graphs"
+        self.can_batch = not batch_invariant and own_caches and rows_share_rope(model)
         self.forward_passes = 0  # verifying forwards run; rounds / forward_passes is the mean batch size
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
         self.fed_tokens = 0  # positions the forwards computed keys/values for (StatsResponse.fed_tokens)

@@ -63,9 +63,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--compile", default="auto", choices=decoder_step.COMPILE_MODES,
         help="compile the target's decoder step: off (eager), inductor (torch.compile, at start-up, health "
-             "NOT_SERVING until done), cuda-graphs (a static step captured once per block width over KV slots "
-             "allocated at start-up: CUDA only, chains only, no hidden features for EAGLE/Medusa, one session a "
-             "replay), auto (what measured faster on the device: off on the CPU and, for now, on CUDA)",
+             "NOT_SERVING until done), cuda-graphs (a static step captured once per block width and batch of up "
+             "to --max-batch sessions over KV slots allocated at start-up: CUDA only, chains only, no hidden "
+             "features for EAGLE/Medusa), auto (what measured faster on the device: off on the CPU and, for now, on CUDA)",
     )
     parser.add_argument(
         "--graph-context", type=int, default=4096,
@@ -100,11 +100,14 @@ def graph_caches(model, args, limits):
     context = min(args.graph_context, int(getattr(model.config, "max_position_embeddings", 0) or args.graph_context))
     width = limits.max_block + 1
     started = time.perf_counter()
-    graph = graph_step.GraphStep(model, slots=limits.max_sessions, capacity=context + width, max_width=width, graphs=True)
+    batch = min(args.max_batch, limits.max_sessions)  # sessions a replay verifies together
+    graph = graph_step.GraphStep(model, slots=limits.max_sessions, capacity=context + width, max_width=width,
+                                 graphs=True, max_batch=batch)
     slots = graph_step.Slots(limits.max_sessions)
     kv_bytes = sum(t.numel() * t.element_size() for t in (*graph.keys, *graph.values))
-    log.info("captured the step for widths %s in %.1f s; %d KV slots of %d positions (%.2f GB)",
-             ",".join(map(str, graph.inputs)), time.perf_counter() - started, limits.max_sessions, context, kv_bytes / 1e9)
+    log.info("captured the step for widths %s x batches %s (%d graphs) in %.1f s; %d KV slots of %d positions "
+             "(%.2f GB)", ",".join(map(str, graph.widths)), ",".join(map(str, graph.batches)), len(graph.graphs),
+             time.perf_counter() - started, limits.max_sessions, context, kv_bytes / 1e9)
     return (lambda: graph_step.GraphSessionCache(model, graph, slots)), context
 
 

@@ -67,6 +67,33 @@ def test_prefill_decode_verify_and_rollback_in_two_slots_equal_the_stock_forward
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_sessions_replayed_together_get_their_solo_logits_in_batch_buckets_and_groups(model):
+    """Rows of different widths and positions in one replay (batch bucket 4 for 3 rows: one scratch row), then
+    five rows with max_batch 4 (two groups): each row's logits are its stock forward's, and the scratch row
+    and the padding leave every session's keys intact for its next step."""
+    step = graph_step.GraphStep(model, slots=5, capacity=48, max_width=8, max_batch=4)
+    sequences = [_ids(n, 10 + slot) for slot, n in enumerate((9, 3, 14, 6, 1))]
+    for slot, sequence in enumerate(sequences):  # prompts, alone
+        step.forward(slot, 0, sequence)
+    checks = []
+    for blocks in ([(0, 4), (1, 1), (2, 7)], [(0, 2), (1, 8), (2, 1), (3, 5), (4, 3)]):
+        rows = []
+        for slot, n in blocks:
+            start = len(sequences[slot])
+            sequences[slot] = sequences[slot] + _ids(n, 100 * slot + n)
+            rows.append((slot, start, sequences[slot][start:]))
+        for (slot, start, _), got in zip(rows, step.forward_rows(rows)):
+            checks.append((got.clone(), _stock(model, sequences[slot], start)))
+    assert step.batches == (1, 2, 4) and len(checks) == 8
+    for got, want in checks:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    with pytest.raises(ValueError, match="each slot at most once"):
+        step.forward_rows([(0, 30, [1]), (0, 31, [2])])
+    with pytest.raises(ValueError, match="wider than max_width 8"):
+        step.forward_rows([(0, 30, list(range(9)))])
+
+
 def test_a_block_past_the_slot_and_a_bad_slot_are_refused(model):
     step = graph_step.GraphStep(model, slots=1, capacity=16, max_width=4)
     with pytest.raises(ValueError, match="do not fit a slot of 16"):
