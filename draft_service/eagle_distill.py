@@ -97,7 +97,7 @@ class DataFolder:
         self.folder = Path(config.out) / "data"
         self.folder.mkdir(parents=True, exist_ok=True)
         manifest = self.folder / "settings.json"
-        wanted = {**config.data_fields(), "layers": list(layers)}
+        wanted = json.loads(json.dumps({**config.data_fields(), "layers": list(layers)}))  # as the file holds it
         if manifest.is_file() and json.loads(manifest.read_text()) != wanted:
             raise ValueError(f"{self.folder} holds data made with other settings ({manifest}); use another --out")
         manifest.write_text(json.dumps(wanted, indent=2) + "\n")

@@ -18,6 +18,14 @@ Checkpoints are in the Medusa-1 layout, so released heads load as they are: a fo
 (or ``.pt``) holding ``{head}.{layer}.linear.weight``/``.bias`` per residual block and
 ``{head}.{num_layers}.weight`` [vocab, hidden] per LM head. Heads without their own LM head (the original
 Medusa's, and specsplit's small ones) use the target's.
+
+A head's LM head is nearly all of a proposal's cost (SmolLM2: 49,152 rows against a hidden size of 576), and
+most of those rows are tokens a draft never gets right. So the heads may draft over a reduced vocabulary, as
+FR-Spec (Zhao et al. 2025) does for EAGLE: only the rows of the ``vocab`` tokens the target writes most often,
+from ``draft_vocab.safetensors`` (``ids``: token ids, most frequent first, as ``specsplit distill --medusa``
+counts them in the target's own outputs; specsplit's addition to the layout, optional). The tree is grown from
+those candidates' probabilities, renormalised over the reduced vocabulary; the target still verifies every
+token against its whole vocabulary, so the output is unchanged, only fewer rare tokens are drafted.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from specsplit.lmkit.features import FeatureBlock
 
 WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 CONFIG = "config.json"
+DRAFT_VOCAB = "draft_vocab.safetensors"  # ``ids``: the target's tokens, most frequent first
+DEFAULT_DRAFT_VOCAB = 4096  # rows of the reduced LM head (a twelfth of SmolLM2's vocabulary)
 BUNDLED_DIR = Path(__file__).resolve().parent / "heads"
 # Heads shipped with specsplit, by the target reference they were trained for (``make medusa-heads``).
 BUNDLED = {"smollm2-135m": BUNDLED_DIR / "medusa-smollm2-135m"}
@@ -80,8 +90,10 @@ class MedusaHeads(torch.nn.Module):
     """The heads of one target; ``logits(hidden, first, count)`` runs heads first .. first + count - 1."""
 
     def __init__(self, config: MedusaConfig, hidden_size: int, num_target_layers: int,
-                 lm_head: torch.nn.Module, vocab_size: int, like: torch.Tensor, own_lm_heads: bool = False) -> None:
-        """``lm_head``: the target's (a module: packed or not); ``like``: a tensor of the target's device and dtype."""
+                 lm_head: torch.nn.Module, vocab_size: int, like: torch.Tensor, own_lm_heads: bool = False,
+                 tied_embedding: torch.Tensor | None = None) -> None:
+        """``lm_head``: the target's (a module: packed or not); ``like``: a tensor of the target's device and dtype;
+        ``tied_embedding``: the target's input embedding where its LM head is tied to it."""
         super().__init__()
         self.config = config
         self.blocks = torch.nn.ModuleList(
@@ -94,8 +106,40 @@ class MedusaHeads(torch.nn.Module):
         # The target's LM head and a tensor like its weights (lists: not submodules of the heads, not saved).
         self._target_lm_head = [lm_head]
         self._like = [like]
+        self._tied_embedding: list[torch.Tensor | None] = [tied_embedding]
         self.feature_layers = (num_target_layers,)  # the target's final hidden state, after its norm
         self.feature_width = hidden_size
+        self.draft_ids: torch.Tensor | None = None  # the reduced vocabulary's token ids; None: the whole one
+        self._reduced: list[torch.Tensor] = []  # per head, its LM head's rows of draft_ids
+
+    def restrict(self, ids: torch.Tensor | None) -> None:
+        """Draft over the tokens ``ids`` only (their LM-head rows, copied once); None: the whole vocabulary."""
+        if ids is None:
+            self.draft_ids, self._reduced = None, []
+            return
+        weights = [self._lm_weight(i) for i in range(self.config.num_heads)]
+        vocab = weights[0].shape[0]
+        if ids.ndim != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"a draft vocabulary is a non-empty list of token ids below {vocab}")
+        self.draft_ids = ids.to(device=weights[0].device, dtype=torch.long)
+        with torch.no_grad():
+            self._reduced = [weight[self.draft_ids].clone() for weight in weights]
+
+    def _lm_weight(self, i: int) -> torch.Tensor:
+        """Head i's LM-head weight [vocab, hidden]: its own, or the target's (whose module may hold it packed
+        for oneDNN: then the tied input embedding's, which is the same matrix)."""
+        if self.lm_heads is not None:
+            return self.lm_heads[i].weight
+        weight = getattr(self._target_lm_head[0], "weight", None)
+        if weight is None and self._tied_embedding[0] is not None:
+            weight = self._tied_embedding[0]
+        if weight is None:
+            raise ValueError("the target's LM head holds no plain weight (packed, untied): draft over the whole "
+                             "vocabulary (--medusa-vocab 0)")
+        return weight
+
+    def _lm_head(self, i: int) -> torch.nn.Module:
+        return self.lm_heads[i] if self.lm_heads is not None else self._target_lm_head[0]
 
     def parameter_like(self) -> torch.Tensor:
         """A tensor of the heads' device and dtype (the target's)."""
@@ -107,10 +151,21 @@ class MedusaHeads(torch.nn.Module):
         return hidden
 
     def logits(self, hidden: torch.Tensor, first: int = 0, count: int | None = None) -> torch.Tensor:
-        """Heads first .. first + count - 1 on ``hidden`` [..., hidden]: [count, ..., vocab]."""
+        """Heads first .. first + count - 1 on ``hidden`` [..., hidden]: [count, ..., vocab] over the whole
+        vocabulary (training, the report)."""
         heads = range(first, self.config.num_heads if count is None else min(first + count, self.config.num_heads))
-        lm = (lambda i: self.lm_heads[i]) if self.lm_heads is not None else (lambda i: self._target_lm_head[0])
-        return torch.stack([lm(i)(self.head_output(i, hidden)) for i in heads])
+        return torch.stack([self._lm_head(i)(self.head_output(i, hidden)) for i in heads])
+
+    def best(self, hidden: torch.Tensor, first: int, count: int, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Heads first .. first + count - 1 on ``hidden`` [hidden]: each one's ``top`` (token ids [count, top],
+        probabilities [count, top]), over the reduced vocabulary when one is set."""
+        heads = range(first, min(first + count, self.config.num_heads))
+        if self.draft_ids is None:
+            logits = self.logits(hidden, first, len(heads))
+        else:
+            logits = torch.stack([F.linear(self.head_output(i, hidden), self._reduced[i]) for i in heads])
+        probs, ids = logits.float().softmax(-1).topk(min(top, logits.shape[-1]), dim=-1)
+        return (ids if self.draft_ids is None else self.draft_ids[ids]), probs
 
     def state(self) -> dict[str, torch.Tensor]:
         """The Medusa-1 tensor names and values."""
@@ -147,8 +202,34 @@ def save_heads(heads: MedusaHeads, folder: str | Path) -> Path:
     return folder
 
 
-def load_heads(folder: str | Path, target, target_name: str = "") -> MedusaHeads:
-    """Heads from a Medusa-1 folder for ``target``; ValueError, naming both shapes, when they do not fit it."""
+def read_draft_vocab(folder: str | Path, size: int) -> torch.Tensor | None:
+    """The ``size`` most frequent ids of the folder's draft vocabulary (fewer when it ranks fewer); None when
+    ``size`` is 0 or the folder has none."""
+    path = resolve_heads(folder) / DRAFT_VOCAB
+    if size < 0:
+        raise ValueError(f"--medusa-vocab must be >= 0 (0: the whole vocabulary), got {size}")
+    if not size or not path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    ids = load_file(str(path)).get("ids")
+    if ids is None or ids.ndim != 1:
+        raise ValueError(f"{path} holds no 1-D tensor 'ids' (token ids, most frequent first)")
+    return ids[:size].long()
+
+
+def save_draft_vocab(ids: torch.Tensor, folder: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(folder) / DRAFT_VOCAB
+    save_file({"ids": ids.to(torch.int64).contiguous()}, str(path))
+    return path
+
+
+def load_heads(folder: str | Path, target, target_name: str = "", draft_vocab: int = DEFAULT_DRAFT_VOCAB) -> MedusaHeads:
+    """Heads from a Medusa-1 folder for ``target``, drafting over the folder's ``draft_vocab`` most frequent tokens
+    where it ranks them (``draft_vocab.safetensors``; 0: the whole vocabulary); ValueError, naming both shapes,
+    when they do not fit it."""
     folder = resolve_heads(folder)
     config = read_config(folder)
     tensors = _read_tensors(folder)
@@ -173,10 +254,17 @@ def load_heads(folder: str | Path, target, target_name: str = "") -> MedusaHeads
                 f"size {hidden} and vocabulary {vocab} (expected {shape}): pass heads trained for this target"
             )
     heads = MedusaHeads(config, hidden, int(target.config.num_hidden_layers), target.get_output_embeddings(), vocab,
-                        next(target.parameters()), own)
+                        next(target.parameters()), own, _tied_embedding(target))
     parameter = next(target.parameters())
     heads.load_state_dict(_module_names(tensors, config, own), strict=True)
-    return heads.to(device=parameter.device, dtype=parameter.dtype).eval()
+    heads = heads.to(device=parameter.device, dtype=parameter.dtype).eval()
+    heads.restrict(read_draft_vocab(folder, draft_vocab))
+    return heads
+
+
+def _tied_embedding(target) -> torch.Tensor | None:
+    tied = getattr(target.config, "tie_word_embeddings", False)
+    return target.get_input_embeddings().weight if tied else None
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -256,8 +344,7 @@ class MedusaDrafter(ContextDrafter):
         missing = [i for i in range(first, first + count) if i not in ranked]
         if missing:
             span = range(missing[0], missing[-1] + 1)
-            logits = self._heads.logits(hidden.to(self._heads.parameter_like()), span.start, len(span))
-            probs, ids = logits.float().softmax(-1).topk(TOP_PER_HEAD, dim=-1)
+            ids, probs = self._heads.best(hidden.to(self._heads.parameter_like()), span.start, len(span), TOP_PER_HEAD)
             for i, head_ids, head_probs in zip(span, ids, probs):
                 ranked[i] = list(zip(head_ids.tolist(), head_probs.tolist()))
         return [ranked[i][:width] for i in range(first, first + count)]

@@ -10,9 +10,11 @@ blocks train: ~1.3 MB per head for SmolLM2.
 Each phase resumes: data chunks are files under ``OUT/data``, training checkpoints ``OUT/checkpoint.pt``
 every ``--save-every`` steps, and ``--max-minutes`` stops a run checkpointed (rerun the same command to
 go on; other settings are refused). The heads are written in the Medusa-1 layout
-(``serve-draft --model TARGET --medusa-head OUT``), with ``OUT/distill_report.json``: top-1 agreement per
-head and the mean accepted length of a chain of the heads' first choices on held-out answers, before
-and after training.
+(``serve-draft --model TARGET --medusa-head OUT``), with ``OUT/draft_vocab.safetensors`` (the tokens the
+target chose in the training data, most frequent first: the heads' reduced vocabulary) and
+``OUT/distill_report.json``: top-1 agreement per head and the mean accepted length of a chain of the heads'
+first choices on held-out answers, before and after training and over the reduced vocabulary, and how much
+of the target's held-out choices the reduced vocabulary's sizes hold.
 """
 
 from __future__ import annotations
@@ -133,13 +135,27 @@ def agreement(heads: medusa.MedusaHeads, held: eagle_data.Segments, batch: int =
     hits = torch.zeros(n)
     accepted = 0.0
     for chunk in rows.split(batch):
-        guesses = heads.logits(held.final[chunk].float()).argmax(-1)  # [heads, rows]
+        guesses = heads.best(held.final[chunk].float(), 0, n, 1)[0][..., 0]  # [heads, rows]: over the draft vocabulary
         right = torch.stack([guesses[i] == held.argmax[chunk + 1 + i] for i in range(n)])  # [heads, rows]
         hits += right.sum(1)
         accepted += float(right.int().cumprod(0).sum())
     count = max(len(rows), 1)
     return {"positions": len(rows), "top1_per_head": [round(float(h) / count, 4) for h in hits],
             "mean_accepted_length": round(accepted / count, 4)}
+
+
+def ranked_vocab(segments: eagle_data.Segments) -> torch.Tensor:
+    """The tokens the target chose (its greedy next token at every position), most frequent first; ties by id."""
+    counts = torch.bincount(segments.argmax, minlength=int(segments.argmax.max()) + 1)
+    order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))
+    return torch.tensor([t for t in order if counts[t] > 0], dtype=torch.long)
+
+
+def vocab_coverage(ids: torch.Tensor, held: eagle_data.Segments, sizes=(512, 1024, 2048, 4096, 8192)) -> dict:
+    """The share of the target's choices on held-out answers that the ``size`` most frequent training tokens hold."""
+    rows = training_rows(held, 0, answers_only=True)
+    chosen = held.argmax[rows]
+    return {str(size): round(float(torch.isin(chosen, ids[:size]).float().mean()), 4) for size in sizes}
 
 
 def _lr(config: MedusaDistillConfig, step: int) -> float:
@@ -210,17 +226,25 @@ def distill_medusa(config: MedusaDistillConfig) -> dict:
     heads.eval()
     after = agreement(heads, held)
     medusa.save_heads(heads, out)
+    vocab = ranked_vocab(train)
+    medusa.save_draft_vocab(vocab, out)
+    heads.restrict(vocab[: medusa.DEFAULT_DRAFT_VOCAB])
+    reduced = agreement(heads, held)
     report = {
         "target": config.target, "heads": config.heads, "layers": config.layers, "settings": config.train_fields(),
         "training_positions": len(rows), "data_s": data_s, "resumed_at": resumed_at,
         "train_s": round(time.perf_counter() - began, 1),
         "held_out_untrained": before, "held_out": after,
+        "draft_vocab": {"ranked": len(vocab), "held_out_coverage": vocab_coverage(vocab, held),
+                        f"held_out_over_{medusa.DEFAULT_DRAFT_VOCAB}": reduced},
         "heads_bytes": (out / medusa.WEIGHTS[0]).stat().st_size,
         "total_s": round(time.perf_counter() - started, 1),
     }
     (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     _log(f"held-out answers: top-1 per head {before['top1_per_head']} untrained -> {after['top1_per_head']}; mean "
          f"accepted length {before['mean_accepted_length']} -> {after['mean_accepted_length']}")
+    _log(f"over the {medusa.DEFAULT_DRAFT_VOCAB} most frequent tokens (--medusa-vocab): top-1 per head "
+         f"{reduced['top1_per_head']}, mean accepted length {reduced['mean_accepted_length']}")
     _log(f"wrote {out}: serve it with `specsplit serve-draft --model {config.target} --medusa-head {out}`")
     return report
 

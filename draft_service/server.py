@@ -64,6 +64,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
              f"({', '.join(sorted(medusa.BUNDLED))})",
     )
     parser.add_argument(
+        "--medusa-vocab", type=int, default=medusa.DEFAULT_DRAFT_VOCAB,
+        help="MEDUSA drafter: draft over the N tokens the target writes most often (the heads folder's "
+             f"{medusa.DRAFT_VOCAB}, as `specsplit distill --medusa` counts them): each head's LM head keeps "
+             "those rows only; the target still verifies against its whole vocabulary. 0: the whole vocabulary "
+             "(also where the folder ranks none)",
+    )
+    parser.add_argument(
         "--recycling-table-tokens", type=int, default=DEFAULT_SUCCESSOR_TABLE_TOKENS,
         help="RECYCLING drafter: tokens each caller's shared table of the target's successors holds at most "
              "(about 300 bytes each); 0: no shared table, each session drafts from its own reports alone",
@@ -82,6 +89,7 @@ def check_self_draft_flags(args) -> None:
         )
     if args.medusa_head:
         medusa.read_config(args.medusa_head)
+        medusa.read_draft_vocab(args.medusa_head, args.medusa_vocab)
     if args.eagle_head:
         eagle_head.read_config(eagle_head.resolve_head(args.eagle_head))
     if args.recycling_table_tokens < 0:
@@ -116,7 +124,7 @@ def derive_drafts(args, model, fingerprint: str) -> dict[DrafterKind, object]:
     if args.eagle_head:
         derived[DrafterKind.EAGLE] = eagle_head.load_head(args.eagle_head, model)
     if args.medusa_head:
-        derived[DrafterKind.MEDUSA] = medusa.load_heads(args.medusa_head, model, args.model)
+        derived[DrafterKind.MEDUSA] = medusa.load_heads(args.medusa_head, model, args.model, args.medusa_vocab)
     return derived
 
 

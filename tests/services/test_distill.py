@@ -204,6 +204,11 @@ def test_medusa_distill_stops_on_time_resumes_and_writes_servable_heads(tiny_tar
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
     heads = medusa.load_heads(out, model)  # what serve-draft --medusa-head OUT loads
     assert heads.config.num_heads == 3 and heads.lm_heads is None  # they share the target's LM head
+    ranked = medusa.read_draft_vocab(out, 1 << 20)  # the target's training choices, most frequent first
+    assert report["draft_vocab"]["ranked"] == len(ranked) == len(set(ranked.tolist())) > 0
+    assert torch.equal(heads.draft_ids, ranked[: medusa.DEFAULT_DRAFT_VOCAB])
+    coverage = list(report["draft_vocab"]["held_out_coverage"].values())
+    assert coverage == sorted(coverage) and 0.0 < coverage[-1] <= 1.0
     with pytest.raises(ValueError, match="other settings"):
         medusa_distill.distill_medusa(medusa_args_for(tiny_target_dir, out, corpus, 4, medusa_heads=2))
 
@@ -221,6 +226,10 @@ def test_medusa_agreement_counts_a_chains_accepted_length():
             out[0, torch.arange(len(ids)), ids] = 0.0  # head 0 is right
             out[1, torch.arange(len(ids)), (ids + 1) % 50] = 0.0  # head 1 is right only where labels repeat + 1
             return out
+
+        def best(self, hidden, first, count, top):  # as MedusaHeads.best over the whole vocabulary
+            probs, ids = self.logits(hidden).softmax(-1).topk(top, dim=-1)
+            return ids, probs
 
     argmax = torch.tensor([3, 4, 5, 9, 7, 8, 9, 1])
     final = torch.zeros(8, 4)

@@ -116,3 +116,36 @@ def test_heads_run_once_per_feature_and_only_as_deep_as_asked(target):
     assert drafter.propose(1).tokens == best[:1] and calls == [(0, 1)]
     assert drafter.propose(3).tokens == best and calls == [(0, 1), (1, 2)]
     assert drafter.propose_tree(3, 4, 8).tokens and calls == [(0, 1), (1, 2)]  # a tree reuses the heads' rankings
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-lm-heads", "target-lm-head"])
+def test_a_reduced_vocabulary_drafts_its_tokens_with_the_full_heads_logits_renormalised(target, tmp_path, own):
+    """Over the folder's draft vocabulary each head ranks those tokens exactly as the whole vocabulary's logits do
+    (the same rows), mapped back to target ids; --medusa-vocab 0 or no file: the whole vocabulary."""
+    heads = random_heads(target, own=own)
+    medusa.save_heads(heads, tmp_path)
+    hidden = torch.randn(target.config.hidden_size)
+    with torch.inference_mode():
+        full = heads.logits(hidden)  # [heads, vocab]
+    assert medusa.load_heads(tmp_path, target).draft_ids is None  # no draft_vocab.safetensors: whole vocabulary
+    ranked = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(1))[:600]
+    medusa.save_draft_vocab(ranked, tmp_path)
+    loaded = medusa.load_heads(tmp_path, target, draft_vocab=500)
+    assert torch.equal(loaded.draft_ids, ranked[:500])
+    with torch.inference_mode():
+        ids, probs = loaded.best(hidden, 1, 2, 8)
+    for row, head in enumerate((1, 2)):
+        subset = full[head, ranked[:500]]
+        want_probs, want = subset.softmax(-1).topk(8)
+        assert torch.equal(ids[row], ranked[want]) and torch.allclose(probs[row], want_probs)
+        assert set(ids[row].tolist()) <= set(ranked[:500].tolist())
+    assert medusa.load_heads(tmp_path, target, draft_vocab=0).draft_ids is None
+    with pytest.raises(ValueError, match="--medusa-vocab must be >= 0"):
+        medusa.read_draft_vocab(tmp_path, -1)
+    with pytest.raises(ValueError, match="token ids below"):
+        loaded.restrict(torch.tensor([target.config.vocab_size]))
+    drafter = medusa.MedusaDrafter(loaded, [5, 6, 7, 8, 9])
+    drafter.add_features(FeatureBlock(0, torch.randn(5, target.config.hidden_size)))
+    drafter.extend([10])
+    proposal = drafter.propose_tree(3, 4, 8)
+    assert proposal.tokens and set(proposal.tokens) <= set(ranked[:500].tolist())
