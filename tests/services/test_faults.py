@@ -41,13 +41,15 @@ def free_port() -> int:
     return pick()
 
 
-async def generate_with_fault(target_address, draft_address, tokenizer_dir, fault, policy=None):
+async def generate_with_fault(target_address, draft_address, tokenizer_dir, fault, policy=None,
+                              drafter=DrafterKind.MODEL):
     """Generate greedily; call ``fault()`` (in a thread) after the 3rd round; return ids, stats, texts."""
     config = OrchestratorConfig(
         target_address, draft_address, tokenizer=str(tokenizer_dir), link_policy=policy or LinkPolicy()
     )
     orch = await Orchestrator.connect(config)
-    request = GenerationRequest("", False, NEW_TOKENS, SamplingParams(), (), 4, DrafterKind.MODEL, False)
+    request = GenerationRequest("", False, NEW_TOKENS, SamplingParams(), (), 4, drafter, False,
+                                tree_branches=1 if drafter is DrafterKind.MODEL else 2)
     ids, texts, stats = [], [], None
     try:
         async for event in orch.generate(request, orch.encode(PROMPT, False)):
@@ -97,6 +99,36 @@ class Restartable:
             service.stop()
 
 
+@pytest.fixture(scope="module")
+def medusa_folder(tiny_target_dir, tmp_path_factory):
+    """Random heads for the tiny target (what MEDUSA drafts from needs no training to be verified)."""
+    import torch
+
+    from specsplit.draft_service import medusa
+
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    torch.manual_seed(3)
+    heads = medusa.new_heads(model, num_heads=3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.05)
+    return medusa.save_heads(heads, tmp_path_factory.mktemp("medusa"))
+
+
+# A draft model's own session (MODEL), the target's successors recycled (RECYCLING: no model), the target's
+# hidden features (MEDUSA: heads over a copy of the target): each is rebuilt after the target restarts (a new
+# target session re-prefills and sends successors and features again).
+DRAFTERS = [DrafterKind.MODEL, DrafterKind.RECYCLING, DrafterKind.MEDUSA]
+
+
+def draft_args(drafter, tiny_target_dir, tiny_draft_dir, medusa_folder) -> list[str]:
+    if drafter is DrafterKind.RECYCLING:
+        return []
+    if drafter is DrafterKind.MEDUSA:
+        return ["--model", str(tiny_target_dir), "--medusa-head", str(medusa_folder)]
+    return ["--model", str(tiny_draft_dir)]
+
+
 def test_draft_is_reattached_when_it_comes_back(tmp_path, tiny_target_dir, tiny_draft_dir, tiny_services, expected):
     draft = Restartable("specsplit.draft_service.server", ["--model", str(tiny_draft_dir)], tmp_path)
     try:
@@ -109,16 +141,21 @@ def test_draft_is_reattached_when_it_comes_back(tmp_path, tiny_target_dir, tiny_
     assert stats.draft_reattached >= 1, stats
 
 
-def test_target_restarted_mid_generation_is_reopened(tmp_path, tiny_target_dir, tiny_draft_dir, expected):
+@pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: d.name.lower())
+def test_target_restarted_mid_generation_is_reopened(
+    tmp_path, tiny_target_dir, tiny_draft_dir, expected, medusa_folder, drafter
+):
     target = Restartable("specsplit.target_service.server", ["--model", str(tiny_target_dir)], tmp_path)
-    draft = start_service("specsplit.draft_service.server", "draft", ["--model", str(tiny_draft_dir)], tmp_path, 300)
+    args = draft_args(drafter, tiny_target_dir, tiny_draft_dir, medusa_folder)
+    draft = start_service("specsplit.draft_service.server", "draft", args, tmp_path, 300)
     try:
-        ids, stats = run_async(generate_with_fault(target.address, draft.address, tiny_target_dir, target.kill_and_restart))
+        ids, stats = run_async(generate_with_fault(
+            target.address, draft.address, tiny_target_dir, target.kill_and_restart, drafter=drafter))
     finally:
         target.stop()
         draft.stop()
     assert ids == expected
-    assert stats.target_reopens >= 1
+    assert stats.target_reopens >= 1 and stats.drafted_tokens > 0, stats
 
 
 def test_target_down_past_its_deadline_is_unavailable_not_a_hang(tmp_path, tiny_target_dir, tiny_services):
