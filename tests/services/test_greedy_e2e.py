@@ -166,3 +166,19 @@ def test_smollm2_greedy_equals_generate_with_default_drafter(smollm2_services, s
     assert services.target_engine.sessions.stats()[0] == 0
     if branches > 1:
         assert sum(rounds for rounds, _ in trees) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("branches", [1, 4])
+def test_smollm2_greedy_equals_generate_with_recycled_successors(smollm2_services, smollm2_reference, branches):
+    """The default target's own successors recycled into chains and trees (the draft holds no model): the 8
+    demo prompts' output is the stock model's, and recycled drafts are accepted."""
+    prompts_ids, expected = smollm2_reference
+    stats: list = []
+    got = run_async(generate_all(smollm2_services, "smollm2-135m", prompts_ids, 4, DrafterKind.RECYCLING, 32,
+                                 branches=branches, stats=stats))
+    for prompt, want, have in zip(DEMO_PROMPTS, expected, got):
+        assert have == want, f"branches={branches} diverged on {prompt.name}"
+    assert sum(s.accepted_tokens for s in stats) > 0
+    if branches > 1:
+        assert sum(s.tree_rounds for s in stats) > 0
