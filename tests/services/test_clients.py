@@ -24,9 +24,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from specsplit.lmkit.processes import start_service
-from specsplit.target_service.ranks import free_port
-from tests.conftest import Services, make_engines
+from tests.services.smollm2_http import smollm2_http
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -70,30 +68,10 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(background_loop, tmp_path_factory):
-    """`specsplit serve --http-port` as a process over an in-process SmolLM2 target and n-gram draft, with the
-    tool flags vLLM users pass and nothing else."""
-    target, draft = make_engines("smollm2-135m", None)
-    services = Services(background_loop, target, draft)
-    port = free_port()
-    process = start_service(
-        "specsplit.orchestrator.server",
-        "orchestrator",
-        [
-            "--target", services.target_address,
-            "--draft", services.draft_address,
-            "--tokenizer", "smollm2-135m",
-            "--drafter", "ngram",
-            "--http-port", str(port),
-            "--served-model-name", MODEL,
-            "--enable-auto-tool-choice",
-            "--tool-call-parser", "hermes",
-        ],
-        tmp_path_factory.mktemp("clients"),
-        300,
-    )  # fmt: skip
-    yield Server(f"http://127.0.0.1:{port}/v1")
-    assert process.stop(60) == 0, process.log_tail()
-    services.stop()
+    """`specsplit serve --http-port` over SmolLM2 with the tool flags vLLM users pass and nothing else."""
+    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with smollm2_http(background_loop, tmp_path_factory.mktemp("clients"), MODEL, *flags) as url:
+        yield Server(url)
 
 
 def target_only_call(server: Server, name: str, parameters: dict, prompt: str) -> tuple[str, dict]:
@@ -127,34 +105,28 @@ def test_sdk_parse_with_a_pydantic_response_format(server):
     assert isinstance(person, Person) and person.name
 
 
+WEATHER_TOOL = openai.pydantic_function_tool(Weather, name="get_weather")
+FORCED_WEATHER = dict(  # a forced call of the Pydantic function tool, as the SDK's parse and stream take it
+    model=MODEL,
+    messages=[{"role": "user", "content": ASK_WEATHER}],
+    tools=[WEATHER_TOOL],
+    tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    temperature=0,
+    max_tokens=MAX_TOKENS,
+)
+
+
 def test_sdk_parse_with_a_pydantic_function_tool_is_the_target_only_call(server):
-    weather = openai.pydantic_function_tool(Weather, name="get_weather")
-    done = server.openai().chat.completions.parse(
-        model=MODEL,
-        messages=[{"role": "user", "content": ASK_WEATHER}],
-        tools=[weather],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-    )
+    done = server.openai().chat.completions.parse(**FORCED_WEATHER)
     (call,) = done.choices[0].message.tool_calls
     assert done.choices[0].finish_reason == "tool_calls" and isinstance(call.function.parsed_arguments, Weather)
-    expected = target_only_call(server, "get_weather", weather["function"]["parameters"], ASK_WEATHER)
+    expected = target_only_call(server, "get_weather", WEATHER_TOOL["function"]["parameters"], ASK_WEATHER)
     assert (call.function.name, call.function.parsed_arguments.model_dump()) == expected
 
 
 def test_sdk_stream_helper_sees_the_arguments_grow_and_ends_with_the_parsed_call(server):
-    weather = openai.pydantic_function_tool(Weather, name="get_weather")
     deltas = []
-    with server.openai().chat.completions.stream(
-        model=MODEL,
-        messages=[{"role": "user", "content": ASK_WEATHER}],
-        tools=[weather],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        extra_body={"k": 0},
-    ) as stream:
+    with server.openai().chat.completions.stream(**FORCED_WEATHER, extra_body={"k": 0}) as stream:
         for event in stream:
             if event.type == "tool_calls.function.arguments.delta":
                 deltas.append(event.arguments_delta)

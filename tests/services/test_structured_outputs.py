@@ -45,14 +45,19 @@ GRAMMARS = {
 MAX_NEW = 40
 
 
-@pytest.fixture(scope="module")
-def api(tiny_services, tiny_target_dir, background_loop):
+def _served(tiny_services, tiny_target_dir, background_loop):
+    """An orchestrator over the tiny services and its gRPC server: yields (address, orchestrator)."""
     config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
     orch = background_loop.run(Orchestrator.connect(config))
     server, port = background_loop.run(start_server(orch))
     yield f"127.0.0.1:{port}", orch
     background_loop.run(server.stop(0))
     background_loop.run(orch.close())
+
+
+@pytest.fixture(scope="module")
+def api(tiny_services, tiny_target_dir, background_loop):
+    yield from _served(tiny_services, tiny_target_dir, background_loop)
 
 
 async def _generate(address: str, request: pb.GenerateRequest) -> tuple[list[int], pb.GenerateResponse]:
@@ -129,12 +134,7 @@ LOOSE = {"line": pb.Grammar(regex=r"[^\n]{1,80}"), "words": pb.Grammar(regex=r"[
 def fresh_api(tiny_services, tiny_target_dir, background_loop):
     """An orchestrator of its own: no figures measured by the tests before (the round model keeps a tree's
     second choices only while their measured acceptance pays for them)."""
-    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
-    orch = background_loop.run(Orchestrator.connect(config))
-    server, port = background_loop.run(start_server(orch))
-    yield f"127.0.0.1:{port}", orch
-    background_loop.run(server.stop(0))
-    background_loop.run(orch.close())
+    yield from _served(tiny_services, tiny_target_dir, background_loop)
 
 
 def test_trees_under_a_grammar_give_the_target_only_tokens_and_are_trees(fresh_api):

@@ -15,9 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from specsplit.lmkit.processes import start_service
-from specsplit.target_service.ranks import free_port
-from tests.conftest import Services, make_engines
+from tests.services.smollm2_http import smollm2_http
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -75,34 +73,10 @@ CASES = [
 @pytest.fixture(scope="module")
 def http(background_loop, tmp_path_factory):
     """`specsplit serve --http-port` as a process over an in-process SmolLM2 target and n-gram draft."""
-    target, draft = make_engines("smollm2-135m", None)
-    services = Services(background_loop, target, draft)
-    port = free_port()
-    server = start_service(
-        "specsplit.orchestrator.server",
-        "orchestrator",
-        [
-            "--target",
-            services.target_address,
-            "--draft",
-            services.draft_address,
-            "--tokenizer",
-            "smollm2-135m",
-            "--drafter",
-            "ngram",
-            "--http-port",
-            str(port),
-            "--served-model-name",
-            "smollm2",
-        ],
-        tmp_path_factory.mktemp("structured"),
-        300,
-    )
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=600)
-    yield client
-    client.close()
-    assert server.stop(60) == 0, server.log_tail()
-    services.stop()
+    with smollm2_http(background_loop, tmp_path_factory.mktemp("structured"), "smollm2") as url:
+        client = openai.OpenAI(base_url=url, api_key="-", max_retries=0, timeout=600)
+        yield client
+        client.close()
 
 
 def chat(client, prompt: str, **options):
