@@ -59,16 +59,30 @@ _SIGMA_PER_MEAN_DEVIATION = math.sqrt(math.pi / 2)  # for a normal variable
 
 @dataclass
 class RttEstimator:
-    """Smoothed round-trip time and its mean deviation (Jacobson 1988; RFC 6298, sec. 2), in seconds."""
+    """Smoothed round-trip time and its mean deviation (Jacobson 1988; RFC 6298, sec. 2), in seconds.
+
+    One difference: a sample counts as at most ``bound_s`` (twice the smoothed time plus four deviations, at least
+    ``min_bound_s``). A reply that waited out an outage (a partition, a paused process) would otherwise raise the
+    estimate by an eighth of the outage, and with it every round's predicted cost: speculation would stay off, and
+    with no draft asks no sample would bring it back. A lasting change is still learned: clamped samples at least
+    double the bound within a few samples."""
 
     gain: float = 1 / 8  # alpha in RFC 6298
     var_gain: float = 1 / 4  # beta
+    min_bound_s: float = 0.001
     srtt: float = 0.0
     rttvar: float = 0.0
     samples: int = 0
 
+    @property
+    def bound_s(self) -> float:
+        """The largest a sample counts as."""
+        return max(2 * self.srtt + 4 * self.rttvar, self.min_bound_s)
+
     def observe(self, sample_s: float) -> None:
         r = max(sample_s, 0.0)
+        if self.samples:
+            r = min(r, self.bound_s)
         if self.samples == 0:
             self.srtt, self.rttvar = r, r / 2
         else:

@@ -38,6 +38,38 @@ def test_rtt_estimator_converges_to_the_mean_and_the_spread_of_its_samples():
     assert statistics.fmean(sigmas[1000:]) == pytest.approx(statistics.stdev(samples), rel=0.15)
 
 
+def test_one_reply_after_an_outage_moves_the_estimate_little_and_a_lasting_change_is_learned():
+    rtt = RttEstimator()
+    for _ in range(50):
+        rtt.observe(0.001)
+    rtt.observe(3.0)  # a reply that waited out a 3 s partition
+    assert rtt.srtt < 0.002 and rtt.bound_s < 0.010
+    for _ in range(3):
+        rtt.observe(0.001)
+    settled = rtt.srtt
+    steps = 0
+    while rtt.srtt < 0.040:  # the link now takes 50 ms for good
+        rtt.observe(0.050)
+        steps += 1
+    assert settled < 0.002 and steps <= 25
+    fresh = RttEstimator()
+    fresh.observe(0.0)
+    for _ in range(25):  # from a loopback zero, the floor lets a real round trip in
+        fresh.observe(0.020)
+    assert fresh.srtt > 0.015
+
+
+def test_speculation_stays_on_after_one_reply_that_spanned_an_outage():
+    """A warmed controller drafting over a 1 ms draft link keeps asking for blocks after a single 3 s reply (a
+    partition's); the estimate it would have had unclamped (an eighth of the outage) turns drafting off."""
+    warmed = controller(0.001, 0.0, 0.7, 0.0)
+    assert warmed.ask(8, overlap=False) >= 1
+    warmed.costs.links.draft.observe(3.0)
+    assert warmed.ask(8, overlap=False) >= 1
+    unclamped = controller(0.001 + 3.0 / 8, 0.0, 0.7, 0.0)  # srtt after the same sample without the bound
+    assert unclamped.ask(8, overlap=False) == 0
+
+
 def test_expected_max_of_two_normals_matches_sampling():
     rng = random.Random(1)
     for mean_a, sigma_a, mean_b, sigma_b in [(1.0, 0.2, 1.1, 0.3), (1.0, 0.0, 0.5, 0.0), (2.0, 0.5, 0.0, 0.1)]:
