@@ -146,9 +146,9 @@ def agreement(heads: medusa.MedusaHeads, held: eagle_data.Segments, batch: int =
 
 def ranked_vocab(segments: eagle_data.Segments) -> torch.Tensor:
     """The tokens the target chose (its greedy next token at every position), most frequent first; ties by id."""
-    counts = torch.bincount(segments.argmax, minlength=int(segments.argmax.max()) + 1)
-    order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))
-    return torch.tensor([t for t in order if counts[t] > 0], dtype=torch.long)
+    counts = torch.bincount(segments.argmax)
+    order = torch.argsort(counts, descending=True, stable=True)  # stable: equal counts stay in id order
+    return order[counts[order] > 0]
 
 
 def vocab_coverage(ids: torch.Tensor, held: eagle_data.Segments, sizes=(512, 1024, 2048, 4096, 8192)) -> dict:

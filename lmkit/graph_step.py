@@ -258,21 +258,25 @@ class GraphSessionCache(SessionCache):
     def apply(
         self, keep: int, feed: Sequence[int], n_logits: int, parents: Sequence[int] | None = None
     ) -> torch.Tensor:
-        self.check_step(parents)
-        self.crop(keep)
+        self.start_step(keep, parents)
         logits = to_host(self._graph.forward(self.slot, keep, feed)[-n_logits:])
-        self.tokens = [*self.tokens, *feed]
-        self.fed += len(feed)
+        self.end_step(feed)
         return logits
 
-    def check_step(self, parents: Sequence[int] | None) -> None:
-        """What the step cannot run is refused, saying so."""
+    def start_step(self, keep: int, parents: Sequence[int] | None) -> None:
+        """Before a step: what the step cannot run refused, saying so; the cache cropped to ``keep``."""
         if parents is not None:
             raise ValueError("the CUDA-graph step verifies chains only, not token trees")
         if self.feature_layers:
             raise ValueError("the CUDA-graph step returns no hidden features")
         if self.slot is None:
             raise ValueError("this session's cache was released")
+        self.crop(keep)
+
+    def end_step(self, feed: Sequence[int]) -> None:
+        """After a step: ``feed`` is cached."""
+        self.tokens = [*self.tokens, *feed]
+        self.fed += len(feed)
 
     def crop(self, length: int) -> None:
         self.tokens = self.tokens[:length]
@@ -310,12 +314,10 @@ def forward_steps(steps: Sequence) -> list[torch.Tensor]:
     for step, cache in zip(steps, caches):
         if not cache.runs_like(caches[0]):
             raise ValueError("a batched step runs slots of one CUDA-graph step")
-        cache.check_step(step.parents)
-        cache.crop(step.keep)
+        cache.start_step(step.keep, step.parents)
     logits = graph.forward_rows([(cache.slot, step.keep, step.feed) for step, cache in zip(steps, caches)])
     host = to_host(torch.cat([rows[-step.n_logits :] for rows, step in zip(logits, steps)]))  # one wait
     out = list(host.split([step.n_logits for step in steps]))
     for step, cache in zip(steps, caches):
-        cache.tokens = [*cache.tokens, *step.feed]
-        cache.fed += len(step.feed)
+        cache.end_step(step.feed)
     return out

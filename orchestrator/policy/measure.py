@@ -81,11 +81,10 @@ class RttEstimator:
 
     def observe(self, sample_s: float) -> None:
         r = max(sample_s, 0.0)
-        if self.samples:
-            r = min(r, self.bound_s)
         if self.samples == 0:
             self.srtt, self.rttvar = r, r / 2
         else:
+            r = min(r, self.bound_s)
             self.rttvar += self.var_gain * (abs(self.srtt - r) - self.rttvar)
             self.srtt += self.gain * (r - self.srtt)
         self.samples += 1
