@@ -1,11 +1,11 @@
 """`specsplit up` on a local cluster of 2 CPUs that it starts itself, as a new user runs it.
 
 With default resource flags it fits everything (fractional CPUs), serves the target's own greedy
-output, and on SIGTERM stops in order, exits 0 and leaves no process or port behind; also after gRPC
-and HTTP traffic when the SIGTERM goes to its whole process group, as `timeout`, systemd or
-`kill -- -PGID` send it. A request the
-cluster can never hold is refused at once with the numbers and flags, exit 2, nothing left running.
-Each test starts (and stops) its own local Ray cluster, so they cost tens of seconds each.
+output over gRPC and HTTP, and after that traffic, on a SIGTERM to its whole process group (as
+`timeout`, systemd or `kill -- -PGID` send it), stops in order, exits 0 and leaves no process or port
+behind (a SIGTERM to `up` alone: tests/ray/test_placement.py). A request the cluster can never hold is
+refused at once with the numbers and flags, exit 2, nothing left running. Each test starts (and
+stops) its own local Ray cluster, so they cost tens of seconds each.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from tests.ray.test_serve import generate
 pytestmark = pytest.mark.ray
 
 LOCAL_CPUS = "2"  # the CI machine's size, whatever machine runs the test
-STOP_BOUND_S = 60.0  # generous: the stop takes a fraction of it, even on a loaded 2-core machine
 GROUP_STOP_BOUND_S = 15.0  # a stop after traffic, signalled to the whole group: ~5 s here
 RAY_ERRORS = re.compile(
     r"Failed to connect to GCS|Failed to push error|SIGTERM received|Traceback|ERROR|^\[[^\]]* E \d+ \d+\]", re.M
@@ -92,40 +91,6 @@ def gone_within(pids: set[int], ray_tmpdir: Path, timeout_s: float = 20.0) -> se
     return left
 
 
-def test_up_with_default_resources_serves_the_greedy_output_and_stops_cleanly(
-    ray_tmpdir, tiny_target_dir, tiny_draft_dir, tiny_reference, tmp_path
-):
-    up = start_cli(["up", "--ray-local-cpus", LOCAL_CPUS, "--target-args", f"--model {tiny_target_dir}",
-                    "--draft-args", f"--model {tiny_draft_dir}"], tmp_path, timeout_s=300)
-    try:
-        log = up.log_path.read_text()
-        assert "Ray CPUs target 0.66, draft 0.66, each of 1 orchestrator replicas 0.66" in log, log
-        assert "target serving at 127.0.0.1:" in log  # a local cluster stays on loopback
-        prompts_ids, expected = tiny_reference
-        for i in (0, 2):
-            msg = pb.GenerateRequest(prompt=TINY_PROMPTS[i], chat=False, max_new_tokens=24, return_token_ids=True,
-                                     k=4, drafter=pb.DRAFTER_KIND_MODEL)
-            text, ids, code = run_async(generate(up.address, msg))
-            assert code == "OK", text
-            assert ids == expected[i], TINY_PROMPTS[i]
-        ours = {up.process.pid} | {child.pid for child in psutil.Process(up.process.pid).children(recursive=True)}
-        ports = listening(ours)
-        assert up.port in ports and len(ours) > 5  # front, GCS, raylet, workers, the two services
-    finally:
-        began = time.monotonic()
-        code = up.stop(STOP_BOUND_S)
-        stop_s = time.monotonic() - began
-    log = up.log_path.read_text()
-    assert code == 0, log
-    assert stop_s < STOP_BOUND_S, log
-    order = ["signal received", "application specsplit deleted", "services stopped", "local Ray cluster shut down"]
-    positions = [log.find(step) for step in order]
-    assert -1 not in positions and positions == sorted(positions), log
-    assert not RAY_ERRORS.search(log), log
-    assert not gone_within(ours, ray_tmpdir), log
-    assert not listening(set(psutil.pids())) & ports, "a port of the stopped command is still open"
-
-
 def stop_group(up, timeout_s: float) -> tuple[int | None, float]:
     """SIGTERM to ``up``'s whole process group; (exit code or None if still running after ``timeout_s``, seconds)."""
     began = time.monotonic()
@@ -137,7 +102,7 @@ def stop_group(up, timeout_s: float) -> tuple[int | None, float]:
     return code, time.monotonic() - began
 
 
-def test_up_stops_cleanly_after_traffic_when_its_process_group_is_signalled(
+def test_up_with_default_resources_serves_grpc_and_http_then_stops_in_order_on_a_group_sigterm(
     ray_tmpdir, tiny_target_dir, tiny_draft_dir, tiny_reference, tmp_path
 ):
     http_port = free_port()
@@ -145,22 +110,32 @@ def test_up_stops_cleanly_after_traffic_when_its_process_group_is_signalled(
                     "--target-args", f"--model {tiny_target_dir}", "--draft-args", f"--model {tiny_draft_dir}"],
                    tmp_path, timeout_s=300, own_group=True)
     try:
+        log = up.log_path.read_text()
+        assert "Ray CPUs target 0.66, draft 0.66, each of 1 orchestrator replicas 0.66" in log, log
+        assert "target serving at 127.0.0.1:" in log  # a local cluster stays on loopback
         prompts_ids, expected = tiny_reference
-        msg = pb.GenerateRequest(prompt=TINY_PROMPTS[0], chat=False, max_new_tokens=24, return_token_ids=True, k=4,
-                                 drafter=pb.DRAFTER_KIND_MODEL)
-        text, ids, code = run_async(generate(up.address, msg))
-        assert code == "OK" and ids == expected[0], text
+        texts = {}
+        for i in (0, 2):
+            msg = pb.GenerateRequest(prompt=TINY_PROMPTS[i], chat=False, max_new_tokens=24, return_token_ids=True,
+                                     k=4, drafter=pb.DRAFTER_KIND_MODEL)
+            texts[i], ids, code = run_async(generate(up.address, msg))
+            assert code == "OK", texts[i]
+            assert ids == expected[i], TINY_PROMPTS[i]
         with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0) as client:
             streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
                 model="tiny", prompt=TINY_PROMPTS[0], temperature=0, max_tokens=24, stream=True, extra_body={"k": 4}))
-        assert streamed == text
+        assert streamed == texts[0]
         ours = {up.process.pid} | {child.pid for child in psutil.Process(up.process.pid).children(recursive=True)}
         ports = listening(ours)
+        assert up.port in ports and http_port in ports and len(ours) > 5  # fronts, GCS, raylet, workers, services
         exit_code, stop_s = stop_group(up, GROUP_STOP_BOUND_S)
     finally:
         up.stop(5)  # only if the group stop left it running
     log = up.log_path.read_text()
     assert exit_code == 0 and stop_s < GROUP_STOP_BOUND_S, f"exit {exit_code} after {stop_s:.1f} s:\n{log}"
+    order = ["signal received", "application specsplit deleted", "services stopped", "local Ray cluster shut down"]
+    positions = [log.find(step) for step in order]
+    assert -1 not in positions and positions == sorted(positions), log
     assert not RAY_ERRORS.search(log), log
     assert not gone_within(ours, ray_tmpdir), log
     assert not listening(set(psutil.pids())) & ports, "a port of the stopped command is still open"
