@@ -15,7 +15,7 @@ from specsplit.draft_service.registry import DRAFTERS, DraftRequestContext
 from specsplit.lmkit import errors
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
-from specsplit.lmkit.kvcache import check_cache_layout
+from specsplit.lmkit.kvcache import check_cache_layout, kv_bytes_per_token
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
 from specsplit.lmkit.successors import Successors
@@ -79,6 +79,7 @@ class DraftEngine:
         # share one: a draft's speed would tell one caller about another's text.
         self.successor_tables: dict[str, SuccessorTable] = {}
         self.successor_table_tokens = successor_table_tokens
+        self.position_bytes = _position_bytes(model, derived)  # KV bytes a position costs, by drafter kind
         abandon.watch([model, *derived.values()])  # a closed session's proposal stops at the next layer
 
     @property
@@ -132,6 +133,7 @@ class DraftEngine:
         feature_width: int = 0,
         caller: str = "",  # who opens it (lmkit.auth), for the per-caller quota
         fork_from: str = "",  # a live session of the caller whose context cache to copy (DraftOpen.fork_from)
+        reserve_tokens: int = 0,  # positions it may hold (DraftOpen.reserve_tokens); 0: the model's full context
     ) -> DraftSession:
         check_open(session_id, tokens, self.max_context, "draft model")
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -155,7 +157,10 @@ class DraftEngine:
         source = self.sessions.find(fork_from, caller) if fork_from else None
         if source is not None and source.kind is kind and isinstance(session.drafter, ModelDrafter):
             session.fork_source = source  # the same kind of model drafter: the same model
-        return self.sessions.add(session_id, session, caller)
+        most = self.max_context or reserve_tokens  # a model-free draft has no context bound
+        reserve = max(min(reserve_tokens or most, most), len(tokens) + 1)
+        position_bytes = sum(self.position_bytes.get(member, 0) for member in _members(kind, chain))
+        return self.sessions.add(session_id, session, caller, reserve, position_bytes)
 
     def _successor_table(self, caller: str) -> SuccessorTable | None:
         if not self.successor_table_tokens:
@@ -278,6 +283,26 @@ class DraftEngine:
         if session is not None:
             session.closed = True
             session.drafter.close()
+
+
+def _position_bytes(model, derived: Mapping[DrafterKind, object]) -> dict[DrafterKind, int]:
+    """The keys and values one position of a session costs, by the drafter that keeps them: the model's every
+    layer (MODEL; QUANTIZED, whose int8 layers keep them in the model's dtype), its first layers (LAYERSKIP),
+    the EAGLE head's one layer; model-free drafters and Medusa's heads keep none."""
+    if model is None:
+        return {}
+    whole = kv_bytes_per_token(model)
+    costs = {DrafterKind.MODEL: whole}
+    if DrafterKind.QUANTIZED in derived:
+        costs[DrafterKind.QUANTIZED] = whole
+    if DrafterKind.LAYERSKIP in derived:
+        layers = int(derived[DrafterKind.LAYERSKIP].config.num_hidden_layers)
+        costs[DrafterKind.LAYERSKIP] = whole * layers // int(model.config.num_hidden_layers)
+    if DrafterKind.EAGLE in derived:
+        head = derived[DrafterKind.EAGLE]
+        element = next(head.parameters()).element_size()
+        costs[DrafterKind.EAGLE] = 2 * head.config.num_key_value_heads * head.config.head_dim * element
+    return costs
 
 
 def _members(kind: DrafterKind, chain: Sequence[DrafterKind]) -> Sequence[DrafterKind]:

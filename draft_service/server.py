@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import replace
 
 from specsplit.draft_service import eagle_head, medusa, self_draft
 from specsplit.draft_service.engine import DEFAULT_SUCCESSOR_TABLE_TOKENS, DraftEngine
@@ -38,6 +39,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     parser.add_argument("--max-block", type=int, default=32, help="largest k accepted per propose")
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
+    parser.add_argument("--kv-budget-bytes", type=int, default=0,
+                        help="KV-cache bytes every live session may reserve together (each reserves its prompt + most "
+                             "new tokens + one block at its open, at what its drafter keeps a position: a model's "
+                             "keys and values, nothing for n-gram, recycling or Medusa); 0: no budget, "
+                             "--max-sessions alone. A session the budget cannot hold is refused (RESOURCE_EXHAUSTED) "
+                             "and the orchestrator runs it target-only")
     parser.add_argument("--ngram-min", type=int, default=2, help="n-gram drafter: shortest suffix to match")
     parser.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix to match")
     parser.add_argument(
@@ -139,8 +146,13 @@ def load_engine(args, limits: SessionLimits) -> DraftEngine:
                        successor_table_tokens=args.recycling_table_tokens)
 
 
+def draft_limits(args) -> SessionLimits:
+    """The draft's session limits from its flags (ValueError for a bad value)."""
+    return replace(session_limits(args), kv_budget_bytes=args.kv_budget_bytes)
+
+
 async def serve(args) -> None:
-    limits = session_limits(args)
+    limits = draft_limits(args)
     ngram = NgramConfig(min_n=args.ngram_min, max_n=args.ngram_max)
     compute = ComputeThread("draft-compute")
     servicer = DraftServicer(compute, ngram, device=f"{args.device}/{models.resolve_dtype(args.device, args.dtype)}")
@@ -169,7 +181,7 @@ async def start_server(engine: DraftEngine, address: str = "127.0.0.1:0", ngram:
 
 def run(args) -> None:
     """Validate flags, then serve until SIGTERM/SIGINT."""
-    session_limits(args)  # fail fast on bad flags
+    draft_limits(args)  # fail fast on bad flags
     if args.model:
         models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     check_self_draft_flags(args)

@@ -141,7 +141,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         coupled = msg.mode != pb.VERIFICATION_MODE_UNSPECIFIED and mode_from_proto(msg.mode) is VerificationMode.COUPLED
         return await self._run(
             engine.free(kind, chain), engine.open, msg.session_id, list(msg.tokens), sampling, kind, msg.return_probs,
-            ngram, chain, coupled, msg.feature_width, current_caller(), msg.fork_from,
+            ngram, chain, coupled, msg.feature_width, current_caller(), msg.fork_from, msg.reserve_tokens,
         )
 
     async def _run(self, free: bool, fn, *args):

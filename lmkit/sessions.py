@@ -20,7 +20,8 @@ class SessionLimits:
     max_block: int = 32  # draft tokens per round
     max_sessions: int = 64  # live sessions
     max_sessions_per_caller: int = 0  # live sessions of one caller (lmkit.auth); 0: max_sessions
-    kv_budget_tokens: int = 0  # positions every live session may reserve together (the KV budget); 0: no budget
+    kv_budget_tokens: int = 0  # positions every live session may reserve together (the target's KV budget); 0: none
+    kv_budget_bytes: int = 0  # bytes of KV every live session may reserve together (the draft's KV budget); 0: none
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_block <= 1024:
@@ -32,6 +33,10 @@ class SessionLimits:
                              f"{self.max_sessions_per_caller}")
         if self.kv_budget_tokens < 0:
             raise ValueError(f"--kv-budget-bytes must be >= 0 (0: no budget), got {self.kv_budget_tokens} tokens")
+        if self.kv_budget_bytes < 0:
+            raise ValueError(f"--kv-budget-bytes must be >= 0 (0: no budget), got {self.kv_budget_bytes}")
+        if self.kv_budget_tokens and self.kv_budget_bytes:
+            raise ValueError("a service's KV budget is in positions (the target) or in bytes (the draft), not both")
 
 
 def check_tokens(tokens: Sequence[int], vocab_size: int | None, what: str) -> None:
@@ -56,7 +61,11 @@ def check_open(session_id: str, tokens: Sequence[int], max_context: int, model: 
 
 
 class SessionTable(Generic[S]):
-    """Live sessions by id, bounded in all and per caller, with counters for Stats."""
+    """Live sessions by id, bounded in all and per caller, with counters for Stats.
+
+    The KV budget: each session reserves the positions it may ever hold at its open. On the target every
+    position costs the same (``kv_budget_tokens``, in positions); on the draft a position costs what the
+    session's drafter keeps for it (``kv_budget_bytes``; a model-free drafter keeps nothing)."""
 
     def __init__(self, limits: SessionLimits, service: str) -> None:
         self.limits = limits
@@ -64,13 +73,15 @@ class SessionTable(Generic[S]):
         self._sessions: dict[str, S] = {}
         self._callers: dict[str, str] = {}  # session id -> its caller
         self._held: dict[str, int] = {}  # caller -> live sessions
-        self._reserved: dict[str, int] = {}  # session id -> the positions it reserved against the KV budget
+        self._reserved: dict[str, int] = {}  # session id -> the positions it reserved (its open's reserve)
+        self._charged: dict[str, int] = {}  # session id -> what they cost the KV budget (positions or bytes)
         self._reserved_total = 0
         self._lock = threading.Lock()
         self._opened = 0
         self._rounds = 0
 
-    def add(self, session_id: str, session: S, caller: str = "", reserve: int = 0) -> S:
+    def add(self, session_id: str, session: S, caller: str = "", reserve: int = 0, position_bytes: int = 0) -> S:
+        """Add a live session reserving ``reserve`` positions; on a budget in bytes each costs ``position_bytes``."""
         with self._lock:
             if session_id in self._sessions:
                 raise errors.AlreadyExists(f"session {session_id!r} is already open; use a new id")
@@ -84,18 +95,30 @@ class SessionTable(Generic[S]):
                     f"caller {caller!r} holds its maximum of {quota} sessions on the {self._service} "
                     "(--max-sessions-per-caller); close one or retry later"
                 )
-            self._check_budget(reserve)
+            charge = reserve * position_bytes if self.limits.kv_budget_bytes else reserve
+            self._check_budget(reserve, charge, position_bytes)
             self._sessions[session_id] = session
             self._callers[session_id] = caller
             self._reserved[session_id] = reserve
-            self._reserved_total += reserve
+            self._charged[session_id] = charge
+            self._reserved_total += charge
             self._held[caller] = self._held.get(caller, 0) + 1
             self._opened += 1
         return session
 
-    def _check_budget(self, reserve: int) -> None:
+    def _check_budget(self, reserve: int, charge: int, position_bytes: int) -> None:
+        if self.limits.kv_budget_bytes:
+            budget = self.limits.kv_budget_bytes
+            if self._reserved_total + charge <= budget:
+                return
+            free = budget - self._reserved_total
+            raise errors.ResourceExhausted(
+                f"the {self._service}'s KV budget holds {budget} bytes and {free} are free; this session reserves "
+                f"{reserve} positions (prompt + most new tokens + one block) of {position_bytes} bytes each: ask for "
+                f"at most {free // max(position_bytes, 1)} positions in all, or retry later"
+            )
         budget = self.limits.kv_budget_tokens
-        if not budget or self._reserved_total + reserve <= budget:
+        if not budget or self._reserved_total + charge <= budget:
             return
         free = budget - self._reserved_total
         raise errors.ResourceExhausted(
@@ -116,7 +139,8 @@ class SessionTable(Generic[S]):
         with self._lock:
             session = self._sessions.pop(session_id, None)
             if session is not None:
-                self._reserved_total -= self._reserved.pop(session_id)
+                self._reserved.pop(session_id)
+                self._reserved_total -= self._charged.pop(session_id)
                 caller = self._callers.pop(session_id)
                 self._held[caller] -= 1
                 if not self._held[caller]:

@@ -319,8 +319,12 @@ class Orchestrator:
         controller = self.controller(request, mode, speculating)
         draft = NO_DRAFT
         if speculating:
-            draft = DraftLink(self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode), policy,
-                              controller, shared)
+            # The draft's reserve: the same context, and its own longest proposal (and the guess drafted ahead).
+            draft_reserve = len(prompt_ids) + request.max_new_tokens + self.draft.info.max_block + 1
+            draft = DraftLink(
+                self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode, draft_reserve), policy,
+                controller, shared,
+            )
         self.in_flight += 1
         with logs.request_context(request.request_id):
             log.debug("started: %d prompt tokens, k %d, drafter %s", len(prompt_ids), request.k, request.drafter.name)
@@ -486,7 +490,8 @@ class Orchestrator:
         return self.tokenizer.decode([token_id])
 
     def _draft_open(
-        self, session_id: str, prompt_ids: list[int], request: GenerationRequest, mode: VerificationMode
+        self, session_id: str, prompt_ids: list[int], request: GenerationRequest, mode: VerificationMode,
+        reserve: int = 0,
     ) -> pb.DraftOpen:
         return pb.DraftOpen(
             session_id=session_id,
@@ -499,6 +504,7 @@ class Orchestrator:
             chain=[kind.value for kind in self._chain(request)],
             mode=mode.value,
             feature_width=len(self.feature_traits(request).feature_layers) * self.target.info.hidden_size,
+            reserve_tokens=min(reserve, 2**32 - 1),
         )
 
     def feature_traits(self, request: GenerationRequest) -> DrafterTraits:

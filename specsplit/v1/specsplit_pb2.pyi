@@ -310,7 +310,7 @@ class CloseSession(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "mode", "return_probs", "drafter", "chain", "ngram_min", "ngram_max", "feature_width", "fork_from")
+    __slots__ = ("session_id", "tokens", "sampling", "mode", "return_probs", "drafter", "chain", "ngram_min", "ngram_max", "feature_width", "fork_from", "reserve_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class DraftOpen(_message.Message):
     NGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
     FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     FORK_FROM_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -333,7 +334,8 @@ class DraftOpen(_message.Message):
     ngram_max: int
     feature_width: int
     fork_from: str
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., return_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., feature_width: _Optional[int] = ..., fork_from: _Optional[str] = ...) -> None: ...
+    reserve_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., return_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ..., feature_width: _Optional[int] = ..., fork_from: _Optional[str] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("position", "tokens", "k", "free_k", "max_branches", "features", "successors")

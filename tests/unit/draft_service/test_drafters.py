@@ -268,3 +268,26 @@ def test_default_chain_prefers_ngram_then_a_self_drafter():
 def test_chain_refuses_members_with_different_contexts():
     with pytest.raises(ValueError, match="different contexts"):
         ChainDrafter([(DrafterKind.NGRAM, NgramDrafter(NgramConfig(), [1, 2])), (DrafterKind.NGRAM, NgramDrafter(NgramConfig(), [1]))])
+
+
+def test_a_draft_position_costs_what_its_drafter_keeps(target_model, derived):
+    from specsplit.draft_service.engine import DraftEngine
+    from specsplit.lmkit import errors
+    from specsplit.lmkit.kvcache import kv_bytes_per_token
+    from specsplit.lmkit.sessions import SessionLimits
+
+    whole = kv_bytes_per_token(target_model)
+    layers = int(target_model.config.num_hidden_layers)
+    engine = DraftEngine(target_model, limits=SessionLimits(kv_budget_bytes=whole * 100), derived=derived)
+    assert engine.position_bytes == {
+        DrafterKind.MODEL: whole, DrafterKind.QUANTIZED: whole, DrafterKind.LAYERSKIP: whole // layers,
+    }
+    # A chain keeps what its members keep; the n-gram member nothing.
+    engine.open("chain", PROMPT, GREEDY, DrafterKind.CHAIN, False, NgramConfig(), [DrafterKind.NGRAM,
+                DrafterKind.LAYERSKIP], reserve_tokens=50)
+    engine.open("ngram", PROMPT, GREEDY, DrafterKind.NGRAM, False, NgramConfig(), reserve_tokens=10**6)
+    budget_left = whole * 100 - 50 * (whole // layers)
+    with pytest.raises(errors.ResourceExhausted, match=f"{budget_left} are free"):
+        engine.open("model", PROMPT, GREEDY, DrafterKind.MODEL, False, NgramConfig(), reserve_tokens=100)
+    engine.open("model", PROMPT, GREEDY, DrafterKind.MODEL, False, NgramConfig(), reserve_tokens=budget_left // whole)
+    assert DraftEngine(None, limits=SessionLimits()).position_bytes == {}

@@ -66,3 +66,25 @@ def test_sessions_reserve_positions_against_the_kv_budget():
     table.remove("a")
     table.add("d", object(), reserve=100)
     assert table.reserved("a") == 0 and table.stats()[0] == 3
+
+
+def test_draft_sessions_reserve_bytes_at_what_their_drafter_keeps_a_position():
+    table = SessionTable(SessionLimits(kv_budget_bytes=1000), "draft")
+    table.add("model", object(), reserve=60, position_bytes=10)
+    table.add("ngram", object(), reserve=10**6, position_bytes=0)  # a model-free drafter keeps nothing
+    with pytest.raises(errors.ResourceExhausted, match=(
+            r"KV budget holds 1000 bytes and 400 are free; this session reserves 50 positions .* of 16 bytes each: "
+            r"ask for at most 25 positions")):
+        table.add("eagle", object(), reserve=50, position_bytes=16)
+    table.add("eagle", object(), reserve=25, position_bytes=16)
+    assert table.reserved("model") == 60
+    table.remove("model")
+    table.add("again", object(), reserve=60, position_bytes=10)  # its 600 bytes came back
+    assert table.stats()[0] == 3
+
+
+def test_a_budget_is_in_positions_or_in_bytes():
+    with pytest.raises(ValueError, match="positions .* or in bytes"):
+        SessionLimits(kv_budget_tokens=10, kv_budget_bytes=10)
+    with pytest.raises(ValueError, match="--kv-budget-bytes must be >= 0"):
+        SessionLimits(kv_budget_bytes=-1)
