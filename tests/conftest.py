@@ -120,7 +120,7 @@ def gguf_tokenizer():
     return load_tokenizer(DEFAULT_MODEL)
 
 
-def save_tiny_llama(path: Path, tokenizer, seed: int, layers: int = 2, hidden: int = 64) -> Path:
+def save_tiny_llama(path: Path, tokenizer, seed: int, layers: int = 2, hidden: int = 64, context: int = 512) -> Path:
     """A random Llama on the SmolLM2 vocabulary, saved like any checkpoint folder."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -132,7 +132,7 @@ def save_tiny_llama(path: Path, tokenizer, seed: int, layers: int = 2, hidden: i
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,

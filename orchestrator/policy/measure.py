@@ -105,14 +105,24 @@ class Links:
 
 
 # -- costs ---------------------------------------------------------------------------------------------------------
+SAMPLE_BOUND = 4.0  # a cost sample counts as at most this many times the mean so far, per unit
+
+
 @dataclass
 class _PerUnit:
-    """Decayed seconds over decayed units (tokens drafted, context tokens read); made at its first unit."""
+    """Decayed seconds over decayed units (tokens drafted, context tokens read); made at its first unit.
+
+    A sample counts as at most ``SAMPLE_BOUND`` times the mean so far, as ``RttEstimator`` bounds a round trip:
+    a draft paused or cut off mid-proposal reports the outage as compute, and one such sample would price every
+    token of that drafter above a target step; no ask would then go out, and no sample would ever bring the
+    price back. A lasting slowdown is still learned, a bounded sample at a time."""
 
     seconds: float = 0.0
     units: float = 0.0
 
     def add(self, units: int, seconds: float, decay: float) -> None:
+        if self.units > 0:
+            seconds = min(seconds, SAMPLE_BOUND * units * self.seconds / self.units)
         self.seconds = self.seconds * decay + seconds
         self.units = self.units * decay + units
 

@@ -70,6 +70,30 @@ def test_speculation_stays_on_after_one_reply_that_spanned_an_outage():
     assert unclamped.ask(8, overlap=False) == 0
 
 
+def test_one_proposal_that_spanned_an_outage_moves_the_drafts_price_little_and_a_lasting_change_is_learned():
+    """A draft paused mid-proposal reports the pause as compute: counted whole, one 1 s proposal of 8 tokens
+    would price the drafter's tokens above the target's step and no ask would go out again."""
+    costs = Costs()
+    for _ in range(60):
+        costs.observe_draft(8, 8 * 0.003, DrafterKind.MODEL)
+    costs.observe_draft(8, 1.0, DrafterKind.MODEL)
+    assert costs.draft_s_per_token(DrafterKind.MODEL) < 0.0035
+    steps = 0
+    while costs.draft_s_per_token(DrafterKind.MODEL) < 0.020:  # the drafter now takes 30 ms a token for good
+        costs.observe_draft(8, 8 * 0.030, DrafterKind.MODEL)
+        steps += 1
+    assert steps <= 80
+
+
+def test_speculation_stays_on_after_one_proposal_that_spanned_an_outage():
+    warmed = controller(0.001, 0.0, 0.7, 0.004)
+    for _ in range(60):
+        warmed.costs.observe_draft(4, 4 * 0.004, DrafterKind.MODEL)
+    assert warmed.ask(8, overlap=False) >= 1
+    warmed.costs.observe_draft(4, 10.0, DrafterKind.MODEL)  # a proposal that waited out a 10 s partition
+    assert warmed.ask(8, overlap=False) >= 1
+
+
 def test_expected_max_of_two_normals_matches_sampling():
     rng = random.Random(1)
     for mean_a, sigma_a, mean_b, sigma_b in [(1.0, 0.2, 1.1, 0.3), (1.0, 0.0, 0.5, 0.0), (2.0, 0.5, 0.0, 0.1)]:
