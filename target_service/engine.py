@@ -90,6 +90,11 @@ class VerifyOutcome:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first verify of a session scoring its prompt
 
 
+# A block whose session's prompt is still being computed in chunks (``TargetEngine.prefill_chunk``): the scheduler
+# offers it to the next step again, unanswered.
+PREFILLING = object()
+
+
 @dataclass(frozen=True)
 class VerifyItem:
     session: "TargetSession"
@@ -139,6 +144,7 @@ class TargetEngine:
         compile_mode: str = "off",  # the decoder step's compilation (serve-target --compile, resolved)
         max_context: int = 0,  # positions a session may reach; 0: the model's (a CUDA-graph slot holds fewer)
         sampling_defaults: dict[str, float] | None = None,  # what its generation_config.json sets (ModelInfo)
+        prefill_chunk: int = 0,  # prompt tokens a step computes at most for prefills longer than it; 0: whole
     ) -> None:
         """``fast_forward``: run verify steps through the packed-rows forward (``specsplit.lmkit.packed_rows``)
         where the model allows (full attention only: a sliding-window model keeps the stock forward), as the
@@ -178,6 +184,11 @@ class TargetEngine:
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
         self.fed_tokens = 0  # positions the forwards computed keys/values for (StatsResponse.fed_tokens)
         self.shared_tokens = 0  # positions sessions started with as copies from another (TargetOpen.fork_from)
+        if prefill_chunk < 0:
+            raise ValueError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill is one forward), got {prefill_chunk}")
+        # Chunks of at least a block: a prompt's last chunk is verified with the block that follows it.
+        self.prefill_chunk = max(prefill_chunk, limits.max_block + 1) if prefill_chunk else 0
+        self.prefill_chunks = 0  # prefill chunks run beside other sessions' rows (StatsResponse-free counter)
 
     # -- sessions -----------------------------------------------------------
     def open(
@@ -311,6 +322,7 @@ class TargetEngine:
         results: list[VerifyOutcome | errors.SpecsplitError | None] = [None] * len(items)
         batch: list[int] = []
         steps: list[Step] = []  # one per batched row
+        budget = self.prefill_chunk  # prompt tokens this step may still give to chunks of long prefills
         for i, item in enumerate(items):
             try:
                 parents = tree_of(item.parents, len(item.draft_tokens))
@@ -320,6 +332,16 @@ class TargetEngine:
                 results[i] = exc
                 continue
             keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
+            if self._chunks(item, feed):
+                # A prompt longer than a chunk: this step computes its next chunk beside the others' rows, and
+                # the block waits (PREFILLING) for a later step; a step past its budget leaves it for the next.
+                take = min(budget, len(feed) - len(item.draft_tokens) - 1)
+                results[i] = PREFILLING
+                if take > 0:
+                    budget -= take
+                    batch.append(i)
+                    steps.append(Step(item.session.cache, keep, feed[:take], 1))
+                continue
             if self.can_batch and len(feed) <= self.limits.max_block + 1 and not item.session.scores_prompt:
                 batch.append(i)
                 steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1, parents))
@@ -332,7 +354,7 @@ class TargetEngine:
         step_start = time.perf_counter()
         for group in groups:
             rows = [batch[g] for g in group]
-            if len(rows) == 1:
+            if len(rows) == 1 and results[rows[0]] is not PREFILLING:
                 results[rows[0]] = self._verify_checked(items[rows[0]])
                 if isinstance(results[rows[0]], VerifyOutcome):
                     self.forward_cost.observe(widths[group[0]], results[rows[0]].compute_s)
@@ -403,6 +425,33 @@ class TargetEngine:
         self.forward_passes += 1
         self.fed_tokens += sum(len(step.feed) for step in steps)
         self.forward_cost.observe(tokens, forward_s)
+        chunked = [self._is_chunk(item, step) for item, step in zip(items, steps)]
+        if any(chunked):  # a prefill's chunk: its keys and values are what it was for; no verdict yet
+            self.prefill_chunks += sum(chunked)
+            kept = [i for i, c in enumerate(chunked) if not c]
+            if not kept:
+                return [PREFILLING] * len(items)
+            verified = iter(self._decided([items[i] for i in kept], [raw[i] for i in kept], [steps[i] for i in kept],
+                                          start, forward_s, tokens, width))
+            return [PREFILLING if c else next(verified) for c in chunked]
+        return self._decided(items, raw, steps, start, forward_s, tokens, width)
+
+    def _chunks(self, item: VerifyItem, feed: Sequence[int]) -> bool:
+        """Whether this step computes only a chunk of the item's prompt: a feed longer than a chunk, on a cache of
+        the packed forward (rows of any width, no padding), from a session that reads no prompt logprobs or
+        features (those come from the prefill's every row)."""
+        cache = item.session.cache
+        return (self.prefill_chunk > 0 and self.can_batch and len(feed) > self.prefill_chunk
+                and type(cache) is SessionCache and cache.kv is not None
+                and not item.session.scores_prompt and not cache.feature_layers)
+
+    @staticmethod
+    def _is_chunk(item: VerifyItem, step: Step) -> bool:
+        """A step that feeds part of the context only (the item's block and the last context token not in it)."""
+        return step.keep + len(step.feed) < len(item.session.tokens)
+
+    def _decided(self, items, raw, steps, start: float, forward_s: float, tokens: int, width: int):
+        """Each item's verdict from its rows of a forward (``_verify_together``)."""
         adjusted = [
             penalized(item.session, token_mask.apply(rows, item.allowed), item.draft_tokens, step.parents)
             for item, rows, step in zip(items, raw, steps)

@@ -23,7 +23,7 @@ from typing import Callable
 
 from specsplit.lmkit import errors
 from specsplit.lmkit.grpc_server import ComputeThread
-from specsplit.target_service.engine import TargetEngine, VerifyItem, VerifyOutcome
+from specsplit.target_service.engine import PREFILLING, TargetEngine, VerifyItem, VerifyOutcome
 
 # Run on the compute thread just before the forward: the item with its tensors decoded (draft_probs).
 Prepare = Callable[[VerifyItem], VerifyItem]
@@ -95,13 +95,18 @@ class VerifyScheduler:
             except Exception as exc:  # noqa: BLE001 - the forward itself failed: every block in it fails
                 results = [exc] * len(batch)
             self._last_forward_s = time.monotonic() - start
+            prefilling = []
             for waiting, result in zip(batch, results):
                 if waiting.future.done():  # the stream went away meanwhile
+                    continue
+                if result is PREFILLING:  # its prompt's next chunk goes in the next step
+                    prefilling.append(waiting)
                     continue
                 if isinstance(result, BaseException):
                     waiting.future.set_exception(result)
                 else:
                     waiting.future.set_result(result)
+            self._waiting[:0] = prefilling
 
     def _verify_batch(self, batch: list[_Waiting]) -> list[VerifyOutcome | BaseException]:
         """On the compute thread: prepare each item, then verify those that prepared in one ``verify_batch``."""

@@ -48,6 +48,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--kv-budget-bytes", type=int, default=0,
                         help="KV-cache bytes per device every live session may reserve together (each reserves its "
                              "prompt + most new tokens + one block at its open); 0: no budget, --max-sessions alone")
+    parser.add_argument("--prefill-chunk", type=int, default=512,
+                        help="a prompt longer than this many tokens is computed this many a step, beside other "
+                             "sessions' verification rows, so their rounds go on while it prefills (at least one "
+                             "block; the packed forward only: not with --tp, --batch-invariant or cuda-graphs); "
+                             "0: a prompt's prefill is one forward that every other session waits for")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="blocks of concurrent sessions verified in one forward at most (1 = no batching)")
     parser.add_argument("--batch-invariant", action="store_true",
@@ -148,6 +153,7 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
         limits=limits,
         new_cache=new_cache,
         max_context=context,
+        prefill_chunk=args.prefill_chunk,
         sampling_defaults=models.sampling_defaults(args.model),
         tp_degree=args.tp,
         fast_forward=not args.stock_forward,
@@ -205,6 +211,8 @@ def run(args) -> int:
         raise ValueError(f"--kv-budget-bytes must be >= 0 (0: no budget), got {args.kv_budget_bytes}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.prefill_chunk < 0:
+        raise ValueError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill is one forward), got {args.prefill_chunk}")
     compile_mode(args)  # fail fast, before the model loads
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     logs.configure(args.log_level, "target", args.log_format)

@@ -1,0 +1,120 @@
+"""Chunked prefill: a prompt longer than ``prefill_chunk`` is computed a chunk a step beside the other sessions'
+verification rows, so their rounds go on while it prefills; its output is still the target's own greedy text.
+
+The engine tests step ``verify_batch`` by hand (the scheduler's part: a block answered PREFILLING goes in the
+next step again); the end-to-end test runs the real scheduler under gRPC with long and short prompts at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind, VerificationMode
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.sessions import SessionLimits
+from specsplit.target_service.engine import PREFILLING, TargetEngine, VerifyItem, VerifyOutcome
+from tests.conftest import TINY_PROMPTS, Services, reference_greedy, run_async
+
+pytestmark = pytest.mark.services
+
+CHUNK = 40  # at least a block (max_block 32 + 1)
+LONG = [(7 * i + 3) % 4000 + 10 for i in range(150)]  # 150 prompt tokens: chunks of 40, 40, 40, then the rest
+SHORT = [11, 300, 4000, 27, 9]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target_dir):
+    return models.load_model(models.ModelSpec(str(tiny_target_dir)))
+
+
+def engine_of(model, prefill_chunk: int, fingerprint: str = "") -> TargetEngine:
+    return TargetEngine(model, model_id="tiny", vocab_fingerprint=fingerprint, limits=SessionLimits(max_block=32),
+                        prefill_chunk=prefill_chunk)
+
+
+def item(engine: TargetEngine, session_id: str, draft: list[int] = ()) -> VerifyItem:
+    session = engine.sessions.get(session_id)
+    return VerifyItem(session, len(session.tokens), list(draft), None)
+
+
+def test_a_long_prompt_prefills_a_chunk_a_step_while_another_session_decodes(model):
+    engine = engine_of(model, CHUNK)
+    engine.open("long", LONG, SamplingParams(), VerificationMode.GREEDY)
+    engine.open("short", SHORT, SamplingParams(), VerificationMode.GREEDY)
+    long_out, short_out, waits = [], [], 0
+    while len(long_out) < 12:
+        results = engine.verify_batch([item(engine, "long"), item(engine, "short")])
+        assert isinstance(results[1], VerifyOutcome)  # the short session commits every step
+        short_out.append(results[1].next_token)
+        if results[0] is PREFILLING:
+            waits += 1
+            assert not long_out  # only before its prompt is in
+            continue
+        long_out.append(results[0].next_token)
+    assert waits == 3 and engine.prefill_chunks == 3  # 149 context positions to compute: 40 + 40 + 40, then 29
+    assert long_out == reference_greedy(model, LONG, 12)
+    assert short_out == reference_greedy(model, SHORT, len(short_out))
+
+
+def test_blocks_after_a_chunked_prefill_verify_as_after_a_whole_one(model):
+    """A block drafted for a long prompt (the reference's own continuation, so all of it is accepted) waits for
+    the prompt's chunks and is then verified with its last chunk; a session without chunks answers the same."""
+    expected = reference_greedy(model, LONG, 6)
+    outcomes = {}
+    for chunk in (0, CHUNK):
+        engine = engine_of(model, chunk)
+        engine.open("long", LONG, SamplingParams(), VerificationMode.GREEDY)
+        steps = 1
+        while (result := engine.verify_batch([item(engine, "long", expected[:4])])[0]) is PREFILLING:
+            steps += 1
+        outcomes[chunk] = (result.accepted, result.next_token, steps)
+    assert outcomes[0] == (4, expected[4], 1)
+    assert outcomes[CHUNK] == (4, expected[4], 4)
+
+
+def test_short_prompts_and_a_budget_of_zero_are_not_chunked(model):
+    engine = engine_of(model, CHUNK)
+    assert engine.prefill_chunk == CHUNK and engine_of(model, 5).prefill_chunk == 33  # at least a block
+    engine.open("short", LONG[:CHUNK], SamplingParams(), VerificationMode.GREEDY)
+    assert isinstance(engine.verify_batch([item(engine, "short")])[0], VerifyOutcome)
+    whole = engine_of(model, 0)
+    whole.open("long", LONG, SamplingParams(), VerificationMode.GREEDY)
+    assert isinstance(whole.verify_batch([item(whole, "long")])[0], VerifyOutcome) and whole.prefill_chunks == 0
+    with pytest.raises(ValueError, match="--prefill-chunk must be >= 0"):
+        engine_of(model, -1)
+
+
+def test_long_and_short_prompts_at_once_through_the_services_give_the_targets_output(
+    model, tiny_target_dir, tiny_draft_dir, background_loop, gguf_tokenizer
+):
+    """Real gRPC, the real scheduler: two long prompts (chunked, one after the other within a step's budget) and
+    the short prompts, all at once, speculating with the model drafter; every output is the target's own."""
+    from specsplit.draft_service.engine import DraftEngine
+    from specsplit.orchestrator.config import OrchestratorConfig
+    from specsplit.orchestrator.generation import Orchestrator
+    from tests.services.test_speed_e2e import collect, request
+
+    fingerprint = models.vocab_fingerprint(gguf_tokenizer)
+    target = engine_of(models.load_model(models.ModelSpec(str(tiny_target_dir))), CHUNK, fingerprint)
+    draft = DraftEngine(models.load_model(models.ModelSpec(str(tiny_draft_dir))), model_id=str(tiny_draft_dir),
+                        vocab_fingerprint=fingerprint, limits=SessionLimits(max_block=32))
+    services = Services(background_loop, target, draft)
+    prompts = [LONG, LONG[::-1], *(gguf_tokenizer.encode(p) for p in TINY_PROMPTS)]
+
+    async def go():
+        orch = await Orchestrator.connect(OrchestratorConfig(services.target_address, services.draft_address,
+                                                             str(tiny_target_dir)))
+        try:
+            return await asyncio.gather(*(collect(orch, request(4, DrafterKind.MODEL, max_new=24), ids) for ids in prompts))
+        finally:
+            await orch.close()
+
+    try:
+        outputs = run_async(go())
+    finally:
+        services.stop()
+    assert [ids for ids, _ in outputs] == [reference_greedy(model, ids, 24) for ids in prompts]
+    assert target.prefill_chunks >= 6  # both long prompts went in chunks
