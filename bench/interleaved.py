@@ -10,8 +10,10 @@ column alike; ratios are read within the run. Each drafter (and target-only)
 drives its own orchestrator, so adaptive K's cost model learns that drafter's
 draft cost alone. ``a+b`` names a chain (``ngram+eagle``: n-gram first, eagle
 where it finds nothing); ``name@k`` drafts exactly k tokens a round (else K is
-adaptive up to ``--k``, or fixed with ``--fixed-k``). Greedy; every output is
-compared with target-only's.
+adaptive up to ``--k``, or fixed with ``--fixed-k``). Greedy, or sampled with
+``--decoding sampling`` (T 0.7, top-p 0.95, a seed per prompt shared by every
+contender: under coupled verification, the default, the seed fixes the text);
+every output is compared with target-only's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specsplit.bench import demo, runs
+from specsplit.bench import demo, runs, traffic
 from specsplit.bench.evaluation import Comparison, Summary, run_one, summarise, theoretical_speedup
 from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit.kinds import DrafterKind
@@ -92,6 +94,7 @@ def draft_flags(args, entries: list[Entry]) -> list[str]:
 async def _measure(args, entries: list[Entry], target_address: str, draft_address: str) -> dict[str, list[Comparison]]:
     config = OrchestratorConfig(target_address=target_address, draft_address=draft_address, tokenizer=args.model)
     greedy = SamplingParams()
+    decoding = decoding_of(args)
     overlap = not args.no_overlap
     k_of = {e.label: (e.fixed_k or args.k, not (e.fixed_k or args.fixed_k)) for e in entries}  # (k, adaptive)
     prompts = PROMPT_SETS[args.prompt_set]
@@ -105,10 +108,11 @@ async def _measure(args, entries: list[Entry], target_address: str, draft_addres
                           overlap=overlap, chain=e.chain)
         results: dict[str, list[Comparison]] = {e.label: [] for e in entries}
         for prompt in prompts:
-            baseline = await run_one(baseline_orch, prompt, 0, DrafterKind.NGRAM, args.max_new_tokens, greedy)
+            sampling = decoding.params(prompt, 0)
+            baseline = await run_one(baseline_orch, prompt, 0, DrafterKind.NGRAM, args.max_new_tokens, sampling)
             for e in entries:
                 k, adaptive = k_of[e.label]
-                run = await run_one(orchs[e.label], prompt, k, e.drafter, args.max_new_tokens, greedy,
+                run = await run_one(orchs[e.label], prompt, k, e.drafter, args.max_new_tokens, sampling,
                                     adaptive_k=adaptive, overlap=overlap, chain=e.chain)
                 results[e.label].append(Comparison(prompt, baseline, run))
             print(f"{prompt.name}: " + "  ".join(
@@ -118,6 +122,11 @@ async def _measure(args, entries: list[Entry], target_address: str, draft_addres
         for orch in (baseline_orch, *orchs.values()):
             await orch.close()
     return results
+
+
+def decoding_of(args) -> traffic.Decoding:
+    """The suite's one decoding: sampled when ``--decoding sampling`` asks, else greedy (``both`` included)."""
+    return traffic.SAMPLING if args.decoding == "sampling" else traffic.GREEDY
 
 
 def figures(g: Summary, k: int) -> dict:
@@ -158,7 +167,7 @@ def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> 
         "eagle_head": args.eagle_head or (args.model if any(
             DrafterKind.EAGLE in (e.chain or (e.drafter,)) for e in entries) else None),
         "prompt_set": args.prompt_set,
-        "decoding": "greedy",
+        "decoding": decoding_of(args).name,
         "k": args.k, "adaptive_k": not args.fixed_k, "overlap": not args.no_overlap,
         "max_new_tokens": args.max_new_tokens,
         "target_threads": args.target_threads, "draft_threads": args.draft_threads,

@@ -53,7 +53,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--decoding", default="both", choices=sorted(traffic.DECODINGS),
                         help="both (a sampling row beside greedy), greedy, or sampling (T 0.7, top-p 0.95, a seed "
-                             "per prompt)")
+                             "per prompt); --suite interleaved runs one: sampling if asked, else greedy")
     parser.add_argument("--hf-lookup", default="3,8", help="HF prompt_lookup_num_tokens values to run ('' = none)")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face anchors")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the prompt set")
