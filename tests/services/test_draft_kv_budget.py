@@ -49,8 +49,10 @@ async def open_draft(call, session_id: str, drafter: int, reserve: int) -> tuple
 
 
 async def generate(stub, prompt: str, k: int) -> pb.GenerateResponse:
+    # A fixed k: every round asks the draft while it holds the session (adaptive K may find drafting not paying).
     responses = [r async for r in stub.Generate(pb.GenerateRequest(
-        prompt=prompt, max_new_tokens=24, k=k, drafter=pb.DRAFTER_KIND_MODEL, return_token_ids=True))]
+        prompt=prompt, max_new_tokens=24, k=k, drafter=pb.DRAFTER_KIND_MODEL, return_token_ids=True,
+        adaptive_k=False))]
     ids = [t for r in responses for t in r.token_ids]
     return ids, responses[-1].stats
 
