@@ -22,3 +22,15 @@ def test_the_budget_flag_in_positions():
         kv_budget_tokens(model, per - 1, 1)
     with pytest.raises(ValueError, match="must be >= 0"):
         kv_budget_tokens(model, -1, 1)
+
+
+def test_bad_budget_and_chunk_flags_stop_both_services_before_anything_loads():
+    from specsplit.draft_service import server as draft_server
+    from specsplit.target_service import server as target_server
+
+    with pytest.raises(ValueError, match=r"--prefill-chunk must be >= 0 \(0: a prompt's prefill is one forward\)"):
+        target_server.run(target_server.build_parser().parse_args(["--prefill-chunk", "-1"]))
+    with pytest.raises(ValueError, match=r"--kv-budget-bytes must be >= 0 \(0: no budget\), got -5"):
+        draft_server.run(draft_server.build_parser().parse_args(["--kv-budget-bytes", "-5"]))
+    assert draft_server.draft_limits(draft_server.build_parser().parse_args(["--kv-budget-bytes", "4096"])) \
+        .kv_budget_bytes == 4096
