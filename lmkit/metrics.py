@@ -37,6 +37,15 @@ class ServiceCollector:
             counter = CounterMetricFamily(f"specsplit_{name}", doc, labels=["service"])
             counter.add_metric(labels, value)
             yield counter
+        reserved, budget, unit = self._servicer.engine.sessions.budget()
+        for name, value, doc in (
+            ("kv_reserved", reserved, "KV the live sessions reserved at their opens (--kv-budget-bytes)"),
+            ("kv_budget", budget, "the KV budget the reservations are held against; 0: none"),
+        ):
+            gauge = GaugeMetricFamily(f"specsplit_{name}", f"{doc}; unit: positions (target) or bytes (draft)",
+                                      labels=["service", "unit"])
+            gauge.add_metric([*labels, unit], value)
+            yield gauge
 
 
 def serve_metrics(port: int, host: str, service: str, servicer=None) -> None:

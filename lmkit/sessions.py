@@ -165,6 +165,13 @@ class SessionTable(Generic[S]):
         with self._lock:
             self._rounds += 1
 
+    def budget(self) -> tuple[int, int, str]:
+        """(reserved, the KV budget, its unit): positions on the target, bytes on the draft; a budget of 0: none."""
+        with self._lock:
+            if self.limits.kv_budget_bytes:
+                return self._reserved_total, self.limits.kv_budget_bytes, "bytes"
+            return self._reserved_total, self.limits.kv_budget_tokens, "positions"
+
     def stats(self) -> tuple[int, int, int]:
         """(active sessions, sessions opened, rounds served)."""
         with self._lock:

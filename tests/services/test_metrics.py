@@ -74,8 +74,10 @@ def test_orchestrator_counts_requests_tokens_acceptance_and_latencies(public_api
 
 def test_service_exports_sessions_over_http(tmp_path, tiny_target_dir):
     port = free_port()
+    # 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes = 512 bytes a position: a budget of 100 positions
     target = start_service("specsplit.target_service.server", "target",
-                           ["--model", str(tiny_target_dir), "--metrics-port", str(port)], tmp_path, 300)
+                           ["--model", str(tiny_target_dir), "--metrics-port", str(port), "--kv-budget-bytes", "51200"],
+                           tmp_path, 300)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
@@ -83,3 +85,5 @@ def test_service_exports_sessions_over_http(tmp_path, tiny_target_dir):
     assert 'specsplit_ready{service="TargetService"} 1.0' in body
     assert 'specsplit_active_sessions{service="TargetService"} 0.0' in body
     assert "specsplit_rounds_total" in body
+    assert 'specsplit_kv_budget{service="TargetService",unit="positions"} 100.0' in body
+    assert 'specsplit_kv_reserved{service="TargetService",unit="positions"} 0.0' in body

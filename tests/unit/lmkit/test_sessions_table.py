@@ -88,3 +88,15 @@ def test_a_budget_is_in_positions_or_in_bytes():
         SessionLimits(kv_budget_tokens=10, kv_budget_bytes=10)
     with pytest.raises(ValueError, match="--kv-budget-bytes must be >= 0"):
         SessionLimits(kv_budget_bytes=-1)
+
+
+def test_the_budget_and_what_is_reserved_against_it_in_its_unit():
+    draft = SessionTable(SessionLimits(kv_budget_bytes=1000), "draft")
+    draft.add("model", object(), reserve=60, position_bytes=10)
+    assert draft.budget() == (600, 1000, "bytes")
+    target = SessionTable(SessionLimits(kv_budget_tokens=250), "target")
+    target.add("a", object(), reserve=100)
+    assert target.budget() == (100, 250, "positions")
+    target.remove("a")
+    assert target.budget() == (0, 250, "positions")
+    assert SessionTable(SessionLimits(), "draft").budget() == (0, 0, "positions")
