@@ -17,7 +17,7 @@ from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
 from specsplit.lmkit.kvcache import check_cache_layout, kv_bytes_per_token
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
+from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens, reservation
 from specsplit.lmkit.successors import Successors
 
 MAX_BRANCHES = 64  # continuations per token tree
@@ -157,10 +157,9 @@ class DraftEngine:
         source = self.sessions.find(fork_from, caller) if fork_from else None
         if source is not None and source.kind is kind and isinstance(session.drafter, ModelDrafter):
             session.fork_source = source  # the same kind of model drafter: the same model
-        most = self.max_context or reserve_tokens  # a model-free draft has no context bound
-        reserve = max(min(reserve_tokens or most, most), len(tokens) + 1)
         position_bytes = sum(self.position_bytes.get(member, 0) for member in _members(kind, chain))
-        return self.sessions.add(session_id, session, caller, reserve, position_bytes)
+        return self.sessions.add(session_id, session, caller, reservation(reserve_tokens, self.max_context, len(tokens)),
+                                 position_bytes)
 
     def _successor_table(self, caller: str) -> SuccessorTable | None:
         if not self.successor_table_tokens:

@@ -60,6 +60,13 @@ def check_open(session_id: str, tokens: Sequence[int], max_context: int, model: 
         )
 
 
+def reservation(reserve_tokens: int, max_context: int, prompt_tokens: int) -> int:
+    """The positions a session reserves at its open: what it asked for (0: the whole context), within the context
+    (0: none known, a model-free draft), and at least its prompt and one more."""
+    most = max_context or reserve_tokens
+    return max(min(reserve_tokens or most, most), prompt_tokens + 1)
+
+
 class SessionTable(Generic[S]):
     """Live sessions by id, bounded in all and per caller, with counters for Stats.
 
@@ -95,7 +102,7 @@ class SessionTable(Generic[S]):
                     f"caller {caller!r} holds its maximum of {quota} sessions on the {self._service} "
                     "(--max-sessions-per-caller); close one or retry later"
                 )
-            charge = reserve * position_bytes if self.limits.kv_budget_bytes else reserve
+            charge = reserve * position_bytes if self._budget()[1] == "bytes" else reserve
             self._check_budget(reserve, charge, position_bytes)
             self._sessions[session_id] = session
             self._callers[session_id] = caller
@@ -106,24 +113,25 @@ class SessionTable(Generic[S]):
             self._opened += 1
         return session
 
-    def _check_budget(self, reserve: int, charge: int, position_bytes: int) -> None:
+    def _budget(self) -> tuple[int, str]:
+        """The KV budget and its unit: bytes on the draft, positions on the target; 0: none."""
         if self.limits.kv_budget_bytes:
-            budget = self.limits.kv_budget_bytes
-            if self._reserved_total + charge <= budget:
-                return
-            free = budget - self._reserved_total
-            raise errors.ResourceExhausted(
-                f"the {self._service}'s KV budget holds {budget} bytes and {free} are free; this session reserves "
-                f"{reserve} positions (prompt + most new tokens + one block) of {position_bytes} bytes each: ask for "
-                f"at most {free // max(position_bytes, 1)} positions in all, or retry later"
-            )
-        budget = self.limits.kv_budget_tokens
+            return self.limits.kv_budget_bytes, "bytes"
+        return self.limits.kv_budget_tokens, "positions"
+
+    def _check_budget(self, reserve: int, charge: int, position_bytes: int) -> None:
+        budget, unit = self._budget()
         if not budget or self._reserved_total + charge <= budget:
             return
         free = budget - self._reserved_total
+        if unit == "bytes":
+            asks = (f"{reserve} positions (prompt + most new tokens + one block) of {position_bytes} bytes each: ask "
+                    f"for at most {free // max(position_bytes, 1)} positions in all")
+        else:
+            asks = f"{reserve} (prompt + most new tokens + one block): ask for at most {free} in all"
         raise errors.ResourceExhausted(
-            f"the {self._service}'s KV budget holds {budget} positions and {free} are free; this session reserves "
-            f"{reserve} (prompt + most new tokens + one block): ask for at most {free} in all, or retry later"
+            f"the {self._service}'s KV budget holds {budget} {unit} and {free} are free; this session reserves {asks}, "
+            "or retry later"
         )
 
     def reserved(self, session_id: str) -> int:
@@ -168,9 +176,7 @@ class SessionTable(Generic[S]):
     def budget(self) -> tuple[int, int, str]:
         """(reserved, the KV budget, its unit): positions on the target, bytes on the draft; a budget of 0: none."""
         with self._lock:
-            if self.limits.kv_budget_bytes:
-                return self._reserved_total, self.limits.kv_budget_bytes, "bytes"
-            return self._reserved_total, self.limits.kv_budget_tokens, "positions"
+            return self._reserved_total, *self._budget()
 
     def stats(self) -> tuple[int, int, int]:
         """(active sessions, sessions opened, rounds served)."""

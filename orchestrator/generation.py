@@ -71,6 +71,13 @@ class GenerationRequest:
     grammar: object | None = None  # the compiled grammar the output follows (orchestrator.grammar); None: free text
 
 
+def reserve_tokens(prompt_ids: Sequence[int], request: GenerationRequest, max_block: int) -> int:
+    """What a session can ever hold, reserved against a service's KV budget (``TargetOpen``/``DraftOpen``
+    ``.reserve_tokens``, a uint32): the prompt, every new token, and the service's largest block beyond them (the
+    target's last verified block; the draft's longest proposal with the guess it drafts ahead)."""
+    return min(len(prompt_ids) + request.max_new_tokens + max_block + 1, 2**32 - 1)
+
+
 @dataclass(frozen=True)
 class GenerationEvent:
     text: str
@@ -301,15 +308,13 @@ class Orchestrator:
         layers = self.feature_traits(request).feature_layers if speculating else ()
         successors_k = self.successors_k(request) if speculating else 0
         shared = self.shares_streams()
-        # What the session can ever hold, reserved against the target's KV budget: the prompt, every new token
-        # and the last round's block beyond them.
-        reserve = len(prompt_ids) + request.max_new_tokens + self.target.info.max_block + 1
+        reserve = reserve_tokens(prompt_ids, request, self.target.info.max_block)
         target = TargetLink(
             self.target,
             lambda sid, tokens: pb.TargetOpen(
                 session_id=sid, tokens=tokens, sampling=sampling, mode=mode.value, return_logprobs=logprobs,
                 top_logprobs=request.top_logprobs or 0, feature_layers=layers,
-                reserve_tokens=min(reserve, 2**32 - 1), successors_k=successors_k,
+                reserve_tokens=reserve, successors_k=successors_k,
                 **({} if request.prompt_logprobs is None else {"prompt_logprobs": request.prompt_logprobs}),
             ),
             policy,
@@ -319,8 +324,7 @@ class Orchestrator:
         controller = self.controller(request, mode, speculating)
         draft = NO_DRAFT
         if speculating:
-            # The draft's reserve: the same context, and its own longest proposal (and the guess drafted ahead).
-            draft_reserve = len(prompt_ids) + request.max_new_tokens + self.draft.info.max_block + 1
+            draft_reserve = reserve_tokens(prompt_ids, request, self.draft.info.max_block)
             draft = DraftLink(
                 self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode, draft_reserve), policy,
                 controller, shared,
@@ -504,7 +508,7 @@ class Orchestrator:
             chain=[kind.value for kind in self._chain(request)],
             mode=mode.value,
             feature_width=len(self.feature_traits(request).feature_layers) * self.target.info.hidden_size,
-            reserve_tokens=min(reserve, 2**32 - 1),
+            reserve_tokens=reserve,
         )
 
     def feature_traits(self, request: GenerationRequest) -> DrafterTraits:

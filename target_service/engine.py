@@ -29,7 +29,7 @@ from specsplit.lmkit.sampling import (
     logits_to_probs,
     rows_when_reached,
 )
-from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens
+from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens, reservation
 from specsplit.lmkit.successors import Successors, check_successors_k
 from specsplit.target_service import rejection, tree_verify
 from specsplit.target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
@@ -88,6 +88,12 @@ class VerifyOutcome:
     forward_s: float = 0.0  # the model's forward alone, within compute_s
     successors: Successors | None = None  # the block's positions' best successors, when the session asked
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first verify of a session scoring its prompt
+
+
+def check_prefill_chunk(prefill_chunk: int) -> None:
+    """``--prefill-chunk`` is a token count or 0 (ValueError otherwise)."""
+    if prefill_chunk < 0:
+        raise ValueError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill is one forward), got {prefill_chunk}")
 
 
 # A block whose session's prompt is still being computed in chunks (``TargetEngine.prefill_chunk``): the scheduler
@@ -184,8 +190,7 @@ class TargetEngine:
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
         self.fed_tokens = 0  # positions the forwards computed keys/values for (StatsResponse.fed_tokens)
         self.shared_tokens = 0  # positions sessions started with as copies from another (TargetOpen.fork_from)
-        if prefill_chunk < 0:
-            raise ValueError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill is one forward), got {prefill_chunk}")
+        check_prefill_chunk(prefill_chunk)
         # Chunks of at least a block: a prompt's last chunk is verified with the block that follows it.
         self.prefill_chunk = max(prefill_chunk, limits.max_block + 1) if prefill_chunk else 0
         self.prefill_chunks = 0  # prefill chunks run beside other sessions' rows (StatsResponse-free counter)
@@ -213,7 +218,7 @@ class TargetEngine:
             check_successors_k(successors_k)
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc)) from None
-        reserve = max(min(reserve_tokens or self.max_context, self.max_context), len(tokens) + 1)
+        reserve = reservation(reserve_tokens, self.max_context, len(tokens))
         session = TargetSession(session_id, list(tokens), sampling, mode, self._new_cache(),
                                 top_logprobs=top_logprobs, reserved=reserve, successors_k=successors_k,
                                 prompt_logprobs=prompt_logprobs)

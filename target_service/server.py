@@ -26,7 +26,7 @@ from specsplit.lmkit.grpc_server import (
 )
 from specsplit.lmkit.kvcache import kv_bytes_per_token
 from specsplit.target_service import ranks, tp
-from specsplit.target_service.engine import TargetEngine
+from specsplit.target_service.engine import TargetEngine, check_prefill_chunk
 from specsplit.target_service.servicer import TargetServicer
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
@@ -211,8 +211,7 @@ def run(args) -> int:
         raise ValueError(f"--kv-budget-bytes must be >= 0 (0: no budget), got {args.kv_budget_bytes}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.prefill_chunk < 0:
-        raise ValueError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill is one forward), got {args.prefill_chunk}")
+    check_prefill_chunk(args.prefill_chunk)
     compile_mode(args)  # fail fast, before the model loads
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     logs.configure(args.log_level, "target", args.log_format)
