@@ -193,7 +193,7 @@ class TargetEngine:
         check_prefill_chunk(prefill_chunk)
         # Chunks of at least a block: a prompt's last chunk is verified with the block that follows it.
         self.prefill_chunk = max(prefill_chunk, limits.max_block + 1) if prefill_chunk else 0
-        self.prefill_chunks = 0  # prefill chunks run beside other sessions' rows (StatsResponse-free counter)
+        self.prefill_chunks = 0  # prefill chunks run beside other sessions' rows (not in StatsResponse)
 
     # -- sessions -----------------------------------------------------------
     def open(
