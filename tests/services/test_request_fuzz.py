@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,17 @@ pytestmark = pytest.mark.services
 
 pytest.importorskip("atheris")
 FUZZ_SECONDS = 20
+RSS_HEADROOM_MB = 4096
+
+
+def rss_limit_mb() -> int:
+    """libFuzzer's memory limit for the child: its headroom above this process's peak.
+
+    libFuzzer reads the peak RSS from getrusage, and on Linux a child starts with its parent's peak (the
+    figure survives fork and exec), so a limit taken alone would count whatever earlier tests in this
+    worker once held.
+    """
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024 + RSS_HEADROOM_MB
 
 
 def test_atheris_finds_no_input_that_crashes_the_request_parsers(tmp_path):
@@ -23,7 +35,7 @@ def test_atheris_finds_no_input_that_crashes_the_request_parsers(tmp_path):
         (corpus / f"seed-{i}").write_bytes(seed)
     run = subprocess.run(
         [sys.executable, "-m", "tests.services.fuzz_request_parsers", f"-max_total_time={FUZZ_SECONDS}", "-seed=1",
-         "-rss_limit_mb=4096", "-max_len=4096", f"-artifact_prefix={tmp_path}/", str(corpus)],
+         f"-rss_limit_mb={rss_limit_mb()}", "-max_len=4096", f"-artifact_prefix={tmp_path}/", str(corpus)],
         cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=FUZZ_SECONDS + 120,
     )
     report = run.stderr[-4000:]
