@@ -1,0 +1,137 @@
+"""`specsplit up` on a Ray cluster of three nodes, each a host of its own (``specsplit.bench.hosts``: network
+namespaces joined through a router host; needs root).
+
+The head runs `specsplit up`, Serve and the orchestrator replica; a draft node and a target node carry
+the custom resources ``draft_node`` and ``target_node``, and `up` places each service by them. Every node
+and driver authenticates with one token (``specsplit.bench.ray_hosts``). A client on a fourth host reaches
+the gRPC front and Serve's HTTP proxy on the head; the output is the target's own greedy text, drafted by
+the draft on its node. A SIGTERM to `up` after that traffic stops it in order, exit 0, no Ray error lines.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from specsplit.bench import hosts
+from specsplit.bench.ray_hosts import RayNodes, ray_env
+from tests.conftest import TINY_PROMPTS
+from tests.ray.test_up_local import GROUP_STOP_BOUND_S, RAY_ERRORS
+
+WHY_NOT = hosts.unavailable()
+pytestmark = [pytest.mark.ray, pytest.mark.skipif(WHY_NOT is not None, reason=f"no hosts here: {WHY_NOT}")]
+
+HTTP_PORT = 8000  # Serve's proxy, on the head's own address
+UP_TIMEOUT_S = 300.0
+REFUSAL_WITHIN_S = 60.0
+OPENAI_CLIENT = """
+import json, sys, openai
+base, prompt = sys.argv[1:3]
+with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120) as client:
+    done = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=24, extra_body={"k": 4})
+print(json.dumps(done.choices[0].text))
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ray-hosts")
+    with hosts.Hosts(["head", "draft-node", "target-node", "client"]) as net:
+        with RayNodes(net, "head", {"draft-node": {"draft_node": 1}, "target-node": {"target_node": 1}},
+                      work) as nodes:
+            yield net, nodes, work
+
+
+def start_up(net, nodes: RayNodes, work: Path, target: Path, draft: Path) -> tuple[subprocess.Popen, int, Path]:
+    """`specsplit up` on the head host, joined to the cluster; (process, gRPC port, log) once it serves."""
+    port_file, log_path = work / "up.port", work / "up.log"
+    port_file.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", nodes.address, "--host", net.address("head"),
+            "--port", "0", "--port-file", str(port_file), "--http-port", str(HTTP_PORT), "--served-model-name", "tiny",
+            "--draft-resources", '{"draft_node": 1}', "--target-resources", '{"target_node": 1}',
+            "--target-args", f"--model {target}", "--draft-args", f"--model {draft}"]
+    with log_path.open("w") as log:
+        up = net.popen("head", argv, stdout=log, stderr=subprocess.STDOUT, env=nodes.env)
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while not port_file.exists():
+        if up.poll() is not None or time.monotonic() > deadline:
+            up.kill()
+            raise AssertionError(f"`specsplit up` did not start:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.2)
+    return up, int(port_file.read_text()), log_path
+
+
+def grpc_generate(net, address: str, prompts: list[str], work: Path) -> list[dict]:
+    requests = [{"prompt": p, "chat": False, "maxNewTokens": 24, "returnTokenIds": True, "k": 4,
+                 "drafter": "DRAFTER_KIND_MODEL"} for p in prompts]
+    path = work / "requests.json"
+    path.write_text(json.dumps(requests))
+    result = net.run("client", [sys.executable, "-m", "tests.services.host_client", address, str(path)],
+                     cwd=Path(__file__).parents[2], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_up_places_each_service_on_its_node_and_serves_clients_on_another_host(
+        cluster, tiny_target_dir, tiny_draft_dir, tiny_reference):
+    net, nodes, work = cluster
+    up, port, log_path = start_up(net, nodes, work, tiny_target_dir, tiny_draft_dir)
+    try:
+        log = log_path.read_text()
+        assert f"target serving at {net.address('target-node')}:" in log, log
+        assert f"draft serving at {net.address('draft-node')}:" in log, log
+        head = net.address("head")
+        _, expected = tiny_reference
+        results = grpc_generate(net, f"{head}:{port}", [TINY_PROMPTS[0], TINY_PROMPTS[2]], work)
+        assert [r["code"] for r in results] == ["OK", "OK"], results
+        assert [r["ids"] for r in results] == [expected[0], expected[2]]
+        assert all(int(r["stats"].get("drafted_tokens", 0)) > 0 for r in results), results  # the draft node drafted
+        http = net.run("client", [sys.executable, "-c", OPENAI_CLIENT, f"http://{head}:{HTTP_PORT}/v1",
+                                  TINY_PROMPTS[0]], timeout=180)
+        assert http.returncode == 0, http.stderr[-3000:]
+        assert json.loads(http.stdout.strip().splitlines()[-1]) == results[0]["text"]
+        began = time.monotonic()
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(GROUP_STOP_BOUND_S)
+        stop_s = time.monotonic() - began
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(10)
+    log = log_path.read_text()
+    assert code == 0 and stop_s < GROUP_STOP_BOUND_S, f"exit {code} after {stop_s:.1f} s:\n{log}"
+    positions = [log.find(step) for step in ("signal received", "application specsplit deleted", "services stopped")]
+    assert -1 not in positions and positions == sorted(positions), log
+    assert not RAY_ERRORS.search(log), log
+    assert sorted(nodes.alive_nodes()) == sorted(net.address(h) for h in ("head", "draft-node", "target-node"))
+
+
+def test_a_driver_without_the_clusters_token_is_refused(cluster):
+    """Refused at its first call to the GCS (``ray.init`` then retries for about 20 s before it gives up)."""
+    net, nodes, work = cluster
+    wrong = work / "wrong_token"
+    wrong.write_text("0" * 64)
+    driver = net.popen("client", [sys.executable, "-c", "import ray; ray.init(address='auto'); print('joined')"],
+                       env={**ray_env(wrong), "RAY_ADDRESS": nodes.address}, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(REFUSAL_WITHIN_S, driver.kill)
+    timer.start()
+    seen = []
+    try:
+        for line in driver.stdout:
+            seen.append(line)
+            if "Unauthenticated" in line or "InvalidAuthToken" in line:
+                break
+    finally:
+        timer.cancel()
+        driver.kill()
+        driver.wait(10)
+    assert seen and ("Unauthenticated" in seen[-1] or "InvalidAuthToken" in seen[-1]), "".join(seen)[-3000:]
+    assert not any("joined" in line for line in seen)
