@@ -39,7 +39,10 @@ class RayNodes:
     """A head on ``head`` and a worker node on each host of ``workers`` (host -> custom resources)."""
 
     def __init__(self, net: Hosts, head: str, workers: dict[str, dict[str, float]], workdir: Path,
-                 cpus: float = 1, head_resources: dict[str, float] | None = None) -> None:
+                 cpus: float = 1, head_resources: dict[str, float] | None = None,
+                 node_loss_s: float | None = None) -> None:
+        """``node_loss_s``: about how long the head takes to declare a silent node dead (Ray's health checks:
+        by default three misses of 3 s checks with a 10 s timeout; a deployment tunes the same settings)."""
         self.net, self.head, self.workers, self.workdir = net, head, workers, workdir
         self.cpus, self.head_resources = cpus, head_resources or {}
         self.address = f"{net.address(head)}:{HEAD_PORT}"
@@ -49,6 +52,11 @@ class RayNodes:
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
         self.env = ray_env(token)
+        self.head_env = dict(self.env)
+        if node_loss_s is not None:
+            check_ms = str(max(int(node_loss_s * 1000 / 3), 100))
+            self.head_env.update(RAY_health_check_period_ms=check_ms, RAY_health_check_timeout_ms=check_ms,
+                                 RAY_health_check_failure_threshold="3")
         self.nodes: dict[str, subprocess.Popen] = {}
 
     def __enter__(self) -> "RayNodes":
@@ -75,7 +83,8 @@ class RayNodes:
                 "--num-cpus", f"{self.cpus:g}", "--object-store-memory", str(OBJECT_STORE_BYTES),
                 "--disable-usage-stats", "--resources", json.dumps(resources)]
         log = (self.workdir / f"ray-{host}.log").open("w")
-        self.nodes[host] = self.net.popen(host, argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        env = self.head_env if host == self.head else self.env
+        self.nodes[host] = self.net.popen(host, argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def log(self, host: str) -> str:
         return (self.workdir / f"ray-{host}.log").read_text(errors="replace")

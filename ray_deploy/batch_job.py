@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specsplit.orchestrator import server
-from specsplit.ray_deploy import batch_files, cluster, options, resources
+from specsplit.ray_deploy import batch_files, cluster, options, placement, resources
 
 # Flags of `specsplit batch` that are not orchestrator flags (the rest configure every worker's orchestrator).
-BATCH_ONLY = options.FRONT_ONLY | {"input", "output", "workers", "concurrency", "worker_cpus"}
+BATCH_ONLY = options.FRONT_ONLY | {"input", "output", "workers", "concurrency", "worker_cpus", "worker_resources"}
+MAX_ATTEMPTS = 3  # workers a prompt is handed to at most, when the ones before died under it
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,6 +32,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=4, help="generations each worker runs at once")
     parser.add_argument("--worker-cpus", type=float, default=None,
                         help="Ray CPUs per worker (default 1; on a local cluster started here, a share that fits)")
+    parser.add_argument("--worker-resources", default="{}",
+                        help="custom Ray resources each worker's node must have, JSON, e.g. '{\"batch\": 1}'")
     cluster.add_cluster_flags(parser)
     parser.add_argument("--peer-tls-ca", default="", help="CA that signed the draft/target certificates")
     parser.add_argument("--peer-tls-cert", default="", help="client certificate for mTLS to draft/target")
@@ -132,6 +135,7 @@ def run(args) -> int:
         raise ValueError("--workers and --concurrency must be >= 1")
     if args.worker_cpus is not None and args.worker_cpus < 0:
         raise ValueError(f"--worker-cpus must be >= 0, got {args.worker_cpus:g}")
+    worker_resources = placement.parse_resources(args.worker_resources, "--worker-resources")
     specs = batch_files.parse_prompts(_read_input(Path(args.input)))
     output = Path(args.output)
     done = resume(output)
@@ -146,7 +150,7 @@ def run(args) -> int:
         started = cluster.connect(args.ray_address, args.ray_local_cpus)
         start = time.perf_counter()  # tokens/s counts from here: workers starting up and generating
         try:
-            workers = _start_workers(args, argv, min(args.workers, len(todo)), started)
+            workers = _start_workers(args, argv, min(args.workers, len(todo)), started, worker_resources)
             with tqdm(total=len(specs), initial=totals.done_before, desc="batch", unit="prompt", file=sys.stderr,
                       mininterval=0.5) as bar:
                 _drive(workers, todo, args.concurrency, output, totals, bar)
@@ -164,18 +168,21 @@ def run(args) -> int:
     return 1 if totals.failed or stopped else 0
 
 
-def _start_workers(args, argv: list[str], count: int, local: bool) -> list:
-    """``count`` BatchWorker actors, once the cluster has their CPUs free (bounded by --ray-schedule-timeout-s)."""
+def _start_workers(args, argv: list[str], count: int, local: bool, custom: dict[str, float]) -> list:
+    """``count`` BatchWorker actors, once the cluster has their CPUs (and ``custom`` resources) free (bounded by
+    --ray-schedule-timeout-s)."""
     import ray
 
     cap = resources.capacity()
     cpus = resources.size_cpus({"worker": (args.worker_cpus, count)},
                                cap.total().get("CPU", 0.0) if local else None)["worker"]
-    asks = [resources.Ask("batch worker", {"CPU": cpus}, "--worker-cpus, --workers", count)]
+    asks = [resources.Ask("batch worker", {"CPU": cpus, **custom}, "--worker-cpus, --worker-resources, --workers",
+                          count)]
     resources.require(asks, cap, local, "batch")
-    group = resources.reserve(asks, args.ray_schedule_timeout_s, cap, local)  # removed with the job
+    # spread: a node lost mid-batch takes as few workers as it can (their prompts go to the others)
+    group = resources.reserve(asks, args.ray_schedule_timeout_s, cap, local, strategy="SPREAD")  # removed with the job
     worker_cls = ray.remote(BatchWorker)
-    return [worker_cls.options(num_cpus=cpus, max_concurrency=args.concurrency,
+    return [worker_cls.options(num_cpus=cpus, resources=dict(custom), max_concurrency=args.concurrency,
                                **resources.in_bundle(group, asks, "batch worker", i)).remote(argv)
             for i in range(count)]
 
@@ -187,39 +194,58 @@ def _read_input(path: Path) -> str:
 
 
 def _drive(workers, todo, concurrency: int, output: Path, totals: Totals, bar) -> None:
-    """Keep every worker ``concurrency`` prompts busy; write each result as it arrives."""
+    """Keep every worker ``concurrency`` prompts busy; write each result as it arrives.
+
+    A worker that dies (its node lost, its process killed) gets no more prompts, and the prompts it was
+    generating go to the workers left, each at most ``MAX_ATTEMPTS`` times in all: nothing was written for
+    them, so each result is still written once."""
     import ray
 
     queue = iter(todo)
+    again: list = []  # prompts whose worker died under them, handed out before new ones
+    attempts: dict[str, int] = {}
     pending = {}  # ObjectRef -> (spec, worker)
+    busy = {worker: 0 for worker in workers}  # live workers -> prompts in flight
 
-    def submit(worker) -> None:
-        spec = next(queue, None)
-        if spec is not None:
-            pending[worker.generate.remote(spec.fields)] = (spec, worker)
+    def fill() -> None:
+        for worker in list(busy):
+            while busy[worker] < concurrency:
+                spec = again.pop(0) if again else next(queue, None)
+                if spec is None:
+                    return
+                attempts[spec.id] = attempts.get(spec.id, 0) + 1
+                pending[worker.generate.remote(spec.fields)] = (spec, worker)
+                busy[worker] += 1
 
-    for worker in workers:
-        for _ in range(concurrency):
-            submit(worker)
+    fill()
     fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         while pending:
             [ref], _ = ray.wait(list(pending), num_returns=1)
             spec, worker = pending.pop(ref)
+            if worker in busy:
+                busy[worker] -= 1
             try:
                 record = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                busy.pop(worker, None)  # a dead worker gets no more prompts
+                if attempts[spec.id] < MAX_ATTEMPTS and busy:
+                    print(f"specsplit batch: a worker died ({type(exc).__name__}); {spec.id} goes to another",
+                          file=sys.stderr)
+                    again.append(spec)
+                else:
+                    totals.failed.append(f"{spec.id} (line {spec.line}): {type(exc).__name__}: {_first_line(exc)}")
             except ray.exceptions.RayError as exc:
                 totals.failed.append(f"{spec.id} (line {spec.line}): {type(exc).__name__}: {_first_line(exc)}")
-                if isinstance(exc, ray.exceptions.RayActorError):
-                    continue  # a dead worker gets no more prompts
             else:
                 append_record(fd, record)
                 totals.add(record)
                 bar.update(1)
-            submit(worker)
+            fill()
     finally:
         os.close(fd)
-    totals.failed += [f"{spec.id} (line {spec.line}): not attempted, every worker died" for spec in queue]
+    left = [*again, *queue]
+    totals.failed += [f"{spec.id} (line {spec.line}): not attempted, every worker died" for spec in left]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -126,11 +126,12 @@ def refusal(headline: str, asks: list[Ask], cap: Capacity, local: bool) -> str:
     return "\n".join(lines)
 
 
-def reserve(asks: list[Ask], timeout_s: float, cap: Capacity, local: bool, cancelled=None):
+def reserve(asks: list[Ask], timeout_s: float, cap: Capacity, local: bool, cancelled=None, strategy: str = "PACK"):
     """A placement group with one bundle per actor of ``asks``, once Ray has placed it; None if none asks
     anything, or when ``cancelled`` (a threading.Event) is set while it waits.
 
-    Bundles are packed where they fit (strategy PACK, soft). Ray reserves them all or none; after
+    Bundles are packed where they fit (strategy PACK, soft), or spread over the nodes (SPREAD, soft: a lost
+    node then takes as few of them as it can). Ray reserves them all or none; after
     ``timeout_s`` the group is removed and a ValueError says what could not be found free.
     """
     import ray
@@ -139,7 +140,7 @@ def reserve(asks: list[Ask], timeout_s: float, cap: Capacity, local: bool, cance
     bundles = [ask.bundle() for ask in asks for _ in range(ask.count) if ask.bundle()]
     if not bundles:
         return None
-    group = placement_group(bundles, strategy="PACK")
+    group = placement_group(bundles, strategy=strategy)
     ready, deadline = group.ready(), time.monotonic() + timeout_s
     while not ray.wait([ready], timeout=min(RESERVE_POLL_S, max(0.0, deadline - time.monotonic())))[0]:
         if (cancelled is not None and cancelled.is_set()) or time.monotonic() >= deadline:

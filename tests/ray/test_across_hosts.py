@@ -1,4 +1,4 @@
-"""`specsplit up` on a Ray cluster of three nodes, each a host of its own (``specsplit.bench.hosts``: network
+"""`specsplit up` and `specsplit batch` on a Ray cluster of three nodes, each a host of its own (``specsplit.bench.hosts``: network
 namespaces joined through a router host; needs root).
 
 The head runs `specsplit up`, Serve and the orchestrator replica; a draft node and a target node carry
@@ -6,6 +6,9 @@ the custom resources ``draft_node`` and ``target_node``, and `up` places each se
 and driver authenticates with one token (``specsplit.bench.ray_hosts``). A client on a fourth host reaches
 the gRPC front and Serve's HTTP proxy on the head; the output is the target's own greedy text, drafted by
 the draft on its node. A SIGTERM to `up` after that traffic stops it in order, exit 0, no Ray error lines.
+A `specsplit batch` whose workers are spread over two nodes loses one of them mid-batch (every process on
+that host killed, its link down): the prompts that worker held go to the other, and the output has every
+prompt once, each the target's own greedy text. The batch test runs last: it takes a node away.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.skipif(WHY_NOT is not None, reason=f"
 HTTP_PORT = 8000  # Serve's proxy, on the head's own address
 UP_TIMEOUT_S = 300.0
 REFUSAL_WITHIN_S = 60.0
+NODE_LOSS_S = 3.0
+BATCH_COPIES = 3  # of TINY_PROMPTS
 OPENAI_CLIENT = """
 import json, sys, openai
 base, prompt = sys.argv[1:3]
@@ -42,11 +47,13 @@ print(json.dumps(done.choices[0].text))
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """Head, draft node and target node (each also a ``batch_node``), a client host and a services host; the
+    head declares a silent node dead after about 3 s."""
     work = tmp_path_factory.mktemp("ray-hosts")
-    with hosts.Hosts(["head", "draft-node", "target-node", "client"]) as net:
-        with RayNodes(net, "head", {"draft-node": {"draft_node": 1}, "target-node": {"target_node": 1}},
-                      work) as nodes:
-            yield net, nodes, work
+    with hosts.Hosts(["head", "draft-node", "target-node", "client", "services"]) as net:
+        nodes = {"draft-node": {"draft_node": 1, "batch_node": 1}, "target-node": {"target_node": 1, "batch_node": 1}}
+        with RayNodes(net, "head", nodes, work, node_loss_s=NODE_LOSS_S) as ray_nodes:
+            yield net, ray_nodes, work
 
 
 def start_up(net, nodes: RayNodes, work: Path, target: Path, draft: Path) -> tuple[subprocess.Popen, int, Path]:
@@ -135,3 +142,46 @@ def test_a_driver_without_the_clusters_token_is_refused(cluster):
         driver.wait(10)
     assert seen and ("Unauthenticated" in seen[-1] or "InvalidAuthToken" in seen[-1]), "".join(seen)[-3000:]
     assert not any("joined" in line for line in seen)
+
+
+def test_a_batch_that_loses_a_node_finishes_every_prompt_once_on_the_nodes_left(
+        cluster, tiny_target_dir, tiny_draft_dir, tiny_reference, gguf_tokenizer):
+    net, nodes, work = cluster
+    services = {role: net.start_service("services", f"specsplit.{role}_service.server", role, ["--model", str(model)],
+                                        work) for role, model in (("target", tiny_target_dir), ("draft", tiny_draft_dir))}
+    _, expected = tiny_reference
+    lines = [{"id": f"c{copy}-p{i}", "prompt": prompt, "chat": False, "max_new_tokens": 24}
+             for copy in range(BATCH_COPIES) for i, prompt in enumerate(TINY_PROMPTS)]
+    prompts, output = work / "prompts.jsonl", work / "results.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "specsplit.cli", "batch", "--input", str(prompts), "--output", str(output),
+            "--ray-address", nodes.address, "--workers", "2", "--concurrency", "2", "--worker-cpus", "0",
+            "--worker-resources", '{"batch_node": 1}', "--k", "4", "--tokenizer", str(tiny_target_dir),
+            "--target", net.reach("services", services["target"]), "--draft", net.reach("services", services["draft"])]
+    log_path = work / "batch.log"
+    with log_path.open("w") as log:
+        batch = net.popen("head", argv, stdout=log, stderr=subprocess.STDOUT, env=nodes.env)
+    try:
+        deadline = time.monotonic() + 240
+        while (output.read_bytes().count(b"\n") if output.exists() else 0) < 3:
+            assert batch.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no results within 240 s"
+            time.sleep(0.05)
+        nodes.kill("target-node")  # one of the two workers' nodes: the spread put one on each
+        code = batch.wait(300)
+    finally:
+        if batch.poll() is None:
+            batch.kill()
+            batch.wait(10)
+    log = log_path.read_text()
+    assert code == 0, log[-4000:]
+    assert "a worker died" in log, log[-4000:]  # it held prompts when its node went
+    n = len(lines)
+    assert f"{n}/{n} prompts done (0 before, {n} now, 0 refused, 0 failed)" in log, log[-4000:]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == sorted(line["id"] for line in lines)  # each once
+    for record in records:
+        i = int(record["id"].rsplit("-p", 1)[1])
+        assert record["text"] == gguf_tokenizer.decode(expected[i], skip_special_tokens=True), record["id"]
+    assert sorted(nodes.alive_nodes()) == sorted(net.address(h) for h in ("head", "draft-node"))
