@@ -30,7 +30,7 @@ from specsplit.orchestrator.limits import Slots, longest_token_bytes, prompt_byt
 from specsplit.orchestrator.links import NO_DRAFT, DraftLink, TargetLink
 from specsplit.orchestrator.loop import Finish, LoopConfig, LoopStats, speculative_decode
 from specsplit.orchestrator.mux import Mux
-from specsplit.orchestrator.peers import ServiceClient, draft_client, peer_tokens, target_client
+from specsplit.orchestrator.peers import Pool, draft_pool, peer_tokens, target_pool
 from specsplit.orchestrator.policy.controller import AdaptiveK, Controller, Drafters, FixedK
 from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
 from specsplit.orchestrator.tool_parsers import FORMATS
@@ -142,7 +142,7 @@ def read_chat_template(path: str) -> str:
 
 
 class Orchestrator:
-    def __init__(self, config: OrchestratorConfig, tokenizer, target: ServiceClient, draft: ServiceClient | None):
+    def __init__(self, config: OrchestratorConfig, tokenizer, target: Pool, draft: Pool | None):
         self.config = config
         self.tokenizer = tokenizer
         self.target = target
@@ -181,22 +181,25 @@ class Orchestrator:
         if config.chat_template:
             tokenizer.chat_template = read_chat_template(config.chat_template)
         tokens = peer_tokens(config.peer_token_file)
-        target = target_client(config.target_address, config.peer_tls, tokens)
-        draft = draft_client(config.draft_address, config.peer_tls, tokens) if config.draft_address else None
+        target = target_pool(config.target_address, config.peer_tls, tokens)
+        draft = draft_pool(config.draft_address, config.peer_tls, tokens) if config.draft_address else None
         if config.shared_stream_from:
-            target.mux = Mux(target.stub.Sessions, pb.TargetCall, pb.TargetCalls, "target")
-            if draft is not None:
-                draft.mux = Mux(draft.stub.Sessions, pb.DraftCall, pb.DraftCalls, "draft")
+            for replica in target.replicas:
+                replica.mux = Mux(replica.stub.Sessions, pb.TargetCall, pb.TargetCalls, "target")
+            for replica in draft.replicas if draft is not None else ():
+                replica.mux = Mux(replica.stub.Sessions, pb.DraftCall, pb.DraftCalls, "draft")
         target_info = await target.fetch_info(config.connect_timeout_s)
-        if target.mux is not None:
-            target.mux.max_bytes = target_info.max_request_bytes
+        for replica in target.replicas:  # alike in a pool (a replica that joins later: the same model and bound)
+            if replica.mux is not None:
+                replica.mux.max_bytes = target_info.max_request_bytes
         check_pair(
             "tokenizer", config.tokenizer, models.vocab_fingerprint(tokenizer), "target", target_info
         )
         if draft is not None:
             draft_info = await draft.fetch_info(config.connect_timeout_s)
-            if draft.mux is not None:
-                draft.mux.max_bytes = draft_info.max_request_bytes
+            for replica in draft.replicas:
+                if replica.mux is not None:
+                    replica.mux.max_bytes = draft_info.max_request_bytes
             if draft_info.vocab_fingerprint:  # model-free drafters accept any vocabulary
                 check_pair("target", target_info.model_id, target_info.vocab_fingerprint, "draft", draft_info)
                 if draft_info.vocab_size != target_info.vocab_size:

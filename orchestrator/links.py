@@ -27,7 +27,7 @@ import grpc
 
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.wire import join_features
-from specsplit.orchestrator.peers import DraftStream, OwnStream, PeerError, ServiceClient, TargetStream
+from specsplit.orchestrator.peers import RETRYABLE, DraftStream, OwnStream, PeerError, Pool, ServiceClient, TargetStream
 from specsplit.orchestrator.policy.controller import Controller
 from specsplit.orchestrator.policy.measure import RttEstimator
 from specsplit.v1 import specsplit_pb2 as pb
@@ -35,18 +35,6 @@ from specsplit.v1 import specsplit_pb2 as pb
 log = logging.getLogger(__name__)
 
 _HELD_SUCCESSORS = 16  # the target's successor reports a draft link holds for the next proposal, the latest kept
-
-# Codes after which a new session may succeed (restart, eviction, a stall). RESOURCE_EXHAUSTED goes to the client.
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-}
-
 
 @dataclass(frozen=True)
 class LinkPolicy:
@@ -70,11 +58,12 @@ def _new_id() -> str:
 
 
 class _SessionLink:
-    """One generation's session on a service: its stream (None while there is none) and how to open one."""
+    """One generation's session on a service: its stream (None while there is none) and how to open one, on the
+    replica of the service's pool that ``Pool.place`` picks at each open."""
 
-    def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], object],
+    def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], object],
                  policy: LinkPolicy, shared: bool = False) -> None:
-        self._client = client
+        self._pool = pool
         self._open_msg = open_msg  # (session id, committed tokens) -> the service's open message
         self._policy = policy
         self._shared = shared  # on the client's shared Sessions stream (where it has one)
@@ -85,17 +74,21 @@ class _SessionLink:
             stream, self._stream = self._stream, None
             await stream.close()
 
-    def _transport(self, request_type, peer: str):
-        """A new session's calls: on the client's shared stream where this link uses it, else on a stream of its
-        own."""
-        mux = self._client.mux if self._shared else None
-        return mux.session() if mux is not None else OwnStream(self._client.stub.Session(), request_type, peer)
+    def _transport(self, request_type, peer: str, session_id: str, prefer: str = ""):
+        """A new session's calls, on a replica of the pool (``prefer``: the one holding that session, a fork's
+        source): on the replica's shared stream where this link uses it, else on a stream of its own."""
+
+        def on(replica: ServiceClient):
+            mux = replica.mux if self._shared else None
+            return mux.session() if mux is not None else OwnStream(replica.stub.Session(), request_type, peer)
+
+        return self._pool.place(session_id, on, prefer)
 
 
 class TargetLink(_SessionLink):
-    def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
+    def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
                  policy: LinkPolicy, rtt: RttEstimator | None = None, shared: bool = False) -> None:
-        super().__init__(client, open_msg, policy, shared)
+        super().__init__(pool, open_msg, policy, shared)
         self._stream: TargetStream | None = None
         self._opened = 0
         self._rtt = rtt if rtt is not None else RttEstimator()  # this target's link, shared by its sessions
@@ -113,9 +106,9 @@ class TargetLink(_SessionLink):
         return max(self._opened - 1, 0)
 
     async def open(self, committed: Sequence[int]) -> None:
-        stream = TargetStream(self._transport(pb.TargetRequest, "target"))
         message = self._open_msg(_new_id(), committed)
         message.fork_from = self.fork_from
+        stream = TargetStream(self._transport(pb.TargetRequest, "target", message.session_id, self.fork_from))
         try:
             async with asyncio.timeout(self._policy.target_timeout_s):
                 await stream.open(message)
@@ -132,7 +125,7 @@ class TargetLink(_SessionLink):
         try:
             await self.open(committed)
         except (PeerError, asyncio.TimeoutError) as exc:
-            if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
+            if isinstance(exc, PeerError) and exc.code not in RETRYABLE:
                 raise
             return False
         return True
@@ -162,14 +155,14 @@ class TargetLink(_SessionLink):
                     self.prompt_logprobs = list(result.prompt_logprobs)
                 return result
             except (PeerError, asyncio.TimeoutError) as exc:
-                if isinstance(exc, PeerError) and exc.code not in _RETRYABLE:
+                if isinstance(exc, PeerError) and exc.code not in RETRYABLE:
                     raise
                 self.abort()
                 if time.monotonic() > deadline:
                     reason = exc.details if isinstance(exc, PeerError) else "timed out"
                     raise PeerError(
                         "target", grpc.StatusCode.UNAVAILABLE,
-                        f"the target at {self._client.address} stayed unavailable for "
+                        f"the target at {self._pool.address} stayed unavailable for "
                         f"{self._policy.target_deadline_s:.0f} s ({reason})",
                     ) from None
                 log.warning("target failed (%s); re-opening the session from %d committed tokens", exc, len(committed))
@@ -211,9 +204,9 @@ class DraftLink(_SessionLink):
     the draft past a request's deadline.
     """
 
-    def __init__(self, client: ServiceClient, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
+    def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
                  policy: LinkPolicy, controller: Controller, shared: bool = False) -> None:
-        super().__init__(client, open_msg, policy, shared)
+        super().__init__(pool, open_msg, policy, shared)
         self._stream: DraftStream | None = None
         self._controller = controller  # how long a round waits for a reply, and who learns from each
         self._synced = 0  # the draft holds committed[:_synced]
@@ -246,9 +239,9 @@ class DraftLink(_SessionLink):
         return self._tail is not None and not self._tail.task.done()
 
     async def open(self, committed: Sequence[int]) -> bool:
-        stream = DraftStream(self._transport(pb.DraftRequest, "draft"))
         message = self._open_msg(_new_id(), committed)
         message.fork_from = self.fork_from
+        stream = DraftStream(self._transport(pb.DraftRequest, "draft", message.session_id, self.fork_from))
         try:
             async with asyncio.timeout(self._policy.draft_timeout_s):
                 await stream.open(message)

@@ -7,7 +7,9 @@ skips a call's set-up on every round.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import grpc
@@ -18,6 +20,8 @@ from specsplit.lmkit.grpc_server import CHANNEL_OPTIONS
 from specsplit.lmkit.security import ClientTls
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 
 class PeerError(Exception):
@@ -149,9 +153,9 @@ class DraftStream(_Session):
         return await self._transport.call("propose", msg)
 
 
-@dataclass
+@dataclass(eq=False)
 class ServiceClient:
-    """Stub plus identity of one service."""
+    """Stub plus identity of one service (one replica of a ``Pool``)."""
 
     address: str
     channel: grpc.aio.Channel
@@ -159,6 +163,8 @@ class ServiceClient:
     info: pb.ModelInfo | None = None
     mux: object | None = None  # every session on one Sessions stream (orchestrator.mux.Mux); None: a stream each
     kind: str = "service"  # "target" or "draft", as messages name it
+    sessions: int = 0  # this orchestrator's sessions open here (``Pool.place``)
+    failed_at: float = field(default=-float("inf"))  # time.monotonic() of the last call here that failed
 
     async def fetch_info(self, timeout_s: float) -> pb.ModelInfo:
         """Wait up to ``timeout_s`` for the service to load and answer ``Info``."""
@@ -190,6 +196,211 @@ class ServiceClient:
         if self.mux is not None:
             await self.mux.close()
         await self.channel.close()
+
+
+# A call's failure after which another replica may serve the session (restart, eviction, a stall).
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+})
+AVOID_FAILED_S = 5.0  # a replica whose call failed gets no new session for this long while another can take it
+JOIN_GRACE_S = 1.0  # at connect, how long the other replicas may take to answer once one has
+JOIN_RETRY_S = 2.0  # between Info calls to a replica that did not answer at connect
+# Fields of ModelInfo every replica of a pool must report alike: they serve one model, one way.
+SAME_IN_A_POOL = ("model_id", "vocab_fingerprint", "vocab_size", "max_context", "max_block", "hidden_size",
+                  "token_trees")
+
+
+class Pool:
+    """The replicas of one service behind one ``--target``/``--draft`` value (addresses separated by commas).
+
+    Each session is placed on the replica with the fewest of this orchestrator's sessions, and stays there
+    for its life (its stream is its own, or its replica's shared stream). A replica whose call failed gets no
+    new session for ``AVOID_FAILED_S`` while another can take it, so a session re-opened after its replica
+    died (re-prefilled from the committed tokens, as after a restart) lands on a live one. Every replica must
+    serve the same model (``SAME_IN_A_POOL``); calls that are not a session's (``Info``, ``Stats``) go to the
+    replica a new session would."""
+
+    def __init__(self, replicas: Sequence[ServiceClient]) -> None:
+        if not replicas:
+            raise ValueError("a pool needs at least one replica")
+        self.replicas = list(replicas)
+        self.kind = self.replicas[0].kind
+        self._where: dict[str, ServiceClient] = {}  # open session id -> its replica
+        self._first: ServiceClient | None = None  # the replica whose Info the pool's is
+        self._joining: set[asyncio.Task] = set()  # replicas that did not answer at connect, still asked
+
+    @property
+    def address(self) -> str:
+        return ",".join(replica.address for replica in self.replicas)
+
+    @property
+    def info(self) -> pb.ModelInfo | None:
+        return self._first.info if self._first is not None else None
+
+    @property
+    def live(self) -> list[ServiceClient]:
+        """Replicas that answered ``Info`` as this pool's model: those sessions go to."""
+        return [replica for replica in self.replicas if replica.info is not None]
+
+    @property
+    def stub(self):
+        return self.choose().stub
+
+    def choose(self, prefer: str = "") -> ServiceClient:
+        """The replica for a new session: the one holding session ``prefer`` (a fork's source) if it has not
+        failed lately, else the one with the fewest sessions among those that have not, else among all."""
+        now = time.monotonic()
+        live = self.live or self.replicas
+        fresh = [r for r in live if now - r.failed_at > AVOID_FAILED_S] or live
+        preferred = self._where.get(prefer)
+        if preferred is not None and any(replica is preferred for replica in fresh):
+            return preferred
+        return min(fresh, key=lambda r: (r.sessions, r.failed_at))
+
+    def place(self, session_id: str, transport_on, prefer: str = "") -> "Placed":
+        """A new session's transport (``transport_on(replica)``) on the replica ``choose`` picks."""
+        replica = self.choose(prefer)
+        replica.sessions += 1
+        self._where[session_id] = replica
+        return Placed(transport_on(replica), self, replica, session_id)
+
+    def _release(self, replica: ServiceClient, session_id: str) -> None:
+        replica.sessions -= 1
+        if self._where.get(session_id) is replica:
+            del self._where[session_id]
+
+    async def fetch_info(self, timeout_s: float) -> pb.ModelInfo:
+        """The pool's model, once a replica answers ``Info`` (``ServiceClient.fetch_info``, within ``timeout_s``).
+        The others get ``JOIN_GRACE_S`` more; those that answer by then must serve the same model (else a
+        ValueError naming both), and those that do not are asked again in the background and take sessions
+        once they answer as the same model (a replica down at start does not hold the orchestrator up)."""
+        asking = {asyncio.ensure_future(replica.fetch_info(timeout_s)): replica for replica in self.replicas}
+        first_error: BaseException | None = None
+        pending = set(asking)
+        while pending and self._first is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is not None:
+                    first_error = first_error or task.exception()
+                elif self._first is None:
+                    self._first = asking[task]
+        if self._first is None:
+            raise first_error
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=JOIN_GRACE_S)
+        mismatch: ValueError | None = None
+        for task, replica in asking.items():
+            if task in pending:
+                task.cancel()
+                self._join_later(replica, timeout_s)
+            elif task.exception() is not None:
+                replica.info = None
+                self._join_later(replica, timeout_s)
+            elif replica is not self._first:
+                try:
+                    self._check_same(replica)
+                except ValueError as exc:
+                    mismatch = mismatch or exc
+        if mismatch is not None:
+            await self.close()
+            raise mismatch
+        return self._first.info
+
+    def _check_same(self, replica: ServiceClient) -> None:
+        """A ValueError naming both when ``replica`` serves another model than the pool's (it then takes none)."""
+        first, mine = self._first.info, replica.info
+        for name in SAME_IN_A_POOL:
+            if getattr(mine, name) != getattr(first, name):
+                replica.info = None
+                raise ValueError(
+                    f"the {self.kind} replicas at {self._first.address} and {replica.address} differ in {name} "
+                    f"({getattr(first, name)!r} and {getattr(mine, name)!r}); a pool serves one model"
+                )
+
+    def _join_later(self, replica: ServiceClient, timeout_s: float) -> None:
+        """Ask ``replica`` for ``Info`` until it answers; it takes sessions once it answers as the pool's model."""
+
+        async def join() -> None:
+            while True:
+                try:
+                    await replica.fetch_info(timeout_s)
+                except errors.Unavailable:
+                    await asyncio.sleep(JOIN_RETRY_S)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - any other refusal: logged, the replica left out
+                    replica.info = None
+                    log.error("%s replica at %s left out of the pool: %s", self.kind, replica.address, exc)
+                    return
+                try:
+                    self._check_same(replica)
+                except ValueError as exc:
+                    log.error("%s", exc)
+                    return
+                log.info("%s replica at %s joined the pool", self.kind, replica.address)
+                return
+
+        task = asyncio.ensure_future(join())
+        self._joining.add(task)
+        task.add_done_callback(self._joining.discard)
+
+    async def stats(self) -> pb.StatsResponse:
+        return await self.stub.Stats(pb.StatsRequest())
+
+    async def close(self) -> None:
+        for task in list(self._joining):
+            task.cancel()
+        await asyncio.gather(*self._joining, return_exceptions=True)
+        await asyncio.gather(*(replica.close() for replica in self.replicas))
+
+
+class Placed:
+    """A session's transport on one replica of a ``Pool``: counted there until closed or aborted, and the
+    replica marked failed when a call on it fails in a way another replica may not."""
+
+    def __init__(self, transport, pool: Pool, replica: ServiceClient, session_id: str) -> None:
+        self._transport = transport
+        self._pool = pool
+        self.replica = replica
+        self._session_id = session_id
+        self._placed = True
+
+    async def call(self, kind: str, message):
+        try:
+            return await self._transport.call(kind, message)
+        except PeerError as exc:
+            if exc.code in RETRYABLE:
+                self.replica.failed_at = time.monotonic()
+            raise
+
+    def _release(self) -> None:
+        if self._placed:
+            self._placed = False
+            self._pool._release(self.replica, self._session_id)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        self._release()
+        await self._transport.close(timeout_s)
+
+    def abort(self) -> None:
+        self._release()
+        self._transport.abort()
+
+
+def replica_addresses(value: str) -> list[str]:
+    """``--target``/``--draft`` as replica addresses: separated by commas, except a gRPC ``ipv4:``/``ipv6:``
+    address list, which is one channel's."""
+    if value.startswith(("ipv4:", "ipv6:")):
+        return [value]
+    addresses = [part.strip() for part in value.split(",")]
+    if any(not address for address in addresses):
+        raise ValueError(f"{value!r}: an empty address in the list; separate replicas with single commas")
+    return addresses
 
 
 class PeerStub:
@@ -226,3 +437,11 @@ def target_client(address: str, tls: ClientTls | None = None, tokens: Tokens | N
 def draft_client(address: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> ServiceClient:
     channel = open_channel(address, tls)
     return ServiceClient(address, channel, PeerStub(pb_grpc.DraftServiceStub(channel), tokens), kind="draft")
+
+
+def target_pool(addresses: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> Pool:
+    return Pool([target_client(address, tls, tokens) for address in replica_addresses(addresses)])
+
+
+def draft_pool(addresses: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> Pool:
+    return Pool([draft_client(address, tls, tokens) for address in replica_addresses(addresses)])

@@ -43,8 +43,11 @@ log = logging.getLogger(__name__)
 
 
 def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:50052", help="target service address")
-    parser.add_argument("--draft", default="127.0.0.1:50051", help="draft service address; '' = target-only")
+    parser.add_argument("--target", default="127.0.0.1:50052",
+                        help="target service address; several replicas separated by commas (a pool: each session "
+                             "on the least loaded, moved to another when its replica fails)")
+    parser.add_argument("--draft", default="127.0.0.1:50051",
+                        help="draft service address, or replicas separated by commas; '' = target-only")
     parser.add_argument("--tokenizer", default=models.DEFAULT_MODEL, help="tokenizer (model reference) of the target")
     parser.add_argument("--k", type=int, default=DEFAULT_K, help="default draft block size")
     parser.add_argument(

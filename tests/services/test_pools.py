@@ -1,0 +1,154 @@
+"""Pools: `--target a,b` and `--draft c,d`, each session on the least loaded replica, moved when its replica dies.
+
+Real service processes on loopback, two target replicas and two draft replicas of the tiny models. Sessions
+spread over both of each; a replica killed mid-generation (SIGKILL) loses nothing: the sessions it held are
+re-opened on the other from the committed tokens, and every output is still the target's own greedy text.
+Replicas of different models are refused at connect, naming both. The kill tests run last in the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+
+from specsplit.lmkit import models
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.processes import start_service
+from specsplit.lmkit.sampling import SamplingParams
+from specsplit.orchestrator.config import OrchestratorConfig
+from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.peers import draft_client, target_client
+from tests.conftest import TINY_PROMPTS, reference_greedy, run_async
+
+pytestmark = pytest.mark.services
+
+LONG_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, tiny_target_dir, tiny_draft_dir):
+    """{"targets": [2], "drafts": [2]} service processes of the tiny models."""
+    work = tmp_path_factory.mktemp("pools")
+    started = {"targets": [], "drafts": []}
+    try:
+        for i in range(2):
+            started["targets"].append(start_service("specsplit.target_service.server", f"target-{i}",
+                                                    ["--model", str(tiny_target_dir)], work))
+            started["drafts"].append(start_service("specsplit.draft_service.server", f"draft-{i}",
+                                                   ["--model", str(tiny_draft_dir)], work))
+        yield started
+    finally:
+        for service in (*started["targets"], *started["drafts"]):
+            service.stop(5)
+
+
+def addresses(services) -> str:
+    return ",".join(service.address for service in services)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_target_dir, gguf_tokenizer):
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    prompts = [gguf_tokenizer.encode(p) for p in TINY_PROMPTS[:4]]
+    return prompts, [reference_greedy(model, ids, LONG_TOKENS) for ids in prompts]
+
+
+def request(tokens: int) -> GenerationRequest:
+    return GenerationRequest("", False, tokens, SamplingParams(), (), 4, DrafterKind.MODEL, False)
+
+
+async def generate(orch: Orchestrator, prompt: list[int], tokens: int, started: asyncio.Event | None = None):
+    """(ids, the last event's stats)."""
+    ids, last = [], None
+    async for event in orch.generate(request(tokens), prompt):
+        ids += event.token_ids
+        last = event
+        if started is not None and len(ids) >= 16:
+            started.set()
+    return ids, last.stats
+
+
+async def opened(services) -> list[int]:
+    """Sessions each service has opened since it started."""
+    counts = []
+    for service in services:
+        client = (target_client if service.name.startswith("target") else draft_client)(service.address)
+        try:
+            counts.append((await client.stats()).sessions_opened)
+        finally:
+            await client.close()
+    return counts
+
+
+def connect(replicas, folder: Path) -> Orchestrator:
+    """An orchestrator over both pools; a lost draft re-attached within 0.1 s (the generations here are short)."""
+    config = OrchestratorConfig(addresses(replicas["targets"]), addresses(replicas["drafts"]), str(folder),
+                                link_policy=LinkPolicy(draft_retry_s=0.1))
+    return Orchestrator.connect(config)
+
+
+def test_sessions_spread_over_the_replicas_and_keep_the_targets_greedy_output(replicas, tiny_target_dir,
+                                                                               tiny_reference):
+    prompts, expected = tiny_reference
+
+    async def go():
+        before = await opened([*replicas["targets"], *replicas["drafts"]])
+        orch = await connect(replicas, tiny_target_dir)
+        try:
+            done = await asyncio.gather(*(generate(orch, prompts[i], 24) for i in range(4)))
+        finally:
+            await orch.close()
+        after = await opened([*replicas["targets"], *replicas["drafts"]])
+        return done, [b - a for a, b in zip(before, after)]
+
+    done, new_sessions = run_async(go())
+    assert [ids for ids, _ in done] == expected[:4]
+    assert new_sessions == [2, 2, 2, 2], new_sessions  # four sessions: two on each target, two on each draft
+    assert all(stats.drafted_tokens > 0 for _, stats in done)
+
+
+def test_replicas_of_different_models_are_refused_at_connect_naming_both(replicas, tiny_draft_dir, tiny_target_dir,
+                                                                        tmp_path):
+    other = start_service("specsplit.draft_service.server", "draft-other", ["--model", str(tiny_target_dir)], tmp_path)
+    try:
+        config = OrchestratorConfig(replicas["targets"][0].address,
+                                    f"{replicas['drafts'][0].address},{other.address}", str(tiny_target_dir))
+        with pytest.raises(ValueError, match=rf"draft replicas at {replicas['drafts'][0].address} and "
+                                             rf"{other.address} differ in model_id"):
+            run_async(Orchestrator.connect(config))
+    finally:
+        other.stop(5)
+
+
+@pytest.mark.parametrize("role", ["drafts", "targets"])
+def test_a_replica_killed_mid_generation_loses_nothing(replicas, role, tiny_target_dir, long_reference):
+    """Two long generations, one on each replica; one replica is SIGKILLed once both stream. A target's sessions
+    re-open on the other target; a draft's re-attach to the other draft."""
+    prompts, expected = long_reference
+
+    async def go():
+        orch = await connect(replicas, tiny_target_dir)
+        try:
+            started = [asyncio.Event(), asyncio.Event()]
+            runs = [asyncio.ensure_future(generate(orch, prompts[i], LONG_TOKENS, started[i])) for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
+            replicas[role][0].process.send_signal(signal.SIGKILL)
+            return await asyncio.gather(*runs)
+        finally:
+            await orch.close()
+
+    try:
+        done = run_async(go())
+    finally:
+        replicas[role][0].process.wait(10)
+    assert [ids for ids, _ in done] == expected[:2]
+    stats = [s for _, s in done]
+    if role == "targets":
+        assert sum(s.target_reopens for s in stats) >= 1, stats
+    else:  # re-attached: to the survivor, the killed one being gone
+        assert sum(s.draft_reattached for s in stats) >= 1, stats
+    assert all(s.drafted_tokens > 0 for s in stats)  # the killed replica's sessions drafted on the survivor
