@@ -126,6 +126,7 @@ def _delete_namespace(ns: str) -> None:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
     _run(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)  # its hosts file (``Hosts.set_names``)
 
 
 class Hosts:
@@ -164,6 +165,7 @@ class Hosts:
                 service.stop(5)
         for ns in self.namespaces.values():
             _delete_namespace(ns)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
     # -- addresses and commands -------------------------------------------------------------------------
     def address(self, host: str) -> str:
@@ -183,15 +185,29 @@ class Hosts:
         return subprocess.Popen(self.command(host, argv), **kwargs)
 
     def start_service(
-        self, host: str, module: str, name: str, args: list[str], workdir: Path, timeout_s: float = 600.0
+        self, host: str, module: str, name: str, args: list[str], workdir: Path, timeout_s: float = 600.0,
+        port: int = 0,
     ) -> ServiceProcess:
-        """``python -m module`` serving on the host's home address; stopped when the block ends.
-        Its ``address`` is loopback inside the host: others reach it at ``reach(host, service)``."""
+        """``python -m module`` serving on the host's home address (on ``port``, 0: a free one); stopped when
+        the block ends. Others reach it at ``reach(host, service)``."""
         service = start_service(
-            module, name, [*args, "--host", self.address(host)], workdir, timeout_s, wrap=self.command(host, [])
+            module, name, [*args, "--host", self.address(host)], workdir, timeout_s, port=port,
+            wrap=self.command(host, []),
         )
         self._services.append(service)
         return service
+
+    def set_names(self, host: str, names: dict[str, list[str]]) -> None:
+        """What each name resolves to inside ``host``: its own hosts file, which ``ip netns exec`` mounts over
+        /etc/hosts for every command it starts there (``/etc/netns/NS/hosts``). Write it before starting a
+        process that needs it; a rewrite is in place, so processes already running see the new addresses."""
+        folder = Path("/etc/netns") / self.namespaces[host]
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = ["127.0.0.1 localhost", *(f"{address} {name}" for name, found in names.items() for address in found)]
+        with open(folder / "hosts", "r+" if (folder / "hosts").exists() else "w") as f:
+            f.seek(0)
+            f.write("\n".join(lines) + "\n")
+            f.truncate()
 
     def reach(self, host: str, service: ServiceProcess) -> str:
         """HOST:PORT where the other hosts reach ``service`` running on ``host``."""

@@ -56,6 +56,7 @@ class OrchestratorConfig:
     # (it included), else on streams of its own: one message a step for many sessions, and no shared stream's
     # extra hand-offs for a session alone. 1: always shared; 0: never.
     shared_stream_from: int = 4
+    resolve_every_s: float = 10.0  # a dns:///NAME:PORT pool's name is resolved again this often
     # "auto": the target's generation_config.json sampling defaults fill what a request leaves unset; "ignore": not.
     generation_config: str = "auto"
     chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's; empty: the tokenizer's
@@ -97,6 +98,8 @@ class OrchestratorConfig:
             raise ValueError(
                 f"--sampling-mode must be token-only or coupled (draft-probs is per request), got {self.default_sampling_mode}"
             )
+        if self.resolve_every_s <= 0:
+            raise ValueError(f"--resolve-every-s must be > 0, got {self.resolve_every_s}")
         if self.shared_stream_from < 0:
             raise ValueError(f"--shared-stream-from must be >= 0 (0: never), got {self.shared_stream_from}")
         if self.generation_config not in ("auto", "ignore"):

@@ -141,6 +141,12 @@ def read_chat_template(path: str) -> str:
     return text
 
 
+def shared_stream(replica, call_type, calls_type, info: pb.ModelInfo) -> None:
+    """Give ``replica`` a shared Sessions stream (``orchestrator.mux``), its messages bounded as ``info`` says."""
+    replica.mux = Mux(replica.stub.Sessions, call_type, calls_type, replica.kind)
+    replica.mux.max_bytes = info.max_request_bytes
+
+
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, tokenizer, target: Pool, draft: Pool | None):
         self.config = config
@@ -181,25 +187,19 @@ class Orchestrator:
         if config.chat_template:
             tokenizer.chat_template = read_chat_template(config.chat_template)
         tokens = peer_tokens(config.peer_token_file)
-        target = target_pool(config.target_address, config.peer_tls, tokens)
-        draft = draft_pool(config.draft_address, config.peer_tls, tokens) if config.draft_address else None
-        if config.shared_stream_from:
-            for replica in target.replicas:
-                replica.mux = Mux(replica.stub.Sessions, pb.TargetCall, pb.TargetCalls, "target")
-            for replica in draft.replicas if draft is not None else ():
-                replica.mux = Mux(replica.stub.Sessions, pb.DraftCall, pb.DraftCalls, "draft")
+        target = target_pool(config.target_address, config.peer_tls, tokens, config.resolve_every_s)
+        draft = (draft_pool(config.draft_address, config.peer_tls, tokens, config.resolve_every_s)
+                 if config.draft_address else None)
         target_info = await target.fetch_info(config.connect_timeout_s)
-        for replica in target.replicas:  # alike in a pool (a replica that joins later: the same model and bound)
-            if replica.mux is not None:
-                replica.mux.max_bytes = target_info.max_request_bytes
+        if config.shared_stream_from:  # a Sessions stream per replica, bounded alike (a pool serves one model)
+            target.prepare(lambda replica: shared_stream(replica, pb.TargetCall, pb.TargetCalls, target_info))
         check_pair(
             "tokenizer", config.tokenizer, models.vocab_fingerprint(tokenizer), "target", target_info
         )
         if draft is not None:
             draft_info = await draft.fetch_info(config.connect_timeout_s)
-            for replica in draft.replicas:
-                if replica.mux is not None:
-                    replica.mux.max_bytes = draft_info.max_request_bytes
+            if config.shared_stream_from:
+                draft.prepare(lambda replica: shared_stream(replica, pb.DraftCall, pb.DraftCalls, draft_info))
             if draft_info.vocab_fingerprint:  # model-free drafters accept any vocabulary
                 check_pair("target", target_info.model_id, target_info.vocab_fingerprint, "draft", draft_info)
                 if draft_info.vocab_size != target_info.vocab_size:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
@@ -44,9 +45,9 @@ RECONNECT_OPTIONS = [
 ]
 
 
-def open_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
+def open_channel(address: str, tls: ClientTls | None = None, options: Sequence[tuple[str, object]] = ()):
     """A channel to a draft or target service, sized for the largest message (draft probabilities)."""
-    return security.open_channel(address, tls, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+    return security.open_channel(address, tls, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, *options])
 
 
 class OwnStream:
@@ -164,7 +165,9 @@ class ServiceClient:
     mux: object | None = None  # every session on one Sessions stream (orchestrator.mux.Mux); None: a stream each
     kind: str = "service"  # "target" or "draft", as messages name it
     sessions: int = 0  # this orchestrator's sessions open here (``Pool.place``)
+    opened: int = 0  # sessions placed here so far: ties go to the replica given fewer
     failed_at: float = field(default=-float("inf"))  # time.monotonic() of the last call here that failed
+    gone: bool = False  # its address no longer resolves from the pool's name: no new session
 
     async def fetch_info(self, timeout_s: float) -> pb.ModelInfo:
         """Wait up to ``timeout_s`` for the service to load and answer ``Info``."""
@@ -211,6 +214,7 @@ RETRYABLE = frozenset({
 AVOID_FAILED_S = 5.0  # a replica whose call failed gets no new session for this long while another can take it
 JOIN_GRACE_S = 1.0  # at connect, how long the other replicas may take to answer once one has
 JOIN_RETRY_S = 2.0  # between Info calls to a replica that did not answer at connect
+RESOLVE_EVERY_S = 10.0  # a dns:/// pool's name is resolved again this often
 # Fields of ModelInfo every replica of a pool must report alike: they serve one model, one way.
 SAME_IN_A_POOL = ("model_id", "vocab_fingerprint", "vocab_size", "max_context", "max_block", "hidden_size",
                   "token_trees")
@@ -234,6 +238,14 @@ class Pool:
         self._where: dict[str, ServiceClient] = {}  # open session id -> its replica
         self._first: ServiceClient | None = None  # the replica whose Info the pool's is
         self._joining: set[asyncio.Task] = set()  # replicas that did not answer at connect, still asked
+        self._refresher: asyncio.Task | None = None  # a resolving pool's re-resolution (``Resolving``)
+        self._prepare: Callable[[ServiceClient], None] | None = None
+
+    def prepare(self, setup: Callable[[ServiceClient], None]) -> None:
+        """Run ``setup`` on every replica, now and on each one found later (a shared stream of its own, say)."""
+        self._prepare = setup
+        for replica in self.replicas:
+            setup(replica)
 
     @property
     def address(self) -> str:
@@ -245,8 +257,8 @@ class Pool:
 
     @property
     def live(self) -> list[ServiceClient]:
-        """Replicas that answered ``Info`` as this pool's model: those sessions go to."""
-        return [replica for replica in self.replicas if replica.info is not None]
+        """Replicas that answered ``Info`` as this pool's model (and still resolve): those sessions go to."""
+        return [replica for replica in self.replicas if replica.info is not None and not replica.gone]
 
     @property
     def stub(self):
@@ -261,12 +273,13 @@ class Pool:
         preferred = self._where.get(prefer)
         if preferred is not None and any(replica is preferred for replica in fresh):
             return preferred
-        return min(fresh, key=lambda r: (r.sessions, r.failed_at))
+        return min(fresh, key=lambda r: (r.sessions, r.opened))
 
     def place(self, session_id: str, transport_on, prefer: str = "") -> "Placed":
         """A new session's transport (``transport_on(replica)``) on the replica ``choose`` picks."""
         replica = self.choose(prefer)
         replica.sessions += 1
+        replica.opened += 1
         self._where[session_id] = replica
         return Placed(transport_on(replica), self, replica, session_id)
 
@@ -353,6 +366,8 @@ class Pool:
         return await self.stub.Stats(pb.StatsRequest())
 
     async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
         for task in list(self._joining):
             task.cancel()
         await asyncio.gather(*self._joining, return_exceptions=True)
@@ -392,6 +407,85 @@ class Placed:
         self._transport.abort()
 
 
+class Resolving(Pool):
+    """A pool behind one ``dns:///NAME:PORT`` address: a replica for each address NAME resolves to, resolved
+    again every ``every_s`` seconds. An address that appears is a replica that joins once it answers ``Info``
+    as the pool's model; one that disappears takes no new session (those open there go on; it takes sessions
+    again if it comes back). Each replica's channel keeps NAME as its authority (and TLS server name)."""
+
+    def __init__(self, name: str, port: int, make: Callable[[str, Sequence[tuple[str, object]]], ServiceClient],
+                 every_s: float) -> None:
+        self.name, self.port, self._make, self.every_s = name, port, make, every_s
+        super().__init__([self._replica(ip) for ip in self._resolve_now()])
+
+    @property
+    def address(self) -> str:
+        return f"dns:///{self.name}:{self.port}"
+
+    def _replica(self, ip: str) -> ServiceClient:
+        host = f"[{ip}]" if ":" in ip else ip
+        authority = f"{self.name}:{self.port}"
+        return self._make(f"{host}:{self.port}", [("grpc.default_authority", authority),
+                                                  ("grpc.ssl_target_name_override", self.name)])
+
+    def _resolve_now(self) -> list[str]:
+        try:
+            found = socket.getaddrinfo(self.name, self.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise errors.Unavailable(f"{self.name} does not resolve ({exc}); is the name right?") from None
+        return sorted({entry[4][0] for entry in found})
+
+    async def fetch_info(self, timeout_s: float) -> pb.ModelInfo:
+        info = await super().fetch_info(timeout_s)
+        self._refresher = asyncio.ensure_future(self._refresh(timeout_s))
+        return info
+
+    async def _refresh(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.every_s)
+            try:
+                found = await loop.run_in_executor(None, self._resolve_now)
+            except errors.Unavailable as exc:
+                log.warning("%s pool: %s; keeping its replicas", self.kind, exc)
+                continue
+            self.update(found, timeout_s)
+
+    def update(self, found: Sequence[str], timeout_s: float) -> None:
+        """The name now resolves to ``found``: new addresses join, missing ones take no new session."""
+        known = {replica.address: replica for replica in self.replicas}
+        wanted = {self._replica_address(ip) for ip in found}
+        for replica in self.replicas:
+            if replica.gone != (replica.address not in wanted):
+                replica.gone = not replica.gone
+                log.info("%s replica at %s %s %s", self.kind, replica.address,
+                         "left" if replica.gone else "is back in", self.address)
+        for ip in found:
+            if self._replica_address(ip) not in known:
+                replica = self._replica(ip)
+                if self._prepare is not None:
+                    self._prepare(replica)
+                self.replicas.append(replica)
+                log.info("%s replica at %s found behind %s", self.kind, replica.address, self.address)
+                self._join_later(replica, timeout_s)
+
+    def _replica_address(self, ip: str) -> str:
+        return f"[{ip}]:{self.port}" if ":" in ip else f"{ip}:{self.port}"
+
+
+def dns_name(address: str) -> tuple[str, int] | None:
+    """(NAME, PORT) of a ``dns:///NAME:PORT`` (or ``dns://AUTHORITY/NAME:PORT``) address; None for any other."""
+    if not address.startswith("dns:"):
+        return None
+    rest = address[len("dns:"):]
+    if rest.startswith("//"):
+        rest = rest[2:].split("/", 1)[-1]
+    name, _, port = rest.rpartition(":")
+    if not name or not port.isdigit():
+        raise ValueError(f"{address!r}: a pool's name needs a port, as in dns:///target:50052")
+    return name.strip("[]"), int(port)
+
+
 def replica_addresses(value: str) -> list[str]:
     """``--target``/``--draft`` as replica addresses: separated by commas, except a gRPC ``ipv4:``/``ipv6:``
     address list, which is one channel's."""
@@ -429,19 +523,32 @@ def peer_tokens(path: str) -> Tokens | None:
     return Tokens.load(path, "SPECSPLIT_PEER_TOKEN")
 
 
-def target_client(address: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> ServiceClient:
-    channel = open_channel(address, tls)
+def target_client(address: str, tls: ClientTls | None = None, tokens: Tokens | None = None,
+                  options: Sequence[tuple[str, object]] = ()) -> ServiceClient:
+    channel = open_channel(address, tls, options)
     return ServiceClient(address, channel, PeerStub(pb_grpc.TargetServiceStub(channel), tokens), kind="target")
 
 
-def draft_client(address: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> ServiceClient:
-    channel = open_channel(address, tls)
+def draft_client(address: str, tls: ClientTls | None = None, tokens: Tokens | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> ServiceClient:
+    channel = open_channel(address, tls, options)
     return ServiceClient(address, channel, PeerStub(pb_grpc.DraftServiceStub(channel), tokens), kind="draft")
 
 
-def target_pool(addresses: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> Pool:
-    return Pool([target_client(address, tls, tokens) for address in replica_addresses(addresses)])
+def target_pool(addresses: str, tls: ClientTls | None = None, tokens: Tokens | None = None,
+                resolve_every_s: float = RESOLVE_EVERY_S) -> Pool:
+    return _pool(addresses, lambda a, o: target_client(a, tls, tokens, o), resolve_every_s)
 
 
-def draft_pool(addresses: str, tls: ClientTls | None = None, tokens: Tokens | None = None) -> Pool:
-    return Pool([draft_client(address, tls, tokens) for address in replica_addresses(addresses)])
+def draft_pool(addresses: str, tls: ClientTls | None = None, tokens: Tokens | None = None,
+               resolve_every_s: float = RESOLVE_EVERY_S) -> Pool:
+    return _pool(addresses, lambda a, o: draft_client(a, tls, tokens, o), resolve_every_s)
+
+
+def _pool(addresses: str, make, resolve_every_s: float) -> Pool:
+    """A resolving pool for one ``dns:///NAME:PORT`` address, else a pool of the listed replicas."""
+    listed = replica_addresses(addresses)
+    named = dns_name(listed[0]) if len(listed) == 1 else None
+    if named is not None:
+        return Resolving(*named, make, resolve_every_s)
+    return Pool([make(address, ()) for address in listed])

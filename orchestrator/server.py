@@ -120,6 +120,9 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
                              "(0: from the draft link's measured round trip, jitter and cost)")
     parser.add_argument("--target-deadline-s", type=float, default=30.0,
                         help="a target down this long fails in-flight generations with UNAVAILABLE")
+    parser.add_argument("--resolve-every-s", type=float, default=10.0,
+                        help="a --target/--draft of dns:///NAME:PORT is a pool of every address NAME resolves to, "
+                             "resolved again this often (replicas added and removed while serving)")
     parser.add_argument("--shared-stream-from", type=int, default=4,
                         help="carry new sessions on one shared stream per service (one message per batched step) "
                              "once this many generations are in flight, else on streams of their own; "
@@ -156,6 +159,7 @@ def config_from_args(args) -> OrchestratorConfig:
         link_policy=LinkPolicy(draft_timeout_s=args.draft_timeout_s, draft_deadline_s=args.draft_deadline_s,
                                target_deadline_s=args.target_deadline_s),
         shared_stream_from=args.shared_stream_from,
+        resolve_every_s=args.resolve_every_s,
         generation_config=args.generation_config,
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from specsplit.orchestrator.peers import PeerError, Pool, ServiceClient, replica_addresses
+from specsplit.orchestrator.peers import PeerError, Pool, Resolving, ServiceClient, dns_name, replica_addresses
 from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import run_async
 
@@ -94,3 +94,28 @@ def test_replica_addresses_split_on_commas_but_keep_grpcs_own_address_lists():
     assert replica_addresses("ipv4:10.0.0.1:1,10.0.0.2:1") == ["ipv4:10.0.0.1:1,10.0.0.2:1"]
     with pytest.raises(ValueError, match="empty address"):
         replica_addresses("a:1,,b:2")
+
+
+def test_a_dns_address_names_a_pool_and_needs_a_port():
+    assert dns_name("dns:///target:50052") == ("target", 50052)
+    assert dns_name("dns://10.0.0.53/target.ns.svc:50052") == ("target.ns.svc", 50052)
+    assert dns_name("10.0.0.1:50052") is None
+    with pytest.raises(ValueError, match="needs a port"):
+        dns_name("dns:///target")
+
+
+def test_an_address_the_name_no_longer_resolves_to_takes_no_new_session_until_it_is_back():
+    made = []
+
+    def make(address, options):
+        made.append(dict(options))
+        return ServiceClient(address, None, None, kind="target")
+
+    pool = Resolving("localhost", 7, make, 10.0)  # the real resolver: 127.0.0.1 (and ::1 where it is listed)
+    first = pool.replicas[0]  # addresses sorted: 127.0.0.1 first
+    assert first.address == "127.0.0.1:7" and made[0]["grpc.default_authority"] == "localhost:7"
+    first.info = pb.ModelInfo(model_id="m")
+    pool.update([], 1.0)
+    assert first.gone and pool.live == []
+    pool.update(["127.0.0.1"], 1.0)
+    assert not first.gone and pool.live == [first] and len(pool.replicas) == len(made)  # none made twice

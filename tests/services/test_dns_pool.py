@@ -1,0 +1,89 @@
+"""A pool behind a name: `--target dns:///target-pool:PORT` on hosts of their own (``specsplit.bench.hosts``,
+needs root), the name resolved by the orchestrator host's own hosts file (``Hosts.set_names``).
+
+Two target replicas behind the name: sequential sessions alternate between them, each output the target's
+own greedy text. Then the name is changed while the orchestrator serves (a third replica added, the first
+removed): within a few re-resolutions new sessions go to the second and third replicas, none to the first.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specsplit.bench import hosts
+from specsplit.target_service.ranks import free_port
+from tests.conftest import TINY_PROMPTS
+
+WHY_NOT = hosts.unavailable()
+pytestmark = [pytest.mark.services, pytest.mark.skipif(WHY_NOT is not None, reason=f"no hosts here: {WHY_NOT}")]
+
+REPO = Path(__file__).resolve().parents[2]
+RESOLVE_EVERY_S = 0.3
+OPENED = """
+import asyncio, json, sys
+from specsplit.orchestrator.peers import target_client
+
+async def main():
+    counts = []
+    for address in sys.argv[1:]:
+        client = target_client(address)
+        counts.append((await client.stats()).sessions_opened)
+        await client.close()
+    print(json.dumps(counts))
+
+asyncio.run(main())
+"""
+
+
+def generate(net, orch: str, prompts: list[str], work: Path) -> list[dict]:
+    requests = [{"prompt": p, "chat": False, "maxNewTokens": 24, "returnTokenIds": True, "k": 0} for p in prompts]
+    path = work / "requests.json"
+    path.write_text(json.dumps(requests))
+    result = net.run("orch", [sys.executable, "-m", "tests.services.host_client", orch, str(path)], cwd=REPO,
+                     timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def opened(net, addresses: list[str]) -> list[int]:
+    result = net.run("orch", [sys.executable, "-c", OPENED, *addresses], cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_dns_pool_spreads_sessions_and_follows_replicas_added_and_removed(tiny_target_dir, tiny_reference,
+                                                                           tmp_path):
+    _, expected = tiny_reference
+    port = free_port()
+    with hosts.Hosts(["orch", "t1", "t2", "t3"]) as net:
+        replicas = {host: f"{net.address(host)}:{port}" for host in ("t1", "t2", "t3")}
+        for host in ("t1", "t2"):
+            net.start_service(host, "specsplit.target_service.server", f"target-{host}",
+                              ["--model", str(tiny_target_dir)], tmp_path, 300, port=port)
+        net.set_names("orch", {"target-pool": [net.address("t1"), net.address("t2")]})
+        orch = net.start_service("orch", "specsplit.orchestrator.server", "orch",
+                                 ["--target", f"dns:///target-pool:{port}", "--draft", "", "--tokenizer",
+                                  str(tiny_target_dir), "--resolve-every-s", str(RESOLVE_EVERY_S)], tmp_path, 300)
+        front = net.reach("orch", orch)
+
+        results = generate(net, front, TINY_PROMPTS[:4], tmp_path)
+        assert [r["ids"] for r in results] == expected[:4]
+        assert opened(net, [replicas["t1"], replicas["t2"]]) == [2, 2]  # one after the other, alternating
+
+        net.start_service("t3", "specsplit.target_service.server", "target-t3", ["--model", str(tiny_target_dir)],
+                          tmp_path, 300, port=port)
+        net.set_names("orch", {"target-pool": [net.address("t2"), net.address("t3")]})  # t3 in, t1 out
+        deadline = time.monotonic() + 30
+        while "joined the pool" not in orch.log_path.read_text():
+            assert time.monotonic() < deadline, orch.log_tail()
+            time.sleep(0.1)
+        results = generate(net, front, TINY_PROMPTS[:4], tmp_path)
+        assert [r["ids"] for r in results] == expected[:4]
+        assert opened(net, list(replicas.values())) == [2, 3, 3]  # none more on t1; t3 catches up with t2
+        log = orch.log_path.read_text()
+        assert f"target replica at {replicas['t1']} left dns:///target-pool:{port}" in log, log
