@@ -129,9 +129,10 @@ class RayNodes:
         self.nodes.clear()
         for node in nodes:
             node.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S  # all of them together
         for node in nodes:
             try:
-                node.wait(STOP_TIMEOUT_S)
+                node.wait(max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 node.kill()
                 node.wait(5)

@@ -35,7 +35,7 @@ HTTP_PORT = 8000  # Serve's proxy, on the head's own address
 UP_TIMEOUT_S = 300.0
 REFUSAL_WITHIN_S = 60.0
 NODE_LOSS_S = 3.0
-BATCH_COPIES = 3  # of TINY_PROMPTS
+BATCH_COPIES = 2  # of TINY_PROMPTS
 OPENAI_CLIENT = """
 import json, sys, openai
 base, prompt = sys.argv[1:3]

@@ -18,8 +18,8 @@ from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.services
 
-EXAMPLES = 1000
-MESSAGES_PER_EXAMPLE = 10  # 10,000 messages per service
+EXAMPLES = 500
+MESSAGES_PER_EXAMPLE = 10  # 5,000 messages per service
 
 ints = st.one_of(st.integers(-5, 60000), st.integers(-(2**31), 2**31 - 1))
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.floats(-2, 3, width=32))

@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.services
 
 pytest.importorskip("atheris")
-FUZZ_SECONDS = 20
+FUZZ_SECONDS = 10
 RSS_HEADROOM_MB = 4096
 
 
