@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
 
@@ -55,6 +56,8 @@ class RayFrontServicer(pb_grpc.GeneratorServicer):
 
     def on_stalled_send(self) -> None:
         metrics.REFUSED.inc(reason="stalled_send")
+        log.warning("a client read nothing of its Generate stream for %.0f s: the stream and its generation end",
+                    self._stalled_send_s)
 
     def max_request_bytes(self) -> int:
         """A larger ``Generate`` is refused (RESOURCE_EXHAUSTED) before it is parsed: the replicas' bound."""
@@ -251,11 +254,8 @@ async def run_front(args, local: bool = False) -> None:
 
     stop = _stop_on_signal()
     interceptors = server.public_interceptors(server.public_tokens(args))
-    front, port, health = create_server(
-        f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection, server_tls(args), interceptors
-    )
+    _check_bindable(args.host, args.port)  # the front binds after the deploy: a port in use fails before it
     serve_metrics(args.metrics_port, args.host, "orchestrator")
-    await set_serving(health, [SERVICE_NAME], False)
     cancelled, deployed = threading.Event(), threading.Event()
 
     def deploying():
@@ -269,6 +269,12 @@ async def run_front(args, local: bool = False) -> None:
         if handle is None:  # stopped while deploying
             return
         bound = await handle.max_generate_bytes.remote()  # the target's context of the tokenizer's longest tokens
+        # Made once the bound is known: the transport refuses a larger Generate before buffering it, as
+        # `specsplit serve` does, instead of reading up to 64 MiB first.
+        front, port, health = create_server(
+            f"{args.host}:{args.port}", [SERVICE_NAME], args.reflection, server_tls(args), interceptors, bound
+        )
+        await set_serving(health, [SERVICE_NAME], False)
         servicer = RayFrontServicer(handle, args.ray_max_queued_requests, bound, args.grpc_stalled_send_s)
         add_servicer(pb_grpc.add_GeneratorServicer_to_server, servicer, front)
         await front.start()
@@ -291,6 +297,18 @@ async def run_front(args, local: bool = False) -> None:
             await _off_loop(deployed.wait, DELETE_TIMEOUT_S, timeout_s=DELETE_TIMEOUT_S)
             await _off_loop(ray_serve.delete, args.ray_app_name, timeout_s=DELETE_TIMEOUT_S)
         log.info("application %s deleted in %.1f s", args.ray_app_name, time.monotonic() - began)
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """A ValueError now, not after minutes of deploying, when ``host:port`` cannot be bound (0: any port can)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"could not bind {host}:{port} ({exc.strerror}); is the port in use?") from None
 
 
 def _stop_on_signal() -> asyncio.Event:

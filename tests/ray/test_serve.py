@@ -22,6 +22,7 @@ from tests.ray.conftest import start_cli
 pytestmark = pytest.mark.ray
 
 APP = "serve-test"
+STALLED_SEND_S = 3.0  # the front ends a stream its client reads nothing of for this long
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4, 5, 6,", "a b a b a b a b"]
 
 
@@ -32,7 +33,7 @@ def ray_front(ray_cluster, tiny_services, tiny_target_dir, tmp_path_factory):
         ["serve", "--ray", "--ray-address", ray_cluster.address, "--ray-app-name", APP,
          "--ray-num-replicas", "2", "--ray-max-ongoing-requests", "1", "--ray-max-queued-requests", "1",
          "--ray-num-cpus", "0", "--target", tiny_services.target_address, "--draft", tiny_services.draft_address,
-         "--tokenizer", str(tiny_target_dir), "--grace-s", "2"],
+         "--tokenizer", str(tiny_target_dir), "--grace-s", "2", "--grpc-stalled-send-s", str(STALLED_SEND_S)],
         tmp_path_factory.mktemp("ray-front"),
     )
     yield front
@@ -154,11 +155,11 @@ def test_invalid_request_keeps_its_status_and_message(ray_front):
     assert code == "INVALID_ARGUMENT" and "temperature" in text
 
 
-def test_the_front_refuses_a_generate_over_the_replicas_bound_before_parsing_it(
+def test_the_front_refuses_a_generate_over_the_replicas_bound_before_reading_it(
     ray_front, tiny_services, tiny_target_dir, background_loop
 ):
-    """The front reads no more of a Generate than ``specsplit serve`` would (the target's context of the
-    tokenizer's longest tokens), far under the 64 MiB transport ceiling, and never forwards it."""
+    """The front's transport reads no more of a Generate than ``specsplit serve``'s does (the target's context
+    of the tokenizer's longest tokens), far under the 64 MiB ceiling, and never forwards it."""
     from specsplit.orchestrator.config import OrchestratorConfig
     from specsplit.orchestrator.generation import Orchestrator
     from specsplit.orchestrator.server import max_generate_bytes
@@ -168,7 +169,34 @@ def test_the_front_refuses_a_generate_over_the_replicas_bound_before_parsing_it(
     bound = max_generate_bytes(orch)
     background_loop.run(orch.close())
     text, _, code = run_async(generate(ray_front.address, request("a" * (bound + 1), 8)))
-    assert code == "RESOURCE_EXHAUSTED" and f"{bound}-byte bound" in text, text
+    assert code == "RESOURCE_EXHAUSTED" and "larger than max" in text and str(bound) in text, text  # the transport's
+    assert "orchestrator on Ray" in ray_front.log_tail(200)  # and the front serves on
+
+
+def test_a_client_that_never_reads_its_stream_loses_it_and_the_front_serves_on(ray_front):
+    """A Generate stream nobody reads (its flow-control window pinned full by responses with logprobs) is ended
+    after --grpc-stalled-send-s, its generation with it, not held open for the whole generation; the same
+    client is served again meanwhile. (Its status may never reach a client that reads nothing.)"""
+    long_request = pb.GenerateRequest(prompt="Once upon a time", chat=False, max_new_tokens=480,
+                                      return_logprobs=True, top_logprobs=20,
+                                      sampling=pb.SamplingParams(temperature=1.0, seed=1))
+    stalled_line = "read nothing of its Generate stream"
+    seen_before = ray_front.log_path.read_text().count(stalled_line)
+
+    async def stall_then_generate():
+        options = [("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(ray_front.address, options=options) as channel:
+            stalled = pb_grpc.GeneratorStub(channel).Generate(long_request)  # never read
+            await stalled.initial_metadata()
+            await asyncio.to_thread(
+                wait_until, lambda: ray_front.log_path.read_text().count(stalled_line) > seen_before, 60)
+            again = [r async for r in pb_grpc.GeneratorStub(channel).Generate(request("hi", 4), timeout=60)]
+            stalled.cancel()
+            return again
+
+    again = run_async(stall_then_generate(), 120)
+    assert ray_front.log_path.read_text().count(stalled_line) == seen_before + 1, ray_front.log_tail(40)
+    assert again[-1].HasField("stats")
 
 
 def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir, background_loop, monkeypatch):
