@@ -3,7 +3,8 @@
 Real service processes on loopback, two target replicas and two draft replicas of the tiny models. Sessions
 spread over both of each; a replica killed mid-generation (SIGKILL) loses nothing: the sessions it held are
 re-opened on the other from the committed tokens, and every output is still the target's own greedy text.
-Replicas of different models are refused at connect, naming both. The kill tests run last in the module.
+Two orchestrators share the pools, each balancing its own sessions. Replicas of different models are
+refused at connect, naming both. The kill tests run last in the module.
 """
 
 from __future__ import annotations
@@ -109,6 +110,25 @@ def test_sessions_spread_over_the_replicas_and_keep_the_targets_greedy_output(re
     assert [ids for ids, _ in done] == expected[:4]
     assert new_sessions == [2, 2, 2, 2], new_sessions  # four sessions: two on each target, two on each draft
     assert all(stats.drafted_tokens > 0 for _, stats in done)
+
+
+def test_two_orchestrators_share_one_pool_each_balancing_its_own_sessions(replicas, tiny_target_dir, tiny_reference):
+    prompts, expected = tiny_reference
+
+    async def go():
+        before = await opened([*replicas["targets"], *replicas["drafts"]])
+        orchs = [await connect(replicas, tiny_target_dir) for _ in range(2)]
+        try:
+            done = await asyncio.gather(*(generate(orchs[i % 2], prompts[i], 24) for i in range(4)))
+        finally:
+            for orch in orchs:
+                await orch.close()
+        after = await opened([*replicas["targets"], *replicas["drafts"]])
+        return done, [b - a for a, b in zip(before, after)]
+
+    done, new_sessions = run_async(go())
+    assert [ids for ids, _ in done] == expected[:4]
+    assert new_sessions == [2, 2, 2, 2], new_sessions  # each orchestrator put one of its two on each replica
 
 
 def test_replicas_of_different_models_are_refused_at_connect_naming_both(replicas, tiny_draft_dir, tiny_target_dir,
