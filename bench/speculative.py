@@ -16,7 +16,7 @@ import argparse
 import asyncio
 import time
 
-from specsplit.bench import demo, interleaved, network, overhead, prefill, runs, speed, step, structured, traffic
+from specsplit.bench import demo, interleaved, network, overhead, pools, prefill, runs, speed, step, structured, traffic
 from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit.processes import local_services
 from specsplit.orchestrator.config import OrchestratorConfig
@@ -27,7 +27,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     demo.build_parser(parser)
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument(
-        "--suite", default="compare", choices=["compare", "speed", "interleaved", "network", "overhead", "structured", "step", "prefill"],
+        "--suite", default="compare", choices=["compare", "speed", "interleaved", "network", "overhead", "structured", "step", "prefill",
+                                     "pools"],
         help="compare: contenders per kind on a prompt set; speed: the same on both decodings, concurrency, plot; "
              "interleaved: several --drafters against target-only, prompt by prompt, in one run; "
              "network: speedup vs emulated link round trip, sync/overlap, fixed/adaptive K, plot; "
@@ -35,7 +36,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "structured: JSON-schema extraction, constrained target-only vs n-gram drafts plus forced tokens; "
              "step: the target's packed forward by width and batch, transformers' forward vs the decoder step, "
              "eager and compiled; prefill: other sessions' inter-token gaps while a long prompt prefills, by "
-             "the target's --prefill-chunk",
+             "the target's --prefill-chunk; pools: tokens/s and time to first token by the number of target "
+             "and draft replicas in each pool",
     )
     speed.add_flags(parser)
     interleaved.add_flags(parser)
@@ -44,6 +46,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     structured.add_flags(parser)
     step.add_flags(parser)
     prefill.add_flags(parser)
+    pools.add_flags(parser)
     parser.add_argument("--target-cpus", default="", help="pin the target to these CPUs, e.g. '0,1'")
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
     parser.add_argument(
@@ -87,6 +90,8 @@ def run(args) -> int:
         return step.run(args)
     if args.suite == "prefill":
         return prefill.run(args)
+    if args.suite == "pools":
+        return pools.run(args)
     started = time.time()
     model = None if args.no_hf else runs.load_anchor_model(args)
     with local_services(*runs.service_args(args)) as (target, draft):
