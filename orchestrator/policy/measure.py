@@ -13,7 +13,6 @@ docs/design.md, "The round model". Pure: no I/O.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -55,7 +54,6 @@ class Forward:
 
 
 # -- links ---------------------------------------------------------------------------------------------------------
-SEED_SAMPLES = 3  # a link's or a drafter's first samples, whose lower median starts its estimate
 _SIGMA_PER_MEAN_DEVIATION = math.sqrt(math.pi / 2)  # for a normal variable
 
 
@@ -67,9 +65,7 @@ class RttEstimator:
     ``min_bound_s``). A reply that waited out an outage (a partition, a paused process) would otherwise raise the
     estimate by an eighth of the outage, and with it every round's predicted cost: speculation would stay off, and
     with no draft asks no sample would bring it back. A lasting change is still learned: clamped samples at least
-    double the bound within a few samples. Before there is an estimate to bound against, the first
-    ``SEED_SAMPLES`` samples set it to their lower median (half of it the deviation), so an outage among them is
-    not the figure it starts from."""
+    double the bound within a few samples."""
 
     gain: float = 1 / 8  # alpha in RFC 6298
     var_gain: float = 1 / 4  # beta
@@ -77,12 +73,6 @@ class RttEstimator:
     srtt: float = 0.0
     rttvar: float = 0.0
     samples: int = 0
-    _seeds: list = field(default_factory=list)
-
-    @property
-    def settled(self) -> bool:
-        """Whether the estimate rests on ``SEED_SAMPLES`` samples or more."""
-        return self.samples >= SEED_SAMPLES
 
     @property
     def bound_s(self) -> float:
@@ -91,10 +81,8 @@ class RttEstimator:
 
     def observe(self, sample_s: float) -> None:
         r = max(sample_s, 0.0)
-        if not self.settled:
-            self._seeds.append(r)
-            self.srtt = statistics.median_low(self._seeds)
-            self.rttvar = self.srtt / 2
+        if self.samples == 0:
+            self.srtt, self.rttvar = r, r / 2
         else:
             r = min(r, self.bound_s)
             self.rttvar += self.var_gain * (abs(self.srtt - r) - self.rttvar)
@@ -127,28 +115,14 @@ class _PerUnit:
     A sample counts as at most ``SAMPLE_BOUND`` times the mean so far, as ``RttEstimator`` bounds a round trip:
     a draft paused or cut off mid-proposal reports the outage as compute, and one such sample would price every
     token of that drafter above a target step; no ask would then go out, and no sample would ever bring the
-    price back. A lasting slowdown is still learned, a bounded sample at a time. Before there is a mean to bound
-    against, the first ``SEED_SAMPLES`` samples price a unit at their lower median, so one outage among them is
-    not the figure the mean starts from; until then the figure is ``seeded`` no longer than it takes callers to
-    fetch those samples (``AdaptiveK.ask`` probes a drafter whose price is not settled, whatever it says)."""
+    price back. A lasting slowdown is still learned, a bounded sample at a time."""
 
     seconds: float = 0.0
     units: float = 0.0
-    _seeds: list = field(default_factory=list)  # (units, seconds) of the first samples
-
-    @property
-    def settled(self) -> bool:
-        """Whether the figure rests on ``SEED_SAMPLES`` samples or more."""
-        return len(self._seeds) >= SEED_SAMPLES
 
     def add(self, units: int, seconds: float, decay: float) -> None:
-        if not self.settled:
-            self._seeds.append((units, seconds))
-            per_unit = statistics.median_low(s / u for u, s in self._seeds)
-            self.units = sum(u for u, _ in self._seeds)
-            self.seconds = per_unit * self.units
-            return
-        seconds = min(seconds, SAMPLE_BOUND * units * self.seconds / self.units)
+        if self.units > 0:
+            seconds = min(seconds, SAMPLE_BOUND * units * self.seconds / self.units)
         self.seconds = self.seconds * decay + seconds
         self.units = self.units * decay + units
 
@@ -258,12 +232,6 @@ class Costs:
     def draft_s_per_token(self, drafter: object = None) -> float:
         draft = self._draft.get(drafter)
         return draft.seconds / draft.units if draft else 0.0
-
-    def draft_unsettled(self, drafter: object = None) -> bool:
-        """Whether ``drafter``'s price per token or the draft link rests on some samples but too few to rule the
-        drafter out on price alone (before any sample, both are priced at nothing)."""
-        draft = self._draft.get(drafter)
-        return (draft is not None and not draft.settled) or 0 < self.links.draft.samples < SEED_SAMPLES
 
 
 # -- acceptance ----------------------------------------------------------------------------------------------------
