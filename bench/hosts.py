@@ -121,10 +121,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _delete_namespace(ns: str) -> None:
+def kill_everything_in(ns: str) -> None:
+    """SIGKILL every process running in namespace ``ns``."""
     for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def _delete_namespace(ns: str) -> None:
+    kill_everything_in(ns)
     _run(["ip", "netns", "del", ns], check=False)
     shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)  # its hosts file (``Hosts.set_names``)
 
@@ -165,7 +170,6 @@ class Hosts:
                 service.stop(5)
         for ns in self.namespaces.values():
             _delete_namespace(ns)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
     # -- addresses and commands -------------------------------------------------------------------------
     def address(self, host: str) -> str:

@@ -47,6 +47,8 @@ def counts(text: str, flag: str) -> list[int]:
 
 
 async def opened(addresses: list[str], client) -> list[int]:
+    """``Stats.sessions_opened`` of each service at ``addresses`` (``client``: ``peers.target_client`` or
+    ``draft_client``): how many sessions it has opened since it started."""
     out = []
     for address in addresses:
         peer = client(address)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specsplit.bench.hosts import HostError, Hosts
+from specsplit.bench.hosts import HostError, Hosts, kill_everything_in
 
 HEAD_PORT = 6379
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
@@ -117,10 +117,7 @@ class RayNodes:
     def kill(self, host: str) -> None:
         """The node on ``host`` is lost: every process in the host killed, its link taken down."""
         self.net.take_down(host)
-        for pid in subprocess.run(["ip", "netns", "pids", self.net.namespaces[host]], capture_output=True,
-                                  text=True).stdout.split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), 9)
+        kill_everything_in(self.net.namespaces[host])
         self.nodes.pop(host).wait(10)
 
     def close(self) -> None:

@@ -423,10 +423,9 @@ class Resolving(Pool):
         return f"dns:///{self.name}:{self.port}"
 
     def _replica(self, ip: str) -> ServiceClient:
-        host = f"[{ip}]" if ":" in ip else ip
         authority = f"{self.name}:{self.port}"
-        return self._make(f"{host}:{self.port}", [("grpc.default_authority", authority),
-                                                  ("grpc.ssl_target_name_override", self.name)])
+        return self._make(self._replica_address(ip), [("grpc.default_authority", authority),
+                                                      ("grpc.ssl_target_name_override", self.name)])
 
     def _resolve_now(self) -> list[str]:
         try:

@@ -26,17 +26,10 @@ REPO = Path(__file__).resolve().parents[2]
 RESOLVE_EVERY_S = 0.3
 OPENED = """
 import asyncio, json, sys
+from specsplit.bench.pools import opened
 from specsplit.orchestrator.peers import target_client
 
-async def main():
-    counts = []
-    for address in sys.argv[1:]:
-        client = target_client(address)
-        counts.append((await client.stats()).sessions_opened)
-        await client.close()
-    print(json.dumps(counts))
-
-asyncio.run(main())
+print(json.dumps(asyncio.run(opened(sys.argv[1:], target_client))))
 """
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from specsplit.bench.pools import opened as sessions_opened
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import start_service
@@ -73,16 +74,10 @@ async def generate(orch: Orchestrator, prompt: list[int], tokens: int, started: 
     return ids, last.stats
 
 
-async def opened(services) -> list[int]:
-    """Sessions each service has opened since it started."""
-    counts = []
-    for service in services:
-        client = (target_client if service.name.startswith("target") else draft_client)(service.address)
-        try:
-            counts.append((await client.stats()).sessions_opened)
-        finally:
-            await client.close()
-    return counts
+async def opened(replicas) -> list[int]:
+    """Sessions each target, then each draft, has opened since it started."""
+    return [*await sessions_opened([t.address for t in replicas["targets"]], target_client),
+            *await sessions_opened([d.address for d in replicas["drafts"]], draft_client)]
 
 
 def connect(replicas, folder: Path) -> Orchestrator:
@@ -97,13 +92,13 @@ def test_sessions_spread_over_the_replicas_and_keep_the_targets_greedy_output(re
     prompts, expected = tiny_reference
 
     async def go():
-        before = await opened([*replicas["targets"], *replicas["drafts"]])
+        before = await opened(replicas)
         orch = await connect(replicas, tiny_target_dir)
         try:
             done = await asyncio.gather(*(generate(orch, prompts[i], 24) for i in range(4)))
         finally:
             await orch.close()
-        after = await opened([*replicas["targets"], *replicas["drafts"]])
+        after = await opened(replicas)
         return done, [b - a for a, b in zip(before, after)]
 
     done, new_sessions = run_async(go())
@@ -116,14 +111,14 @@ def test_two_orchestrators_share_one_pool_each_balancing_its_own_sessions(replic
     prompts, expected = tiny_reference
 
     async def go():
-        before = await opened([*replicas["targets"], *replicas["drafts"]])
+        before = await opened(replicas)
         orchs = [await connect(replicas, tiny_target_dir) for _ in range(2)]
         try:
             done = await asyncio.gather(*(generate(orchs[i % 2], prompts[i], 24) for i in range(4)))
         finally:
             for orch in orchs:
                 await orch.close()
-        after = await opened([*replicas["targets"], *replicas["drafts"]])
+        after = await opened(replicas)
         return done, [b - a for a, b in zip(before, after)]
 
     done, new_sessions = run_async(go())
