@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,33 @@ class ServiceProcess:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
+
+
+def restartable_port(host: str = "127.0.0.1") -> int:
+    """A free port for a service that will be killed and started again in its place.
+
+    It lies below the kernel's ephemeral range, so while the service is down no other process's
+    ``bind(0)`` and no outgoing connection's local port can take it: a port from ``bind(0)`` can
+    be handed to another server in that gap, and callers of the old address then reach a stranger.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low // 2), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise OSError(f"no free port found below the ephemeral range (starts at {low}) on {host}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    with contextlib.suppress(OSError, ValueError):
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    return 32768, 60999  # Linux's default
 
 
 def _die_with_parent() -> None:

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specsplit.bench.netem import LinkProcess, Shape, start_link
-from specsplit.lmkit.processes import ServiceProcess, start_service
-from specsplit.target_service.ranks import free_port
+from specsplit.lmkit.processes import ServiceProcess, restartable_port, start_service
 
 
 @dataclass
@@ -22,7 +21,7 @@ class Restartable:
     name: str
     args: list[str]
     workdir: Path
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=restartable_port)
     instances: list[ServiceProcess] = field(default_factory=list)
 
     @property

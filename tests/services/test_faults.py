@@ -16,7 +16,7 @@ import pytest
 
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
-from specsplit.lmkit.processes import start_service
+from specsplit.lmkit.processes import restartable_port, start_service
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
@@ -33,12 +33,6 @@ NEW_TOKENS = 300
 def expected(tiny_target_dir, gguf_tokenizer):
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
     return reference_greedy(model, gguf_tokenizer.encode(PROMPT), NEW_TOKENS)
-
-
-def free_port() -> int:
-    from specsplit.target_service.ranks import free_port as pick
-
-    return pick()
 
 
 async def generate_with_fault(target_address, draft_address, tokenizer_dir, fault, policy=None,
@@ -80,7 +74,7 @@ class Restartable:
     """A service process on a fixed port that a test can SIGKILL and start again in its place."""
 
     def __init__(self, module: str, args: list[str], workdir) -> None:
-        self.module, self.args, self.workdir, self.port = module, args, workdir, free_port()
+        self.module, self.args, self.workdir, self.port = module, args, workdir, restartable_port()
         self.instances = [start_service(module, f"{module}-first", args, workdir, 300, port=self.port)]
 
     @property

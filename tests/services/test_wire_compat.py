@@ -109,6 +109,7 @@ def test_a_renumbered_client_is_caught_by_the_same_comparison(public_api, tmp_pa
 
 # An orchestrator built from the baseline: it reads the target's Info, then opens a session as it always did.
 OLD_ORCHESTRATOR = """
+import os
 import sys
 sys.path.insert(0, sys.argv[1])
 import grpc
@@ -124,6 +125,8 @@ with grpc.insecure_channel(sys.argv[2]) as channel:
     except grpc.RpcError as exc:
         print(exc.code().name)
         print(exc.details())
+    sys.stdout.flush()
+    os._exit(0)  # all it read is printed; closing grpc after a stream refused unread has stalled past the timeout
 """
 
 
