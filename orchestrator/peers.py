@@ -326,14 +326,16 @@ class Pool:
         return self._first.info
 
     def _check_same(self, replica: ServiceClient) -> None:
-        """A ValueError naming both when ``replica`` serves another model than the pool's (it then takes none)."""
+        """A ValueError naming both, in the pool's order, when ``replica`` serves another model than the pool's
+        (it then takes none)."""
         first, mine = self._first.info, replica.info
         for name in SAME_IN_A_POOL:
             if getattr(mine, name) != getattr(first, name):
                 replica.info = None
+                a, b = sorted([(self._first, first), (replica, mine)], key=lambda r: self.replicas.index(r[0]))
                 raise ValueError(
-                    f"the {self.kind} replicas at {self._first.address} and {replica.address} differ in {name} "
-                    f"({getattr(first, name)!r} and {getattr(mine, name)!r}); a pool serves one model"
+                    f"the {self.kind} replicas at {a[0].address} and {b[0].address} differ in {name} "
+                    f"({getattr(a[1], name)!r} and {getattr(b[1], name)!r}); a pool serves one model"
                 )
 
     def _join_later(self, replica: ServiceClient, timeout_s: float) -> None:

@@ -209,7 +209,7 @@ def test_tls_flags_are_checked():
 def test_health_port_answers_plaintext_probes_while_the_main_port_requires_mtls(pki, tmp_path):
     """Kubernetes gRPC probes cannot present certificates: --health-port serves health alone, plaintext."""
     from specsplit.lmkit.processes import start_service
-    from tests.services.test_faults import free_port
+    from specsplit.target_service.ranks import free_port
 
     health_port = free_port()
     tls = ["--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"], "--tls-ca", pki["ca.pem"]]
