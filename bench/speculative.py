@@ -16,7 +16,20 @@ import argparse
 import asyncio
 import time
 
-from specsplit.bench import demo, interleaved, network, overhead, pools, prefill, runs, speed, step, structured, traffic
+from specsplit.bench import (
+    abuse,
+    demo,
+    interleaved,
+    network,
+    overhead,
+    pools,
+    prefill,
+    runs,
+    speed,
+    step,
+    structured,
+    traffic,
+)
 from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit.processes import local_services
 from specsplit.orchestrator.config import OrchestratorConfig
@@ -28,7 +41,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument(
         "--suite", default="compare", choices=["compare", "speed", "interleaved", "network", "overhead", "structured", "step", "prefill",
-                                     "pools"],
+                                     "pools", "abuse"],
         help="compare: contenders per kind on a prompt set; speed: the same on both decodings, concurrency, plot; "
              "interleaved: several --drafters against target-only, prompt by prompt, in one run; "
              "network: speedup vs emulated link round trip, sync/overlap, fixed/adaptive K, plot; "
@@ -37,7 +50,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "step: the target's packed forward by width and batch, transformers' forward vs the decoder step, "
              "eager and compiled; prefill: other sessions' inter-token gaps while a long prompt prefills, by "
              "the target's --prefill-chunk; pools: tokens/s and time to first token by the number of target "
-             "and draft replicas in each pool",
+             "and draft replicas in each pool; abuse: /health latency and each process's memory while the HTTP "
+             "front is probed (large prompts, chunked bodies, slowloris, unauthenticated floods, stalled readers)",
     )
     speed.add_flags(parser)
     interleaved.add_flags(parser)
@@ -47,6 +61,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     step.add_flags(parser)
     prefill.add_flags(parser)
     pools.add_flags(parser)
+    abuse.add_flags(parser)
     parser.add_argument("--target-cpus", default="", help="pin the target to these CPUs, e.g. '0,1'")
     parser.add_argument("--draft-cpus", default="", help="pin the draft to these CPUs")
     parser.add_argument(
@@ -92,6 +107,8 @@ def run(args) -> int:
         return prefill.run(args)
     if args.suite == "pools":
         return pools.run(args)
+    if args.suite == "abuse":
+        return abuse.run(args)
     started = time.time()
     model = None if args.no_hf else runs.load_anchor_model(args)
     with local_services(*runs.service_args(args)) as (target, draft):
