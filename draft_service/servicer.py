@@ -134,6 +134,7 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         await SessionMux(context, _DraftCalls(self, engine), self.session_ttl_s).run()
 
     async def _open(self, engine: DraftEngine, msg: pb.DraftOpen):
+        self.check_open()
         sampling = sampling_from_proto(msg.sampling)
         kind = drafter_from_proto(msg.drafter, engine.drafters)
         ngram = ngram_from_proto(msg, self.ngram_default)

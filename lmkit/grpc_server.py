@@ -236,6 +236,19 @@ class EngineServicer:
     def __init__(self, compute: ComputeThread) -> None:
         self.engine = None
         self.compute = compute
+        self.draining = False  # set on SIGTERM: sessions open go on for the grace period, new ones are refused
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def check_open(self) -> None:
+        """Raise Unavailable while draining: a new session belongs on another replica, not on one that will cut
+        it at the end of its grace period (the orchestrator's pool places it elsewhere at once)."""
+        if self.draining:
+            log.info("refused a new session: draining")
+            raise errors.Unavailable(
+                f"this {self.service_label} is draining (shutting down); open the session on another replica"
+            )
 
     async def session_requests(self, context):
         """The stream's requests, in order; a session idle past the TTL is evicted (the stream ends).
@@ -401,9 +414,10 @@ def write_port_file(path: str, port: int) -> None:
 
 
 async def serve_until_signal(
-    server: grpc.aio.Server, health: HealthServicer, grace_s: float, also_stop: Callable[[], Awaitable] | None = None
+    server: grpc.aio.Server, health: HealthServicer, grace_s: float, also_stop: Callable[[], Awaitable] | None = None,
+    on_signal: Callable[[], None] | None = None,
 ) -> None:
-    """Block until SIGTERM/SIGINT, then turn NOT_SERVING and stop with a grace period.
+    """Block until SIGTERM/SIGINT, then call ``on_signal()``, turn NOT_SERVING and stop with a grace period.
 
     ``also_stop()`` (another server of the process) drains at the same time.
     """
@@ -417,6 +431,8 @@ async def serve_until_signal(
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         log.info("signal received: draining for up to %.1f s", grace_s)
+        if on_signal is not None:
+            on_signal()
         await health.enter_graceful_shutdown()
         await asyncio.gather(server.stop(grace_s), *([also_stop()] if also_stop is not None else []))
     waiter.cancel()
@@ -488,7 +504,7 @@ async def run_service(args, service_name: str, register, load, servicer: "Engine
     write_port_file(args.port_file, port)
     log.info("%s serving on %s:%d", service_name, args.host, port)
     try:
-        await serve_until_signal(server, health, args.grace_s)
+        await serve_until_signal(server, health, args.grace_s, on_signal=servicer.drain)
     finally:
         if probes is not None:
             await probes.stop(0)

@@ -105,6 +105,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
         await SessionMux(context, _TargetCalls(self, engine), self.session_ttl_s).run()
 
     async def _open(self, engine: TargetEngine, msg: pb.TargetOpen):
+        self.check_open()
         sampling = sampling_from_proto(msg.sampling)
         mode = mode_from_proto(msg.mode)
         top_logprobs = msg.top_logprobs if msg.return_logprobs else None

@@ -140,6 +140,46 @@ def test_replicas_of_different_models_are_refused_at_connect_naming_both(replica
 
 
 @pytest.mark.parametrize("role", ["drafts", "targets"])
+def test_a_draining_replica_takes_no_new_session_and_loses_nothing(replicas, role, tiny_target_dir, tiny_draft_dir,
+                                                                     long_reference, tmp_path):
+    """SIGTERM to a replica with a long grace period: sessions opened while it drains, on the shared streams
+    too, are refused there and placed on the other replica at once; every output is the target's own."""
+    model = tiny_target_dir if role == "targets" else tiny_draft_dir
+    module = "specsplit.target_service.server" if role == "targets" else "specsplit.draft_service.server"
+    draining = start_service(module, "draining", ["--model", str(model), "--grace-s", "60"], tmp_path)
+    pools = {"targets": addresses(replicas["targets"][1:]), "drafts": addresses(replicas["drafts"][1:])}
+    pools[role] = f"{draining.address},{pools[role]}"
+    prompts, expected = long_reference
+    survivor = replicas[role][1].address
+    client = target_client if role == "targets" else draft_client
+
+    async def go():
+        config = OrchestratorConfig(pools["targets"], pools["drafts"], str(tiny_target_dir), shared_stream_from=1,
+                                    link_policy=LinkPolicy(draft_retry_s=0.1))
+        orch = await Orchestrator.connect(config)
+        try:
+            first = await asyncio.gather(*(generate(orch, prompts[i], 24) for i in range(2)))  # one on each
+            draining.process.send_signal(signal.SIGTERM)
+            while "draining for up to" not in draining.log_path.read_text():
+                await asyncio.sleep(0.05)
+            before = await sessions_opened([survivor], client)
+            later = await asyncio.wait_for(asyncio.gather(*(generate(orch, p, LONG_TOKENS) for p in prompts[:3])), 50)
+            return first, later, (await sessions_opened([survivor], client))[0] - before[0]
+        finally:
+            await orch.close()
+
+    try:
+        first, later, opened_there = run_async(go())
+        assert [ids for ids, _ in first] == [e[:24] for e in expected[:2]]
+        assert [ids for ids, _ in later] == expected[:3]
+        assert "refused a new session: draining" in draining.log_path.read_text()
+        assert opened_there == 3  # every later session, the ones first placed on the draining replica too
+        assert all(s.drafted_tokens > 0 for _, s in later)
+    finally:
+        draining.stop(5)
+
+
+@pytest.mark.parametrize("role", ["drafts", "targets"])
 def test_a_replica_killed_mid_generation_loses_nothing(replicas, role, tiny_target_dir, long_reference):
     """Two long generations, one on each replica; one replica is SIGKILLed once both stream. A target's sessions
     re-open on the other target; a draft's re-attach to the other draft."""
