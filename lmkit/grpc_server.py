@@ -348,6 +348,12 @@ class WireVersionCheck(grpc.aio.ServerInterceptor):
         return handler
 
 
+# Keepalive pings a client may send while its calls are in flight: every 5 s or slower (the orchestrator
+# pings its services every 10 s to find a vanished host). gRPC's default of 5 minutes would answer a third
+# faster ping with GOAWAY (too_many_pings), ending every stream on the connection.
+PING_OPTIONS = [("grpc.http2.min_recv_ping_interval_without_data_ms", 5000)]
+
+
 def create_server(
     address: str, service_names: list[str], reflection_on: bool = False, tls: ServerTls | None = None,
     interceptors: tuple = (), max_receive_bytes: int = MAX_MESSAGE_BYTES,
@@ -360,7 +366,8 @@ def create_server(
     (RESOURCE_EXHAUSTED) before any handler sees it; a call from a peer of a
     wire version the service does not accept, by ``WireVersionCheck``.
     """
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_receive_bytes)]
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_receive_bytes),
+               *PING_OPTIONS]
     interceptors = (*interceptors, WireVersionCheck(service_names))
     server = grpc.aio.server(options=options, interceptors=interceptors)
     if tls is not None and tls.enabled:

@@ -45,9 +45,23 @@ RECONNECT_OPTIONS = [
 ]
 
 
+# A replica whose host vanishes (a node lost, a partition: no reset comes) would hold its sessions until a
+# call's own timeout (a verify may take 120 s: a long prefill on a CPU). With calls in flight the channel
+# pings every KEEPALIVE_S; a peer that does not answer within KEEPALIVE_TIMEOUT_S is taken as gone, its calls
+# fail UNAVAILABLE and the pool re-opens its sessions elsewhere. The services accept pings this often
+# (``lmkit.grpc_server.PING_OPTIONS``); pings are answered by gRPC's core, not the busy model thread.
+KEEPALIVE_S = 10.0
+KEEPALIVE_TIMEOUT_S = 5.0
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.http2.max_pings_without_data", 0),  # a verify that computes long sends nothing meanwhile
+]
+
+
 def open_channel(address: str, tls: ClientTls | None = None, options: Sequence[tuple[str, object]] = ()):
     """A channel to a draft or target service, sized for the largest message (draft probabilities)."""
-    return security.open_channel(address, tls, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, *options])
+    return security.open_channel(address, tls, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, *KEEPALIVE_OPTIONS, *options])
 
 
 class OwnStream:

@@ -4,11 +4,14 @@ needs root), the name resolved by the orchestrator host's own hosts file (``Host
 Two target replicas behind the name: sequential sessions alternate between them, each output the target's
 own greedy text. Then the name is changed while the orchestrator serves (a third replica added, the first
 removed): within a few re-resolutions new sessions go to the second and third replicas, none to the first.
+A replica whose host is cut off mid-generation (its link down: no reset ever comes) is found gone by the
+orchestrator's keepalive pings, and the session moves to the other replica with nothing lost.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from specsplit.bench import hosts
+from specsplit.lmkit import models
+from specsplit.orchestrator.peers import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from specsplit.target_service.ranks import free_port
-from tests.conftest import TINY_PROMPTS
+from tests.conftest import TINY_PROMPTS, reference_greedy
 
 WHY_NOT = hosts.unavailable()
 pytestmark = [pytest.mark.services, pytest.mark.skipif(WHY_NOT is not None, reason=f"no hosts here: {WHY_NOT}")]
@@ -80,3 +85,42 @@ def test_a_dns_pool_spreads_sessions_and_follows_replicas_added_and_removed(tiny
         assert opened(net, list(replicas.values())) == [2, 3, 3]  # none more on t1; t3 catches up with t2
         log = orch.log_path.read_text()
         assert f"target replica at {replicas['t1']} left dns:///target-pool:{port}" in log, log
+
+
+LONG_TOKENS = 400
+
+
+def test_a_replica_whose_host_is_cut_off_mid_generation_hands_its_session_to_the_other(tiny_target_dir,
+                                                                                     gguf_tokenizer, tmp_path):
+    """The session opens on the first replica (both idle: the first listed); its host's link goes down once the
+    client streams. The verify in flight would wait out its own 120 s timeout; the keepalive ping finds the
+    peer gone within KEEPALIVE_S + KEEPALIVE_TIMEOUT_S and the session is re-opened on the second replica."""
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    expected = reference_greedy(model, gguf_tokenizer.encode(TINY_PROMPTS[2]), LONG_TOKENS)
+    port = free_port()
+    with hosts.Hosts(["orch", "t1", "t2"]) as net:
+        for host in ("t1", "t2"):
+            net.start_service(host, "specsplit.target_service.server", f"target-{host}",
+                              ["--model", str(tiny_target_dir)], tmp_path, 300, port=port)
+        pool = ",".join(f"{net.address(host)}:{port}" for host in ("t1", "t2"))
+        orch = net.start_service("orch", "specsplit.orchestrator.server", "orch",
+                                 ["--target", pool, "--draft", "", "--tokenizer", str(tiny_target_dir)], tmp_path, 300)
+        path = tmp_path / "long.json"
+        path.write_text(json.dumps([{"prompt": TINY_PROMPTS[2], "chat": False, "maxNewTokens": LONG_TOKENS,
+                                     "returnTokenIds": True, "k": 0}]))
+        client = net.popen("orch", [sys.executable, "-m", "tests.services.host_client", net.reach("orch", orch),
+                                    str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            assert client.stdout.readline().strip() == "streaming"
+            net.take_down("t1")
+            # well under the 120 s a verify may wait on its own: the keepalive found the host gone
+            out, err = client.communicate(timeout=4 * (KEEPALIVE_S + KEEPALIVE_TIMEOUT_S))
+        finally:
+            if client.poll() is None:
+                client.kill()
+        assert client.returncode == 0, err
+        [result] = json.loads(out.strip().splitlines()[-1])
+        assert result["code"] == "OK" and result["ids"] == expected, result
+        assert int(result["stats"].get("target_reopens", 0)) >= 1, result["stats"]
+        log = orch.log_path.read_text()
+        assert "re-opening the session" in log, log
