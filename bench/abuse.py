@@ -376,7 +376,7 @@ def measure(front: Front, pids: dict[str, int], phases: list[str], args) -> list
             window, counts = run_phase(front, name, args.abuse_s)
             windows.append((name, window, counts))
             print(f"  {name}: {dict(counts)}", flush=True)
-            time.sleep(1.0)  # let the phase's leftovers drain before the next one starts counting
+            time.sleep(min(1.0, args.abuse_s / 4))  # let the phase's leftovers drain before the next one counts
     finally:
         legit.stop()
         samples = sampler.finish()
