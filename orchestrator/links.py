@@ -74,15 +74,40 @@ class _SessionLink:
             stream, self._stream = self._stream, None
             await stream.close()
 
-    def _transport(self, request_type, peer: str, session_id: str, prefer: str = ""):
+    def _transport(self, request_type, peer: str, session_id: str, prefer: str = "", exclude=()):
         """A new session's calls, on a replica of the pool (``prefer``: the one holding that session, a fork's
-        source): on the replica's shared stream where this link uses it, else on a stream of its own."""
+        source; never one of ``exclude``): on the replica's shared stream where this link uses it, else on a
+        stream of its own."""
 
         def on(replica: ServiceClient):
             mux = replica.mux if self._shared else None
             return mux.session() if mux is not None else OwnStream(replica.stub.Session(), request_type, peer)
 
-        return self._pool.place(session_id, on, prefer)
+        return self._pool.place(session_id, on, prefer, exclude)
+
+    async def _open_somewhere(self, message, request_type, peer: str, stream_type, timeout_s: float):
+        """``message`` (an open) on a replica of the pool: one that refuses it for room (RESOURCE_EXHAUSTED: its
+        KV budget or session limit is taken, by other orchestrators' sessions too) passes it to the next live
+        replica not yet asked; the last refusal is raised once every one has refused. Returns the open stream."""
+        tried: list[ServiceClient] = []
+        while True:
+            placed = self._transport(request_type, peer, message.session_id, message.fork_from, tried)
+            stream = stream_type(placed)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await stream.open(message)
+                return stream
+            except PeerError as exc:
+                stream.abort()
+                tried.append(placed.replica)
+                if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or not self._pool.untried(tried):
+                    raise
+                log.info("the %s replica at %s has no room (%s); opening the session on another",
+                         peer, placed.replica.address, exc.details)
+                message.fork_from = ""  # the source's cache is on the replica that refused: compute the prompt
+            except BaseException:  # a timeout, or cancelled with the open on the way: no session may stay behind
+                stream.abort()
+                raise
 
 
 class TargetLink(_SessionLink):
@@ -108,13 +133,8 @@ class TargetLink(_SessionLink):
     async def open(self, committed: Sequence[int]) -> None:
         message = self._open_msg(_new_id(), committed)
         message.fork_from = self.fork_from
-        stream = TargetStream(self._transport(pb.TargetRequest, "target", message.session_id, self.fork_from))
-        try:
-            async with asyncio.timeout(self._policy.target_timeout_s):
-                await stream.open(message)
-        except BaseException:
-            stream.abort()
-            raise
+        stream = await self._open_somewhere(message, pb.TargetRequest, "target", TargetStream,
+                                            self._policy.target_timeout_s)
         self._stream = stream
         self.session_id = message.session_id
         self._opened += 1
@@ -241,17 +261,12 @@ class DraftLink(_SessionLink):
     async def open(self, committed: Sequence[int]) -> bool:
         message = self._open_msg(_new_id(), committed)
         message.fork_from = self.fork_from
-        stream = DraftStream(self._transport(pb.DraftRequest, "draft", message.session_id, self.fork_from))
         try:
-            async with asyncio.timeout(self._policy.draft_timeout_s):
-                await stream.open(message)
+            stream = await self._open_somewhere(message, pb.DraftRequest, "draft", DraftStream,
+                                                self._policy.draft_timeout_s)
         except (PeerError, asyncio.TimeoutError) as exc:
-            stream.abort()
             self._mark_down(exc)
             return False
-        except BaseException:  # cancelled with its open on the way: the draft must not keep the session
-            stream.abort()
-            raise
         self._stream, self._synced, self._down_since, self._cold = stream, len(committed), None, True
         self.session_id = message.session_id
         self._opened_at = asyncio.get_running_loop().time()  # the draft starts reading the context now

@@ -278,20 +278,26 @@ class Pool:
     def stub(self):
         return self.choose().stub
 
-    def choose(self, prefer: str = "") -> ServiceClient:
+    def choose(self, prefer: str = "", exclude: Sequence[ServiceClient] = ()) -> ServiceClient:
         """The replica for a new session: the one holding session ``prefer`` (a fork's source) if it has not
-        failed lately, else the one with the fewest sessions among those that have not, else among all."""
+        failed lately, else the one with the fewest sessions among those that have not, else among all; never
+        one of ``exclude`` (those that refused this session) while another is live."""
         now = time.monotonic()
         live = self.live or self.replicas
+        live = [r for r in live if all(r is not t for t in exclude)] or live
         fresh = [r for r in live if now - r.failed_at > AVOID_FAILED_S] or live
         preferred = self._where.get(prefer)
         if preferred is not None and any(replica is preferred for replica in fresh):
             return preferred
         return min(fresh, key=lambda r: (r.sessions, r.opened))
 
-    def place(self, session_id: str, transport_on, prefer: str = "") -> "Placed":
+    def untried(self, tried: Sequence[ServiceClient]) -> bool:
+        """Whether a live replica outside ``tried`` is left to ask."""
+        return any(all(r is not t for t in tried) for r in self.live)
+
+    def place(self, session_id: str, transport_on, prefer: str = "", exclude: Sequence[ServiceClient] = ()) -> "Placed":
         """A new session's transport (``transport_on(replica)``) on the replica ``choose`` picks."""
-        replica = self.choose(prefer)
+        replica = self.choose(prefer, exclude)
         replica.sessions += 1
         replica.opened += 1
         self._where[session_id] = replica

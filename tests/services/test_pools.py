@@ -10,6 +10,7 @@ refused at connect, naming both. The kill tests run last in the module.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 from specsplit.bench.pools import opened as sessions_opened
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.kvcache import kv_bytes_per_token
 from specsplit.lmkit.processes import start_service
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
@@ -137,6 +139,43 @@ def test_replicas_of_different_models_are_refused_at_connect_naming_both(replica
             run_async(Orchestrator.connect(config))
     finally:
         other.stop(5)
+
+
+def test_a_full_replica_passes_a_new_session_to_one_with_room(replicas, tiny_target_dir, long_reference, tmp_path,
+                                                              caplog):
+    """A target replica whose KV budget another orchestrator's session holds refuses the next session for room
+    (RESOURCE_EXHAUSTED); the pool opens it on the other replica instead of failing the generation."""
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    budget = kv_bytes_per_token(model) * 250  # one session of LONG_TOKENS (about 200 positions reserved) fits
+    full = start_service("specsplit.target_service.server", "full", ["--model", str(tiny_target_dir),
+                                                                     "--kv-budget-bytes", str(budget)], tmp_path)
+    other = replicas["targets"][1]
+    prompts, expected = long_reference
+
+    async def go():
+        holder = await Orchestrator.connect(OrchestratorConfig(full.address, "", str(tiny_target_dir)))
+        orch = await Orchestrator.connect(OrchestratorConfig(f"{full.address},{other.address}", "",
+                                                             str(tiny_target_dir)))
+        try:
+            held = holder.generate(request(LONG_TOKENS), prompts[0])
+            first = await held.__anext__()  # its session is open on `full`, its reservation held while unread
+            before = await sessions_opened([full.address, other.address], target_client)
+            moved, _ = await generate(orch, prompts[1], LONG_TOKENS)
+            after = await sessions_opened([full.address, other.address], target_client)
+            rest = [event async for event in held]
+            return first.token_ids + [t for e in rest for t in e.token_ids], moved, [b - a for a, b in zip(before, after)]
+        finally:
+            await orch.close()
+            await holder.close()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="specsplit.orchestrator.links"):
+            held_ids, moved_ids, opened_by_orch = run_async(go())
+    finally:
+        full.stop(5)
+    assert held_ids == expected[0] and moved_ids == expected[1]
+    assert opened_by_orch == [0, 1]  # refused for room on `full`, opened on the other
+    assert f"the target replica at {full.address} has no room" in caplog.text
 
 
 @pytest.mark.parametrize("role", ["drafts", "targets"])
