@@ -293,8 +293,11 @@ class EngineServicer:
     async def Stats(self, request, context):
         from specsplit.v1 import specsplit_pb2 as pb
 
-        active, opened, rounds = (await self._require_engine(context)).sessions.stats()
-        return pb.StatsResponse(active_sessions=active, sessions_opened=opened, rounds=rounds)
+        sessions = (await self._require_engine(context)).sessions
+        active, opened, rounds = sessions.stats()
+        reserved, budget, _ = sessions.budget()
+        return pb.StatsResponse(active_sessions=active, sessions_opened=opened, rounds=rounds, kv_reserved=reserved,
+                                kv_budget=budget)
 
     async def GetSession(self, request, context):
         engine = await self._require_engine(context)

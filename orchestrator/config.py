@@ -57,6 +57,7 @@ class OrchestratorConfig:
     # extra hand-offs for a session alone. 1: always shared; 0: never.
     shared_stream_from: int = 4
     resolve_every_s: float = 10.0  # a dns:///NAME:PORT pool's name is resolved again this often
+    load_every_s: float = 1.0  # each pool replica's Stats (sessions, KV) are read this often; 0: own sessions only
     # "auto": the target's generation_config.json sampling defaults fill what a request leaves unset; "ignore": not.
     generation_config: str = "auto"
     chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's; empty: the tokenizer's
@@ -100,6 +101,8 @@ class OrchestratorConfig:
             )
         if self.resolve_every_s <= 0:
             raise ValueError(f"--resolve-every-s must be > 0, got {self.resolve_every_s}")
+        if self.load_every_s < 0:
+            raise ValueError(f"--load-every-s must be >= 0 (0: place by this orchestrator's sessions), got {self.load_every_s}")
         if self.shared_stream_from < 0:
             raise ValueError(f"--shared-stream-from must be >= 0 (0: never), got {self.shared_stream_from}")
         if self.generation_config not in ("auto", "ignore"):

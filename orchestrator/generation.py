@@ -191,6 +191,7 @@ class Orchestrator:
         draft = (draft_pool(config.draft_address, config.peer_tls, tokens, config.resolve_every_s)
                  if config.draft_address else None)
         target_info = await target.fetch_info(config.connect_timeout_s)
+        target.watch_load(config.load_every_s)
         if config.shared_stream_from:  # a Sessions stream per replica, bounded alike (a pool serves one model)
             target.prepare(lambda replica: shared_stream(replica, pb.TargetCall, pb.TargetCalls, target_info))
         check_pair(
@@ -198,6 +199,7 @@ class Orchestrator:
         )
         if draft is not None:
             draft_info = await draft.fetch_info(config.connect_timeout_s)
+            draft.watch_load(config.load_every_s)
             if config.shared_stream_from:
                 draft.prepare(lambda replica: shared_stream(replica, pb.DraftCall, pb.DraftCalls, draft_info))
             if draft_info.vocab_fingerprint:  # model-free drafters accept any vocabulary

@@ -182,6 +182,18 @@ class ServiceClient:
     opened: int = 0  # sessions placed here so far: ties go to the replica given fewer
     failed_at: float = field(default=-float("inf"))  # time.monotonic() of the last call here that failed
     gone: bool = False  # its address no longer resolves from the pool's name: no new session
+    reported: pb.StatsResponse | None = None  # its latest Stats (every orchestrator's sessions; Pool.watch_load)
+    sessions_at_report: int = 0  # this orchestrator's sessions here when ``reported`` was read
+
+    @property
+    def load(self) -> tuple[int, float]:
+        """(sessions open here, the KV budget's reserved fraction): the latest report of the replica, with the
+        sessions this orchestrator placed or closed here since; this orchestrator's own sessions without one."""
+        if self.reported is None:
+            return self.sessions, 0.0
+        sessions = max(self.reported.active_sessions - self.sessions_at_report + self.sessions, self.sessions)
+        budget = self.reported.kv_budget
+        return sessions, (self.reported.kv_reserved / budget if budget else 0.0)
 
     async def fetch_info(self, timeout_s: float) -> pb.ModelInfo:
         """Wait up to ``timeout_s`` for the service to load and answer ``Info``."""
@@ -237,8 +249,9 @@ SAME_IN_A_POOL = ("model_id", "vocab_fingerprint", "vocab_size", "max_context", 
 class Pool:
     """The replicas of one service behind one ``--target``/``--draft`` value (addresses separated by commas).
 
-    Each session is placed on the replica with the fewest of this orchestrator's sessions, and stays there
-    for its life (its stream is its own, or its replica's shared stream). A replica whose call failed gets no
+    Each session is placed on the replica with the fewest sessions (as it last reported them, every
+    orchestrator's, with this one's placed since; ties: the smaller share of its KV budget reserved, then the
+    replica given fewer so far), and stays there for its life (its stream is its own, or its replica's shared stream). A replica whose call failed gets no
     new session for ``AVOID_FAILED_S`` while another can take it, so a session re-opened after its replica
     died (re-prefilled from the committed tokens, as after a restart) lands on a live one. Every replica must
     serve the same model (``SAME_IN_A_POOL``); calls that are not a session's (``Info``, ``Stats``) go to the
@@ -253,6 +266,7 @@ class Pool:
         self._first: ServiceClient | None = None  # the replica whose Info the pool's is
         self._joining: set[asyncio.Task] = set()  # replicas that did not answer at connect, still asked
         self._refresher: asyncio.Task | None = None  # a resolving pool's re-resolution (``Resolving``)
+        self._watcher: asyncio.Task | None = None  # reads the replicas' Stats (``watch_load``)
         self._prepare: Callable[[ServiceClient], None] | None = None
 
     def prepare(self, setup: Callable[[ServiceClient], None]) -> None:
@@ -289,7 +303,7 @@ class Pool:
         preferred = self._where.get(prefer)
         if preferred is not None and any(replica is preferred for replica in fresh):
             return preferred
-        return min(fresh, key=lambda r: (r.sessions, r.opened))
+        return min(fresh, key=lambda r: (*r.load, r.opened))
 
     def untried(self, tried: Sequence[ServiceClient]) -> bool:
         """Whether a live replica outside ``tried`` is left to ask."""
@@ -387,7 +401,30 @@ class Pool:
     async def stats(self) -> pb.StatsResponse:
         return await self.stub.Stats(pb.StatsRequest())
 
+    def watch_load(self, every_s: float) -> None:
+        """Read every live replica's ``Stats`` every ``every_s`` seconds, so placement counts the sessions and KV
+        other orchestrators hold there too (``ServiceClient.load``); 0: this orchestrator's own sessions only."""
+        if every_s > 0 and self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch(every_s))
+
+    async def _watch(self, every_s: float) -> None:
+        while True:
+            replicas = self.live
+            own = [replica.sessions for replica in replicas]
+            reports = await asyncio.gather(
+                *(replica.stub.Stats(pb.StatsRequest(), timeout=max(every_s, 1.0)) for replica in replicas),
+                return_exceptions=True,
+            )
+            for replica, sessions, report in zip(replicas, own, reports):
+                if isinstance(report, pb.StatsResponse):
+                    replica.reported, replica.sessions_at_report = report, sessions
+                else:  # unreachable for now: its own sessions until it answers again
+                    replica.reported = None
+            await asyncio.sleep(every_s)
+
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._refresher is not None:
             self._refresher.cancel()
         for task in list(self._joining):

@@ -123,6 +123,9 @@ def add_orchestrator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resolve-every-s", type=float, default=10.0,
                         help="a --target/--draft of dns:///NAME:PORT is a pool of every address NAME resolves to, "
                              "resolved again this often (replicas added and removed while serving)")
+    parser.add_argument("--load-every-s", type=float, default=1.0,
+                        help="read each pool replica's Stats this often and place new sessions by the sessions and "
+                             "KV budget it reports (every orchestrator's); 0: by this orchestrator's sessions alone")
     parser.add_argument("--shared-stream-from", type=int, default=4,
                         help="carry new sessions on one shared stream per service (one message per batched step) "
                              "once this many generations are in flight, else on streams of their own; "
@@ -160,6 +163,7 @@ def config_from_args(args) -> OrchestratorConfig:
                                target_deadline_s=args.target_deadline_s),
         shared_stream_from=args.shared_stream_from,
         resolve_every_s=args.resolve_every_s,
+        load_every_s=args.load_every_s,
         generation_config=args.generation_config,
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,

@@ -268,18 +268,22 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("active_sessions", "sessions_opened", "rounds", "fed_tokens", "shared_tokens")
+    __slots__ = ("active_sessions", "sessions_opened", "rounds", "fed_tokens", "shared_tokens", "kv_reserved", "kv_budget")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_OPENED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     FED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     sessions_opened: int
     rounds: int
     fed_tokens: int
     shared_tokens: int
-    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., shared_tokens: _Optional[int] = ...) -> None: ...
+    kv_reserved: int
+    kv_budget: int
+    def __init__(self, active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., rounds: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., shared_tokens: _Optional[int] = ..., kv_reserved: _Optional[int] = ..., kv_budget: _Optional[int] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -141,6 +141,40 @@ def test_replicas_of_different_models_are_refused_at_connect_naming_both(replica
         other.stop(5)
 
 
+def test_placement_counts_the_sessions_other_orchestrators_hold_on_a_replica(replicas, tiny_target_dir,
+                                                                            long_reference):
+    """One orchestrator holds two sessions on the first target replica; another, over both replicas, reads their
+    Stats and opens both of its sessions on the second (counting only its own, it would put one on each)."""
+    prompts, expected = long_reference
+    first, second = replicas["targets"]
+
+    async def go():
+        holder = await Orchestrator.connect(OrchestratorConfig(first.address, "", str(tiny_target_dir)))
+        orch = await Orchestrator.connect(OrchestratorConfig(f"{first.address},{second.address}", "",
+                                                             str(tiny_target_dir), load_every_s=0.1))
+        held = [holder.generate(request(24), prompt) for prompt in prompts[2:4]]
+        try:
+            for generation in held:
+                await generation.__anext__()  # open on the first replica, unread
+            reported = orch.target.replicas[0]
+            async with asyncio.timeout(30):
+                while reported.reported is None or reported.reported.active_sessions < 2:
+                    await asyncio.sleep(0.05)
+            before = await sessions_opened([first.address, second.address], target_client)
+            done = await asyncio.gather(*(generate(orch, prompt, 24) for prompt in prompts[:2]))
+            after = await sessions_opened([first.address, second.address], target_client)
+            return [ids for ids, _ in done], [b - a for a, b in zip(before, after)]
+        finally:
+            for generation in held:
+                await generation.aclose()
+            await orch.close()
+            await holder.close()
+
+    ids, spread = run_async(go())
+    assert ids == [e[:24] for e in expected[:2]]
+    assert spread == [0, 2], spread
+
+
 def test_a_full_replica_passes_a_new_session_to_one_with_room(replicas, tiny_target_dir, long_reference, tmp_path,
                                                               caplog):
     """A target replica whose KV budget another orchestrator's session holds refuses the next session for room

@@ -119,3 +119,21 @@ def test_an_address_the_name_no_longer_resolves_to_takes_no_new_session_until_it
     assert first.gone and pool.live == []
     pool.update(["127.0.0.1"], 1.0)
     assert not first.gone and pool.live == [first] and len(pool.replicas) == len(made)  # none made twice
+
+
+def test_a_replicas_report_counts_other_orchestrators_sessions_and_its_kv_breaks_ties():
+    replicas = pool(3)
+    for replica in replicas.replicas:
+        replica.info = pb.ModelInfo()  # live
+    first, second, third = replicas.replicas
+    first.reported = pb.StatsResponse(active_sessions=4, kv_reserved=10, kv_budget=100)  # others' sessions
+    second.reported = pb.StatsResponse(active_sessions=1, kv_reserved=90, kv_budget=100)
+    third.reported = pb.StatsResponse(active_sessions=1, kv_reserved=20, kv_budget=100)
+    assert replicas.place("a", lambda r: Transport()).replica is third  # as few sessions, less KV taken
+    assert third.load == (2, 0.2)  # the report, with the session placed since
+    assert replicas.place("b", lambda r: Transport()).replica is second  # 1 session against third's 2
+    third.sessions_at_report, third.reported = 1, pb.StatsResponse(active_sessions=2, kv_reserved=40, kv_budget=100)
+    assert third.load == (2, 0.4)  # the new report holds "a": not counted twice
+    assert first.load == (4, 0.1)
+    first.reported = None  # unreachable: its own sessions only
+    assert first.load == (0, 0.0)
