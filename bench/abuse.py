@@ -76,16 +76,6 @@ def probes_of(text: str) -> list[str]:
 # -- the sampler (its own process, so probe threads here do not delay it) --------------------------------------
 
 
-def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 def _sample(port: int, pids: dict[str, int], every_s: float, stop, out) -> None:
     """Until ``stop`` is set: (monotonic time, /health ms or None, {process: RSS MB}) every ``every_s``."""
     samples = []
@@ -105,7 +95,7 @@ def _sample(port: int, pids: dict[str, int], every_s: float, stop, out) -> None:
                 ms = (time.monotonic() - started) * 1e3
         except OSError:
             pass
-        samples.append((started, ms, {name: _rss_mb(pid) for name, pid in pids.items()}))
+        samples.append((started, ms, {name: processes.rss_mb(pid) for name, pid in pids.items()}))
         if first:
             out.send("sampling")
             first = False

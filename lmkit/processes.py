@@ -50,6 +50,17 @@ class ServiceProcess:
         return ""
 
 
+def rss_mb(pid: int) -> float | None:
+    """The resident memory of process ``pid`` in MB (``/proc``); None once it has ended."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass  # it ended between listing and reading
+    return None
+
+
 def restartable_port(host: str = "127.0.0.1") -> int:
     """A free port for a service that will be killed and started again in its place.
 

@@ -6,7 +6,6 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -15,6 +14,7 @@ from specsplit.bench.chaos import schedule
 from specsplit.bench.chaos.checker import Record, Window
 from specsplit.bench.chaos.stack import Stack
 from specsplit.bench.netem import LinkProcess, Shape
+from specsplit.lmkit.processes import rss_mb
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
@@ -221,20 +221,10 @@ async def run_faults(stack: Stack, faults: list[schedule.Fault], load: Load, lin
     return windows
 
 
-def rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass  # the process ended between listing and reading
-    return 0.0
-
-
 async def sample_rss(stack: Stack, stop_at: float, series: dict[str, list[float]]) -> None:
     while time.monotonic() < stop_at:
         for name, pid in stack.pids().items():
-            value = rss_mb(pid)
+            value = rss_mb(pid)  # None: ended
             if value:
                 series.setdefault(name, []).append(round(value, 1))
         await asyncio.sleep(1.0)
