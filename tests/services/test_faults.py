@@ -36,8 +36,9 @@ def expected(tiny_target_dir, gguf_tokenizer):
 
 
 async def generate_with_fault(target_address, draft_address, tokenizer_dir, fault, policy=None,
-                              drafter=DrafterKind.MODEL):
-    """Generate greedily; call ``fault()`` (in a thread) after the 3rd round; return ids, stats, texts."""
+                              drafter=DrafterKind.MODEL, reconnected: bool = False):
+    """Generate greedily; call ``fault()`` (in a thread) after the 3rd round, and with ``reconnected`` wait until
+    the orchestrator's draft channel is connected again; return ids, stats."""
     config = OrchestratorConfig(
         target_address, draft_address, tokenizer=str(tokenizer_dir), link_policy=policy or LinkPolicy()
     )
@@ -51,10 +52,22 @@ async def generate_with_fault(target_address, draft_address, tokenizer_dir, faul
             texts.append(event.text)
             if len(texts) == 3:
                 await asyncio.to_thread(fault)
+                if reconnected:
+                    await draft_channel_ready(orch)
             stats = event.stats or stats
     finally:
         await orch.close()
     return ids, stats
+
+
+async def draft_channel_ready(orch, timeout_s: float = 60.0) -> None:
+    """Until the draft's channel is connected: gRPC reconnects after a backoff (up to 2 s here) that grew while
+    the draft was down, and a tiny model's remaining rounds can all run within it (the draft, back, never
+    asked). Once the channel is up, the link must re-attach within its ``draft_retry_s``."""
+    channel = orch.draft.replicas[0].channel
+    async with asyncio.timeout(timeout_s):
+        while (state := channel.get_state(try_to_connect=True)) is not grpc.ChannelConnectivity.READY:
+            await channel.wait_for_state_change(state)
 
 
 def test_killed_draft_falls_back_to_target_only(tmp_path, tiny_target_dir, tiny_draft_dir, tiny_services, expected):
@@ -128,7 +141,8 @@ def test_draft_is_reattached_when_it_comes_back(tmp_path, tiny_target_dir, tiny_
     try:
         policy = LinkPolicy(draft_retry_s=0.05)
         ids, stats = run_async(generate_with_fault(
-            tiny_services.target_address, draft.address, tiny_target_dir, draft.kill_and_restart, policy))
+            tiny_services.target_address, draft.address, tiny_target_dir, draft.kill_and_restart, policy,
+            reconnected=True))
     finally:
         draft.stop()
     assert ids == expected
