@@ -7,6 +7,7 @@
         net.limit_rate("target", 64_000)                 # tbf on both ends of the target's link
         address, relay = net.relay("target", target.port, Shape.from_ms(1), workdir)  # delay via the router
         net.take_down("draft"); net.bring_up("draft")    # a partition, and its end
+        with net.inside("orch"): ...                      # this thread's sockets and children in a host
 
 The plan (addresses, routes, the commands) is ``specsplit.bench.host_plan``: a
 private range that exists only inside the namespaces, no default route. Delay
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import functools
 import itertools
 import os
@@ -42,7 +44,8 @@ PROBED_QDISCS = ("netem", "tbf", "htb", "pfifo", "fq", "fq_codel", "sfq", "prio"
 _PROBE_ARGS = {"netem": ["delay", "1ms"], "tbf": ["rate", "1mbit", "burst", "1600", "latency", "10ms"]}
 
 
-_SERIALS = itertools.count(1)  # 0 names the probes' scratch namespaces
+_SERIALS = itertools.count(1)
+CLONE_NEWNET = 0x40000000  # 0 names the probes' scratch namespaces
 
 
 class HostError(RuntimeError):
@@ -213,6 +216,24 @@ class Hosts:
             f.write("\n".join(lines) + "\n")
             f.truncate()
 
+    @contextlib.contextmanager
+    def inside(self, host: str):
+        """The calling thread in ``host``'s network for the block: the sockets it opens (a gRPC channel's too)
+        and the threads and processes it starts meanwhile are ``host``'s. gRPC's own threads keep the network
+        they started in, so enter before the process makes its first gRPC channel or server; a process that
+        already has one (a test worker) runs the code in a subprocess instead."""
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        there = os.open(f"/run/netns/{self.namespaces[host]}", os.O_RDONLY)
+        try:
+            _set_network(there, f"host {host}")
+            try:
+                yield
+            finally:
+                _set_network(home, "the caller")
+        finally:
+            os.close(home)
+            os.close(there)
+
     def reach(self, host: str, service: ServiceProcess) -> str:
         """HOST:PORT where the other hosts reach ``service`` running on ``host``."""
         return f"{self.address(host)}:{service.port}"
@@ -279,6 +300,12 @@ class Hosts:
         )
         self._relays.append(link)
         return f"{self.address(self.plan.router)}:{link.service.port}", link
+
+
+def _set_network(fd: int, whose: str) -> None:
+    """``setns(2)``: the calling thread into the network namespace open at ``fd`` (``whose``: for the error)."""
+    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+        raise HostError(f"could not enter the network of {whose}: {os.strerror(ctypes.get_errno())}")
 
 
 def main(argv: list[str] | None = None) -> int:

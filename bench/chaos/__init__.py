@@ -9,5 +9,6 @@ kills and restarts services, stalls and slows the draft link, cancels streams, s
 oversize requests, and drains and restarts the orchestrator. ``checker`` then holds the history
 against the promises: every completed generation has exactly its fault-free reference's tokens,
 every failure has a documented status and never contradicted a token it had streamed, no stream
-outlived its deadline, no session leaked, RSS stayed flat.
+outlived its deadline, no session leaked, RSS stayed flat. ``--hosts`` runs it across hosts built in the
+machine with pools of replicas (``stack``), adding partitions of a replica's host.
 """

@@ -171,26 +171,34 @@ class Load:
 
 
 class LinkControl:
-    """The draft link's faults, applied to the emulated link (bench/netem) the orchestrator reaches the draft through."""
+    """The draft links' faults, applied to the emulated links (bench/netem) the orchestrator reaches each draft
+    replica through, all of them at once."""
 
-    def __init__(self, link: LinkProcess) -> None:
-        self._link = link
+    def __init__(self, links: list[LinkProcess]) -> None:
+        self._links = links
 
     async def stall(self, seconds: float) -> None:
-        """The link forwards nothing for ``seconds`` (connections stay open, bytes are held), then resumes."""
-        self._link.stall()
+        """The links forward nothing for ``seconds`` (connections stay open, bytes are held), then resume."""
+        for link in self._links:
+            link.stall()
         try:
             await asyncio.sleep(seconds)
         finally:
-            self._link.resume()
+            for link in self._links:
+                link.resume()
 
     async def delay(self, delay_ms: float, seconds: float) -> None:
-        """Every byte read in the next ``seconds`` is held ``delay_ms`` each way; then the link is plain again."""
-        await asyncio.to_thread(self._link.set_shape, Shape.from_ms(delay_ms))
+        """Every byte read in the next ``seconds`` is held ``delay_ms`` each way; then the links are plain again."""
+        await asyncio.gather(*(asyncio.to_thread(link.set_shape, Shape.from_ms(delay_ms)) for link in self._links))
         try:
             await asyncio.sleep(seconds)
         finally:
-            await asyncio.to_thread(self._link.set_shape, Shape())
+            await asyncio.gather(*(asyncio.to_thread(link.set_shape, Shape()) for link in self._links))
+
+
+def _one_of(replicas: list, rng: random.Random):
+    """The replica a fault lands on (one of a pool, drawn; the only one, without a draw)."""
+    return replicas[0] if len(replicas) == 1 else rng.choice(replicas)
 
 
 async def run_faults(stack: Stack, faults: list[schedule.Fault], load: Load, link: LinkControl,
@@ -201,9 +209,11 @@ async def run_faults(stack: Stack, faults: list[schedule.Fault], load: Load, lin
         await asyncio.sleep(max(0.0, fault.at_s - load.now()))
         start = load.now()
         if fault.kind in ("draft_kill", "target_kill"):
-            service = stack.draft if fault.kind == "draft_kill" else stack.target
+            service = _one_of(stack.drafts if fault.kind == "draft_kill" else stack.targets, rng)
             service.kill()
             await asyncio.to_thread(stack.restart, service, fault.hold_s)
+        elif fault.kind == "partition":
+            await asyncio.to_thread(stack.partition, _one_of([*stack.targets, *stack.drafts], rng), fault.hold_s)
         elif fault.kind == "orchestrator_drain":
             await asyncio.to_thread(stack.orchestrator.drain, stack.grace_s)
             await asyncio.to_thread(stack.restart, stack.orchestrator, fault.hold_s)
@@ -230,18 +240,31 @@ async def sample_rss(stack: Stack, stop_at: float, series: dict[str, list[float]
         await asyncio.sleep(1.0)
 
 
-async def active_sessions(address: str, stub_cls) -> int:
+async def _stats(address: str, stub_cls) -> pb.StatsResponse:
     async with grpc.aio.insecure_channel(address) as channel:
-        return (await stub_cls(channel).Stats(pb.StatsRequest(), timeout=10)).active_sessions
+        return await stub_cls(channel).Stats(pb.StatsRequest(), timeout=10)
+
+
+async def active_sessions(address: str, stub_cls) -> int:
+    return (await _stats(address, stub_cls)).active_sessions
+
+
+async def sessions_opened(stack: Stack) -> dict[str, int]:
+    """Sessions each replica's running instance has opened (``Stats.sessions_opened``): how the pools spread."""
+    services = [(t, pb_grpc.TargetServiceStub) for t in stack.targets] + [(d, pb_grpc.DraftServiceStub)
+                                                                         for d in stack.drafts]
+    return {f"{s.name}-{len(s.instances) - 1}": (await _stats(s.address, stub)).sessions_opened
+            for s, stub in services}
 
 
 async def leaked_sessions(stack: Stack, settle_s: float = 15.0) -> dict[str, int]:
-    """Sessions still open on either service once every client is done (given ``settle_s`` to close)."""
+    """Sessions still open on the target and draft replicas once every client is done (given ``settle_s`` to
+    close), per service."""
     deadline = time.monotonic() + settle_s
     while True:
         counts = {
-            "target": await active_sessions(stack.target.address, pb_grpc.TargetServiceStub),
-            "draft": await active_sessions(stack.draft.address, pb_grpc.DraftServiceStub),
+            "target": sum([await active_sessions(t.address, pb_grpc.TargetServiceStub) for t in stack.targets]),
+            "draft": sum([await active_sessions(d.address, pb_grpc.DraftServiceStub) for d in stack.drafts]),
         }
         if not any(counts.values()) or time.monotonic() > deadline:
             return counts

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 # Every kind the soak injects; each schedule draws them in turn so that all appear about equally often.
 KINDS = (
-    "draft_kill",  # SIGKILL the draft service, start it again on its port
-    "target_kill",  # SIGKILL the target service, start it again on its port
+    "draft_kill",  # SIGKILL the draft service (across hosts: one replica of the pool), start it again on its port
+    "target_kill",  # SIGKILL the target service (across hosts: one replica of the pool), start it again
     "draft_stall",  # the emulated draft link forwards nothing for a while
     "draft_delay",  # the emulated draft link adds a one-way delay spike
     "client_cancel",  # a client cancels its stream mid-generation
@@ -17,6 +17,8 @@ KINDS = (
     "oversize",  # a prompt longer than the model's context
     "orchestrator_drain",  # SIGTERM the orchestrator (it drains), start it again
 )
+# Across hosts, with pools: a target or draft replica's host cut off for a while (no reset: its link goes down).
+HOSTS_KINDS = (*KINDS, "partition")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ def draw(seed: int, duration_s: float, every_s: float, kinds: tuple[str, ...] = 
         hold = {"draft_kill": rng.uniform(0.5, 3.0), "target_kill": rng.uniform(0.2, 2.0),
                 "draft_stall": rng.uniform(1.0, 6.0), "draft_delay": rng.uniform(2.0, 8.0),
                 "orchestrator_drain": rng.uniform(0.2, 1.0)}.get(kind, 0.0)
+        if kind == "partition":  # drawn apart, so the loopback kinds' schedules stay what a seed gave before
+            hold = rng.uniform(0.5, 4.0)
         delay = rng.choice((10.0, 50.0, 200.0)) if kind == "draft_delay" else 0.0
         faults.append(Fault(round(t, 2), kind, round(hold, 2), delay))
         t += every_s * rng.uniform(0.5, 1.5)

@@ -44,3 +44,22 @@ def test_the_schedule_is_a_function_of_its_seed_and_draws_every_kind():
     assert {f.kind for f in a} == set(schedule.KINDS)
     assert all(5.0 <= f.at_s <= 595.0 for f in a)
     assert [f.at_s for f in a] == sorted(f.at_s for f in a)
+
+
+def test_partitions_are_drawn_only_across_hosts():
+    loopback, across = schedule.draw(7, 600, 10), schedule.draw(7, 600, 10, schedule.HOSTS_KINDS)
+    assert "partition" not in {f.kind for f in loopback}
+    assert {f.kind for f in across} == set(schedule.HOSTS_KINDS)
+    assert all(0.5 <= f.hold_s <= 4.0 for f in across if f.kind == "partition")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--kinds", "partition"], "partition needs --hosts"),
+    (["--kinds", "target_kill,nap"], "['nap']"),
+    (["--replicas", "2"], "more than 1 only with --hosts"),
+])
+def test_a_chaos_run_refuses_kinds_and_replicas_its_stack_cannot_have(tmp_path, flags, message):
+    from specsplit.bench.chaos.__main__ import build_parser, run
+
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        run(build_parser().parse_args(flags), tmp_path)
