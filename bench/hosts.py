@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from specsplit.bench import host_plan
@@ -45,7 +46,8 @@ _PROBE_ARGS = {"netem": ["delay", "1ms"], "tbf": ["rate", "1mbit", "burst", "160
 
 
 _SERIALS = itertools.count(1)
-CLONE_NEWNET = 0x40000000  # 0 names the probes' scratch namespaces
+CLONE_NEWNET = 0x40000000
+STOP_GRACE_S = 5.0  # services still up when the block ends get this long, all together, to stop on SIGTERM  # 0 names the probes' scratch namespaces
 
 
 class HostError(RuntimeError):
@@ -164,13 +166,24 @@ class Hosts:
         self.close()
 
     def close(self) -> None:
-        """Stop every relay and service started here, kill what else runs in the hosts, delete them."""
+        """Stop every relay and service started here, kill what else runs in the hosts, delete them.
+
+        The services get SIGTERM all at once, the last started first, and ``STOP_GRACE_S`` together: one by one,
+        a target would wait out its grace for the sessions of an orchestrator not yet told to stop."""
         for relay in self._relays:
             with contextlib.suppress(Exception):
                 relay.stop()
-        for service in self._services:
-            with contextlib.suppress(Exception):
-                service.stop(5)
+        running = [service.process for service in reversed(self._services) if service.process.poll() is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for process in running:
+            try:
+                process.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         for ns in self.namespaces.values():
             _delete_namespace(ns)
 

@@ -40,16 +40,23 @@ print(json.dumps(asyncio.run(opened(sys.argv[1:], target_client))))
 
 def generate(net, orch: str, prompts: list[str], work: Path) -> list[dict]:
     requests = [{"prompt": p, "chat": False, "maxNewTokens": 24, "returnTokenIds": True, "k": 0} for p in prompts]
+    return run_requests(net, orch, requests, work)
+
+
+def run_requests(net, orch: str, requests: list[dict], work: Path, concurrency: int = 1) -> list[dict]:
+    """``requests`` (GenerateRequest fields) from the orch host, ``concurrency`` at a time; results in order."""
     path = work / "requests.json"
     path.write_text(json.dumps(requests))
-    result = net.run("orch", [sys.executable, "-m", "tests.services.host_client", orch, str(path)], cwd=REPO,
-                     timeout=300)
+    result = net.run("orch", [sys.executable, "-m", "tests.services.host_client", orch, str(path), str(concurrency)],
+                     cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def opened(net, addresses: list[str]) -> list[int]:
-    result = net.run("orch", [sys.executable, "-c", OPENED, *addresses], cwd=REPO, timeout=60)
+def opened(net, addresses: list[str], client: str = "target_client") -> list[int]:
+    """``Stats.sessions_opened`` of each target (or, with ``client="draft_client"``, draft) at ``addresses``."""
+    result = net.run("orch", [sys.executable, "-c", OPENED.replace("target_client", client), *addresses], cwd=REPO,
+                     timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -141,7 +141,7 @@ def test_coupled_token_trees_give_the_seeds_own_tokens(tiny_services, tiny_targe
     the drafter offers leaves the seed's tokens as they are at k = 0."""
     requests = [coupled(seed, 6, drafter, branches=4, overlap=overlap) for seed in SEEDS for overlap in (False, True)]
     (results,) = run_async(generate_on_each([tiny_services], tiny_target_dir, requests))
-    for request, (ids, stats) in zip(requests, results):
+    for request, (ids, _stats) in zip(requests, results):
         assert ids == target_only_tokens[request.sampling.seed], request
     if drafter is DrafterKind.MODEL:  # the model's second choices make a tree every round
         assert sum(stats.tree_rounds for _, stats in results) > 0
