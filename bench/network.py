@@ -9,11 +9,16 @@ of the cells. Speedups are against the mean of the target-only passes, whose spr
 noise band. Per cell: tokens/s, speedup, acceptance α, draft cost ratio c, mean k, overlap hit rate,
 late blocks, identical outputs, and a Leviathan-style bound with the links added (``bound``).
 Placement as in the speed suite; the relays are unpinned.
+
+``--network-hosts`` runs it across hosts built in the machine (``specsplit.bench.hosts``, root): draft and
+target each on a host of their own, the orchestrator (this process) on a third, every byte crossing veth
+links and the router host; each level's relays run on the router host, and level 0 is the bare path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -27,10 +32,11 @@ import torch
 
 from specsplit.bench import netem
 from specsplit.bench.evaluation import theoretical_speedup
+from specsplit.bench.hosts import Hosts
 from specsplit.bench.netem_check import self_check
 from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit.kinds import DrafterKind
-from specsplit.lmkit.processes import local_services
+from specsplit.lmkit.processes import ServiceProcess, local_services
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
@@ -72,6 +78,9 @@ def add_flags(parser) -> None:
     parser.add_argument("--network-fixed-k", default="ngram:8,quantized:3",
                         help="--suite network: K for the fixed-K cells and the bound of adaptive K, per drafter")
     parser.add_argument("--network-prompts", type=int, default=8, help="--suite network: first N prompts of the set")
+    parser.add_argument("--network-hosts", action="store_true",
+                        help="--suite network: draft, target and orchestrator each on a host built in this machine "
+                             "(network namespaces, root), the links' relays on the router host")
     parser.add_argument("--network-repeats", type=int, default=1,
                         help="--suite network: passes over the cells per level, each followed by target-only "
                              "(the cells' order rotates per pass); figures pool every pass")
@@ -324,6 +333,43 @@ def service_args(args, drafters: list[str]) -> tuple[list[str], list[str]]:
     return target, draft
 
 
+@contextlib.contextmanager
+def placed_services(args, target_args: list[str], draft_args: list[str], workdir: Path):
+    """(hosts or None, target, draft): the services on loopback, or each on a host of its own (--network-hosts)."""
+    if not args.network_hosts:
+        with local_services(target_args, draft_args) as (target, draft):
+            yield None, target, draft
+        return
+    with Hosts(["orch", "draft", "target"]) as net:
+        target = net.start_service("target", "specsplit.target_service.server", "target", target_args, workdir)
+        draft = net.start_service("draft", "specsplit.draft_service.server", "draft", draft_args, workdir)
+        yield net, target, draft
+
+
+@contextlib.contextmanager
+def shaped_links(net: Hosts | None, services: dict[str, ServiceProcess], shape: netem.Shape, workdir: Path,
+                 seed: int):
+    """({role: address the orchestrator connects to}, {role: relay}) for the block: relays shaped ``shape`` in
+    front of each service (none for a zero shape), on loopback or on the router host; the relays stopped after."""
+    if net is None:
+        with netem.links({role: s.address for role, s in services.items()}, shape, workdir, seed) as links:
+            yield links
+        return
+    if shape == netem.Shape():
+        yield {role: net.reach(role, s) for role, s in services.items()}, {}
+        return
+    addresses, relays = {}, {}
+    try:
+        for i, (role, service) in enumerate(services.items()):
+            addresses[role], relays[role] = net.relay(role, service.port, shape, workdir, f"{role}-relay-{seed}",
+                                                      seed + i)
+        yield addresses, relays
+    finally:
+        for relay in relays.values():
+            with contextlib.suppress(Exception):
+                relay.stop()
+
+
 def run(args) -> int:
     drafters = [d.strip() for d in args.network_drafters.split(",") if d.strip()]
     unknown = [d for d in drafters if d not in ("ngram", "quantized", "model")]
@@ -336,15 +382,16 @@ def run(args) -> int:
     started = time.time()
     levels = []
     with tempfile.TemporaryDirectory(prefix="specsplit-net-") as tmp, \
-            local_services(target_args, draft_args) as (target, draft):
+            placed_services(args, target_args, draft_args, Path(tmp)) as (net, target, draft):
         _pin(args.draft_cpus)
         for i, rtt in enumerate(rtts):
             one_way = rtt / 2
             shape = netem.Shape.from_ms(one_way, args.link_jitter_fraction * one_way)
             check = self_check(shape, Path(tmp), pings=int(min(200, max(40, 2000 / max(rtt, 1e-3))))) if rtt else None
-            upstreams = {"draft": draft.address, "target": target.address}
-            with netem.links(upstreams, shape, Path(tmp), seed=i) as (addresses, relays):
-                measured = asyncio.run(_level(addresses, args, prompts, cells, rotate=i))
+            with shaped_links(net, {"draft": draft, "target": target}, shape, Path(tmp), i) as (addresses, relays):
+                # across hosts this process is the orchestrator's host while it measures (gRPC made in there)
+                with net.inside("orch") if net else contextlib.nullcontext():
+                    measured = asyncio.run(_level(addresses, args, prompts, cells, rotate=i))
                 relay_stats = {name: link.stop() for name, link in relays.items()}
             levels.append(level_report(rtt, measured, cells, check, relay_stats))
             lv = levels[-1]
@@ -353,6 +400,8 @@ def run(args) -> int:
                                                      for c in lv["cells"]), flush=True)
     report = {
         "benchmark": "network", "emulated_links": True, "target": args.model, "drafters": drafters,
+        "topology": ("across hosts: draft, target and orchestrator each on a host of its own, relays on the router "
+                     "host" if args.network_hosts else "loopback"),
         "quantize": args.quantize if "quantized" in drafters else None, "prompt_set": args.prompt_set,
         "prompts": [p.name for p in prompts], "decoding": "greedy", "max_new_tokens": args.max_new_tokens,
         "repeats": max(args.network_repeats, 1),
