@@ -21,18 +21,11 @@ from pathlib import Path
 
 import grpc
 
-from specsplit.lmkit.processes import start_service
+from specsplit.lmkit.processes import rss_mb, start_service
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 PROMPTS = ["Tell me about rivers.", "def add(a, b):", "a b a b a b", "List three colours."]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 async def client(address: str, stop_at: float, codes: collections.Counter, tokens: list[int], index: int) -> None:
@@ -62,7 +55,10 @@ async def drive(address: str, clients: int, duration_s: float, pids: dict[str, i
     async def sample_rss():
         while time.monotonic() < stop_at:
             for name, pid in pids.items():
-                samples[name].append(round(rss_mb(pid), 1))
+                value = rss_mb(pid)
+                if value is None:  # no service of a soak is ever stopped: one that ended failed it
+                    raise RuntimeError(f"the {name} process (pid {pid}) ended during the soak; its log says why")
+                samples[name].append(round(value, 1))
             await asyncio.sleep(1.0)
 
     started = time.monotonic()
