@@ -62,5 +62,4 @@ def test_a_short_chaos_soak_across_hosts_with_pools_keeps_every_promise(tmp_path
     report = json.loads(report_path.read_text())
     assert report["topology"].startswith("across hosts: 2 target and 2 draft replicas"), report["topology"]
     assert_every_promise_kept(report, schedule.HOSTS_KINDS)
-    assert min(report["sessions_opened_per_replica"].values()) > 0, report["sessions_opened_per_replica"]
     assert result.returncode == 0, result.stdout[-3000:]
