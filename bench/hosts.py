@@ -45,9 +45,9 @@ PROBED_QDISCS = ("netem", "tbf", "htb", "pfifo", "fq", "fq_codel", "sfq", "prio"
 _PROBE_ARGS = {"netem": ["delay", "1ms"], "tbf": ["rate", "1mbit", "burst", "1600", "latency", "10ms"]}
 
 
-_SERIALS = itertools.count(1)
+_SERIALS = itertools.count(1)  # 0 names the probes' scratch namespaces
 CLONE_NEWNET = 0x40000000
-STOP_GRACE_S = 5.0  # services still up when the block ends get this long, all together, to stop on SIGTERM  # 0 names the probes' scratch namespaces
+STOP_GRACE_S = 5.0  # services still up when the block ends get this long, all together, to stop on SIGTERM
 
 
 class HostError(RuntimeError):

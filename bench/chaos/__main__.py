@@ -163,7 +163,8 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     keys = ("faults_by_kind", "requests_by_outcome", "tokens_checked", "leaked_sessions",
-            "sessions_opened_per_replica", "rss_growth_after_warmup_pct", "latency_during_faults", "latency_without_faults", "ok")
+            "sessions_opened_per_replica", "rss_growth_after_warmup_pct", "latency_during_faults",
+            "latency_without_faults", "ok")
     print(json.dumps({k: report[k] for k in keys}, indent=1))
     for key in ("mismatches", "contradicted", "undocumented_failures", "wrong_failures", "hangs"):
         if report[key]:

@@ -32,9 +32,9 @@ RESOLVE_EVERY_S = 0.3
 OPENED = """
 import asyncio, json, sys
 from specsplit.bench.pools import opened
-from specsplit.orchestrator.peers import target_client
+from specsplit.orchestrator import peers
 
-print(json.dumps(asyncio.run(opened(sys.argv[1:], target_client))))
+print(json.dumps(asyncio.run(opened(sys.argv[2:], getattr(peers, sys.argv[1])))))
 """
 
 
@@ -55,8 +55,7 @@ def run_requests(net, orch: str, requests: list[dict], work: Path, concurrency: 
 
 def opened(net, addresses: list[str], client: str = "target_client") -> list[int]:
     """``Stats.sessions_opened`` of each target (or, with ``client="draft_client"``, draft) at ``addresses``."""
-    result = net.run("orch", [sys.executable, "-c", OPENED.replace("target_client", client), *addresses], cwd=REPO,
-                     timeout=60)
+    result = net.run("orch", [sys.executable, "-c", OPENED, client, *addresses], cwd=REPO, timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -31,16 +31,21 @@ def test_sampling_across_hosts_with_pools_is_the_targets_distribution(tiny_targe
     with hosts.Hosts(["orch", "t1", "t2", "d1", "d2"]) as net:
         replicas = [("t1", "target", tiny_target_dir, target_port), ("t2", "target", tiny_target_dir, target_port),
                     ("d1", "draft", tiny_draft_dir, draft_port), ("d2", "draft", tiny_draft_dir, draft_port)]
+
+        def start(host, role, model, port):
+            return net.start_service(host, f"specsplit.{role}_service.server", f"{role}-{host}",
+                                     ["--model", str(model)], tmp_path, 300, port=port)
+
         with ThreadPoolExecutor(len(replicas)) as starting:  # all at once: each start is mostly imports
-            list(starting.map(lambda r: net.start_service(r[0], f"specsplit.{r[1]}_service.server", f"{r[1]}-{r[0]}",
-                                                          ["--model", str(r[2])], tmp_path, 300, port=r[3]), replicas))
+            list(starting.map(lambda replica: start(*replica), replicas))
         targets = [f"{net.address(host)}:{target_port}" for host in ("t1", "t2")]
         drafts = [f"{net.address(host)}:{draft_port}" for host in ("d1", "d2")]
         orch = net.start_service("orch", "specsplit.orchestrator.server", "orch",
                                  ["--target", ",".join(targets), "--draft", ",".join(drafts), "--tokenizer",
                                   str(tiny_target_dir)], tmp_path, 300)
         requests = [{"prompt": TINY_PROMPTS[0], "chat": False, "maxNewTokens": 2, "returnTokenIds": True, "k": 2,
-                     "adaptiveK": False, "overlap": False, "drafter": "DRAFTER_KIND_MODEL", "mode": "VERIFICATION_MODE_DRAFT_PROBS",
+                     "adaptiveK": False, "overlap": False, "drafter": "DRAFTER_KIND_MODEL",
+                     "mode": "VERIFICATION_MODE_DRAFT_PROBS",
                      "sampling": {"temperature": 4.0, "topK": 3, "seed": seed}} for seed in range(RUNS)]
         results = run_requests(net, net.reach("orch", orch), requests, tmp_path, concurrency=32)
         target_sessions, draft_sessions = opened(net, targets), opened(net, drafts, "draft_client")
