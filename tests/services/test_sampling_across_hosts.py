@@ -42,7 +42,7 @@ def test_sampling_across_hosts_with_pools_is_the_targets_distribution(tiny_targe
         drafts = [f"{net.address(host)}:{draft_port}" for host in ("d1", "d2")]
         orch = net.start_service("orch", "specsplit.orchestrator.server", "orch",
                                  ["--target", ",".join(targets), "--draft", ",".join(drafts), "--tokenizer",
-                                  str(tiny_target_dir)], tmp_path, 300)
+                                  str(tiny_target_dir), "--draft-deadline-s", "60"], tmp_path, 300)
         requests = [{"prompt": TINY_PROMPTS[0], "chat": False, "maxNewTokens": 2, "returnTokenIds": True, "k": 2,
                      "adaptiveK": False, "overlap": False, "drafter": "DRAFTER_KIND_MODEL",
                      "mode": "VERIFICATION_MODE_DRAFT_PROBS",
@@ -50,7 +50,8 @@ def test_sampling_across_hosts_with_pools_is_the_targets_distribution(tiny_targe
         results = run_requests(net, net.reach("orch", orch), requests, tmp_path, concurrency=32)
         target_sessions, draft_sessions = opened(net, targets), opened(net, drafts, "draft_client")
     assert {r["code"] for r in results} == {"OK"}, [r for r in results if r["code"] != "OK"][:3]
-    # a fixed k = 2: a session's first round verifies a drafted block unless the block came late (k = 0 then)
-    assert sum(int(r["stats"].get("drafted_tokens", 0)) for r in results) >= RUNS // 2
+    # a fixed k = 2 and a round that waits for its block however loaded the machine: every session's first round
+    # verifies a drafted block, so the χ² below is of drafted tokens accepted or corrected, not of the target alone
+    assert all(int(r["stats"].get("drafted_tokens", 0)) >= 1 for r in results), [r["stats"] for r in results][:3]
     assert min(target_sessions) > RUNS // 4 and min(draft_sessions) > RUNS // 4, (target_sessions, draft_sessions)
     assert_distributed_as([tuple(r["ids"]) for r in results], exact)
