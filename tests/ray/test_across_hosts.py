@@ -5,7 +5,8 @@ The head runs `specsplit up`, Serve and the orchestrator replica; a draft node a
 the custom resources ``draft_node`` and ``target_node``, and `up` places each service by them. Every node
 and driver authenticates with one token (``specsplit.bench.ray_hosts``). A client on a fourth host reaches
 the gRPC front and Serve's HTTP proxy on the head; the output is the target's own greedy text, drafted by
-the draft on its node. A SIGTERM to `up` after that traffic stops it in order, exit 0, no Ray error lines.
+the draft on its node; a second `up` asking for the taken target node fails within its schedule timeout. A
+SIGTERM to `up` after that traffic stops it in order, exit 0, no Ray error lines.
 A `specsplit batch` whose workers are spread over two nodes loses one of them mid-batch (every process on
 that host killed, its link down): the prompts that worker held go to the other, and the output has every
 prompt once, each the target's own greedy text. The batch test runs last: it takes a node away.
@@ -104,6 +105,7 @@ def test_up_places_each_service_on_its_node_and_serves_clients_on_another_host(
                                   TINY_PROMPTS[0]], timeout=180)
         assert http.returncode == 0, http.stderr[-3000:]
         assert json.loads(http.stdout.strip().splitlines()[-1]) == results[0]["text"]
+        assert_taken_resources_refused(net, nodes)
         began = time.monotonic()
         up.send_signal(signal.SIGTERM)
         code = up.wait(GROUP_STOP_BOUND_S)
@@ -118,6 +120,29 @@ def test_up_places_each_service_on_its_node_and_serves_clients_on_another_host(
     assert -1 not in positions and positions == sorted(positions), log
     assert not RAY_ERRORS.search(log), log
     assert sorted(nodes.alive_nodes()) == sorted(net.address(h) for h in ("head", "draft-node", "target-node"))
+
+
+def assert_taken_resources_refused(net, nodes: RayNodes) -> None:
+    """The cluster has one ``target_node`` and the running `up` holds it: a second target waits 2 s, then
+    `up` fails naming the flag, with nothing left placed or pending."""
+    other = net.run("client", [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", nodes.address,
+                               "--ray-app-name", "other", "--target-resources", '{"target_node": 1}', "--no-draft",
+                               "--ray-num-cpus", "0", "--ray-schedule-timeout-s", "2", "--port", "0"],
+                    env=nodes.env, timeout=120)
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "could not schedule these within 2 s (--ray-schedule-timeout-s)" in other.stderr, other.stderr[-3000:]
+    assert "target_node 1 in all" in other.stderr and "target_node 0 free now" in other.stderr
+    assert "Traceback" not in other.stderr
+    script = ("import json, ray; ray.init(address='auto', namespace='specsplit', log_to_driver=False); "
+              "print(json.dumps({'actors': [a['name'] for a in ray.util.list_named_actors(all_namespaces=True)], "
+              "'groups': [g['state'] for g in ray.util.placement_group_table().values()]}))")
+    left = net.run("client", [sys.executable, "-c", script], env={**nodes.env, "RAY_ADDRESS": nodes.address},
+                   timeout=60)
+    assert left.returncode == 0, left.stderr[-3000:]
+    state = json.loads(left.stdout.strip().splitlines()[-1])
+    assert any(name.endswith("-target") for name in state["actors"]), state  # the running `up`'s
+    assert not any(name.startswith("other-") for name in state["actors"]), state
+    assert "PENDING" not in state["groups"], state
 
 
 def test_a_driver_without_the_clusters_token_is_refused(cluster):

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from specsplit.bench import hosts
 from specsplit.ray_deploy.placement import Placement, model_in, parse_resources, target_argv
 from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import run_async
@@ -22,6 +23,10 @@ from tests.ray.test_serve import generate
 pytestmark = pytest.mark.ray
 
 APP = "up-test"
+# Where hosts can be built, tests/ray/test_across_hosts.py runs `up` on nodes that are hosts of their own and
+# checks there what the tests that take the `up` fixture check here.
+across_hosts = pytest.mark.skipif(hosts.unavailable() is None,
+                                  reason="hosts can be built here: `up` is placed on nodes across them")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +58,7 @@ def service_info(role: str) -> dict:
     return ray.get(ray.get_actor(f"{APP}-{role}", namespace="specsplit").info.remote())
 
 
+@across_hosts
 def test_services_land_on_the_nodes_that_have_their_resources(up, ray_cluster):
     target, draft = service_info("target"), service_info("draft")
     assert target["node_id"] == ray_cluster.target_node
@@ -60,6 +66,7 @@ def test_services_land_on_the_nodes_that_have_their_resources(up, ray_cluster):
     assert target["address"].startswith("127.0.0.1:") and draft["address"].startswith("127.0.0.1:")
 
 
+@across_hosts
 def test_up_serves_the_targets_greedy_output(up, tiny_target_dir):
     from specsplit.lmkit import models
 
@@ -103,6 +110,7 @@ def test_what_no_node_can_hold_is_a_cli_error_for_up_serve_and_batch(ray_cluster
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
 
 
+@across_hosts
 def test_service_whose_resources_are_taken_fails_within_the_schedule_timeout(up, ray_cluster):
     """The cluster has one `target_node`, and the running `up` holds it: a second target waits 2 s, then fails."""
     import ray
