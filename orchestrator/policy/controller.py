@@ -336,7 +336,8 @@ class AdaptiveK(Controller):
 
     def ask(self, limit: int, overlap: bool = False) -> int:
         """Tokens to ask of the paid drafter this round, in [0, min(k_max, limit)]; after rounds at 0, a probe of
-        one token, backing off server-wide where it never pays."""
+        one token (a whole block while the drafter's price is unsettled), backing off server-wide where it never
+        pays."""
         limit, paid = min(limit, self.k_max), self.drafters.paid
         if paid is None or limit <= 0:
             return 0
@@ -346,11 +347,18 @@ class AdaptiveK(Controller):
         if k > 0:
             backoff.paid(self.probe_every)
             return k
+        if not backoff.skip(self.probe_every, self.load.sessions):
+            return 0
+        if self.costs.draft_unsettled(paid):
+            # a price resting on too few proposals (one may have spanned an outage) rules nothing out: a probe of a
+            # whole block fetches a proposal that settles it (one token would be priced mostly by what any
+            # proposal costs: the round trip's handling and the catch-up on tokens committed meanwhile)
+            backoff.probed(self.probe_every, self._longest_interval)
+            return limit
         # priced in the session's best mode, not only this round's: where overlap stopped because acceptance fell,
         # only a probe brings back the figures that start it again
         shape = Shape.AHEAD if overlap or self.overlap else Shape.SYNC
-        if backoff.skip(self.probe_every, self.load.sessions) and self._best(
-                [self.probe_alpha] * limit, limit, shape, draft_s)[0] > 0:
+        if self._best([self.probe_alpha] * limit, limit, shape, draft_s)[0] > 0:
             backoff.probed(self.probe_every, self._longest_interval)
             return 1
         return 0

@@ -13,6 +13,7 @@ docs/design.md, "The round model". Pure: no I/O.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -106,6 +107,7 @@ class Links:
 
 # -- costs ---------------------------------------------------------------------------------------------------------
 SAMPLE_BOUND = 4.0  # a cost sample counts as at most this many times the mean so far, per unit
+SEED_SAMPLES = 3  # a cost's first samples, whose lower median starts it
 
 
 @dataclass
@@ -115,14 +117,27 @@ class _PerUnit:
     A sample counts as at most ``SAMPLE_BOUND`` times the mean so far, as ``RttEstimator`` bounds a round trip:
     a draft paused or cut off mid-proposal reports the outage as compute, and one such sample would price every
     token of that drafter above a target step; no ask would then go out, and no sample would ever bring the
-    price back. A lasting slowdown is still learned, a bounded sample at a time."""
+    price back. A lasting slowdown is still learned, a bounded sample at a time. Before there is a mean to bound
+    against, the first ``SEED_SAMPLES`` samples price a unit at their lower median, so an outage in a fresh
+    orchestrator's first proposal is not where the price starts; until then the price is not ``settled``
+    (``AdaptiveK.ask`` then probes with a whole block, whatever the price says)."""
 
     seconds: float = 0.0
     units: float = 0.0
+    _seeds: list = field(default_factory=list)  # (units, seconds) of the first samples
+
+    @property
+    def settled(self) -> bool:
+        """Whether the figure rests on ``SEED_SAMPLES`` samples or more."""
+        return len(self._seeds) >= SEED_SAMPLES
 
     def add(self, units: int, seconds: float, decay: float) -> None:
-        if self.units > 0:
-            seconds = min(seconds, SAMPLE_BOUND * units * self.seconds / self.units)
+        if not self.settled:
+            self._seeds.append((units, seconds))
+            self.units = float(sum(u for u, _ in self._seeds))
+            self.seconds = statistics.median_low([s / u for u, s in self._seeds]) * self.units
+            return
+        seconds = min(seconds, SAMPLE_BOUND * units * self.seconds / self.units)
         self.seconds = self.seconds * decay + seconds
         self.units = self.units * decay + units
 
@@ -232,6 +247,12 @@ class Costs:
     def draft_s_per_token(self, drafter: object = None) -> float:
         draft = self._draft.get(drafter)
         return draft.seconds / draft.units if draft else 0.0
+
+    def draft_unsettled(self, drafter: object = None) -> bool:
+        """Whether ``drafter``'s price per token rests on some proposals but too few to rule it out on price alone
+        (before any, it is priced at nothing)."""
+        draft = self._draft.get(drafter)
+        return draft is not None and not draft.settled
 
 
 # -- acceptance ----------------------------------------------------------------------------------------------------

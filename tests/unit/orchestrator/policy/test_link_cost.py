@@ -10,7 +10,16 @@ import pytest
 
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.orchestrator.policy.controller import AdaptiveK, Drafters
-from specsplit.orchestrator.policy.measure import AcceptanceStats, AcceptRule, Costs, Links, Measurements, RttEstimator
+from specsplit.orchestrator.policy.measure import (
+    SAMPLE_BOUND,
+    SEED_SAMPLES,
+    AcceptanceStats,
+    AcceptRule,
+    Costs,
+    Links,
+    Measurements,
+    RttEstimator,
+)
 from specsplit.orchestrator.policy.model import DEADLINE_FLOOR_S, Shape, deadline_s, expected_max, round_s
 
 pytestmark = pytest.mark.unit
@@ -92,6 +101,61 @@ def test_speculation_stays_on_after_one_proposal_that_spanned_an_outage():
     assert warmed.ask(8, overlap=False) >= 1
     warmed.costs.observe_draft(4, 10.0, DrafterKind.MODEL)  # a proposal that waited out a 10 s partition
     assert warmed.ask(8, overlap=False) >= 1
+
+
+def test_a_first_proposal_that_spanned_an_outage_is_not_where_the_drafts_price_starts():
+    costs = Costs()
+    costs.observe_draft(8, 1.0, DrafterKind.MODEL)  # paused mid-proposal: 125 ms a token
+    assert costs.draft_unsettled(DrafterKind.MODEL)
+    costs.observe_draft(8, 8 * 0.003, DrafterKind.MODEL)
+    assert costs.draft_s_per_token(DrafterKind.MODEL) == pytest.approx(0.003)  # the lower of two
+    costs.observe_draft(1, 0.004, DrafterKind.MODEL)
+    assert not costs.draft_unsettled(DrafterKind.MODEL)
+    assert costs.draft_s_per_token(DrafterKind.MODEL) == pytest.approx(0.004)  # of 125, 3 and 4 ms, the median
+    costs.observe_draft(8, 10.0, DrafterKind.MODEL)  # settled: bounded as before
+    assert costs.draft_s_per_token(DrafterKind.MODEL) < 0.004 * SAMPLE_BOUND
+
+
+def fresh() -> AdaptiveK:
+    """A controller on a measured CPU-like target (t(x) = 60 ms + 5 ms x) whose drafter has not answered yet."""
+    costs = Costs(links=links(0.001, 0.0, n=0))
+    for x in (1, 2, 3, 5, 9, 1, 4, 9):
+        costs.observe_verify(x, 0.060 + 0.005 * x)
+    stats = AcceptanceStats(prior=0.9)
+    rule = AcceptRule.of(VerificationMode.GREEDY, 0.0)
+    return AdaptiveK(8, Measurements(costs, stats), rule, Drafters(DrafterKind.MODEL, paid=DrafterKind.MODEL),
+                     probe_every=4)
+
+
+def answer(session: AdaptiveK, k: int, compute_s: float) -> None:
+    """The draft answers an ask of k tokens over a 1 ms link."""
+    session.observe_proposal(compute_s + 0.001, compute_s, k, DrafterKind.MODEL)
+
+
+def test_a_fresh_session_whose_first_proposal_spanned_an_outage_drafts_again():
+    """Priced by that one proposal, the drafter's tokens cost more than a target step: no block would pay, and
+    without asks no proposal could bring the price back."""
+    session = fresh()
+    k = session.ask(8)
+    assert k == 8
+    answer(session, k, 1.0)  # the draft was paused through its first proposal
+    asked = [session.ask(8) for _ in range(4)]
+    assert asked == [0, 0, 0, 8]  # a whole block, not one token: a proposal's own overhead would price it
+    answer(session, 8, 8 * 0.004)
+    assert session.ask(8) >= 4  # the lower of two proposals' prices: the one that was not stalled
+    answer(session, 8, 8 * 0.004)
+    assert not session.costs.draft_unsettled(DrafterKind.MODEL)
+    assert session.ask(8) >= 4
+
+
+def test_a_drafter_whose_settled_price_is_too_high_gets_no_more_block_probes():
+    session = fresh()
+    for _ in range(SEED_SAMPLES):
+        k = next((k for k in (session.ask(8) for _ in range(32)) if k), 0)  # rounds at 0, then a probe
+        assert k == 8  # of a whole block while the price is unsettled
+        answer(session, 8, 8 * 0.100)  # 100 ms a token against a 65 ms step: never pays
+    assert not session.costs.draft_unsettled(DrafterKind.MODEL)
+    assert set(session.ask(8) for _ in range(200)) == {0}
 
 
 def test_expected_max_of_two_normals_matches_sampling():
