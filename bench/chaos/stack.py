@@ -58,6 +58,11 @@ class Restartable:
         os.kill(self.current.process.pid, signal.SIGKILL)
         self.current.process.wait()
 
+    def kill_and_restart(self) -> None:
+        """SIGKILL the current instance and start another in its place at once."""
+        self.kill()
+        self.start()
+
     def drain(self, grace_s: float) -> int:
         """SIGTERM and wait for the drain; the exit code (killed after grace + 10 s if it does not stop)."""
         return self.current.stop(grace_s + 10.0)

@@ -14,9 +14,10 @@ import time
 import grpc
 import pytest
 
+from specsplit.bench.chaos.stack import Restartable
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
-from specsplit.lmkit.processes import restartable_port, start_service
+from specsplit.lmkit.processes import start_service
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
@@ -83,27 +84,11 @@ def test_killed_draft_falls_back_to_target_only(tmp_path, tiny_target_dir, tiny_
     assert stats.draft_fallback_rounds > 0 and stats.drafted_tokens > 0
 
 
-class Restartable:
-    """A service process on a fixed port that a test can SIGKILL and start again in its place."""
-
-    def __init__(self, module: str, args: list[str], workdir) -> None:
-        self.module, self.args, self.workdir, self.port = module, args, workdir, restartable_port()
-        self.instances = [start_service(module, f"{module}-first", args, workdir, 300, port=self.port)]
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def kill_and_restart(self) -> None:
-        os.kill(self.instances[-1].process.pid, signal.SIGKILL)
-        self.instances[-1].process.wait()
-        self.instances.append(
-            start_service(self.module, f"{self.module}-again", self.args, self.workdir, 300, port=self.port)
-        )
-
-    def stop(self) -> None:
-        for service in self.instances:
-            service.stop()
+def started(module: str, name: str, args: list[str], workdir) -> Restartable:
+    """A service on a fixed port that a test can SIGKILL and start again in its place."""
+    service = Restartable(module, name, args, workdir)
+    service.start()
+    return service
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +122,7 @@ def draft_args(drafter, tiny_target_dir, tiny_draft_dir, medusa_folder) -> list[
 
 
 def test_draft_is_reattached_when_it_comes_back(tmp_path, tiny_target_dir, tiny_draft_dir, tiny_services, expected):
-    draft = Restartable("specsplit.draft_service.server", ["--model", str(tiny_draft_dir)], tmp_path)
+    draft = started("specsplit.draft_service.server", "draft", ["--model", str(tiny_draft_dir)], tmp_path)
     try:
         policy = LinkPolicy(draft_retry_s=0.05)
         ids, stats = run_async(generate_with_fault(
@@ -153,7 +138,7 @@ def test_draft_is_reattached_when_it_comes_back(tmp_path, tiny_target_dir, tiny_
 def test_target_restarted_mid_generation_is_reopened(
     tmp_path, tiny_target_dir, tiny_draft_dir, expected, medusa_folder, drafter
 ):
-    target = Restartable("specsplit.target_service.server", ["--model", str(tiny_target_dir)], tmp_path)
+    target = started("specsplit.target_service.server", "target", ["--model", str(tiny_target_dir)], tmp_path)
     args = draft_args(drafter, tiny_target_dir, tiny_draft_dir, medusa_folder)
     draft = start_service("specsplit.draft_service.server", "draft", args, tmp_path, 300)
     try:
