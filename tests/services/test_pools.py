@@ -188,8 +188,9 @@ def test_a_full_replica_passes_a_new_session_to_one_with_room(replicas, tiny_tar
 
     async def go():
         holder = await Orchestrator.connect(OrchestratorConfig(full.address, "", str(tiny_target_dir)))
+        # placed by its own sessions only (no Stats read between two placements), it tries `full` first
         orch = await Orchestrator.connect(OrchestratorConfig(f"{full.address},{other.address}", "",
-                                                             str(tiny_target_dir)))
+                                                             str(tiny_target_dir), load_every_s=0))
         try:
             held = holder.generate(request(LONG_TOKENS), prompts[0])
             first = await held.__anext__()  # its session is open on `full`, its reservation held while unread
