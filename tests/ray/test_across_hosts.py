@@ -27,6 +27,7 @@ import pytest
 from specsplit.bench import hosts
 from specsplit.bench.ray_hosts import RayNodes, ray_env
 from tests.conftest import TINY_PROMPTS
+from tests.ray.test_placement import assert_refused_for_the_taken_target, taken_target_up
 from tests.ray.test_up_local import GROUP_STOP_BOUND_S, RAY_ERRORS
 
 WHY_NOT = hosts.unavailable()
@@ -125,14 +126,9 @@ def test_up_places_each_service_on_its_node_and_serves_clients_on_another_host(
 def assert_taken_resources_refused(net, nodes: RayNodes) -> None:
     """The cluster has one ``target_node`` and the running `up` holds it: a second target waits 2 s, then
     `up` fails naming the flag, with nothing left placed or pending."""
-    other = net.run("client", [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", nodes.address,
-                               "--ray-app-name", "other", "--target-resources", '{"target_node": 1}', "--no-draft",
-                               "--ray-num-cpus", "0", "--ray-schedule-timeout-s", "2", "--port", "0"],
-                    env=nodes.env, timeout=120)
-    assert other.returncode == 2, other.stderr[-3000:]
-    assert "could not schedule these within 2 s (--ray-schedule-timeout-s)" in other.stderr, other.stderr[-3000:]
-    assert "target_node 1 in all" in other.stderr and "target_node 0 free now" in other.stderr
-    assert "Traceback" not in other.stderr
+    began = time.monotonic()
+    other = net.run("client", taken_target_up(nodes.address), env=nodes.env, timeout=120)
+    assert_refused_for_the_taken_target(other, time.monotonic() - began)
     script = ("import json, ray; ray.init(address='auto', namespace='specsplit', log_to_driver=False); "
               "print(json.dumps({'actors': [a['name'] for a in ray.util.list_named_actors(all_namespaces=True)], "
               "'groups': [g['state'] for g in ray.util.placement_group_table().values()]}))")

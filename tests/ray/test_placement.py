@@ -110,23 +110,30 @@ def test_what_no_node_can_hold_is_a_cli_error_for_up_serve_and_batch(ray_cluster
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
 
 
+def taken_target_up(address: str) -> list[str]:
+    """`specsplit up` asking for the cluster's one `target_node`, which a running `up` holds: it waits 2 s for it
+    (--ray-schedule-timeout-s), then must fail (``assert_refused_for_the_taken_target``)."""
+    return [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", address, "--ray-app-name", "other",
+            "--target-resources", '{"target_node": 1}', "--target-num-cpus", "0", "--no-draft", "--ray-num-cpus", "0",
+            "--ray-schedule-timeout-s", "2", "--port", "0"]
+
+
+def assert_refused_for_the_taken_target(result: subprocess.CompletedProcess, took_s: float) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "could not schedule these within 2 s (--ray-schedule-timeout-s)" in result.stderr, result.stderr[-3000:]
+    assert "target_node 1 in all" in result.stderr and "target_node 0 free now" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert took_s < 60
+
+
 @across_hosts
 def test_service_whose_resources_are_taken_fails_within_the_schedule_timeout(up, ray_cluster):
     """The cluster has one `target_node`, and the running `up` holds it: a second target waits 2 s, then fails."""
     import ray
 
     began = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "specsplit.cli", "up", "--ray-address", ray_cluster.address, "--ray-app-name", "other",
-         "--target-resources", '{"target_node": 1}', "--target-num-cpus", "0", "--no-draft", "--ray-num-cpus", "0",
-         "--ray-schedule-timeout-s", "2", "--port", "0"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    assert "could not schedule these within 2 s (--ray-schedule-timeout-s)" in result.stderr
-    assert "target_node 1 in all" in result.stderr and "target_node 0 free now" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert time.monotonic() - began < 60
+    result = subprocess.run(taken_target_up(ray_cluster.address), capture_output=True, text=True, timeout=120)
+    assert_refused_for_the_taken_target(result, time.monotonic() - began)
     with pytest.raises(ValueError):
         ray.get_actor("other-target", namespace="specsplit")
     states = [group["state"] for group in ray.util.placement_group_table().values()]

@@ -125,14 +125,13 @@ time.sleep(600)
 def test_the_hosts_of_a_killed_harness_are_cleaned_up_by_the_next():
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
     left = owner.stdout.readline().strip().split(",")
-    sleeper: list[int] = []
 
-    def inside() -> bool:  # `ip netns exec` may not have entered the host yet when the owner prints
-        found = subprocess.run(["ip", "netns", "pids", left[0]], capture_output=True, text=True).stdout.split()
-        sleeper[:] = [int(pid) for pid in found]
-        return bool(sleeper)
+    def inside() -> list[int]:
+        return [int(pid) for pid in
+                subprocess.run(["ip", "netns", "pids", left[0]], capture_output=True, text=True).stdout.split()]
 
-    assert wait_until(inside, 10.0)
+    assert wait_until(inside, 10.0)  # `ip netns exec` may not have entered the host yet when the owner prints
+    sleeper = inside()
     owner.send_signal(signal.SIGKILL)
     owner.wait()
     assert set(left) <= set(hosts.harness_namespaces()) and sleeper
