@@ -51,9 +51,9 @@ class ChainDrafter(Drafter):
         for _, drafter in self.members:
             drafter.extend(tokens)
 
-    def prepare(self) -> None:
-        for _, drafter in self.members:
-            drafter.prepare()
+    def prepare(self, budget: int = 0) -> bool:
+        read = [drafter.prepare(budget) for _, drafter in self.members]  # each member reads up to ``budget``
+        return all(read)
 
     def add_features(self, block: FeatureBlock) -> None:
         for _, drafter in self.members:

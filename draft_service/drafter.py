@@ -102,9 +102,11 @@ class Drafter(abc.ABC):
         self.rollback(position)
         self.extend(tokens)
 
-    def prepare(self) -> None:  # noqa: B027 - optional hook
+    def prepare(self, budget: int = 0) -> bool:
         """Read the committed context ahead of the first proposal (drafters that keep a cache of it), so that
-        the first proposal is as quick as the ones after it."""
+        the first proposal is as quick as the ones after it: at most ``budget`` more tokens of it (0: all).
+        Whether all of it is read now (a drafter that keeps no cache has nothing to read)."""
+        return True
 
     def add_features(self, block: FeatureBlock) -> None:
         """Take the target's hidden features of committed positions (feature drafters only)."""

@@ -17,7 +17,14 @@ from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
 from specsplit.lmkit.kvcache import check_cache_layout, kv_bytes_per_token
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens, reservation
+from specsplit.lmkit.sessions import (
+    SessionLimits,
+    SessionTable,
+    check_open,
+    check_prefill_chunk,
+    check_tokens,
+    reservation,
+)
 from specsplit.lmkit.successors import Successors
 
 MAX_BRANCHES = 64  # continuations per token tree
@@ -54,10 +61,13 @@ class DraftEngine:
         limits: SessionLimits,
         derived: Mapping[DrafterKind, object] | None = None,
         successor_table_tokens: int = DEFAULT_SUCCESSOR_TABLE_TOKENS,
+        prefill_chunk: int = 0,
     ) -> None:
         """``successor_table_tokens``: tokens each caller's shared table of the target's successors holds at most
         (token recycling; serve-draft --recycling-table-tokens); 0: no shared table, each session drafts from its
-        own reports alone."""
+        own reports alone. ``prefill_chunk``: context tokens a new session's read computes at most per call on the
+        compute thread (serve-draft --prefill-chunk); 0: the whole context at once."""
+        check_prefill_chunk(prefill_chunk)
         derived = dict(derived or {})
         if derived and model is None:
             raise ValueError("self-drafters (--layerskip-layers, --quantize) derive from --model; pass --model")
@@ -79,6 +89,8 @@ class DraftEngine:
         # share one: a draft's speed would tell one caller about another's text.
         self.successor_tables: dict[str, SuccessorTable] = {}
         self.successor_table_tokens = successor_table_tokens
+        self.prefill_chunk = prefill_chunk
+        self.prefill_chunks = 0  # calls that read part of a new session's context (not in StatsResponse)
         self.position_bytes = _position_bytes(model, derived)  # KV bytes a position costs, by drafter kind
         abandon.watch([model, *derived.values()])  # a closed session's proposal stops at the next layer
 
@@ -249,18 +261,22 @@ class DraftEngine:
                 f"{self.max_context}; ask for at most {room}"
             )
 
-    def prepare(self, session: DraftSession) -> float:
+    def prepare(self, session: DraftSession) -> tuple[float, bool]:
         """Read the session's context ahead of its first proposal (run right after ``open``, on the compute
-        thread), or copy it from the session it forks from while that one is open; stops at the next layer
-        when the session closes meanwhile. Returns the seconds it took."""
+        thread, again until it is read), or copy it from the session it forks from while that one is open; stops
+        at the next layer when the session closes meanwhile. A context longer than ``prefill_chunk`` is read that
+        many tokens a call, so other sessions' proposals run between its chunks. Returns the seconds this call took
+        and whether the context is read (or the session closed)."""
         start = time.perf_counter()
         source, session.fork_source = session.fork_source, None
         with abandon.proposing(lambda: session.closed):
             if source is not None and not source.closed:
                 self.shared_tokens += session.drafter.prepare_from(source.drafter)
+                done = True
             else:
-                session.drafter.prepare()
-        return time.perf_counter() - start
+                done = session.drafter.prepare(self.prefill_chunk)
+                self.prefill_chunks += not done
+        return time.perf_counter() - start, done or session.closed
 
     @staticmethod
     def _check_features_block(session: DraftSession, committed: int, features: FeatureBlock | None) -> None:

@@ -76,15 +76,23 @@ class ModelDrafter(SamplingDrafter):
     def cached_tokens(self) -> int:
         return len(self._cache)
 
-    def prepare(self) -> None:
-        """Prefill the cache with all of the context but its last token, which the first proposal feeds."""
-        if len(self._tokens) < 2:
-            return
+    def prepare(self, budget: int = 0) -> bool:
+        """Prefill the cache with the context but its last token, which the first proposal feeds: the next
+        ``budget`` tokens of it (0: all), so that a long prompt is read a chunk at a time between other sessions'
+        proposals. Whether the whole context is read."""
+        wanted = len(self._tokens) - 1
+        if wanted < 1:
+            return True
+        read = min(common_prefix(self._cache.tokens, self._tokens), wanted)
+        if budget > 0 and read >= wanted:
+            return True
+        end = min(read + budget, wanted) if budget > 0 else wanted
         try:
-            self._cache.logits(self._tokens[:-1], [])
+            self._cache.logits(self._tokens[:end], [])
         except BaseException:
             self._cache.reset()  # a half-written cache: the first proposal reads the context itself
             raise
+        return end >= wanted
 
     def prepare_from(self, source: "ModelDrafter") -> int:
         """Start the cache as a copy of ``source``'s where it holds this context but its last token (a

@@ -22,7 +22,7 @@ from specsplit.lmkit.grpc_server import (
     start_in_process,
 )
 from specsplit.lmkit.kinds import DrafterKind
-from specsplit.lmkit.sessions import SessionLimits
+from specsplit.lmkit.sessions import SessionLimits, check_prefill_chunk
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
@@ -45,6 +45,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "keys and values, nothing for n-gram, recycling or Medusa); 0: no budget, "
                              "--max-sessions alone. A session the budget cannot hold is refused (RESOURCE_EXHAUSTED) "
                              "and the orchestrator runs it target-only")
+    parser.add_argument("--prefill-chunk", type=int, default=512,
+                        help="context tokens a new session's read computes at most at a time on the draft model: a "
+                             "long prompt is read in chunks between other sessions' proposals; 0: in one forward")
     parser.add_argument("--ngram-min", type=int, default=2, help="n-gram drafter: shortest suffix to match")
     parser.add_argument("--ngram-max", type=int, default=4, help="n-gram drafter: longest suffix to match")
     parser.add_argument(
@@ -137,13 +140,14 @@ def derive_drafts(args, model, fingerprint: str) -> dict[DrafterKind, object]:
 
 def load_engine(args, limits: SessionLimits) -> DraftEngine:
     if not args.model:
-        return DraftEngine(None, limits=limits, successor_table_tokens=args.recycling_table_tokens)
+        return DraftEngine(None, limits=limits, successor_table_tokens=args.recycling_table_tokens,
+                           prefill_chunk=args.prefill_chunk)
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     model = models.load_model(spec)
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     derived = derive_drafts(args, model, fingerprint)
     return DraftEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits, derived=derived,
-                       successor_table_tokens=args.recycling_table_tokens)
+                       successor_table_tokens=args.recycling_table_tokens, prefill_chunk=args.prefill_chunk)
 
 
 def draft_limits(args) -> SessionLimits:
@@ -182,6 +186,7 @@ async def start_server(engine: DraftEngine, address: str = "127.0.0.1:0", ngram:
 def run(args) -> None:
     """Validate flags, then serve until SIGTERM/SIGINT."""
     draft_limits(args)  # fail fast on bad flags
+    check_prefill_chunk(args.prefill_chunk)
     if args.model:
         models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     check_self_draft_flags(args)

@@ -156,9 +156,18 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         no cache: nothing to read."""
         if session.free:
             return None
-        prepared = asyncio.ensure_future(self.compute.run(engine.prepare, session))
+        prepared = asyncio.ensure_future(self._read(engine, session))
         prepared.add_done_callback(_log_failed_prepare)
         return prepared
+
+    async def _read(self, engine: DraftEngine, session) -> float:
+        """The session's context read a chunk a call (``DraftEngine.prepare``): other sessions' proposals queue on
+        the compute thread between its chunks. Returns the compute seconds of every chunk."""
+        spent, done = 0.0, False
+        while not done:
+            seconds, done = await self.compute.run(engine.prepare, session)
+            spent += seconds
+        return spent
 
     async def _propose(self, engine: DraftEngine, session, msg: pb.ProposeRequest,
                        prepared: asyncio.Future | None = None) -> pb.DraftBlock:
@@ -168,7 +177,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             if not prepared.done():
                 await asyncio.wait({prepared})  # the compute thread runs it first in any case
             read_s = 0.0 if prepared.cancelled() or prepared.exception() else prepared.result()
-        waited = time.perf_counter() - received  # spent on this session's context: compute, as the block's own
+        # spent on this session's context: compute, as the block's own (other sessions' between its chunks are not)
+        waited = min(time.perf_counter() - received, read_s)
         features = None
         if msg.HasField("features"):
             features = features_from_proto(msg.features, session.feature_width or msg.features.width)

@@ -39,6 +39,12 @@ class SessionLimits:
             raise ValueError("a service's KV budget is in positions (the target) or in bytes (the draft), not both")
 
 
+def check_prefill_chunk(prefill_chunk: int) -> None:
+    """``--prefill-chunk`` (either service's) is a token count or 0 (ValueError otherwise)."""
+    if prefill_chunk < 0:
+        raise ValueError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill is one forward), got {prefill_chunk}")
+
+
 def check_tokens(tokens: Sequence[int], vocab_size: int | None, what: str) -> None:
     """Every id must index the vocabulary (any id >= 0 when the vocabulary is unknown)."""
     for i, t in enumerate(tokens):

@@ -29,7 +29,14 @@ from specsplit.lmkit.sampling import (
     logits_to_probs,
     rows_when_reached,
 )
-from specsplit.lmkit.sessions import SessionLimits, SessionTable, check_open, check_tokens, reservation
+from specsplit.lmkit.sessions import (
+    SessionLimits,
+    SessionTable,
+    check_open,
+    check_prefill_chunk,
+    check_tokens,
+    reservation,
+)
 from specsplit.lmkit.successors import Successors, check_successors_k
 from specsplit.target_service import rejection, tree_verify
 from specsplit.target_service.batched_forward import Step, forward_batch, padded_tokens, split_by_width
@@ -88,12 +95,6 @@ class VerifyOutcome:
     forward_s: float = 0.0  # the model's forward alone, within compute_s
     successors: Successors | None = None  # the block's positions' best successors, when the session asked
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first verify of a session scoring its prompt
-
-
-def check_prefill_chunk(prefill_chunk: int) -> None:
-    """``--prefill-chunk`` is a token count or 0 (ValueError otherwise)."""
-    if prefill_chunk < 0:
-        raise ValueError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill is one forward), got {prefill_chunk}")
 
 
 # A block whose session's prompt is still being computed in chunks (``TargetEngine.prefill_chunk``): the scheduler

@@ -25,8 +25,9 @@ from specsplit.lmkit.grpc_server import (
     start_in_process,
 )
 from specsplit.lmkit.kvcache import kv_bytes_per_token
+from specsplit.lmkit.sessions import check_prefill_chunk
 from specsplit.target_service import ranks, tp
-from specsplit.target_service.engine import TargetEngine, check_prefill_chunk
+from specsplit.target_service.engine import TargetEngine
 from specsplit.target_service.servicer import TargetServicer
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc

@@ -90,3 +90,17 @@ def test_a_fork_copies_the_sources_context_and_proposes_what_a_fresh_drafter_wou
     other_context = ModelDrafter(draft_model, [12, *PROMPT[1:]], SamplingParams(), False)
     for drafter in (other_model, other_context):  # nothing exact to copy: each reads its own context
         assert drafter.prepare_from(source) == 0 and drafter.cached_tokens == len(PROMPT) - 1
+
+
+@pytest.mark.parametrize("budget", [1, 3, 64])
+def test_a_context_read_in_chunks_proposes_what_one_read_does(draft_model, budget):
+    prompt = [(13 * i) % 500 + 2 for i in range(40)]
+    whole = ModelDrafter(draft_model, prompt, SamplingParams(), False)
+    assert whole.prepare() and whole.cached_tokens == len(prompt) - 1
+    chunked, reads = ModelDrafter(draft_model, prompt, SamplingParams(), False), []
+    while not chunked.prepare(budget):
+        reads.append(chunked.cached_tokens)
+    assert all(0 < b - a <= budget for a, b in zip([0, *reads], reads))  # each call reads at most the budget
+    assert len(reads) == -(-(len(prompt) - 1) // budget) - 1
+    assert chunked.cached_tokens == len(prompt) - 1 and chunked.prepare(budget)  # read: nothing more to do
+    assert chunked.propose(K).tokens == whole.propose(K).tokens

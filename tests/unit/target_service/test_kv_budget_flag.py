@@ -30,6 +30,8 @@ def test_bad_budget_and_chunk_flags_stop_both_services_before_anything_loads():
 
     with pytest.raises(ValueError, match=r"--prefill-chunk must be >= 0 \(0: a prompt's prefill is one forward\)"):
         target_server.run(target_server.build_parser().parse_args(["--prefill-chunk", "-1"]))
+    with pytest.raises(ValueError, match=r"--prefill-chunk must be >= 0 \(0: a prompt's prefill is one forward\)"):
+        draft_server.run(draft_server.build_parser().parse_args(["--prefill-chunk", "-1"]))
     with pytest.raises(ValueError, match=r"--kv-budget-bytes must be >= 0 \(0: no budget\), got -5"):
         draft_server.run(draft_server.build_parser().parse_args(["--kv-budget-bytes", "-5"]))
     assert draft_server.draft_limits(draft_server.build_parser().parse_args(["--kv-budget-bytes", "4096"])) \
