@@ -1,26 +1,39 @@
 """``specsplit bench --suite prefill``: what a long prompt's prefill costs the sessions already decoding.
 
-A target process per ``--prefill-chunks`` value (0: a prompt's prefill is one forward), the orchestrator in this
-process, target-only greedy decoding (the prefill's effect alone, no draft). Each run: ``--prefill-sessions``
-short prompts decode; once they stream, a prompt of ``--prefill-prompt-tokens`` tokens arrives. Reported per
-value: the other sessions' inter-token gaps while the long prompt waited for its first token (largest, p95,
-median), the long prompt's time to first token, and the tokens/s of the short sessions over that window. Values
-interleaved run by run, ``--prefill-repeats`` times; medians over repeats.
+``--prefill-service target`` (the default): a target process per ``--prefill-chunks`` value (0: a prompt's prefill
+is one forward), the orchestrator in this process, target-only greedy decoding (the prefill's effect alone, no
+draft). Each run: ``--prefill-sessions`` short prompts decode; once they stream, a prompt of
+``--prefill-prompt-tokens`` tokens arrives. Reported per value: the other sessions' inter-token gaps while the long
+prompt waited for its first token (largest, p95, median), the long prompt's time to first token, and the tokens/s
+of the short sessions over that window. Values interleaved run by run, ``--prefill-repeats`` times; medians over
+repeats.
+
+``--prefill-service draft``: the same on the draft alone, a draft process (``--model`` as its model drafter) per
+value of its ``--prefill-chunk``, driven over its ``Session`` streams from this process: the short sessions propose
+blocks of 4 back to back, each taken whole; the long one opens and proposes once. Gaps are between the short
+sessions' proposals; "first token" is the long session's first block.
 """
 
 from __future__ import annotations
 
 import asyncio
 import statistics
+import tempfile
 import time
 from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
 
 from specsplit.bench import runs
 from specsplit.lmkit import models, processes
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
+from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.orchestrator.config import OrchestratorConfig
 from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 TEXT = ("The river ran past the old mill and under the stone bridge, where the children of the village "
         "gathered every evening to watch the boats come home with their nets full of silver fish. ")
@@ -29,8 +42,11 @@ SHORT_PROMPTS = ("Write a short poem about the sea.", "List three facts about th
 
 
 def add_flags(parser) -> None:
+    parser.add_argument("--prefill-service", default="target", choices=("target", "draft"),
+                        help="--suite prefill: whose --prefill-chunk is compared: the target's (target-only "
+                             "decoding) or the draft's (its model drafter's proposals)")
     parser.add_argument("--prefill-chunks", default="0,256",
-                        help="--suite prefill: the target's --prefill-chunk values compared (0: one forward)")
+                        help="--suite prefill: the service's --prefill-chunk values compared (0: one forward)")
     parser.add_argument("--prefill-prompt-tokens", type=int, default=1024,
                         help="--suite prefill: the long prompt's length in tokens")
     parser.add_argument("--prefill-sessions", type=int, default=4,
@@ -74,7 +90,12 @@ async def one_run(orch: Orchestrator, short_ids: list[list[int]], long_ids: list
     finally:
         for task in shorts:
             task.cancel()
-    sent, first = window["sent"], window["first"]
+    return window_figures(arrivals, window["sent"], window["first"])
+
+
+def window_figures(arrivals: list[list[float]], sent: float, first: float) -> dict:
+    """The short sessions' gaps between arrivals (``arrivals``: each one's times) while the long prompt waited from
+    ``sent`` to ``first``, and what arrived meanwhile."""
     gaps, tokens = [], 0
     for times in arrivals:
         inside = [t for t in times if sent <= t <= first]
@@ -92,15 +113,81 @@ async def one_run(orch: Orchestrator, short_ids: list[list[int]], long_ids: list
     }
 
 
+DRAFT_BLOCK = 4  # tokens a short session's proposal asks for (each taken whole, as if the target accepted it)
+
+
+async def draft_session(stub, session_id: str, tokens: list[int]):
+    """A model-drafter session opened on its own ``Session`` stream."""
+    call = stub.Session(metadata=wire_metadata())
+    await call.write(pb.DraftRequest(open=pb.DraftOpen(
+        session_id=session_id, tokens=tokens, sampling=pb.SamplingParams(), drafter=pb.DRAFTER_KIND_MODEL)))
+    reply = await call.read()
+    if not reply.HasField("opened"):
+        raise RuntimeError(f"the draft did not open {session_id}: {reply}")
+    return call
+
+
+async def draft_run(address: str, short_ids: list[list[int]], long_ids: list[int], run: int) -> dict:
+    """Short sessions propose back to back; once each has, the long prompt opens and proposes; gaps meanwhile."""
+    arrivals: list[list[float]] = [[] for _ in short_ids]
+    streaming, done = asyncio.Event(), asyncio.Event()
+    window: dict[str, float] = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.DraftServiceStub(channel)
+
+        async def short(i: int) -> None:
+            call = await draft_session(stub, f"short-{run}-{i}", short_ids[i])
+            position, block = len(short_ids[i]), []
+            while not done.is_set():
+                await call.write(pb.DraftRequest(propose=pb.ProposeRequest(position=position, tokens=block,
+                                                                          k=DRAFT_BLOCK)))
+                position += len(block)
+                block = list((await call.read()).block.tokens)
+                arrivals[i].append(time.perf_counter())
+                if all(arrivals):
+                    streaming.set()
+            call.cancel()
+
+        async def long() -> None:
+            await streaming.wait()
+            await asyncio.sleep(0.2)
+            window["sent"] = time.perf_counter()
+            call = await draft_session(stub, f"long-{run}", long_ids)
+            await call.write(pb.DraftRequest(propose=pb.ProposeRequest(position=len(long_ids), k=DRAFT_BLOCK)))
+            await call.read()
+            window["first"] = time.perf_counter()
+            done.set()
+            call.cancel()
+
+        shorts = [asyncio.ensure_future(short(i)) for i in range(len(short_ids))]
+        try:
+            await long()
+            await asyncio.gather(*shorts)
+        finally:
+            for task in shorts:
+                task.cancel()
+    figures = window_figures(arrivals, window["sent"], window["first"])
+    figures["others_proposals_per_s"] = figures.pop("others_tokens_per_s")  # an arrival here is a block
+    return figures
+
+
 async def measure(addresses: dict[int, str], tokenizer: str, args) -> dict:
     tok = models.load_tokenizer(tokenizer)
     text_ids = tok.encode(TEXT)
     long_ids = (text_ids * (args.prefill_prompt_tokens // len(text_ids) + 1))[: args.prefill_prompt_tokens]
     short_ids = [tok.encode(p) for p in SHORT_PROMPTS[: args.prefill_sessions]]
     short_ids += [short_ids[i % len(short_ids)] for i in range(len(short_ids), args.prefill_sessions)]
+    rows: dict[int, list[dict]] = {chunk: [] for chunk in addresses}
+    if args.prefill_service == "draft":
+        for address in addresses.values():  # warm-up
+            await draft_run(address, short_ids[:1], long_ids[:64], -1)
+        for repeat in range(args.prefill_repeats):
+            order = list(addresses) if repeat % 2 == 0 else list(addresses)[::-1]
+            for chunk in order:
+                rows[chunk].append(await draft_run(addresses[chunk], short_ids, long_ids, repeat))
+        return summary(rows)
     orchs = {chunk: await Orchestrator.connect(OrchestratorConfig(address, "", tokenizer=tokenizer))
              for chunk, address in addresses.items()}
-    rows: dict[int, list[dict]] = {chunk: [] for chunk in addresses}
     try:
         for orch in orchs.values():  # warm-up: first calls pay one-off allocations
             await one_run(orch, short_ids[:1], long_ids[:64])
@@ -111,6 +198,10 @@ async def measure(addresses: dict[int, str], tokenizer: str, args) -> dict:
     finally:
         for orch in orchs.values():
             await orch.close()
+    return summary(rows)
+
+
+def summary(rows: dict[int, list[dict]]) -> dict:
     return {"runs": {str(c): r for c, r in rows.items()},
             "medians": {str(c): {key: statistics.median(r[key] for r in runs_) for key in runs_[0]}
                         for c, runs_ in rows.items()}}
@@ -121,29 +212,37 @@ def run(args) -> int:
     chunks = [int(c) for c in args.prefill_chunks.split(",") if c.strip()]
     if not chunks or min(chunks) < 0:
         raise ValueError(f"--prefill-chunks: values >= 0, got {args.prefill_chunks!r}")
+    service = args.prefill_service
     with ExitStack() as stack:
         addresses = {}
         for chunk in chunks:
-            target_args = ["--model", args.model, "--threads", str(args.target_threads), "--prefill-chunk", str(chunk)]
+            service_args = ["--model", args.model, "--threads", str(args.target_threads), "--prefill-chunk", str(chunk)]
             if args.target_cpus:
-                target_args += ["--cpus", args.target_cpus]
-            (target,) = stack.enter_context(processes.local_services(target_args, None))
-            addresses[chunk] = target.address
+                service_args += ["--cpus", args.target_cpus]
+            if service == "draft":
+                folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specsplit-")))
+                process = processes.start_service("specsplit.draft_service.server", "draft", service_args, folder)
+                stack.callback(process.stop)
+            else:
+                (process,) = stack.enter_context(processes.local_services(service_args, None))
+            addresses[chunk] = process.address
         result = asyncio.run(measure(addresses, args.model, args))
+    what = ("the draft's model drafter proposing blocks of 4 for" if service == "draft" else "target-only greedy;")
     report = {
         "benchmark": "prefill",
+        "service": service,
         "model": args.model,
-        "setup": (f"target-only greedy; {args.prefill_sessions} short sessions decoding when a "
-                  f"{args.prefill_prompt_tokens}-token prompt arrives; one target process per --prefill-chunk "
-                  "value, runs interleaved"),
+        "setup": (f"{what} {args.prefill_sessions} short sessions when a {args.prefill_prompt_tokens}-token prompt "
+                  f"arrives; one {service} process per --prefill-chunk value, runs interleaved"),
         "machine": runs.machine(),
         **result,
         "duration_s": round(time.time() - started, 1),
     }
     path = runs.write(report, args.json)
     for chunk, m in result["medians"].items():
-        print(f"--prefill-chunk {chunk:>5}: long TTFT {m['long_ttft_s']:.2f} s; others' largest gap "
+        print(f"{service} --prefill-chunk {chunk:>5}: long TTFT {m['long_ttft_s']:.2f} s; others' largest gap "
               f"{m['others_max_gap_s']:.2f} s, p95 {m['others_p95_gap_s']:.2f} s, median {m['others_median_gap_s']:.3f} s, "
-              f"{m['others_tokens_per_s']:.1f} tok/s meanwhile")
+              + (f"{m['others_proposals_per_s']:.1f} proposals/s" if service == "draft"
+                 else f"{m['others_tokens_per_s']:.1f} tok/s") + " meanwhile")
     print(f"-> {path}")
     return 0

@@ -10,7 +10,7 @@ from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.wire_version import metadata as wire_metadata
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from tests.conftest import run_async
+from tests.conftest import run_async, wait_until
 
 pytestmark = pytest.mark.services
 VERSION = wire_metadata()
@@ -61,3 +61,17 @@ def test_a_short_sessions_proposal_runs_between_the_chunks_of_a_long_read(tiny_s
         assert engine.prefill_chunks - chunks_before == -(-whole // engine.prefill_chunk) - 1
     else:
         assert long_read_then >= whole and engine.prefill_chunks == chunks_before
+
+
+@pytest.mark.parametrize("prefill_chunk", [16], indirect=True)
+def test_the_prefill_suite_times_the_short_sessions_proposals_while_the_long_context_is_read(
+    tiny_services, prefill_chunk
+):
+    from specsplit.bench import prefill
+
+    long_prompt = [(7 * i) % 200 + 3 for i in range(300)]
+    figures = run_async(prefill.draft_run(tiny_services.draft_address, [[5, 6, 7], [8, 9, 10]], long_prompt, 0), 120)
+    assert figures["long_ttft_s"] > 0 and figures["others_proposals_per_s"] > 0  # they proposed during the read
+    assert 0 < figures["others_median_gap_s"] <= figures["others_p95_gap_s"] <= figures["others_max_gap_s"]
+    opened = ("short-0-0", "short-0-1", "long-0")
+    assert wait_until(lambda: not any(s in tiny_services.draft_engine.sessions for s in opened))  # streams freed
