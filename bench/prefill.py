@@ -46,7 +46,8 @@ def add_flags(parser) -> None:
                         help="--suite prefill: whose --prefill-chunk is compared: the target's (target-only "
                              "decoding) or the draft's (its model drafter's proposals)")
     parser.add_argument("--prefill-chunks", default="0,256",
-                        help="--suite prefill: the service's --prefill-chunk values compared (0: one forward)")
+                        help="--suite prefill: the service's --prefill-chunk values compared (0: one forward; the "
+                             "target's: auto too)")
     parser.add_argument("--prefill-prompt-tokens", type=int, default=1024,
                         help="--suite prefill: the long prompt's length in tokens")
     parser.add_argument("--prefill-sessions", type=int, default=4,
@@ -171,13 +172,13 @@ async def draft_run(address: str, short_ids: list[list[int]], long_ids: list[int
     return figures
 
 
-async def measure(addresses: dict[int, str], tokenizer: str, args) -> dict:
+async def measure(addresses: dict[str, str], tokenizer: str, args) -> dict:
     tok = models.load_tokenizer(tokenizer)
     text_ids = tok.encode(TEXT)
     long_ids = (text_ids * (args.prefill_prompt_tokens // len(text_ids) + 1))[: args.prefill_prompt_tokens]
     short_ids = [tok.encode(p) for p in SHORT_PROMPTS[: args.prefill_sessions]]
     short_ids += [short_ids[i % len(short_ids)] for i in range(len(short_ids), args.prefill_sessions)]
-    rows: dict[int, list[dict]] = {chunk: [] for chunk in addresses}
+    rows: dict[str, list[dict]] = {chunk: [] for chunk in addresses}
     if args.prefill_service == "draft":
         for address in addresses.values():  # warm-up
             await draft_run(address, short_ids[:1], long_ids[:64], -1)
@@ -201,7 +202,7 @@ async def measure(addresses: dict[int, str], tokenizer: str, args) -> dict:
     return summary(rows)
 
 
-def summary(rows: dict[int, list[dict]]) -> dict:
+def summary(rows: dict[str, list[dict]]) -> dict:
     return {"runs": {str(c): r for c, r in rows.items()},
             "medians": {str(c): {key: statistics.median(r[key] for r in runs_) for key in runs_[0]}
                         for c, runs_ in rows.items()}}
@@ -209,14 +210,15 @@ def summary(rows: dict[int, list[dict]]) -> dict:
 
 def run(args) -> int:
     started = time.time()
-    chunks = [int(c) for c in args.prefill_chunks.split(",") if c.strip()]
-    if not chunks or min(chunks) < 0:
-        raise ValueError(f"--prefill-chunks: values >= 0, got {args.prefill_chunks!r}")
+    chunks = [c.strip() for c in args.prefill_chunks.split(",") if c.strip()]
+    auto = ("auto",) if args.prefill_service == "target" else ()  # the target's chunks can be sized by its cost
+    if not chunks or any(c not in auto and not (c.isdigit()) for c in chunks):
+        raise ValueError(f"--prefill-chunks: values >= 0{' or auto' if auto else ''}, got {args.prefill_chunks!r}")
     service = args.prefill_service
     with ExitStack() as stack:
         addresses = {}
         for chunk in chunks:
-            service_args = ["--model", args.model, "--threads", str(args.target_threads), "--prefill-chunk", str(chunk)]
+            service_args = ["--model", args.model, "--threads", str(args.target_threads), "--prefill-chunk", chunk]
             if args.target_cpus:
                 service_args += ["--cpus", args.target_cpus]
             if service == "draft":

@@ -6,6 +6,7 @@ thread runs rounds.
 
 from __future__ import annotations
 
+import argparse
 import threading
 from dataclasses import dataclass
 from typing import Generic, Sequence, TypeVar
@@ -39,10 +40,28 @@ class SessionLimits:
             raise ValueError("a service's KV budget is in positions (the target) or in bytes (the draft), not both")
 
 
-def check_prefill_chunk(prefill_chunk: int) -> None:
-    """``--prefill-chunk`` (either service's) is a token count or 0 (ValueError otherwise)."""
-    if prefill_chunk < 0:
-        raise ValueError(f"--prefill-chunk must be >= 0 (0: a prompt's prefill is one forward), got {prefill_chunk}")
+PREFILL_AUTO = "auto"  # serve-target --prefill-chunk auto: chunks sized by the step's measured cost
+
+
+def check_prefill_chunk(prefill_chunk: int | str, auto: bool = False) -> None:
+    """``--prefill-chunk`` (either service's) is a token count or 0, or ``auto`` where ``auto`` (ValueError
+    otherwise)."""
+    if auto and prefill_chunk == PREFILL_AUTO:
+        return
+    if isinstance(prefill_chunk, str) or prefill_chunk < 0:
+        choices = "auto or an int >= 0" if auto else "an int >= 0"
+        raise ValueError(f"--prefill-chunk must be {choices} (0: a prompt's prefill is one forward), "
+                         f"got {prefill_chunk!r}")
+
+
+def prefill_chunk_flag(value: str) -> int | str:
+    """argparse's reading of ``--prefill-chunk``: ``auto`` or a token count (checked by ``check_prefill_chunk``)."""
+    if value == PREFILL_AUTO:
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a token count, got {value!r}") from None
 
 
 def check_tokens(tokens: Sequence[int], vocab_size: int | None, what: str) -> None:

@@ -30,6 +30,7 @@ from specsplit.lmkit.sampling import (
     rows_when_reached,
 )
 from specsplit.lmkit.sessions import (
+    PREFILL_AUTO,
     SessionLimits,
     SessionTable,
     check_open,
@@ -100,6 +101,7 @@ class VerifyOutcome:
 # A block whose session's prompt is still being computed in chunks (``TargetEngine.prefill_chunk``): the scheduler
 # offers it to the next step again, unanswered.
 PREFILLING = object()
+UNMEASURED_PREFILL_CHUNK = 512  # --prefill-chunk auto's chunk until the forwards' cost is measured
 
 
 @dataclass(frozen=True)
@@ -191,9 +193,13 @@ class TargetEngine:
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
         self.fed_tokens = 0  # positions the forwards computed keys/values for (StatsResponse.fed_tokens)
         self.shared_tokens = 0  # positions sessions started with as copies from another (TargetOpen.fork_from)
-        check_prefill_chunk(prefill_chunk)
+        check_prefill_chunk(prefill_chunk, auto=True)
+        # auto: a step's chunk costs about one step of the rows beside it, by the forwards' cost fit (until it is
+        # measured, the fixed default); a prompt with no rows beside it runs whole.
+        self.prefill_auto = prefill_chunk == PREFILL_AUTO
+        fixed = UNMEASURED_PREFILL_CHUNK if self.prefill_auto else prefill_chunk
         # Chunks of at least a block: a prompt's last chunk is verified with the block that follows it.
-        self.prefill_chunk = max(prefill_chunk, limits.max_block + 1) if prefill_chunk else 0
+        self.prefill_chunk = max(fixed, limits.max_block + 1) if fixed else 0
         self.prefill_chunks = 0  # prefill chunks run beside other sessions' rows (not in StatsResponse)
 
     # -- sessions -----------------------------------------------------------
@@ -328,7 +334,7 @@ class TargetEngine:
         results: list[VerifyOutcome | errors.SpecsplitError | None] = [None] * len(items)
         batch: list[int] = []
         steps: list[Step] = []  # one per batched row
-        budget = self.prefill_chunk  # prompt tokens this step may still give to chunks of long prefills
+        chunking: list[tuple[int, int, list[int]]] = []  # prompts longer than a chunk: (item, kept, feed)
         for i, item in enumerate(items):
             try:
                 parents = tree_of(item.parents, len(item.draft_tokens))
@@ -339,20 +345,27 @@ class TargetEngine:
                 continue
             keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
             if self._chunks(item, feed):
-                # A prompt longer than a chunk: this step computes its next chunk beside the others' rows, and
-                # the block waits (PREFILLING) for a later step; a step past its budget leaves it for the next.
-                take = min(budget, len(feed) - len(item.draft_tokens) - 1)
-                results[i] = PREFILLING
-                if take > 0:
-                    budget -= take
-                    batch.append(i)
-                    steps.append(Step(item.session.cache, keep, feed[:take], 1))
+                chunking.append((i, keep, feed))
                 continue
             if self.can_batch and len(feed) <= self.limits.max_block + 1 and not item.session.scores_prompt:
                 batch.append(i)
                 steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1, parents))
             else:
                 results[i] = self._verify_checked(item)
+        budget = self._chunk_budget(sum(len(step.feed) for step in steps)) if chunking else 0
+        for i, keep, feed in chunking:
+            item = items[i]
+            if budget is None:  # nobody's rows to keep going: the prompt runs whole
+                results[i] = self._verify_checked(item)
+                continue
+            # This step computes the prompt's next chunk beside the others' rows, and the block waits (PREFILLING)
+            # for a later step; a step past its budget leaves it for the next, the first in line first.
+            take = min(budget, len(feed) - len(item.draft_tokens) - 1)
+            results[i] = PREFILLING
+            if take > 0:
+                budget -= take
+                batch.append(i)
+                steps.append(Step(item.session.cache, keep, feed[:take], 1))
         widths = [len(step.feed) for step in steps]
         # Packed rows carry no padding: nothing to save by splitting.
         split = len(batch) > 1 and not packed_rows.installed(self.model)
@@ -442,12 +455,27 @@ class TargetEngine:
             return [PREFILLING if c else next(verified) for c in chunked]
         return self._decided(items, raw, steps, start, forward_s, tokens, width)
 
+    def _chunk_budget(self, others: int) -> int | None:
+        """Prompt tokens a step with ``others`` tokens of other sessions' rows gives to chunks of long prompts;
+        None: no chunk (``auto`` with no rows beside the prompts: they run whole). ``auto``: one step's fixed cost
+        in tokens (a / s of the forwards' fit) plus the others', so a chunk costs about what the step costs
+        without it; the fixed default until the fit is measured."""
+        fit = self.cost_fit() if self.prefill_auto else None
+        if fit is None or fit[1] <= 0:
+            return self.prefill_chunk
+        if not others:
+            return None
+        base, per_token = fit
+        return max(int(base / per_token) + others, self.limits.max_block + 1)
+
     def _chunks(self, item: VerifyItem, feed: Sequence[int]) -> bool:
         """Whether this step computes only a chunk of the item's prompt: a feed longer than a chunk, on a cache of
         the packed forward (rows of any width, no padding), from a session that reads no prompt logprobs or
         features (those come from the prefill's every row)."""
         cache = item.session.cache
-        return (self.prefill_chunk > 0 and self.can_batch and len(feed) > self.prefill_chunk
+        measured = self.prefill_auto and self.cost_fit() is not None
+        shortest = self.limits.max_block + 1 if measured else self.prefill_chunk  # prompt that goes in chunks
+        return (self.prefill_chunk > 0 and self.can_batch and len(feed) > shortest
                 and type(cache) is SessionCache and cache.kv is not None
                 and not item.session.scores_prompt and not cache.feature_layers)
 

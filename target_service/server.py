@@ -25,7 +25,7 @@ from specsplit.lmkit.grpc_server import (
     start_in_process,
 )
 from specsplit.lmkit.kvcache import kv_bytes_per_token
-from specsplit.lmkit.sessions import check_prefill_chunk
+from specsplit.lmkit.sessions import check_prefill_chunk, prefill_chunk_flag
 from specsplit.target_service import ranks, tp
 from specsplit.target_service.engine import TargetEngine
 from specsplit.target_service.servicer import TargetServicer
@@ -49,11 +49,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--kv-budget-bytes", type=int, default=0,
                         help="KV-cache bytes per device every live session may reserve together (each reserves its "
                              "prompt + most new tokens + one block at its open); 0: no budget, --max-sessions alone")
-    parser.add_argument("--prefill-chunk", type=int, default=512,
+    parser.add_argument("--prefill-chunk", type=prefill_chunk_flag, default=512,
                         help="a prompt longer than this many tokens is computed this many a step, beside other "
                              "sessions' verification rows, so their rounds go on while it prefills (at least one "
                              "block; the packed forward only: not with --tp, --batch-invariant or cuda-graphs); "
-                             "0: a prompt's prefill is one forward that every other session waits for")
+                             "auto: each step's chunk costs about one step of the rows beside it (measured), and a "
+                             "prompt with no rows beside it is one forward; 0: a prompt's prefill is one forward "
+                             "that every other session waits for")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="blocks of concurrent sessions verified in one forward at most (1 = no batching)")
     parser.add_argument("--batch-invariant", action="store_true",
@@ -212,7 +214,7 @@ def run(args) -> int:
         raise ValueError(f"--kv-budget-bytes must be >= 0 (0: no budget), got {args.kv_budget_bytes}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    check_prefill_chunk(args.prefill_chunk)
+    check_prefill_chunk(args.prefill_chunk, auto=True)
     compile_mode(args)  # fail fast, before the model loads
     spec = models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
     logs.configure(args.log_level, "target", args.log_format)

@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from specsplit.lmkit import models
+from specsplit.lmkit.costs import LinearCost
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
@@ -30,7 +31,7 @@ def model(tiny_target_dir):
     return models.load_model(models.ModelSpec(str(tiny_target_dir)))
 
 
-def engine_of(model, prefill_chunk: int, fingerprint: str = "") -> TargetEngine:
+def engine_of(model, prefill_chunk: int | str, fingerprint: str = "") -> TargetEngine:
     return TargetEngine(model, model_id="tiny", vocab_fingerprint=fingerprint, limits=SessionLimits(max_block=32),
                         prefill_chunk=prefill_chunk)
 
@@ -83,7 +84,7 @@ def test_short_prompts_and_a_budget_of_zero_are_not_chunked(model):
     whole = engine_of(model, 0)
     whole.open("long", LONG, SamplingParams(), VerificationMode.GREEDY)
     assert isinstance(whole.verify_batch([item(whole, "long")])[0], VerifyOutcome) and whole.prefill_chunks == 0
-    with pytest.raises(ValueError, match="--prefill-chunk must be >= 0"):
+    with pytest.raises(ValueError, match="--prefill-chunk must be auto or an int >= 0"):
         engine_of(model, -1)
 
 
@@ -118,3 +119,39 @@ def test_long_and_short_prompts_at_once_through_the_services_give_the_targets_ou
         services.stop()
     assert [ids for ids, _ in outputs] == [reference_greedy(model, ids, 24) for ids in prompts]
     assert target.prefill_chunks >= 6  # both long prompts went in chunks
+
+
+def measured(engine: TargetEngine, base_s: float, per_token_s: float) -> TargetEngine:
+    """The engine's forwards' cost fit as if it had measured t(x) = base + per_token x over many forwards (so the
+    few this test runs move it little)."""
+    engine.forward_cost = LinearCost(decay=1.0)
+    for tokens in range(1, 201):
+        engine.forward_cost.observe(tokens, base_s + per_token_s * tokens)
+    return engine
+
+
+def test_auto_chunks_cost_about_a_step_beside_decoding_rows_and_a_lone_prompt_runs_whole(model):
+    # a / s = 20 tokens: with the short session's row beside it, a chunk of max(20 + 1, 33) tokens (at least a block)
+    engine = measured(engine_of(model, "auto"), 0.020, 0.001)
+    engine.open("long", LONG, SamplingParams(), VerificationMode.GREEDY)
+    engine.open("short", SHORT, SamplingParams(), VerificationMode.GREEDY)
+    long_out, waits = [], 0
+    while len(long_out) < 6:
+        results = engine.verify_batch([item(engine, "long"), item(engine, "short")])
+        assert isinstance(results[1], VerifyOutcome)  # the short session commits every step
+        if results[0] is PREFILLING:
+            waits += 1
+            continue
+        long_out.append(results[0].next_token)
+    assert waits == 4 and engine.prefill_chunks == 4  # 149 context positions: 33 x 4, then 17 with the block
+    assert long_out == reference_greedy(model, LONG, 6)
+
+    alone = measured(engine_of(model, "auto"), 0.020, 0.001)  # nobody's rows to keep going: one forward
+    alone.open("long", LONG, SamplingParams(), VerificationMode.GREEDY)
+    assert isinstance(alone.verify_batch([item(alone, "long")])[0], VerifyOutcome) and alone.prefill_chunks == 0
+
+    unmeasured = engine_of(model, "auto")  # until the fit is measured: the fixed default, 512 (LONG is shorter)
+    unmeasured.open("long", LONG, SamplingParams(), VerificationMode.GREEDY)
+    unmeasured.open("short", SHORT, SamplingParams(), VerificationMode.GREEDY)
+    first = unmeasured.verify_batch([item(unmeasured, "long"), item(unmeasured, "short")])
+    assert all(isinstance(r, VerifyOutcome) for r in first) and unmeasured.prefill_chunk == 512

@@ -28,9 +28,12 @@ def test_bad_budget_and_chunk_flags_stop_both_services_before_anything_loads():
     from specsplit.draft_service import server as draft_server
     from specsplit.target_service import server as target_server
 
-    with pytest.raises(ValueError, match=r"--prefill-chunk must be >= 0 \(0: a prompt's prefill is one forward\)"):
+    with pytest.raises(ValueError, match=r"--prefill-chunk must be auto or an int >= 0 \(0: a prompt's prefill is one"):
         target_server.run(target_server.build_parser().parse_args(["--prefill-chunk", "-1"]))
-    with pytest.raises(ValueError, match=r"--prefill-chunk must be >= 0 \(0: a prompt's prefill is one forward\)"):
+    with pytest.raises(SystemExit):  # argparse: "expected auto or a token count, got 'half'"
+        target_server.build_parser().parse_args(["--prefill-chunk", "half"])
+    assert target_server.build_parser().parse_args(["--prefill-chunk", "auto"]).prefill_chunk == "auto"
+    with pytest.raises(ValueError, match=r"--prefill-chunk must be an int >= 0 \(0: a prompt's prefill is one forward\)"):
         draft_server.run(draft_server.build_parser().parse_args(["--prefill-chunk", "-1"]))
     with pytest.raises(ValueError, match=r"--kv-budget-bytes must be >= 0 \(0: no budget\), got -5"):
         draft_server.run(draft_server.build_parser().parse_args(["--kv-budget-bytes", "-5"]))
