@@ -102,6 +102,7 @@ class VerifyOutcome:
 # offers it to the next step again, unanswered.
 PREFILLING = object()
 UNMEASURED_PREFILL_CHUNK = 512  # --prefill-chunk auto's chunk until the forwards' cost is measured
+MIN_AUTO_CHUNK = 8  # auto's smallest chunk (the last one, with the block, is the rest, up to a block)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ class TargetEngine:
         # Chunks of at least a block: a prompt's last chunk is verified with the block that follows it.
         self.prefill_chunk = max(fixed, limits.max_block + 1) if fixed else 0
         self.prefill_chunks = 0  # prefill chunks run beside other sessions' rows (not in StatsResponse)
+        self.chunk_token_s: float | None = None  # auto: what a chunk's token costs, measured (_price_chunks)
 
     # -- sessions -----------------------------------------------------------
     def open(
@@ -443,8 +445,11 @@ class TargetEngine:
         forward_s = time.perf_counter() - start
         self.forward_passes += 1
         self.fed_tokens += sum(len(step.feed) for step in steps)
-        self.forward_cost.observe(tokens, forward_s)
         chunked = [self._is_chunk(item, step) for item, step in zip(items, steps)]
+        if not any(chunked):
+            self.forward_cost.observe(tokens, forward_s)
+        elif self.prefill_auto:  # not in the fit: a chunk's cost grows with the prompt before it, not its tokens
+            self._price_chunks(tokens, sum(len(step.feed) for step, c in zip(steps, chunked) if c), forward_s)
         if any(chunked):  # a prefill's chunk: its keys and values are what it was for; no verdict yet
             self.prefill_chunks += sum(chunked)
             kept = [i for i, c in enumerate(chunked) if not c]
@@ -457,16 +462,30 @@ class TargetEngine:
 
     def _chunk_budget(self, others: int) -> int | None:
         """Prompt tokens a step with ``others`` tokens of other sessions' rows gives to chunks of long prompts;
-        None: no chunk (``auto`` with no rows beside the prompts: they run whole). ``auto``: one step's fixed cost
-        in tokens (a / s of the forwards' fit) plus the others', so a chunk costs about what the step costs
-        without it; the fixed default until the fit is measured."""
+        None: no chunk (``auto`` with no rows beside the prompts: they run whole). ``auto``: what the step costs
+        without chunks (the forwards' fit, a + s x) over what a chunk's token costs, so a chunk costs about what
+        the step costs without it; the fixed default until the fit is measured."""
         fit = self.cost_fit() if self.prefill_auto else None
         if fit is None or fit[1] <= 0:
             return self.prefill_chunk
         if not others:
             return None
         base, per_token = fit
-        return max(int(base / per_token) + others, self.limits.max_block + 1)
+        # A chunk's token costs more than a verify row's as the prompt goes on (it attends to all of it before):
+        # priced by the chunks' own steps where they cost more than the fit says.
+        price = max(self.chunk_token_s or 0.0, per_token)
+        return max(int((base + per_token * others) / price), MIN_AUTO_CHUNK)
+
+    def _price_chunks(self, tokens: int, chunk_tokens: int, forward_s: float) -> None:
+        """Learn what a chunk's token costs from a forward of ``tokens``, ``chunk_tokens`` of them chunks: the
+        forward's time beyond what the fit predicts for the other rows, a token (a running mean, halved each
+        step, so it follows a prompt's growing context)."""
+        fit = self.cost_fit()
+        if fit is None or chunk_tokens <= 0:
+            return
+        base, per_token = fit
+        price = max(forward_s - base - per_token * (tokens - chunk_tokens), 0.0) / chunk_tokens
+        self.chunk_token_s = price if self.chunk_token_s is None else (self.chunk_token_s + price) / 2
 
     def _chunks(self, item: VerifyItem, feed: Sequence[int]) -> bool:
         """Whether this step computes only a chunk of the item's prompt: a feed longer than a chunk, on a cache of

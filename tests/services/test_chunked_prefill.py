@@ -131,7 +131,8 @@ def measured(engine: TargetEngine, base_s: float, per_token_s: float) -> TargetE
 
 
 def test_auto_chunks_cost_about_a_step_beside_decoding_rows_and_a_lone_prompt_runs_whole(model):
-    # a / s = 20 tokens: with the short session's row beside it, a chunk of max(20 + 1, 33) tokens (at least a block)
+    # a / s = 20 tokens: with the short session's row beside it, chunks of 20 + 1 tokens (what the step costs without
+    # them, at the fit's price: these tiny forwards cost far less than the fit says, so no chunk is priced higher)
     engine = measured(engine_of(model, "auto"), 0.020, 0.001)
     engine.open("long", LONG, SamplingParams(), VerificationMode.GREEDY)
     engine.open("short", SHORT, SamplingParams(), VerificationMode.GREEDY)
@@ -143,7 +144,7 @@ def test_auto_chunks_cost_about_a_step_beside_decoding_rows_and_a_lone_prompt_ru
             waits += 1
             continue
         long_out.append(results[0].next_token)
-    assert waits == 4 and engine.prefill_chunks == 4  # 149 context positions: 33 x 4, then 17 with the block
+    assert waits == 6 and engine.prefill_chunks == 6  # 150 prompt tokens: 21 x 6, then 24 (up to a block) with it
     assert long_out == reference_greedy(model, LONG, 6)
 
     alone = measured(engine_of(model, "auto"), 0.020, 0.001)  # nobody's rows to keep going: one forward
@@ -155,3 +156,14 @@ def test_auto_chunks_cost_about_a_step_beside_decoding_rows_and_a_lone_prompt_ru
     unmeasured.open("short", SHORT, SamplingParams(), VerificationMode.GREEDY)
     first = unmeasured.verify_batch([item(unmeasured, "long"), item(unmeasured, "short")])
     assert all(isinstance(r, VerifyOutcome) for r in first) and unmeasured.prefill_chunk == 512
+
+
+def test_auto_prices_a_chunks_token_by_the_chunks_own_steps(model):
+    engine = measured(engine_of(model, "auto"), 0.100, 0.001)  # a step of 1 other token: 0.101 s
+    assert engine._chunk_budget(1) == pytest.approx(101, abs=1)  # priced as a verify row's token
+    # A forward of 10 other tokens and 50 of a chunk took 0.2 s: 0.09 s beyond the 0.11 s of the others, 1.8 ms
+    # a chunk's token; the chunks now get what a step costs at that price, and follow later prices by halves.
+    engine._price_chunks(60, 50, 0.2)
+    assert engine.chunk_token_s == pytest.approx(0.0018) and engine._chunk_budget(1) == pytest.approx(0.101 / 0.0018, abs=1)
+    engine._price_chunks(60, 50, 0.11)  # as cheap as the fit: the price halves towards it
+    assert engine.chunk_token_s == pytest.approx(0.0009) and engine._chunk_budget(1) == pytest.approx(101, abs=1)  # never below s
