@@ -196,7 +196,7 @@ class TargetEngine:
         self.shared_tokens = 0  # positions sessions started with as copies from another (TargetOpen.fork_from)
         check_prefill_chunk(prefill_chunk, auto=True)
         # auto: a step's chunk costs about one step of the rows beside it, by the forwards' cost fit (until it is
-        # measured, the fixed default); a prompt with no rows beside it runs whole.
+        # measured, the fixed default); a prompt with no other session open runs whole.
         self.prefill_auto = prefill_chunk == PREFILL_AUTO
         fixed = UNMEASURED_PREFILL_CHUNK if self.prefill_auto else prefill_chunk
         # Chunks of at least a block: a prompt's last chunk is verified with the block that follows it.
@@ -354,10 +354,10 @@ class TargetEngine:
                 steps.append(Step(item.session.cache, keep, feed, len(item.draft_tokens) + 1, parents))
             else:
                 results[i] = self._verify_checked(item)
-        budget = self._chunk_budget(sum(len(step.feed) for step in steps)) if chunking else 0
+        budget = self._chunk_budget(sum(len(step.feed) for step in steps), len(chunking)) if chunking else 0
         for i, keep, feed in chunking:
             item = items[i]
-            if budget is None:  # nobody's rows to keep going: the prompt runs whole
+            if budget is None:  # nobody else to keep going: the prompt runs whole
                 results[i] = self._verify_checked(item)
                 continue
             # This step computes the prompt's next chunk beside the others' rows, and the block waits (PREFILLING)
@@ -460,16 +460,16 @@ class TargetEngine:
             return [PREFILLING if c else next(verified) for c in chunked]
         return self._decided(items, raw, steps, start, forward_s, tokens, width)
 
-    def _chunk_budget(self, others: int) -> int | None:
+    def _chunk_budget(self, others: int, chunking: int = 1) -> int | None:
         """Prompt tokens a step with ``others`` tokens of other sessions' rows gives to chunks of long prompts;
-        None: no chunk (``auto`` with no rows beside the prompts: they run whole). ``auto``: what the step costs
-        without chunks (the forwards' fit, a + s x) over what a chunk's token costs, so a chunk costs about what
-        the step costs without it; the fixed default until the fit is measured."""
+        None: no chunk (``auto`` with no session open but the ``chunking`` prompts: they run whole). ``auto``:
+        what the step costs without chunks (the forwards' fit, a + s x) over what a chunk's token costs, so a
+        chunk costs about what the step costs without it; the fixed default until the fit is measured."""
         fit = self.cost_fit() if self.prefill_auto else None
         if fit is None or fit[1] <= 0:
             return self.prefill_chunk
-        if not others:
-            return None
+        if not others and self.sessions.stats()[0] <= chunking:
+            return None  # no other session at all (one that is only between steps still decodes)
         base, per_token = fit
         # A chunk's token costs more than a verify row's as the prompt goes on (it attends to all of it before):
         # priced by the chunks' own steps where they cost more than the fit says.

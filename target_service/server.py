@@ -54,7 +54,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "sessions' verification rows, so their rounds go on while it prefills (at least one "
                              "block; the packed forward only: not with --tp, --batch-invariant or cuda-graphs); "
                              "auto: each step's chunk costs about one step of the rows beside it (measured), and a "
-                             "prompt with no rows beside it is one forward; 0: a prompt's prefill is one forward "
+                             "prompt with no other session open is one forward; 0: a prompt's prefill is one forward "
                              "that every other session waits for")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="blocks of concurrent sessions verified in one forward at most (1 = no batching)")

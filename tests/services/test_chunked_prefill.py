@@ -167,3 +167,14 @@ def test_auto_prices_a_chunks_token_by_the_chunks_own_steps(model):
     assert engine.chunk_token_s == pytest.approx(0.0018) and engine._chunk_budget(1) == pytest.approx(0.101 / 0.0018, abs=1)
     engine._price_chunks(60, 50, 0.11)  # as cheap as the fit: the price halves towards it
     assert engine.chunk_token_s == pytest.approx(0.0009) and engine._chunk_budget(1) == pytest.approx(101, abs=1)  # never below s
+
+
+def test_auto_chunks_a_prompt_that_steps_alone_while_another_session_is_open(model):
+    """A session between its steps (its block not here yet) still decodes: the prompt does not run whole."""
+    engine = measured(engine_of(model, "auto"), 0.020, 0.001)
+    engine.open("long", LONG, SamplingParams(), VerificationMode.GREEDY)
+    engine.open("short", SHORT, SamplingParams(), VerificationMode.GREEDY)
+    assert engine.verify_batch([item(engine, "long")])[0] is PREFILLING and engine.prefill_chunks == 1
+    assert engine._chunk_budget(0) == pytest.approx(20, abs=1)  # a step's fixed cost (a / s) when nobody's rows are in it
+    engine.close("short")
+    assert engine._chunk_budget(0) is None  # nobody else: whole
