@@ -84,14 +84,19 @@ async def one_run(orch: Orchestrator, short_ids: list[list[int]], long_ids: list
             if event.token_ids and "first" not in window:
                 window["first"] = time.perf_counter()
 
-    shorts = [asyncio.ensure_future(short(i)) for i in range(len(short_ids))]
+    await alongside(long, short, len(short_ids))
+    return window_figures(arrivals, window["sent"], window["first"])
+
+
+async def alongside(long, short, shorts: int) -> None:
+    """Run ``short(i)`` for each short session beside ``long()`` until all are done (stopped if one fails)."""
+    tasks = [asyncio.ensure_future(short(i)) for i in range(shorts)]
     try:
         await long()
-        await asyncio.gather(*shorts)
+        await asyncio.gather(*tasks)
     finally:
-        for task in shorts:
+        for task in tasks:
             task.cancel()
-    return window_figures(arrivals, window["sent"], window["first"])
 
 
 def window_figures(arrivals: list[list[float]], sent: float, first: float) -> dict:
@@ -160,13 +165,7 @@ async def draft_run(address: str, short_ids: list[list[int]], long_ids: list[int
             done.set()
             call.cancel()
 
-        shorts = [asyncio.ensure_future(short(i)) for i in range(len(short_ids))]
-        try:
-            await long()
-            await asyncio.gather(*shorts)
-        finally:
-            for task in shorts:
-                task.cancel()
+        await alongside(long, short, len(short_ids))
     figures = window_figures(arrivals, window["sent"], window["first"])
     figures["others_proposals_per_s"] = figures.pop("others_tokens_per_s")  # an arrival here is a block
     return figures
