@@ -177,34 +177,32 @@ async def measure(addresses: dict[str, str], tokenizer: str, args) -> dict:
     long_ids = (text_ids * (args.prefill_prompt_tokens // len(text_ids) + 1))[: args.prefill_prompt_tokens]
     short_ids = [tok.encode(p) for p in SHORT_PROMPTS[: args.prefill_sessions]]
     short_ids += [short_ids[i % len(short_ids)] for i in range(len(short_ids), args.prefill_sessions)]
-    rows: dict[str, list[dict]] = {chunk: [] for chunk in addresses}
     if args.prefill_service == "draft":
-        for address in addresses.values():  # warm-up
-            await draft_run(address, short_ids[:1], long_ids[:64], -1)
-        for repeat in range(args.prefill_repeats):
-            order = list(addresses) if repeat % 2 == 0 else list(addresses)[::-1]
-            for chunk in order:
-                rows[chunk].append(await draft_run(addresses[chunk], short_ids, long_ids, repeat))
-        return summary(rows)
+        return await interleaved(list(addresses), lambda chunk, shorts, long, run: draft_run(
+            addresses[chunk], shorts, long, run), short_ids, long_ids, args.prefill_repeats)
     orchs = {chunk: await Orchestrator.connect(OrchestratorConfig(address, "", tokenizer=tokenizer))
              for chunk, address in addresses.items()}
     try:
-        for orch in orchs.values():  # warm-up: first calls pay one-off allocations
-            await one_run(orch, short_ids[:1], long_ids[:64])
-        for repeat in range(args.prefill_repeats):
-            order = list(orchs) if repeat % 2 == 0 else list(orchs)[::-1]
-            for chunk in order:
-                rows[chunk].append(await one_run(orchs[chunk], short_ids, long_ids))
+        return await interleaved(list(orchs), lambda chunk, shorts, long, run: one_run(orchs[chunk], shorts, long),
+                                 short_ids, long_ids, args.prefill_repeats)
     finally:
         for orch in orchs.values():
             await orch.close()
-    return summary(rows)
 
 
-def summary(rows: dict[str, list[dict]]) -> dict:
-    return {"runs": {str(c): r for c, r in rows.items()},
-            "medians": {str(c): {key: statistics.median(r[key] for r in runs_) for key in runs_[0]}
-                        for c, runs_ in rows.items()}}
+async def interleaved(values: list[str], run_one, short_ids: list[list[int]], long_ids: list[int],
+                      repeats: int) -> dict:
+    """``run_one(value, short_ids, long_ids, run)`` for every value, after a warm-up run each (first calls pay
+    one-off allocations), ``repeats`` times in alternating order; every run and each value's medians."""
+    rows: dict[str, list[dict]] = {value: [] for value in values}
+    for value in values:
+        await run_one(value, short_ids[:1], long_ids[:64], -1)
+    for repeat in range(repeats):
+        for value in values if repeat % 2 == 0 else values[::-1]:
+            rows[value].append(await run_one(value, short_ids, long_ids, repeat))
+    return {"runs": rows,
+            "medians": {value: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                        for value, runs in rows.items()}}
 
 
 def run(args) -> int:

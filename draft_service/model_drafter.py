@@ -84,7 +84,7 @@ class ModelDrafter(SamplingDrafter):
         if wanted < 1:
             return True
         read = min(common_prefix(self._cache.tokens, self._tokens), wanted)
-        if budget > 0 and read >= wanted:
+        if read >= wanted:
             return True
         end = min(read + budget, wanted) if budget > 0 else wanted
         try:

@@ -448,17 +448,18 @@ class TargetEngine:
         chunked = [self._is_chunk(item, step) for item, step in zip(items, steps)]
         if not any(chunked):
             self.forward_cost.observe(tokens, forward_s)
-        elif self.prefill_auto:  # not in the fit: a chunk's cost grows with the prompt before it, not its tokens
+            return self._decided(items, raw, steps, start, forward_s, tokens, width)
+        # A prefill's chunk: its keys and values are what it was for; no verdict yet. Not in the fit: a chunk's
+        # cost grows with the prompt before it, not with its tokens.
+        if self.prefill_auto:
             self._price_chunks(tokens, sum(len(step.feed) for step, c in zip(steps, chunked) if c), forward_s)
-        if any(chunked):  # a prefill's chunk: its keys and values are what it was for; no verdict yet
-            self.prefill_chunks += sum(chunked)
-            kept = [i for i, c in enumerate(chunked) if not c]
-            if not kept:
-                return [PREFILLING] * len(items)
-            verified = iter(self._decided([items[i] for i in kept], [raw[i] for i in kept], [steps[i] for i in kept],
-                                          start, forward_s, tokens, width))
-            return [PREFILLING if c else next(verified) for c in chunked]
-        return self._decided(items, raw, steps, start, forward_s, tokens, width)
+        self.prefill_chunks += sum(chunked)
+        kept = [i for i, c in enumerate(chunked) if not c]
+        if not kept:
+            return [PREFILLING] * len(items)
+        verified = iter(self._decided([items[i] for i in kept], [raw[i] for i in kept], [steps[i] for i in kept],
+                                      start, forward_s, tokens, width))
+        return [PREFILLING if c else next(verified) for c in chunked]
 
     def _chunk_budget(self, others: int, chunking: int = 1) -> int | None:
         """Prompt tokens a step with ``others`` tokens of other sessions' rows gives to chunks of long prompts;
