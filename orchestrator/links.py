@@ -25,11 +25,11 @@ from typing import Callable, Sequence
 
 import grpc
 
-from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.wire import join_features
 from specsplit.orchestrator.peers import RETRYABLE, DraftStream, OwnStream, PeerError, Pool, ServiceClient, TargetStream
 from specsplit.orchestrator.policy.controller import Controller
 from specsplit.orchestrator.policy.measure import RttEstimator
+from specsplit.orchestrator.replies import DraftedBlock, VerifiedBlock, drafted_of, verified_of
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -152,18 +152,20 @@ class TargetLink(_SessionLink):
 
     async def verify(
         self, committed: Sequence[int], tokens: Sequence[int], probs, parents: Sequence[int] = (),
-        allowed: pb.TokenMask | None = None,
-    ) -> pb.VerifyResult:
+        allowed: bytes | None = None,
+    ) -> VerifiedBlock:
         """Verify a block at len(committed), re-opening the session until the deadline if the target fails.
 
-        ``parents``: the block is a token tree (empty: a chain); ``allowed``: a grammar's mask of its positions.
+        ``parents``: the block is a token tree (empty: a chain); ``allowed``: a grammar's mask of its positions
+        and the one after them (``grammar.Masked.bits``).
         """
         deadline = time.monotonic() + self._policy.target_deadline_s
+        mask = pb.TokenMask(rows=len(tokens) + 1, bits=allowed) if allowed is not None else None
         while True:
             try:
                 if self._stream is None:
                     await self.open(committed)
-                call = self._stream.verify(len(committed), tokens, probs, parents, allowed)
+                call = self._stream.verify(len(committed), tokens, probs, parents, mask)
                 start = time.perf_counter()
                 async with asyncio.timeout(self._policy.target_timeout_s):
                     result = await call
@@ -173,7 +175,7 @@ class TargetLink(_SessionLink):
                 self.last_prefilled = self._verified == 1  # a session's first block carries its prefill
                 if result.prompt_logprobs and not self.prompt_logprobs:  # a re-opened session's scores come again
                     self.prompt_logprobs = list(result.prompt_logprobs)
-                return result
+                return verified_of(result)
             except (PeerError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, PeerError) and exc.code not in RETRYABLE:
                     raise
@@ -193,14 +195,6 @@ class TargetLink(_SessionLink):
             stream, self._stream = self._stream, None
             stream.abort()
         self.session_id = ""
-
-
-def drafter_of(reply: pb.DraftBlock, session_drafter: DrafterKind | None) -> DrafterKind | None:
-    """The drafter that drafted a reply: the chain member it names, else the session's."""
-    try:
-        return DrafterKind(reply.drafter) if reply.drafter else session_drafter
-    except ValueError:  # a kind the draft did not announce: count it as the session's
-        return session_drafter
 
 
 @dataclass
@@ -303,7 +297,7 @@ class DraftLink(_SessionLink):
         self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget, position)
         return self._tail
 
-    async def receive(self, call: DraftCall) -> pb.DraftBlock | None:
+    async def receive(self, call: DraftCall) -> DraftedBlock | None:
         """The call's block if it comes by its deadline and starts where it must; else None (late, failed, stale)."""
         remaining = call.deadline - asyncio.get_running_loop().time()
         done, _ = await asyncio.wait({call.task}, timeout=max(remaining, 0.0))
@@ -322,7 +316,7 @@ class DraftLink(_SessionLink):
         return task
 
     async def _propose(self, committed: list[int], assumed: list[int], k: int, free_k: int, max_branches: int,
-                       cold: bool, before: DraftCall | None) -> pb.DraftBlock | None:
+                       cold: bool, before: DraftCall | None) -> DraftedBlock | None:
         if before is not None:
             await asyncio.wait({before.task})  # its reply comes first on the stream
         if self._stream is None:  # it failed and dropped the stream
@@ -336,24 +330,24 @@ class DraftLink(_SessionLink):
                 self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches, features, successors
             )
             async with asyncio.timeout(self._policy.draft_timeout_s):
-                block = await call
+                block = drafted_of(await call)
         except (PeerError, asyncio.TimeoutError) as exc:
             stream, self._stream = self._stream, None
             stream.abort()
             self._mark_down(exc)
             return None
         self._synced = len(committed)  # ``assumed`` is not committed: it is re-sent or rolled back next time
-        compute_s, wall_s = block.timing.compute_us / 1e6, time.perf_counter() - start
+        compute_s, wall_s = block.compute_s, time.perf_counter() - start
         self.compute_s += compute_s
         self.wall_s += wall_s
-        self.service_s += block.timing.service_us / 1e6
+        self.service_s += block.service_s
         read = None
         if cold:  # the draft read the context first: the time that took (a service without the read: all of it)
-            read = (len(committed) + len(assumed), (block.timing.read_us or block.timing.compute_us) / 1e6)
+            read = (len(committed) + len(assumed), block.read_s or compute_s)
         else:
             self.warm_s += compute_s
             self.warm_tokens += len(block.tokens)
-        drafter = drafter_of(block, self._controller.drafters.session)
+        drafter = block.drafter or self._controller.drafters.session
         self._controller.observe_proposal(wall_s, compute_s, len(block.tokens), drafter, read)
         return block
 

@@ -25,10 +25,10 @@ from typing import AsyncIterator, Sequence
 from specsplit.lmkit import token_tree
 from specsplit.lmkit.wire import drop_leading_rows
 from specsplit.orchestrator.grammar import Constraint
-from specsplit.orchestrator.links import DraftCall, DraftLink, TargetLink, drafter_of
+from specsplit.orchestrator.links import DraftCall, DraftLink, TargetLink
 from specsplit.orchestrator.policy.controller import Block, Controller
 from specsplit.orchestrator.policy.measure import Forward, Load, quality_of
-from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.orchestrator.replies import DraftedBlock, VerifiedBlock
 
 
 class Finish(enum.Enum):
@@ -117,25 +117,24 @@ def cut_at_finish(new: Sequence[int], eos_ids: frozenset[int], budget: int) -> t
     return list(new), None
 
 
-def load_of(result: pb.VerifyResult, fed: int) -> Load:
+def load_of(verified: VerifiedBlock, fed: int) -> Load:
     """The load signal of a verification that fed ``fed`` tokens of this session (a target that does not report
     its forward's tokens reads as padded)."""
-    sessions = max(result.forward.batch_size, 1)
+    sessions = max(verified.batch_size, 1)
     others = None
-    if result.forward.batch_packed and result.forward.batch_tokens:
-        others = max(result.forward.batch_tokens - fed, sessions - 1)
-    return Load(sessions, float(result.forward.others_committed), others)
+    if verified.batch_packed and verified.batch_tokens:
+        others = max(verified.batch_tokens - fed, sessions - 1)
+    return Load(sessions, float(verified.others_committed), others)
 
 
-def forward_of(result: pb.VerifyResult, fed: int, prefill: bool, ahead: bool) -> Forward:
-    """What a verify result says of the forward it came from, for the controller."""
-    load = load_of(result, fed)
-    tokens = result.forward.batch_tokens or load.sessions * max(result.forward.batch_width, fed)
-    fit = (result.forward.cost_base_us / 1e6, result.forward.cost_per_token_us / 1e6)
-    return Forward(result.timing.compute_us / 1e6, tokens, load, fit, prefill, ahead)
+def forward_of(verified: VerifiedBlock, fed: int, prefill: bool, ahead: bool) -> Forward:
+    """What a verified block says of the forward it came from, for the controller."""
+    load = load_of(verified, fed)
+    tokens = verified.batch_tokens or load.sessions * max(verified.batch_width, fed)
+    return Forward(verified.compute_s, tokens, load, verified.cost_fit, prefill, ahead)
 
 
-def block_of(reply: pb.DraftBlock | None, k: int, guess: int | None = None) -> Block | None:
+def block_of(reply: DraftedBlock | None, k: int, guess: int | None = None) -> Block | None:
     """A draft reply as a block (a tree's parents checked; a chain's empty).
 
     ``guess``: the reply was drafted ahead and begins with the draft's guess of
@@ -145,8 +144,7 @@ def block_of(reply: pb.DraftBlock | None, k: int, guess: int | None = None) -> B
     """
     if reply is None:
         return None
-    probs = reply.probs if reply.HasField("probs") else None
-    tokens, parents = list(reply.tokens), list(reply.parents)
+    probs, tokens, parents = reply.probs, reply.tokens, reply.parents
     if token_tree.is_chain(parents):
         parents = []
     else:
@@ -161,8 +159,8 @@ def block_of(reply: pb.DraftBlock | None, k: int, guess: int | None = None) -> B
             skip = 1
             probs = drop_leading_rows(probs, 1) if probs is not None else None
     second = None  # a chain's only: a tree carries its alternatives itself
-    if chain and reply.HasField("second_guess") and 0 <= reply.second_guess.index - skip < len(tokens):
-        second = (reply.second_guess.index - skip, reply.second_guess.token)
+    if chain and reply.second_guess is not None and 0 <= reply.second_guess[0] - skip < len(tokens):
+        second = (reply.second_guess[0] - skip, reply.second_guess[1])
     return Block(tokens, probs, k, parents, second, proposed=len(reply.tokens))
 
 
@@ -234,7 +232,7 @@ class _Loop:
         self.returned(reply, ask.free_k)
         return self.finish_block(reply, ask.k)
 
-    async def received(self, call: DraftCall) -> pb.DraftBlock | None:
+    async def received(self, call: DraftCall) -> DraftedBlock | None:
         """The call's reply, by its deadline (``DraftLink.receive``); the round's wait for it is counted."""
         start = time.perf_counter()
         try:
@@ -242,29 +240,34 @@ class _Loop:
         finally:
             self.stats.draft_wait_s += time.perf_counter() - start
 
-    def returned(self, reply: pb.DraftBlock | None, free_k: int, guessed: bool = False) -> None:
+    def returned(self, reply: DraftedBlock | None, free_k: int, guessed: bool = False) -> None:
         """Tell the controller what an ask of the free drafter returned (nothing to tell for a late reply)."""
         if reply is None or free_k <= 0:
             return
         quality = self.quality(reply, guessed) if reply.tokens else None
-        self.controller.returned(drafter_of(reply, self.controller.drafters.session), quality)
+        self.controller.returned(self.drafter(reply), quality)
+
+    def drafter(self, reply: DraftedBlock):
+        """The drafter that drafted a reply: the chain member it names, else the session's."""
+        return reply.drafter or self.controller.drafters.session
 
     @staticmethod
-    def quality(reply: pb.DraftBlock, guessed: bool):
+    def quality(reply: DraftedBlock, guessed: bool):
         """A reply's match quality (a block drafted ahead is used after its guess: its match is one longer)."""
-        if not reply.HasField("quality"):
+        if reply.match is None:
             return None
-        return quality_of(reply.quality.length + guessed, reply.quality.occurrences)
+        length, occurrences = reply.match
+        return quality_of(length + guessed, occurrences)
 
-    def finish_block(self, reply: pb.DraftBlock | None, k: int, guess: int | None = None) -> Block:
+    def finish_block(self, reply: DraftedBlock | None, k: int, guess: int | None = None) -> Block:
         """A reply as this round's block (``guess``: as in ``block_of``; no block after it gives an empty one)."""
         return self.finished(reply, block_of(reply, k, guess) or Block([], k=k), guess is not None)
 
-    def finished(self, reply: pb.DraftBlock | None, block: Block, guessed: bool = False) -> Block:
+    def finished(self, reply: DraftedBlock | None, block: Block, guessed: bool = False) -> Block:
         """A reply's block as this round's: its drafter and quality noted, cut by the controller to what is worth
         verifying, a tree to what fits the context. ``guessed``: drafted ahead, past a bonus guess that came true."""
         if reply is not None and block.tokens:
-            block.drafter = drafter_of(reply, self.controller.drafters.session)
+            block.drafter = self.drafter(reply)
             block.quality = self.quality(reply, guessed)
             block = self.controller.cut(block)
         return self.fit_context(block) if block.parents else block
@@ -331,9 +334,9 @@ class _Loop:
                                       free_k=second.free_k))
             self.stats.second_guess_started += 1
 
-    def constrain(self, block: Block) -> tuple[Block, pb.TokenMask | None]:
-        """The block fitted to the grammar (refused tokens cut, forced ones appended) and its positions' mask;
-        the block as it is without a grammar."""
+    def constrain(self, block: Block) -> tuple[Block, bytes | None]:
+        """The block fitted to the grammar (refused tokens cut, forced ones appended) and the mask of its
+        positions and the one after them; the block as it is without a grammar."""
         constraint = self.config.constraint
         if constraint is None:
             return block, None
@@ -342,7 +345,7 @@ class _Loop:
         second = block.second_guess if block.second_guess and block.second_guess[0] < len(fitted.tokens) else None
         self.stats.forced_tokens += fitted.forced
         block = replace(block, tokens=fitted.tokens, parents=fitted.parents, second_guess=second, forced=fitted.forced)
-        return block, pb.TokenMask(rows=len(fitted.tokens) + 1, bits=fitted.bits)
+        return block, fitted.bits
 
     async def close(self) -> None:
         """Stop the proposals drafted ahead, if any, and wait until they have stopped (the draft link's close
@@ -351,25 +354,25 @@ class _Loop:
         if aheads:
             await self.draft.close()
 
-    def commit(self, block: Block, result: pb.VerifyResult, prefilled: bool = False,
+    def commit(self, block: Block, result: VerifiedBlock, prefilled: bool = False,
                wall_s: float = 0.0) -> tuple[list[int], Finish | None]:
         """Commit a verified block; ``prefilled``: the target re-read the context in this forward (a new session,
         or one re-opened after a target restart: such a forward runs alone by design); ``wall_s``: the verify's
         wall time here."""
         stats = self.stats
         stats.target_wait_s += wall_s
-        stats.target_service_s += result.timing.service_us / 1e6
-        stats.target_forward_s += result.timing.forward_us / 1e6
+        stats.target_service_s += result.service_s
+        stats.target_forward_s += result.forward_s
         drafted = len(block.tokens)
         budget = self.config.max_new_tokens - stats.committed
         forward = forward_of(result, drafted + 1, stats.rounds == 0 or prefilled, bool(self.aheads))
         stats.target_compute_s += forward.seconds
         accepted, path = self.accepted_tokens(block, result)
         self.controller.observe(block, self.primary_accepted(block, result), path, forward)
-        if result.HasField("features"):
-            stats.feature_bytes += len(result.features.values)
+        if result.features is not None:
+            stats.feature_bytes += result.feature_bytes
             self.draft.add_features(result.features)
-        if result.HasField("successors"):
+        if result.successors is not None:
             self.draft.add_successors(result.successors)
         new, finish = cut_at_finish([*accepted, result.next_token], self.config.eos_ids, budget)
         if self.config.constraint is not None:
@@ -391,11 +394,11 @@ class _Loop:
             finish = Finish.CONTEXT
         return new, finish
 
-    def accepted_tokens(self, block: Block, result: pb.VerifyResult) -> tuple[list[int], list[int]]:
+    def accepted_tokens(self, block: Block, result: VerifiedBlock) -> tuple[list[int], list[int]]:
         """The draft tokens the target accepted, and a tree's path to them (checked to be one; empty for a chain)."""
         if not block.parents:
             return block.tokens[: result.accepted], []
-        path = list(result.path)
+        path = result.path
         if len(path) != result.accepted or (path and token_tree.path_to(block.parents, path[-1]) != path):
             raise ValueError(f"the target answered {path} ({result.accepted} accepted), not a path of the tree sent")
         self.stats.tree_rounds += 1
@@ -404,7 +407,7 @@ class _Loop:
         return [block.tokens[i] for i in path], path
 
     @staticmethod
-    def primary_accepted(block: Block, result: pb.VerifyResult) -> int:
+    def primary_accepted(block: Block, result: VerifiedBlock) -> int:
         """How many tokens of the primary chain were accepted."""
         if not block.parents:
             return result.accepted
@@ -423,7 +426,7 @@ async def speculative_decode(
     draft: DraftLink,
     stats: LoopStats,
     controller: Controller,
-) -> AsyncIterator[tuple[list[int], Finish | None, list[pb.TokenLogprob]]]:
+) -> AsyncIterator[tuple[list[int], Finish | None, list]]:
     """Yield (newly committed tokens, finish reason or None, their logprobs) once per round.
 
     The logprobs are the target's, one per token, when its session was opened

@@ -15,7 +15,7 @@ from specsplit.orchestrator.loop import LoopConfig, LoopStats, _Ahead, _Loop
 from specsplit.orchestrator.policy.controller import FixedK
 from specsplit.orchestrator.policy.measure import AcceptRule, Measurements, SiblingStats
 from specsplit.orchestrator.policy.model import choose_nodes, node_acceptance, path_probabilities
-from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.orchestrator.replies import DraftedBlock
 
 pytestmark = pytest.mark.unit
 
@@ -126,14 +126,14 @@ def test_a_chain_drafter_passes_its_members_tree_on():
 class _Answered:
     """A draft link whose reply is already in: ``receive`` returns it."""
 
-    def __init__(self, reply: pb.DraftBlock) -> None:
+    def __init__(self, reply: DraftedBlock) -> None:
         self.reply = reply
 
-    async def receive(self, call: DraftCall) -> pb.DraftBlock:
+    async def receive(self, call: DraftCall) -> DraftedBlock:
         return self.reply
 
 
-def _take_ahead(reply: pb.DraftBlock, bonus: int):
+def _take_ahead(reply: DraftedBlock, bonus: int):
     """Drafted during the verification of [5, 6] at position 3, assuming it accepted whole; the target accepts
     it and commits ``bonus``."""
 
@@ -152,11 +152,11 @@ def _take_ahead(reply: pb.DraftBlock, bonus: int):
 
 def test_a_tree_drafted_ahead_is_used_below_the_bonus_guess_that_came_true():
     # two guesses of the bonus token, 7 and 8, each with what the draft would say after it
-    tree = pb.DraftBlock(position=5, tokens=[7, 1, 2, 8, 3, 4], parents=[-1, 0, 1, -1, 3, 0])
+    tree = DraftedBlock(position=5, tokens=[7, 1, 2, 8, 3, 4], parents=[-1, 0, 1, -1, 3, 0])
     seven = _take_ahead(tree, 7)
     assert (seven.tokens, seven.parents) == ([1, 2, 4], [-1, 0, -1])
     eight = _take_ahead(tree, 8)
     assert (eight.tokens, eight.parents) == ([3], [])  # a chain below that guess
     assert _take_ahead(tree, 9) is None  # no guess came true: the round drafts afresh
-    chain = pb.DraftBlock(position=5, tokens=[7, 1, 2])
+    chain = DraftedBlock(position=5, tokens=[7, 1, 2])
     assert _take_ahead(chain, 7).tokens == [1, 2] and _take_ahead(chain, 8) is None

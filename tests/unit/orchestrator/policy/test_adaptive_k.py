@@ -24,6 +24,7 @@ from specsplit.orchestrator.policy.model import (
     expected_tokens_by_position,
     rate,
 )
+from specsplit.orchestrator.replies import DraftedBlock, VerifiedBlock, verified_of
 from specsplit.v1 import specsplit_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -173,12 +174,11 @@ def test_a_block_in_a_packed_forward_adds_its_own_tokens_and_in_a_padded_one_wid
 def test_the_load_signal_reads_the_forwards_tokens_where_its_rows_were_packed():
     from specsplit.orchestrator.loop import load_of
 
-    packed = pb.VerifyResult(forward=pb.ForwardReport(batch_size=8, batch_width=2, others_committed=9, batch_tokens=13,
-                                                      batch_packed=True))
+    packed = VerifiedBlock(0, 0, 0, batch_size=8, batch_width=2, others_committed=9, batch_tokens=13, batch_packed=True)
     assert load_of(packed, fed=3) == Load(8, 9.0, others_tokens=10)
-    padded = pb.VerifyResult(forward=pb.ForwardReport(batch_size=8, batch_width=3, others_committed=9, batch_tokens=24))
+    padded = VerifiedBlock(0, 0, 0, batch_size=8, batch_width=3, others_committed=9, batch_tokens=24)
     assert load_of(padded, fed=3) == Load(8, 9.0)  # padded rows: every row as wide as the widest
-    assert load_of(pb.VerifyResult(), fed=1) == ALONE  # a result without a forward report reads as alone
+    assert load_of(verified_of(pb.VerifyResult()), fed=1) == ALONE  # a result without a forward report: alone
 
 
 def test_drafting_pays_under_load_where_rows_are_packed_and_not_where_they_are_padded():
@@ -462,11 +462,8 @@ def loop_with(controller) -> _Loop:
     return _Loop([1, 2, 3], cfg, NO_DRAFT, LoopStats(), controller)
 
 
-def reply(tokens, length=0, occurrences=1, drafter=0) -> pb.DraftBlock:
-    block = pb.DraftBlock(tokens=tokens, drafter=drafter)
-    if length:
-        block.quality.CopyFrom(pb.MatchQuality(length=length, occurrences=occurrences))
-    return block
+def reply(tokens, length=0, occurrences=1, drafter=None) -> DraftedBlock:
+    return DraftedBlock(0, tokens, match=(length, occurrences) if length else None, drafter=drafter)
 
 
 def test_a_free_block_is_cut_by_its_quality_and_recorded_under_it():
@@ -479,7 +476,7 @@ def test_a_free_block_is_cut_by_its_quality_and_recorded_under_it():
     block = loop.finish_block(reply(list(range(10, 18)), length=1, occurrences=3), k=0)
     assert block.tokens == [] and loop.controller.key_of(block) == short_match
     before = stats.blocks(long_match)
-    loop.commit(loop.finish_block(reply([5, 6, 7], length=16), 0), pb.VerifyResult(accepted=2, next_token=9))
+    loop.commit(loop.finish_block(reply([5, 6, 7], length=16), 0), VerifiedBlock(0, accepted=2, next_token=9))
     assert stats.blocks(long_match) > before and loop.committed[-3:] == [5, 6, 9]
 
 
@@ -499,7 +496,7 @@ def test_blocks_of_paid_drafters_and_fixed_k_sessions_are_not_cut():
     # a chain's n-gram member is cut even though the session's drafter is a chain
     chain = Drafters(DrafterKind.CHAIN, frozenset({NGRAM}), MODEL)
     chain_loop = loop_with(AdaptiveK(8, Measurements(costs, stats), GREEDY, chain))
-    block = chain_loop.finish_block(reply([1, 2, 3, 4], length=1, occurrences=3, drafter=NGRAM.value), k=4)
+    block = chain_loop.finish_block(reply([1, 2, 3, 4], length=1, occurrences=3, drafter=NGRAM), k=4)
     assert block.tokens == [] and block.drafter is NGRAM
     fixed = loop_with(FixedK(8, Measurements(costs, stats), GREEDY, FREE_NGRAM))
     assert fixed.controller.plan(8) == Ask(8, 0)
@@ -512,7 +509,7 @@ def test_a_fixed_k_sessions_verified_blocks_count_for_every_session():
     stats = AcceptanceStats()
     fixed = loop_with(FixedK(3, Measurements(acceptance=stats), GREEDY, Drafters(MODEL, paid=MODEL)))
     for _ in range(20):
-        fixed.commit(fixed.finish_block(reply([4, 5, 6]), 3), pb.VerifyResult(accepted=3, next_token=7))
+        fixed.commit(fixed.finish_block(reply([4, 5, 6]), 3), VerifiedBlock(0, accepted=3, next_token=7))
     assert stats.blocks(StatsKey(MODEL, GREEDY)) > 15
     assert min(paid(cpu_like(), stats=stats).paid_acceptance()[:3]) > 0.8
 
@@ -525,9 +522,8 @@ def test_a_session_joining_a_busy_target_starts_from_its_load():
 
     def round_in(loop: _Loop, sessions: int) -> None:
         forward_us = int((0.062 + 0.02 * (sessions - 1)) * 1e6)  # as cpu_like() predicts
-        loop.commit(Block([], k=0), pb.VerifyResult(
-            accepted=0, next_token=7, timing=pb.ServiceTiming(compute_us=forward_us),
-            forward=pb.ForwardReport(batch_size=sessions, others_committed=sessions - 1)))
+        loop.commit(Block([], k=0), VerifiedBlock(0, accepted=0, next_token=7, compute_s=forward_us / 1e6,
+                                            batch_size=sessions, others_committed=sessions - 1))
 
     def cut(loop: _Loop) -> int:
         return len(loop.finish_block(reply(list(range(10, 18)), length=5), k=0).tokens)

@@ -23,7 +23,7 @@ from specsplit.orchestrator.policy.measure import (
     quality_of,
 )
 from specsplit.orchestrator.policy.model import Shape, best_saving_s, round_s
-from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.orchestrator.replies import DraftedBlock
 
 pytestmark = pytest.mark.unit
 
@@ -167,10 +167,10 @@ def test_the_loop_asks_nothing_where_the_controller_says_no_and_records_what_ask
     assert 0 < loop.controller.hit_probability(block) < 1
     assert loop.controller.plan_ahead(block, 8) == Ask(0, 8)
     before = stats.returns(StatsKey(NGRAM, GREEDY)).total
-    loop.returned(pb.DraftBlock(tokens=[4, 5], quality=pb.MatchQuality(length=16, occurrences=1)), 8)
-    loop.returned(pb.DraftBlock(), 8)  # nothing matched
+    loop.returned(DraftedBlock(0, [4, 5], match=(16, 1)), 8)
+    loop.returned(DraftedBlock(0, []), 8)  # nothing matched
     loop.returned(None, 8)  # a late reply says nothing
-    loop.returned(pb.DraftBlock(tokens=[4]), 0)  # the free drafter was not asked
+    loop.returned(DraftedBlock(0, [4]), 0)  # the free drafter was not asked
     assert stats.returns(StatsKey(NGRAM, GREEDY)).total == pytest.approx(before * 0.998 ** 2 + 0.998 + 1)
 
 
