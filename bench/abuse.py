@@ -41,9 +41,9 @@ from pathlib import Path
 
 from specsplit.bench import runs
 from specsplit.lmkit import models, processes
-from specsplit.orchestrator.config import HttpLimits
-from specsplit.orchestrator.limits import longest_token_bytes, prompt_byte_limit
-from specsplit.orchestrator.peers import target_client
+from specsplit.orchestrator.api.config import HttpLimits
+from specsplit.orchestrator.api.limits import longest_token_bytes, prompt_byte_limit
+from specsplit.orchestrator.decode.peers import target_client
 from specsplit.target_service.ranks import free_port
 
 PROBES = ("large_prompts", "chunked_bodies", "slowloris", "unauthenticated_flood", "stalled_readers")
@@ -446,7 +446,7 @@ def run(args) -> int:
         target = start("specsplit.target_service.server", "target", target_args)
         draft = start("specsplit.draft_service.server", "draft", draft_args)
         http_port = free_port()
-        orch = start("specsplit.orchestrator.server", "orchestrator", [
+        orch = start("specsplit.orchestrator.api.server", "orchestrator", [
             "--target", target.address, "--draft", draft.address, "--tokenizer", args.model,
             "--http-port", str(http_port), "--auth-token-file", str(tokens), "--max-concurrent-per-caller", "4",
             "--http-stalled-send-s", str(args.abuse_stalled_send_s),

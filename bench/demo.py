@@ -16,8 +16,8 @@ from specsplit.draft_service.eagle_head import BUNDLED
 from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import local_services
-from specsplit.orchestrator.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.api.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

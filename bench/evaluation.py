@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from specsplit.bench.prompts import DemoPrompt, chat_ids
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
 
 
 @dataclass

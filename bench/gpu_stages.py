@@ -24,9 +24,9 @@ from specsplit.bench.evaluation import theoretical_speedup
 from specsplit.bench.oracle_drafter import ORACLE, Oracle
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.peers import DraftStream, TargetStream, draft_client, target_client
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.peers import DraftStream, TargetStream, draft_client, target_client
 from specsplit.v1 import specsplit_pb2 as pb
 
 GREEDY = SamplingParams()

@@ -187,7 +187,7 @@ def start_stack(args, workdir: Path):
     try:
         draft = start_service("specsplit.draft_service.server", "draft", ["--cpus", args.draft_cpus], workdir, 600)
         started.append(draft)
-        orch = start_service("specsplit.orchestrator.server", "orchestrator",
+        orch = start_service("specsplit.orchestrator.api.server", "orchestrator",
                              ["--target", target.address, "--draft", draft.address, "--tokenizer", args.model,
                               "--http-port", str(port), "--served-model-name", "specsplit",
                               "--max-new-tokens-limit", str(max(args.max_tokens, 128))], workdir, 600)

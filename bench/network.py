@@ -38,10 +38,10 @@ from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import ServiceProcess, local_services
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.loop import LoopStats
-from specsplit.orchestrator.policy.model import expected_tokens
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.loop import LoopStats
+from specsplit.orchestrator.decode.policy.model import expected_tokens
 
 GREEDY = SamplingParams()
 

@@ -25,9 +25,9 @@ from specsplit.bench import runs
 from specsplit.lmkit import processes
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.loop import LoopStats
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.loop import LoopStats
 
 # What a target's decode step costs on GPUs, seconds: the budget the split's own cost is held against.
 GPU_STEPS = {"8B on one H200 (CUDA graphs)": 0.006, "70B on 4 GPUs, tensor parallel": 0.015}

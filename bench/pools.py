@@ -26,9 +26,9 @@ from specsplit.bench.prompts import DEMO_PROMPTS, chat_ids
 from specsplit.lmkit import processes
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.peers import draft_client, target_client
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.peers import draft_client, target_client
 
 
 def add_flags(parser) -> None:

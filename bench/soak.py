@@ -75,7 +75,7 @@ def run(model: str, draft_model: str, clients: int, max_concurrent: int, duratio
     target = start_service("specsplit.target_service.server", "target", ["--model", model], workdir, 600)
     draft = start_service("specsplit.draft_service.server", "draft", ["--model", draft_model] if draft_model else [], workdir, 600)
     orch = start_service(
-        "specsplit.orchestrator.server", "orchestrator",
+        "specsplit.orchestrator.api.server", "orchestrator",
         ["--target", target.address, "--draft", draft.address, "--tokenizer", model,
          "--max-concurrent", str(max_concurrent)], workdir, 600,
     )

@@ -32,8 +32,8 @@ from specsplit.bench import (
 )
 from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit.processes import local_services
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

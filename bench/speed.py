@@ -32,8 +32,8 @@ from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import cpu_seconds, cpu_used, local_services
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
 
 GREEDY = SamplingParams()
 

@@ -30,9 +30,9 @@ from specsplit.bench.evaluation import generate_to_end
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import local_services
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.grammar import GrammarKind, GrammarSpec
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.grammar import GrammarKind, GrammarSpec
 
 
 def _object(properties: dict) -> dict:

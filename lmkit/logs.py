@@ -6,7 +6,7 @@ record, so every line a generation logs, in any module, names its request.
 
     text: 2026-01-05 10:00:00,123 orchestrator INFO [req=chatcmpl-1f2e] finished: ...
     json: {"time": "2026-01-05T10:00:00.123+00:00", "level": "INFO", "component": "orchestrator",
-           "logger": "specsplit.orchestrator.generation", "request_id": "chatcmpl-1f2e", "message": "finished: ..."}
+           "logger": "specsplit.orchestrator.api.generation", "request_id": "chatcmpl-1f2e", "message": "finished: ..."}
 """
 
 from __future__ import annotations

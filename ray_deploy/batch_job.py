@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specsplit.orchestrator import server
+from specsplit.orchestrator.api import server
 from specsplit.ray_deploy import batch_files, cluster, options, placement, resources
 
 # Flags of `specsplit batch` that are not orchestrator flags (the rest configure every worker's orchestrator).
@@ -53,7 +53,7 @@ class BatchWorker:
     async def _connected(self):
         import asyncio
 
-        from specsplit.orchestrator.generation import Orchestrator
+        from specsplit.orchestrator.api.generation import Orchestrator
 
         if self._connecting is None:
             config = server.config_from_args(options.parse_serve_argv(self.argv))
@@ -64,7 +64,7 @@ class BatchWorker:
         """The output record of one prompt; a transient failure (a service down) raises."""
         from specsplit.lmkit import errors
         from specsplit.lmkit.grpc_server import status_for
-        from specsplit.orchestrator.requests import parse_request
+        from specsplit.orchestrator.api.requests import parse_request
 
         orch = await self._connected()
         try:

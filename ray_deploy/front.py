@@ -28,7 +28,7 @@ from specsplit.lmkit.grpc_server import (
     write_port_file,
 )
 from specsplit.lmkit.metrics import serve_metrics
-from specsplit.orchestrator import metrics, server
+from specsplit.orchestrator.api import metrics, server
 from specsplit.ray_deploy import cluster, options, resources, serve_app
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from specsplit.orchestrator import server
+from specsplit.orchestrator.api import server
 from specsplit.ray_deploy import cluster
 
 # Ray-side keys of ``build_app``'s args (``--ray-<key>`` on the command line);

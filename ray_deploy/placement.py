@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specsplit.lmkit.processes import start_service
-from specsplit.orchestrator import server
+from specsplit.orchestrator.api import server
 from specsplit.ray_deploy import cluster, options, resources
 from specsplit.ray_deploy.resources import Ask
 

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from ray import serve
 
-from specsplit.orchestrator import server
+from specsplit.orchestrator.api import server
 from specsplit.ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
 from specsplit.v1 import specsplit_pb2 as pb
 
@@ -97,9 +97,9 @@ class OrchestratorReplica:
     """One orchestrator; Serve runs ``num_replicas`` of them and routes Generate calls and HTTP requests over them."""
 
     async def __init__(self, argv: list[str]) -> None:
-        from specsplit.orchestrator import metrics
-        from specsplit.orchestrator.generation import Orchestrator
-        from specsplit.orchestrator.servicer import GeneratorServicer
+        from specsplit.orchestrator.api import metrics
+        from specsplit.orchestrator.api.generation import Orchestrator
+        from specsplit.orchestrator.api.servicer import GeneratorServicer
 
         metrics.use_backend("ray")
         ns = parse_serve_argv(argv)
@@ -109,7 +109,7 @@ class OrchestratorReplica:
 
     def __serve_build_asgi_app__(self):
         """The replica's HTTP ingress: the OpenAI-compatible API over this replica's orchestrator."""
-        from specsplit.orchestrator.openai_server import build_app
+        from specsplit.orchestrator.api.openai_server import build_app
 
         return build_app(self.orch, self.tokens)
 
@@ -140,7 +140,7 @@ class OrchestratorReplica:
 
     def info(self) -> pb.ModelInfo:
         """What ``Generator.Info`` answers, as ``specsplit serve`` does."""
-        from specsplit.orchestrator.servicer import generator_info
+        from specsplit.orchestrator.api.servicer import generator_info
 
         return generator_info(self.orch)
 

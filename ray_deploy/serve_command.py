@@ -1,6 +1,6 @@
 """``specsplit serve``: the orchestrator's public server, here, or with ``--ray`` as a Ray Serve application.
 
-The flags are the orchestrator's (``specsplit.orchestrator.server``) and the
+The flags are the orchestrator's (``specsplit.orchestrator.api.server``) and the
 ``--ray*`` ones (``options``); without ``--ray`` this is the plain server and
 Ray is never imported. With it, ``front`` joins or starts a cluster, deploys
 the orchestrator's replicas and serves our gRPC front over them.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specsplit.orchestrator import server
+from specsplit.orchestrator.api import server
 from specsplit.ray_deploy import options
 
 

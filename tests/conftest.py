@@ -265,9 +265,9 @@ def tiny_services(background_loop, tiny_target_dir, tiny_draft_dir):
 @pytest.fixture(scope="module")
 def public_api(tiny_services, tiny_target_dir, background_loop):
     """The public Generate API (an in-process orchestrator server) over ``tiny_services``."""
-    from specsplit.orchestrator.config import OrchestratorConfig
-    from specsplit.orchestrator.generation import Orchestrator
-    from specsplit.orchestrator.server import start_server
+    from specsplit.orchestrator.api.config import OrchestratorConfig
+    from specsplit.orchestrator.api.generation import Orchestrator
+    from specsplit.orchestrator.api.server import start_server
 
     config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
     orch = background_loop.run(Orchestrator.connect(config))

@@ -20,7 +20,7 @@ from specsplit.lmkit.processes import ServiceProcess, restartable_port, start_se
 
 TARGET = "specsplit.target_service.server"
 DRAFT = "specsplit.draft_service.server"
-ORCHESTRATOR = "specsplit.orchestrator.server"
+ORCHESTRATOR = "specsplit.orchestrator.api.server"
 
 
 @dataclass

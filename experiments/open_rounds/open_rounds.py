@@ -30,8 +30,8 @@ from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import cpu_seconds, cpu_used, local_services
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
 
 MODES = {"target-only": (0, False), "sync": (8, False), "overlap": (8, True)}  # name -> (k, overlap)
 

@@ -7,7 +7,7 @@ processes on the same core, used one at a time: the fast forward (what ``serve-t
 ``--stock-forward``, with the draft on the other core. Per prompt and repeat the modes run back to
 back, their order rotated: ``stock target-only`` and ``stock chain``; ``target-only`` (k = 0 on the
 fast target, the baseline of every ratio); ``chain`` (adaptive K, ``tree_branches`` = 1); ``tree``
-(adaptive K, up to ``--branches`` continuations, the nodes kept by ``specsplit.orchestrator.policy``);
+(adaptive K, up to ``--branches`` continuations, the nodes kept by ``specsplit.orchestrator.decode.policy``);
 ``tree, fixed K`` (every node the drafter offers at K = ``--k``). Reported per kind and overall:
 tokens/s (tokens over wall time, summed), ratios, acceptance, tree rounds and the tokens accepted off
 a tree's primary chain, and whether every output equals fast target-only decoding.
@@ -29,8 +29,8 @@ from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import local_services
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
 
 
 @dataclass(frozen=True)

@@ -431,7 +431,7 @@ def check_pod_monitor(docs: list[dict]) -> None:
 def exported_metric_names() -> set[str]:
     """Every series name specsplit exports: orchestrator metrics (with a counter's _total, a histogram's
     _bucket/_sum/_count) and the services' collector metrics."""
-    from specsplit.orchestrator import metrics
+    from specsplit.orchestrator.api import metrics
 
     names = {"specsplit_ready", "specsplit_compute_queue", "specsplit_active_sessions", "specsplit_sessions_opened_total",
              "specsplit_rounds_total"}  # lmkit.metrics.ServiceCollector

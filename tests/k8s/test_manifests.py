@@ -175,7 +175,7 @@ def test_orchestrator_dials_headless_services(rendered, overlay):
 
 def test_client_channels_balance_per_call(monkeypatch):
     """What the headless Services rely on: open_channel asks gRPC for round_robin."""
-    from specsplit.orchestrator import peers
+    from specsplit.orchestrator.decode import peers
 
     seen = {}
     monkeypatch.setattr(peers.grpc.aio, "insecure_channel", lambda target, options: seen.update(options))
@@ -197,7 +197,7 @@ def test_container_args_parse_with_the_real_cli(rendered, overlay):
 
 def test_ray_service_app_args_build_an_orchestrator_config(rendered):
     """serveConfigV2's args go through the same parsing build_app does (without importing Ray)."""
-    from specsplit.orchestrator import server
+    from specsplit.orchestrator.api import server
     from specsplit.ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
 
     docs = rendered["gpu-prod"]
@@ -236,7 +236,7 @@ def test_pod_monitor_scrapes_every_metrics_port(rendered):
 
 
 def test_grafana_dashboard_queries_only_metrics_specsplit_exports(rendered):
-    """Every metric a panel queries is declared in orchestrator/metrics.py or lmkit/metrics.py."""
+    """Every metric a panel queries is declared in orchestrator/api/metrics.py or lmkit/metrics.py."""
     dashboard = json.loads(checks.find(rendered["gpu-prod"], "ConfigMap", "specsplit-grafana-dashboard")["data"][
         "specsplit-dashboard.json"])
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]

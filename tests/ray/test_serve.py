@@ -160,9 +160,9 @@ def test_the_front_refuses_a_generate_over_the_replicas_bound_before_reading_it(
 ):
     """The front's transport reads no more of a Generate than ``specsplit serve``'s does (the target's context
     of the tokenizer's longest tokens), far under the 64 MiB ceiling, and never forwards it."""
-    from specsplit.orchestrator.config import OrchestratorConfig
-    from specsplit.orchestrator.generation import Orchestrator
-    from specsplit.orchestrator.server import max_generate_bytes
+    from specsplit.orchestrator.api.config import OrchestratorConfig
+    from specsplit.orchestrator.api.generation import Orchestrator
+    from specsplit.orchestrator.api.server import max_generate_bytes
 
     config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir))
     orch = background_loop.run(Orchestrator.connect(config))
@@ -201,7 +201,7 @@ def test_a_client_that_never_reads_its_stream_loses_it_and_the_front_serves_on(r
 
 def test_replica_health_check_follows_its_target(tiny_services, tiny_target_dir, background_loop, monkeypatch):
     """check_health passes while the target answers and raises once it is gone (Serve then replaces the replica)."""
-    from specsplit.orchestrator import metrics
+    from specsplit.orchestrator.api import metrics
     from specsplit.ray_deploy.serve_app import OrchestratorReplica
 
     # The replica's __init__ switches its process to Ray's metrics backend; here that process is pytest's worker.

@@ -12,9 +12,9 @@ import sys
 import atheris
 
 with atheris.instrument_imports(include=["specsplit.orchestrator"]):
-    from specsplit.orchestrator.config import OrchestratorConfig
-    from specsplit.orchestrator.http_guard import parse_json
-    from specsplit.orchestrator.openai_schema import (
+    from specsplit.orchestrator.api.config import OrchestratorConfig
+    from specsplit.orchestrator.api.http_guard import parse_json
+    from specsplit.orchestrator.api.openai_schema import (
         ChatCompletionRequest,
         CompletionRequest,
         RequestError,

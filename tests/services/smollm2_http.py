@@ -17,7 +17,7 @@ def smollm2_http(background_loop, workdir, served_name: str, *flags: str):
     services = Services(background_loop, target, draft)
     port = free_port()
     server = start_service(
-        "specsplit.orchestrator.server",
+        "specsplit.orchestrator.api.server",
         "orchestrator",
         [
             "--target", services.target_address,

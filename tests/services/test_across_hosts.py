@@ -79,7 +79,7 @@ def net(tiny_target_dir, tiny_draft_dir, tmp_path_factory):
             target, draft = (future.result() for future in starting)
         orch_args = ["--tokenizer", str(tiny_target_dir), *peer]
         wiring = ["--target", built.reach("target", target), "--draft", built.reach("draft", draft)]
-        orch = built.start_service("orch", "specsplit.orchestrator.server", "orch", [*wiring, *orch_args], work, 300)
+        orch = built.start_service("orch", "specsplit.orchestrator.api.server", "orch", [*wiring, *orch_args], work, 300)
         yield Across(built, built.reach("orch", orch), target, draft, orch_args, work, mtls)
 
 
@@ -93,7 +93,7 @@ def relayed(net):
         address, links[role] = built.relay(role, service.port, RELAY_SHAPE, net.work, seed=len(links))
         wiring += [f"--{role}", address]
     orch = built.start_service(
-        "orch", "specsplit.orchestrator.server", "orch-relayed", [*wiring, *net.orch_args], net.work, 300
+        "orch", "specsplit.orchestrator.api.server", "orch-relayed", [*wiring, *net.orch_args], net.work, 300
     )
     return built.reach("orch", orch), links
 
@@ -236,7 +236,7 @@ def test_a_draft_killed_on_its_host_mid_generation_falls_back_to_the_target(
     draft = built.start_service("draft", "specsplit.draft_service.server", "draft-killed", draft_args, tmp_path, 300)
     wiring = ["--target", built.reach("target", net.target), "--draft", built.reach("draft", draft)]
     orch = built.start_service(
-        "orch", "specsplit.orchestrator.server", "orch-killed-draft", [*wiring, *net.orch_args], tmp_path, 300
+        "orch", "specsplit.orchestrator.api.server", "orch-killed-draft", [*wiring, *net.orch_args], tmp_path, 300
     )
     [result] = generate_across(
         built, built.reach("orch", orch), [request(LONG_PROMPT, LONG_TOKENS)], tmp_path, draft.process.kill

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from specsplit.lmkit.wire_version import metadata as wire_metadata
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import VOCAB, run_async

@@ -94,8 +94,8 @@ def test_long_and_short_prompts_at_once_through_the_services_give_the_targets_ou
     """Real gRPC, the real scheduler: two long prompts (chunked, one after the other within a step's budget) and
     the short prompts, all at once, speculating with the model drafter; every output is the target's own."""
     from specsplit.draft_service.engine import DraftEngine
-    from specsplit.orchestrator.config import OrchestratorConfig
-    from specsplit.orchestrator.generation import Orchestrator
+    from specsplit.orchestrator.api.config import OrchestratorConfig
+    from specsplit.orchestrator.api.generation import Orchestrator
     from tests.services.test_speed_e2e import collect, request
 
     fingerprint = models.vocab_fingerprint(gguf_tokenizer)

@@ -24,7 +24,7 @@ def stack(tmp_path_factory, tiny_target_dir, tiny_draft_dir):
         draft = start_service("specsplit.draft_service.server", "draft", ["--model", str(tiny_draft_dir)], work, 300)
         started.append(draft)
         orch = start_service(
-            "specsplit.orchestrator.server", "orchestrator",
+            "specsplit.orchestrator.api.server", "orchestrator",
             ["--target", target.address, "--draft", draft.address, "--tokenizer", str(tiny_target_dir)], work, 300,
         )
         started.append(orch)

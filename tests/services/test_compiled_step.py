@@ -17,8 +17,8 @@ import pytest
 
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
 from tests.conftest import Services, make_engines, run_async
 from tests.services.test_greedy_e2e import generate_all, generate_ids
 from tests.services.test_sampling_e2e import assert_distributed_as, exact_first_two, sample_many

@@ -20,7 +20,7 @@ import pytest
 
 from specsplit.bench import hosts
 from specsplit.lmkit import models
-from specsplit.orchestrator.peers import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
+from specsplit.orchestrator.decode.peers import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from specsplit.target_service.ranks import free_port
 from tests.conftest import TINY_PROMPTS, reference_greedy
 
@@ -32,7 +32,7 @@ RESOLVE_EVERY_S = 0.3
 OPENED = """
 import asyncio, json, sys
 from specsplit.bench.pools import opened
-from specsplit.orchestrator import peers
+from specsplit.orchestrator.decode import peers
 
 print(json.dumps(asyncio.run(opened(sys.argv[2:], getattr(peers, sys.argv[1])))))
 """
@@ -70,7 +70,7 @@ def test_a_dns_pool_spreads_sessions_and_follows_replicas_added_and_removed(tiny
             net.start_service(host, "specsplit.target_service.server", f"target-{host}",
                               ["--model", str(tiny_target_dir)], tmp_path, 300, port=port)
         net.set_names("orch", {"target-pool": [net.address("t1"), net.address("t2")]})
-        orch = net.start_service("orch", "specsplit.orchestrator.server", "orch",
+        orch = net.start_service("orch", "specsplit.orchestrator.api.server", "orch",
                                  ["--target", f"dns:///target-pool:{port}", "--draft", "", "--tokenizer",
                                   str(tiny_target_dir), "--resolve-every-s", str(RESOLVE_EVERY_S)], tmp_path, 300)
         front = net.reach("orch", orch)
@@ -109,7 +109,7 @@ def test_a_replica_whose_host_is_cut_off_mid_generation_hands_its_session_to_the
             net.start_service(host, "specsplit.target_service.server", f"target-{host}",
                               ["--model", str(tiny_target_dir)], tmp_path, 300, port=port)
         pool = ",".join(f"{net.address(host)}:{port}" for host in ("t1", "t2"))
-        orch = net.start_service("orch", "specsplit.orchestrator.server", "orch",
+        orch = net.start_service("orch", "specsplit.orchestrator.api.server", "orch",
                                  ["--target", pool, "--draft", "", "--tokenizer", str(tiny_target_dir)], tmp_path, 300)
         path = tmp_path / "long.json"
         path.write_text(json.dumps([{"prompt": TINY_PROMPTS[2], "chat": False, "maxNewTokens": LONG_TOKENS,

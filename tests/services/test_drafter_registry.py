@@ -22,9 +22,9 @@ REPEAT = 90  # tests/services/plugin_drafter.py's kind; this process never impor
 @pytest.fixture(scope="module")
 def plugin_stack(tmp_path_factory, tiny_target_dir, background_loop):
     """The plugin drafter's service (a process), the tiny target and an orchestrator (in-process) over them."""
-    from specsplit.orchestrator.config import OrchestratorConfig
-    from specsplit.orchestrator.generation import Orchestrator
-    from specsplit.orchestrator.server import start_server
+    from specsplit.orchestrator.api.config import OrchestratorConfig
+    from specsplit.orchestrator.api.generation import Orchestrator
+    from specsplit.orchestrator.api.server import start_server
     from specsplit.target_service.server import start_server as start_target
     from tests.conftest import make_engines
 

@@ -22,9 +22,9 @@ from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.links import LinkPolicy
 from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.services.test_bad_input import GREEDY, draft_exchange, expect_status
@@ -224,7 +224,7 @@ def test_self_drafter_not_served_is_a_failed_precondition(tiny_services):
 
 def test_public_request_chain_is_validated(self_draft_services, tiny_target_dir):
     from specsplit.lmkit import errors
-    from specsplit.orchestrator.requests import parse_request
+    from specsplit.orchestrator.api.requests import parse_request
 
     async def go():
         config = OrchestratorConfig(

@@ -22,8 +22,8 @@ from specsplit.lmkit import errors, models
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import SessionLimits
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
 from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async, save_tiny_llama
 from tests.eagle_heads import write_eagle3_head
@@ -211,7 +211,7 @@ def narrow_target_services(background_loop, tmp_path_factory, gguf_tokenizer, ti
 
 
 def test_a_head_for_another_target_is_refused_at_session_open(narrow_target_services):
-    from specsplit.orchestrator.requests import parse_request
+    from specsplit.orchestrator.api.requests import parse_request
 
     services, narrow = narrow_target_services
 

@@ -19,9 +19,9 @@ from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import start_service
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.links import LinkPolicy
 from tests.conftest import reference_greedy, run_async
 
 pytestmark = pytest.mark.services
@@ -171,7 +171,7 @@ def test_sigterm_drains_in_flight_generations_and_refuses_new_ones(tmp_path, tin
     from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
     orch = start_service(
-        "specsplit.orchestrator.server", "orchestrator",
+        "specsplit.orchestrator.api.server", "orchestrator",
         ["--target", tiny_services.target_address, "--draft", "", "--tokenizer", str(tiny_target_dir),
          "--grace-s", "20"], tmp_path, 300,
     )

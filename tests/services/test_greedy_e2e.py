@@ -12,8 +12,8 @@ import pytest
 from specsplit.bench.prompts import DEMO_PROMPTS
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
 from tests.conftest import TINY_PROMPTS, Services, make_engines, reference_greedy, run_async
 
 pytestmark = pytest.mark.services

@@ -20,10 +20,10 @@ import prometheus_client
 import pytest
 
 from specsplit.lmkit.auth import Tokens
-from specsplit.orchestrator import openai_server
-from specsplit.orchestrator.config import HttpLimits, OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
-from specsplit.orchestrator.server import start_server
+from specsplit.orchestrator.api import openai_server
+from specsplit.orchestrator.api.config import HttpLimits, OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
+from specsplit.orchestrator.api.server import start_server
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async, wait_until

@@ -93,9 +93,9 @@ def test_the_openai_api_answers_429_in_its_shape_saying_what_fits(budget, tiny_s
                                                                   background_loop):
     import openai
 
-    from specsplit.orchestrator import openai_server
-    from specsplit.orchestrator.config import OrchestratorConfig
-    from specsplit.orchestrator.generation import Orchestrator
+    from specsplit.orchestrator.api import openai_server
+    from specsplit.orchestrator.api.config import OrchestratorConfig
+    from specsplit.orchestrator.api.generation import Orchestrator
 
     config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir),
                                 served_model_names=("tiny",), max_new_tokens_limit=600)

@@ -56,7 +56,7 @@ def test_json_log_lines_of_a_generation_carry_its_request_id(tiny_services, tiny
     and SIGTERM stopping both servers cleanly."""
     http_port = free_port()
     orchestrator = start_service(
-        "specsplit.orchestrator.server", "orchestrator",
+        "specsplit.orchestrator.api.server", "orchestrator",
         ["--target", tiny_services.target_address, "--draft", tiny_services.draft_address, "--tokenizer",
          str(tiny_target_dir), "--log-format", "json", "--log-level", "DEBUG", "--http-port", str(http_port),
          "--served-model-name", "tiny"], tmp_path, 300,

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from specsplit.lmkit import models
-from specsplit.orchestrator import openai_server
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
-from specsplit.orchestrator.requests import parse_request
+from specsplit.orchestrator.api import openai_server
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
+from specsplit.orchestrator.api.requests import parse_request
 from specsplit.v1 import specsplit_pb2 as pb
 from tests.conftest import reference_greedy, run_async
 

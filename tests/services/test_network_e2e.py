@@ -22,9 +22,9 @@ import pytest
 from specsplit.bench.netem import Shape, links
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.links import LinkPolicy
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.services.test_sampling_e2e import assert_distributed_as
 from tests.services.test_speed_e2e import PROMPT, exact_joint
@@ -277,7 +277,7 @@ def test_a_cold_proposal_is_not_waited_for_past_what_its_block_could_save(tiny_s
 
 def stepping_at_50_ms():
     """Costs with a 50 ms target step measured: a block of 4 saves at most 0.2 s."""
-    from specsplit.orchestrator.policy.measure import Costs
+    from specsplit.orchestrator.decode.policy.measure import Costs
 
     costs = Costs()
     for _ in range(4):
@@ -288,9 +288,9 @@ def stepping_at_50_ms():
 def model_draft_link(orch, costs):
     """A draft link for a fixed-K MODEL session of ``orch``'s draft, pricing its waits with ``costs``."""
     from specsplit.lmkit.kinds import VerificationMode
-    from specsplit.orchestrator.links import DraftLink
-    from specsplit.orchestrator.policy.controller import Drafters, FixedK
-    from specsplit.orchestrator.policy.measure import AcceptRule, Measurements
+    from specsplit.orchestrator.decode.links import DraftLink
+    from specsplit.orchestrator.decode.policy.controller import Drafters, FixedK
+    from specsplit.orchestrator.decode.policy.measure import AcceptRule, Measurements
     from specsplit.v1 import specsplit_pb2 as pb
 
     controller = FixedK(4, Measurements(costs), AcceptRule.of(VerificationMode.GREEDY, 0.0),

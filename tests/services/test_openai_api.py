@@ -20,9 +20,9 @@ import torch
 
 from specsplit.lmkit import models
 from specsplit.lmkit.auth import Tokens
-from specsplit.orchestrator import openai_server
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.api import openai_server
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
 from tests.conftest import run_async, wait_until
 
 pytestmark = pytest.mark.services

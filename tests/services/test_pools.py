@@ -22,10 +22,10 @@ from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.kvcache import kv_bytes_per_token
 from specsplit.lmkit.processes import start_service
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.links import LinkPolicy
-from specsplit.orchestrator.peers import draft_client, target_client
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.links import LinkPolicy
+from specsplit.orchestrator.decode.peers import draft_client, target_client
 from tests.conftest import TINY_PROMPTS, reference_greedy, run_async
 
 pytestmark = pytest.mark.services
@@ -204,7 +204,7 @@ def test_a_full_replica_passes_a_new_session_to_one_with_room(replicas, tiny_tar
             await holder.close()
 
     try:
-        with caplog.at_level(logging.INFO, logger="specsplit.orchestrator.links"):
+        with caplog.at_level(logging.INFO, logger="specsplit.orchestrator.decode.links"):
             held_ids, moved_ids, opened_by_orch = run_async(go())
     finally:
         full.stop(5)

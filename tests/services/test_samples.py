@@ -17,10 +17,10 @@ from prometheus_client import REGISTRY
 
 from specsplit.client import Client
 from specsplit.lmkit import models
-from specsplit.orchestrator import openai_server
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
-from specsplit.orchestrator.server import start_server
+from specsplit.orchestrator.api import openai_server
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
+from specsplit.orchestrator.api.server import start_server
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import wait_until

@@ -40,7 +40,7 @@ def test_sampling_across_hosts_with_pools_is_the_targets_distribution(tiny_targe
             list(starting.map(lambda replica: start(*replica), replicas))
         targets = [f"{net.address(host)}:{target_port}" for host in ("t1", "t2")]
         drafts = [f"{net.address(host)}:{draft_port}" for host in ("d1", "d2")]
-        orch = net.start_service("orch", "specsplit.orchestrator.server", "orch",
+        orch = net.start_service("orch", "specsplit.orchestrator.api.server", "orch",
                                  ["--target", ",".join(targets), "--draft", ",".join(drafts), "--tokenizer",
                                   str(tiny_target_dir), "--draft-deadline-s", "60"], tmp_path, 300)
         requests = [{"prompt": TINY_PROMPTS[0], "chat": False, "maxNewTokens": 2, "returnTokenIds": True, "k": 2,

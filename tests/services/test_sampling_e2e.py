@@ -16,9 +16,9 @@ from scipy import stats
 
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.links import LinkPolicy
 from tests.conftest import run_async
 
 pytestmark = pytest.mark.services

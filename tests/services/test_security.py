@@ -17,10 +17,10 @@ from specsplit.lmkit import errors
 from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.grpc_server import ComputeThread, start_in_process
 from specsplit.lmkit.security import ClientTls, ServerTls
-from specsplit.orchestrator import openai_server
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
-from specsplit.orchestrator.server import build_parser, public_tokens, start_server
+from specsplit.orchestrator.api import openai_server
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
+from specsplit.orchestrator.api.server import build_parser, public_tokens, start_server
 from specsplit.target_service.server import SERVICE_NAME as TARGET_SERVICE
 from specsplit.target_service.servicer import TargetServicer
 from specsplit.v1 import specsplit_pb2 as pb

@@ -20,9 +20,9 @@ import pytest
 from specsplit.lmkit import errors
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.links import LinkPolicy
 from specsplit.target_service.engine import TargetEngine
 from tests.conftest import Services, make_engines, run_async
 

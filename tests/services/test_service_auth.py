@@ -26,8 +26,8 @@ from specsplit.lmkit.processes import start_service
 from specsplit.lmkit.security import ClientTls, ServerTls, open_channel
 from specsplit.lmkit.sessions import SessionLimits
 from specsplit.lmkit.wire_version import metadata as wire_metadata
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
 from specsplit.target_service.server import SERVICE_NAME as TARGET_SERVICE
 from specsplit.target_service.server import start_server as start_target
 from specsplit.target_service.servicer import TargetServicer

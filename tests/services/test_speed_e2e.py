@@ -17,9 +17,9 @@ import torch
 
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.links import LinkPolicy
 from tests.conftest import TINY_PROMPTS, Services, make_engines, run_async
 from tests.services.test_sampling_e2e import assert_distributed_as
 

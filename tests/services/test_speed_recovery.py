@@ -20,8 +20,8 @@ import pytest
 from specsplit.lmkit import processes
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
 from tests.conftest import run_async, save_tiny_llama
 
 pytestmark = pytest.mark.services

@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from specsplit.lmkit import models
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator
-from specsplit.orchestrator.server import start_server
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
+from specsplit.orchestrator.api.server import start_server
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import TINY_PROMPTS, run_async
@@ -79,7 +79,7 @@ def masked_reference(tiny_target_dir, api):
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
 
     def greedy(prompt_ids: list[int], grammar: pb.Grammar) -> list[int]:
-        from specsplit.orchestrator.requests import grammar_spec
+        from specsplit.orchestrator.api.requests import grammar_spec
 
         return masked_greedy(model, orch.compile_grammar(grammar_spec(grammar)), prompt_ids, MAX_NEW)
 
@@ -90,7 +90,7 @@ def _follows(orch, grammar: pb.Grammar, tokens: list[int]) -> bool:
     """Every token is one the grammar allows after the ones before it (a prefix when the budget ran out)."""
     import xgrammar
 
-    from specsplit.orchestrator.requests import grammar_spec
+    from specsplit.orchestrator.api.requests import grammar_spec
 
     matcher = xgrammar.GrammarMatcher(orch.compile_grammar(grammar_spec(grammar)))
     return all(matcher.accept_token(t) for t in tokens)
@@ -267,7 +267,7 @@ def test_a_grammar_compiles_off_the_loop_within_its_bound_and_counts_toward_the_
     """--grammar-timeout-s refuses a grammar still compiling (INVALID_ARGUMENT naming the flag), a grammar's text
     counts toward the request's byte limit, and within both a grammar request parses."""
     from specsplit.lmkit import errors
-    from specsplit.orchestrator.requests import parse_request
+    from specsplit.orchestrator.api.requests import parse_request
 
     schema = pb.Grammar(json_schema=json.dumps(SCHEMA))  # ~300 bytes of text
     request = pb.GenerateRequest(prompt="Describe a person.", chat=False, max_new_tokens=8, grammar=schema)

@@ -19,9 +19,9 @@ from specsplit.lmkit import models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import start_service
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import GenerationRequest, Orchestrator
-from specsplit.orchestrator.links import LinkPolicy
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+from specsplit.orchestrator.decode.links import LinkPolicy
 from specsplit.target_service.tp import check_divisible
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
@@ -115,7 +115,7 @@ async def health(address: str) -> str:
 def test_killing_a_rank_takes_the_target_down_and_the_client_sees_unavailable(
     tmp_path, tiny_target_dir, tiny_services, background_loop
 ):
-    from specsplit.orchestrator.server import start_server
+    from specsplit.orchestrator.api.server import start_server
 
     target = start_service(
         "specsplit.target_service.server", "tp2-kill",

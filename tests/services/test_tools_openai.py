@@ -19,13 +19,13 @@ import openai
 import pytest
 
 from specsplit.lmkit import models
-from specsplit.orchestrator import openai_server
-from specsplit.orchestrator.config import OrchestratorConfig
-from specsplit.orchestrator.generation import Orchestrator, read_chat_template
-from specsplit.orchestrator.grammar import GrammarKind, GrammarSpec
-from specsplit.orchestrator.server import build_parser, config_from_args, start_server
-from specsplit.orchestrator.tool_parsers import HERMES
-from specsplit.orchestrator.tools import call_grammar, parse_tools
+from specsplit.orchestrator.api import openai_server
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator, read_chat_template
+from specsplit.orchestrator.api.server import build_parser, config_from_args, start_server
+from specsplit.orchestrator.api.tool_parsers import HERMES
+from specsplit.orchestrator.api.tools import call_grammar, parse_tools
+from specsplit.orchestrator.decode.grammar import GrammarKind, GrammarSpec
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import run_async

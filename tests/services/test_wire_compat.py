@@ -194,8 +194,8 @@ def test_an_orchestrator_refuses_a_service_that_states_no_version(background_loo
     connect, naming both versions, instead of reading the timings it would not send."""
     from specsplit.lmkit import errors
     from specsplit.lmkit.grpc_server import start_in_process
-    from specsplit.orchestrator.config import OrchestratorConfig
-    from specsplit.orchestrator.generation import Orchestrator
+    from specsplit.orchestrator.api.config import OrchestratorConfig
+    from specsplit.orchestrator.api.generation import Orchestrator
 
     class Unversioned(pb_grpc.TargetServiceServicer):
         async def Info(self, request, context):

@@ -40,7 +40,7 @@ def test_the_mirror_holds_every_module_under_its_installed_name(tmp_path):
         installed = mirror.joinpath(*package.split("."))
         assert sorted(p.name for p in installed.glob("*.py")) == sorted(p.name for p in folder.glob("*.py"))
     assert (mirror / "specsplit" / "lmkit" / "kinds.py").resolve() == REPO / "lmkit" / "kinds.py"
-    assert (mirror / "specsplit" / "orchestrator" / "policy" / "__init__.py").is_file()
+    assert (mirror / "specsplit" / "orchestrator" / "decode" / "policy" / "__init__.py").is_file()
 
 
 def test_every_contract_is_kept():
@@ -48,7 +48,7 @@ def test_every_contract_is_kept():
     assert result.returncode == 0, result.stdout + result.stderr
     report = " ".join(result.stdout.split())  # lint-imports wraps long names at 80 columns
     names = layers.contract_names()
-    assert len(names) == 8
+    assert len(names) == 9
     for name in names:
         assert f"{name} KEPT" in report, result.stdout
     assert f"Contracts: {len(names)} kept, 0 broken." in report
@@ -56,13 +56,17 @@ def test_every_contract_is_kept():
 
 # Where a module is added to the mirror, what it imports, and what lint-imports must then report.
 BREAKS = {
-    "lmkit imports upward": ("lmkit/zz_up.py", "from specsplit.orchestrator import config\n",
+    "lmkit imports upward": ("lmkit/zz_up.py", "from specsplit.orchestrator.api import config\n",
                              "lmkit imports no other specsplit subpackage (the stubs aside) BROKEN"),
     "the orchestrator imports ray_deploy": ("orchestrator/zz_ray.py", "from specsplit.ray_deploy import options\n",
                                             "specsplit.orchestrator is not allowed to import specsplit.ray_deploy"),
+    "the decode engine imports the API front": ("orchestrator/decode/zz_up.py",
+                                                "from specsplit.orchestrator.api import detok\n",
+                                                "specsplit.orchestrator.decode is not allowed to import "
+                                                "specsplit.orchestrator.api"),
     "the draft imports the target": ("draft_service/zz_target.py", "from specsplit.target_service import rejection\n",
                                      "The draft and target services are independent BROKEN"),
-    "the target imports the orchestrator": ("target_service/zz_up.py", "import specsplit.orchestrator.loop\n",
+    "the target imports the orchestrator": ("target_service/zz_up.py", "import specsplit.orchestrator.decode.loop\n",
                                             "specsplit.target_service is not allowed to import specsplit.orchestrator"),
     "the light client imports torch": ("client.py", "import torch\n", "specsplit.client is not allowed to import torch"),
     "a cycle in a package": ("lmkit/zz_one.py", "from specsplit.lmkit import zz_two\n",

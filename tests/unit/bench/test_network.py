@@ -28,7 +28,7 @@ def test_a_cells_draft_cost_is_its_time_per_token_drafted_not_per_token_verified
     """Blocks drafted ahead for a miss, and the bonus guess each ahead block starts with, cost draft time but are
     never verified: over verified tokens an overlap cell's draft would look a third dearer than it is. A session's
     first reply (it reads the context) is left out."""
-    from specsplit.orchestrator.loop import LoopStats
+    from specsplit.orchestrator.decode.loop import LoopStats
 
     loop = LoopStats(rounds=10, drafted=30, accepted=27, committed=37, draft_compute_s=2.5, draft_warm_s=2.0,
                      draft_warm_tokens=40)
@@ -41,7 +41,7 @@ def test_a_cells_draft_cost_is_its_time_per_token_drafted_not_per_token_verified
 
 
 def test_a_level_pools_each_cells_repeats_against_every_target_only_pass():
-    from specsplit.orchestrator.loop import LoopStats
+    from specsplit.orchestrator.decode.loop import LoopStats
 
     def run(wall_s, ids=(1, 2, 3, 4)):
         return network.Run(list(ids), wall_s, LoopStats(rounds=4, committed=4, target_compute_s=0.4))

@@ -4,7 +4,7 @@ import pytest
 
 from specsplit.bench import overhead
 from specsplit.lmkit.kinds import DrafterKind
-from specsplit.orchestrator.loop import LoopStats
+from specsplit.orchestrator.decode.loop import LoopStats
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import pytest
 
 from specsplit.bench import structured
 from specsplit.bench.speculative import build_parser
-from specsplit.orchestrator.grammar import GrammarKind, Grammars, GrammarSpec
+from specsplit.orchestrator.decode.grammar import GrammarKind, Grammars, GrammarSpec
 
 pytestmark = pytest.mark.unit
 
