@@ -303,7 +303,7 @@ def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_re
         tiny_services, tiny_target_dir, tiny_reference):
     """The draft reads a new session's context from the open on, so what a first block waits for is what is left
     of that read: a read measured at 0.3 s outlasts the 0.2 s a block of 4 could save right after the open (not
-    waited for), and not 0.4 s later (waited for). The first block reports the read (``read_us``), the next none."""
+    waited for), and not 0.4 s later (waited for). The first block reports the read (``read_s``), the next none."""
     prompt = list(tiny_reference[0][0])
 
     async def waits():
@@ -321,7 +321,7 @@ def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_re
                 out.append(call.deadline - asyncio.get_running_loop().time())
                 first = await call.task
                 second = await link.send(prompt, [], 2).task
-                reads.append((first.timing.read_us, second.timing.read_us))
+                reads.append((first.read_s, second.read_s))
                 await link.close()
             return out, reads
         finally:
