@@ -110,7 +110,7 @@ class SessionMux:
         slot.tail = asyncio.ensure_future(self._call(session_id, slot, kind, call, slot.tail))
 
     async def _call(self, session_id: str, slot: _Slot, kind: str, call, before: asyncio.Future | None) -> None:
-        if before is not None:
+        if before is not None and not before.done():
             await asyncio.wait({before})  # its outcome is its own: this call runs after it either way
         if self._slots.get(session_id) is not slot:
             return  # closed meanwhile (an error, a close, an eviction): its answer went out already

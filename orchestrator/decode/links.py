@@ -307,11 +307,12 @@ class DraftLink(_SessionLink):
 
     async def receive(self, call: DraftCall) -> DraftedBlock | None:
         """The call's block if it comes by its deadline and starts where it must; else None (late, failed, stale)."""
-        remaining = call.deadline - asyncio.get_running_loop().time()
-        done, _ = await asyncio.wait({call.task}, timeout=max(remaining, 0.0))
-        if not done:
-            self.late_blocks += 1
-            return None
+        if not call.task.done():  # (a reply already in is taken without a pass of the event loop)
+            remaining = call.deadline - asyncio.get_running_loop().time()
+            done, _ = await asyncio.wait({call.task}, timeout=max(remaining, 0.0))
+            if not done:
+                self.late_blocks += 1
+                return None
         block = call.task.result()
         if block is None or block.position != call.position:
             return None
@@ -325,7 +326,7 @@ class DraftLink(_SessionLink):
 
     async def _propose(self, committed: list[int], assumed: list[int], k: int, free_k: int, max_branches: int,
                        cold: bool, before: DraftCall | None) -> DraftedBlock | None:
-        if before is not None:
+        if before is not None and not before.task.done():
             await asyncio.wait({before.task})  # its reply comes first on the stream
         if self._stream is None:  # it failed and dropped the stream
             return None
