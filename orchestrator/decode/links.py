@@ -37,7 +37,7 @@ from specsplit.orchestrator.decode.peers import (
 )
 from specsplit.orchestrator.decode.policy.controller import Controller
 from specsplit.orchestrator.decode.policy.measure import RttEstimator
-from specsplit.orchestrator.decode.replies import DraftedBlock, VerifiedBlock, drafted_of, verified_of
+from specsplit.orchestrator.decode.replies import DraftedBlock, VerifiedBlock, drafted_of, drafter_of, verified_of
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class DraftLink(_SessionLink):
         else:
             self.warm_s += compute_s
             self.warm_tokens += len(block.tokens)
-        drafter = block.drafter or self._controller.drafters.session
+        drafter = drafter_of(block, self._controller.drafters.session)
         self._controller.observe_proposal(wall_s, compute_s, len(block.tokens), drafter, read)
         return block
 

@@ -28,7 +28,7 @@ from specsplit.orchestrator.decode.grammar import Constraint
 from specsplit.orchestrator.decode.links import DraftCall, DraftLink, TargetLink
 from specsplit.orchestrator.decode.policy.controller import Block, Controller
 from specsplit.orchestrator.decode.policy.measure import Forward, Load, quality_of
-from specsplit.orchestrator.decode.replies import DraftedBlock, VerifiedBlock
+from specsplit.orchestrator.decode.replies import DraftedBlock, VerifiedBlock, drafter_of
 
 
 class Finish(enum.Enum):
@@ -245,11 +245,7 @@ class _Loop:
         if reply is None or free_k <= 0:
             return
         quality = self.quality(reply, guessed) if reply.tokens else None
-        self.controller.returned(self.drafter(reply), quality)
-
-    def drafter(self, reply: DraftedBlock):
-        """The drafter that drafted a reply: the chain member it names, else the session's."""
-        return reply.drafter or self.controller.drafters.session
+        self.controller.returned(drafter_of(reply, self.controller.drafters.session), quality)
 
     @staticmethod
     def quality(reply: DraftedBlock, guessed: bool):
@@ -267,7 +263,7 @@ class _Loop:
         """A reply's block as this round's: its drafter and quality noted, cut by the controller to what is worth
         verifying, a tree to what fits the context. ``guessed``: drafted ahead, past a bonus guess that came true."""
         if reply is not None and block.tokens:
-            block.drafter = self.drafter(reply)
+            block.drafter = drafter_of(reply, self.controller.drafters.session)
             block.quality = self.quality(reply, guessed)
             block = self.controller.cut(block)
         return self.fit_context(block) if block.parents else block

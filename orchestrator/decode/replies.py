@@ -64,6 +64,11 @@ def drafter_kind(value: int) -> DrafterKind | None:
         return None
 
 
+def drafter_of(drafted: DraftedBlock, session_drafter: DrafterKind | None) -> DrafterKind | None:
+    """The drafter that drafted a block: the chain member it names, else the session's."""
+    return drafted.drafter or session_drafter
+
+
 def drafted_of(reply: pb.DraftBlock) -> DraftedBlock:
     return DraftedBlock(
         position=reply.position,
