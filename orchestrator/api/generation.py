@@ -332,7 +332,7 @@ class Orchestrator:
             draft_reserve = reserve_tokens(prompt_ids, request, self.draft.info.max_block)
             draft = DraftLink(
                 self.draft, lambda sid, tokens: self._draft_open(sid, tokens, request, mode, draft_reserve), policy,
-                controller, shared,
+                shared,
             )
         self.in_flight += 1
         with logs.request_context(request.request_id):

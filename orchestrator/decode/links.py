@@ -2,7 +2,7 @@
 
 Services hold caches, never truth: a lost session is rebuilt from the
 orchestrator's committed tokens. ``DraftLink``: a block late past its round's
-deadline (``Controller.wait_s``) is not waited for and is dropped when it comes;
+deadline (the wait the loop gives each request) is not waited for and is dropped when it comes;
 a draft that fails, stalls or is unreachable is re-attached in the background,
 re-prefilled; losing it never fails a generation. ``TargetLink``: a target that
 restarts or drops the session is re-opened and the same block verified again;
@@ -35,9 +35,8 @@ from specsplit.orchestrator.decode.peers import (
     ServiceClient,
     TargetStream,
 )
-from specsplit.orchestrator.decode.policy.controller import Controller
 from specsplit.orchestrator.decode.policy.measure import RttEstimator
-from specsplit.orchestrator.decode.replies import DraftedBlock, VerifiedBlock, drafted_of, drafter_of, verified_of
+from specsplit.orchestrator.decode.replies import DraftedBlock, DraftReplyCost, VerifiedBlock, drafted_of, verified_of
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -223,14 +222,16 @@ class DraftLink(_SessionLink):
     target steps alone), it is dropped when it comes, and until then the link
     takes no new request. A request unanswered after ``draft_timeout_s`` drops
     the stream; re-attaching runs in the background. No round ever waits for
-    the draft past a request's deadline.
+    the draft past a request's deadline. The link asks no one how long to wait
+    and tells no one what a reply cost: the loop passes each request's wait and
+    takes every reply's cost (``take_costs``), late ones included.
     """
 
     def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
-                 policy: LinkPolicy, controller: Controller, shared: bool = False) -> None:
+                 policy: LinkPolicy, shared: bool = False) -> None:
         super().__init__(pool, open_msg, policy, shared)
         self._stream: DraftStream | None = None
-        self._controller = controller  # how long a round waits for a reply, and who learns from each
+        self._costs: list[DraftReplyCost] = []  # replies' costs the loop has not taken yet
         self._synced = 0  # the draft holds committed[:_synced]
         self._down_since: float | None = None
         self._tail: DraftCall | None = None  # the last request sent (or the re-attaching open)
@@ -260,6 +261,20 @@ class DraftLink(_SessionLink):
     def busy(self) -> bool:
         return self._tail is not None and not self._tail.task.done()
 
+    @property
+    def cold(self) -> bool:
+        """The next request is the session's first since its open: its reply waits for the draft's read."""
+        return self._cold
+
+    def since_open_s(self) -> float:
+        """How long ago the draft session opened (and began reading the context)."""
+        return asyncio.get_running_loop().time() - self._opened_at
+
+    def take_costs(self) -> list[DraftReplyCost]:
+        """What the replies that came since the last call cost, in the order they came."""
+        costs, self._costs = self._costs, []
+        return costs
+
     async def open(self, committed: Sequence[int]) -> bool:
         message = self._open_msg(_new_id(), committed)
         message.fork_from = self.fork_from
@@ -283,12 +298,14 @@ class DraftLink(_SessionLink):
         self._successors.append(successors)
 
     def send(
-        self, committed: Sequence[int], assumed: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1
+        self, committed: Sequence[int], assumed: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1,
+        wait_s: float = 0.0,
     ) -> DraftCall | None:
         """Ask for up to k tokens (a free drafter: up to free_k; a token tree of up to ``max_branches``
         continuations when > 1) continuing ``committed`` + ``assumed`` (tokens not committed yet: a block in
-        verification, drafted past as if its outcome were ``assumed``). None when the draft cannot take a
-        request now (down, or a late reply still due): this round goes on without it."""
+        verification, drafted past as if its outcome were ``assumed``), waited for ``wait_s`` once the request
+        before it is answered. None when the draft cannot take a request now (down, or a late reply still due):
+        this round goes on without it."""
         if self._stream is None:
             self._reattach_later(committed)
             self.fallback_rounds += 1
@@ -300,9 +317,8 @@ class DraftLink(_SessionLink):
             return None
         cold, self._cold = self._cold, False
         position = len(committed) + len(assumed)  # where the block starts; the draft read all before it at the open
-        budget = self._controller.wait_s(max(k, free_k), cold, position, now - self._opened_at)
         task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
-        self._tail = DraftCall(task, max(now, before.deadline if before else now) + budget, position)
+        self._tail = DraftCall(task, max(now, before.deadline if before else now) + wait_s, position)
         return self._tail
 
     async def receive(self, call: DraftCall) -> DraftedBlock | None:
@@ -356,8 +372,7 @@ class DraftLink(_SessionLink):
         else:
             self.warm_s += compute_s
             self.warm_tokens += len(block.tokens)
-        drafter = drafter_of(block, self._controller.drafters.session)
-        self._controller.observe_proposal(wall_s, compute_s, len(block.tokens), drafter, read)
+        self._costs.append(DraftReplyCost(block, wall_s, read))
         return block
 
     def _reattach_later(self, committed: Sequence[int]) -> None:
@@ -395,13 +410,19 @@ class DraftLink(_SessionLink):
 class _NoDraft:
     """The draft link of a session without a draft: it is never up, takes no request and counts nothing."""
 
-    up = False
+    up = cold = False
     session_id = fork_from = ""
     fallback_rounds = busy_rounds = late_blocks = reattached = warm_tokens = 0
     compute_s = warm_s = wall_s = service_s = 0.0
 
     def send(self, *args, **kwargs) -> None:
         return None
+
+    def since_open_s(self) -> float:
+        return 0.0
+
+    def take_costs(self) -> list:
+        return []
 
     def add_features(self, features: pb.HiddenFeatures) -> None:
         pass

@@ -134,6 +134,24 @@ def forward_of(verified: VerifiedBlock, fed: int, prefill: bool, ahead: bool) ->
     return Forward(verified.compute_s, tokens, load, verified.cost_fit, prefill, ahead)
 
 
+def ask_draft(draft: DraftLink, controller: Controller, committed: Sequence[int], assumed: Sequence[int], k: int,
+              free_k: int = 0, max_branches: int = 1) -> DraftCall | None:
+    """Send the draft a request (``DraftLink.send``) with the wait the controller gives its reply: a session's
+    first waits behind the draft's read of the context begun at the open."""
+    wait_s = 0.0
+    if draft.up:
+        wait_s = controller.wait_s(max(k, free_k), draft.cold, len(committed) + len(assumed), draft.since_open_s())
+    return draft.send(committed, assumed, k, free_k, max_branches, wait_s)
+
+
+def learn_draft_costs(draft: DraftLink, controller: Controller) -> None:
+    """Tell the controller what the draft's replies cost since it last heard (late replies' too)."""
+    for cost in draft.take_costs():
+        block = cost.block
+        controller.observe_proposal(cost.wall_s, block.compute_s, len(block.tokens),
+                                    drafter_of(block, controller.drafters.session), cost.read)
+
+
 def block_of(reply: DraftedBlock | None, k: int, guess: int | None = None) -> Block | None:
     """A draft reply as a block (a tree's parents checked; a chain's empty).
 
@@ -226,7 +244,7 @@ class _Loop:
         ask = self.controller.plan(self.limit())
         if ask.empty:
             return Block([], k=ask.k)
-        call = self.draft.send(self.committed, (), ask.k, ask.free_k, self.config.tree_branches)
+        call = self.ask_draft((), ask.k, ask.free_k)
         self.stats.draft_requests += call is not None
         reply = await self.received(call) if call is not None else None
         self.returned(reply, ask.free_k)
@@ -239,6 +257,11 @@ class _Loop:
             return await self.draft.receive(call)
         finally:
             self.stats.draft_wait_s += time.perf_counter() - start
+            learn_draft_costs(self.draft, self.controller)
+
+    def ask_draft(self, assumed: Sequence[int], k: int, free_k: int) -> DraftCall | None:
+        """Ask the draft for a block continuing the committed tokens and ``assumed`` (``ask_draft``)."""
+        return ask_draft(self.draft, self.controller, self.committed, assumed, k, free_k, self.config.tree_branches)
 
     def returned(self, reply: DraftedBlock | None, free_k: int, guessed: bool = False) -> None:
         """Tell the controller what an ask of the free drafter returned (nothing to tell for a late reply)."""
@@ -309,7 +332,7 @@ class _Loop:
             return
         # + 1: the guess of the bonus token (a tree: several guesses)
         free_k = ask.free_k + 1 if ask.free_k else 0
-        call = self.draft.send(self.committed, chain, ask.k + 1, free_k, self.config.tree_branches)
+        call = self.ask_draft(chain, ask.k + 1, free_k)
         if call is None:
             return
         self.stats.draft_requests += 1
@@ -323,7 +346,7 @@ class _Loop:
             block, min(self.limit(extra=len(assumed)), self.config.ahead_max), ask)
         if second.empty:
             return
-        call = self.draft.send(self.committed, assumed, second.k, second.free_k, self.config.tree_branches)
+        call = self.ask_draft(assumed, second.k, second.free_k)
         if call is not None:
             self.stats.draft_requests += 1
             self.aheads.append(_Ahead(call, len(self.committed), assumed, second.k, guess=False,
@@ -356,6 +379,7 @@ class _Loop:
         or one re-opened after a target restart: such a forward runs alone by design); ``wall_s``: the verify's
         wall time here."""
         stats = self.stats
+        learn_draft_costs(self.draft, self.controller)  # replies that came during the verification, late ones too
         stats.target_wait_s += wall_s
         stats.target_service_s += result.service_s
         stats.target_forward_s += result.forward_s

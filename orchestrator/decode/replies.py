@@ -1,4 +1,5 @@
-"""What the services answer a round, as the loop reads it: a ``DraftedBlock`` and a ``VerifiedBlock``.
+"""What the services answer a round, as the loop reads it: a ``DraftedBlock`` and a ``VerifiedBlock``
+(and what a draft reply cost, ``DraftReplyCost``).
 
 The links make these from the messages where they arrive (``drafted_of``,
 ``verified_of``); the loop and the policy read them and never a protobuf field,
@@ -54,6 +55,15 @@ class VerifiedBlock:
     features: object | None = None  # HiddenFeatures of committed positions, for a feature drafter
     feature_bytes: int = 0  # their size
     successors: object | None = None  # Successors of verified positions, for a recycling drafter
+
+
+@dataclass(frozen=True, slots=True)
+class DraftReplyCost:
+    """What one draft reply cost, as the draft link saw it come (late replies too), for the controller."""
+
+    block: DraftedBlock
+    wall_s: float  # request to reply, here
+    read: tuple[int, float] | None = None  # a session's first: (context tokens, seconds the draft spent reading)
 
 
 def drafter_kind(value: int) -> DrafterKind | None:

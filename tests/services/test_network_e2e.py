@@ -285,18 +285,33 @@ def stepping_at_50_ms():
     return costs
 
 
-def model_draft_link(orch, costs):
-    """A draft link for a fixed-K MODEL session of ``orch``'s draft, pricing its waits with ``costs``."""
-    from specsplit.lmkit.kinds import VerificationMode
-    from specsplit.orchestrator.decode.links import DraftLink
-    from specsplit.orchestrator.decode.policy.controller import Drafters, FixedK
-    from specsplit.orchestrator.decode.policy.measure import AcceptRule, Measurements
-    from specsplit.v1 import specsplit_pb2 as pb
+class ModelDraft:
+    """A draft link for a fixed-K MODEL session of ``orch``'s draft and its controller, pricing its waits with
+    ``costs``: asked and heard from as the loop does (``ask_draft``, ``learn_draft_costs``)."""
 
-    controller = FixedK(4, Measurements(costs), AcceptRule.of(VerificationMode.GREEDY, 0.0),
-                        Drafters(DrafterKind.MODEL, paid=DrafterKind.MODEL))
-    return DraftLink(orch.draft, lambda sid, tokens: pb.DraftOpen(
-        session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy(), controller)
+    def __init__(self, orch, costs) -> None:
+        from specsplit.lmkit.kinds import VerificationMode
+        from specsplit.orchestrator.decode.links import DraftLink
+        from specsplit.orchestrator.decode.policy.controller import Drafters, FixedK
+        from specsplit.orchestrator.decode.policy.measure import AcceptRule, Measurements
+        from specsplit.v1 import specsplit_pb2 as pb
+
+        self.controller = FixedK(4, Measurements(costs), AcceptRule.of(VerificationMode.GREEDY, 0.0),
+                                 Drafters(DrafterKind.MODEL, paid=DrafterKind.MODEL))
+        self.link = DraftLink(orch.draft, lambda sid, tokens: pb.DraftOpen(
+            session_id=sid, tokens=tokens, drafter=DrafterKind.MODEL.value), LinkPolicy())
+
+    def send(self, committed, k: int):
+        from specsplit.orchestrator.decode.loop import ask_draft
+
+        return ask_draft(self.link, self.controller, committed, [], k)
+
+    async def reply(self, call):
+        from specsplit.orchestrator.decode.loop import learn_draft_costs
+
+        block = await call.task
+        learn_draft_costs(self.link, self.controller)
+        return block
 
 
 def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_read_fits(
@@ -314,15 +329,15 @@ def test_a_sessions_first_block_is_waited_for_when_what_is_left_of_the_drafts_re
             for idle_s in (0.0, 0.4):
                 costs = stepping_at_50_ms()
                 costs.observe_read(len(prompt), 0.3, DrafterKind.MODEL)
-                link = model_draft_link(orch, costs)
-                assert await link.open(prompt)
+                draft = ModelDraft(orch, costs)
+                assert await draft.link.open(prompt)
                 await asyncio.sleep(idle_s)
-                call = link.send(prompt, [], 4)
+                call = draft.send(prompt, 4)
                 out.append(call.deadline - asyncio.get_running_loop().time())
-                first = await call.task
-                second = await link.send(prompt, [], 2).task
+                first = await draft.reply(call)
+                second = await draft.reply(draft.send(prompt, 2))
                 reads.append((first.read_s, second.read_s))
-                await link.close()
+                await draft.link.close()
             return out, reads
         finally:
             await orch.close()
@@ -349,14 +364,14 @@ def test_a_cold_proposal_known_to_outlast_what_it_could_save_is_not_waited_for(t
                 costs = stepping_at_50_ms()
                 if slow_prefill:
                     costs.observe_read(10, 100.0, DrafterKind.MODEL)  # 10 s a context token
-                link = model_draft_link(orch, costs)
-                assert await link.open(prompt)
-                call = link.send(prompt, [], 4)
+                draft = ModelDraft(orch, costs)
+                assert await draft.link.open(prompt)
+                call = draft.send(prompt, 4)
                 waits.append(call.deadline - asyncio.get_running_loop().time())
-                block = await call.task  # the reply still comes, and its prefill is measured
+                block = await draft.reply(call)  # the reply still comes, and its prefill is measured
                 assert block is not None and block.position == len(prompt)
                 measured.append(costs.read_s(len(prompt), DrafterKind.MODEL))
-                await link.close()
+                await draft.link.close()
             return waits, measured
         finally:
             await orch.close()

@@ -132,6 +132,9 @@ class _Answered:
     async def receive(self, call: DraftCall) -> DraftedBlock:
         return self.reply
 
+    def take_costs(self) -> list:
+        return []
+
 
 def _take_ahead(reply: DraftedBlock, bonus: int):
     """Drafted during the verification of [5, 6] at position 3, assuming it accepted whole; the target accepts

@@ -253,11 +253,15 @@ class _UpDraft:
     """Records what the loop sends; each call comes back as a pending task-less call."""
 
     up = True
+    cold = False
 
     def __init__(self) -> None:
         self.sent = []
 
-    def send(self, committed, assumed, k, free_k=0, max_branches=1):
+    def since_open_s(self) -> float:
+        return 1.0
+
+    def send(self, committed, assumed, k, free_k=0, max_branches=1, wait_s=0.0):
         self.sent.append((len(committed), list(assumed), k, free_k))
         return object()
 
