@@ -10,8 +10,10 @@ verifying a block of ``width`` tokens, ``batch`` rows packed into one forward:
 - ``inductor``: the decoder step compiled by ``torch.compile`` (plain linears; ``--compile inductor``).
 
 Modes are measured in turn within each repeat (interleaved), the fastest repeat kept. Also: the compile
-time, and the first forward after it (a new session's prefill); and a greedy block's decision, the argmax
-of its rows, through torch's max and through ``row_argmax``. The logits of every mode are compared with
+time, and the first forward after it (a new session's prefill); a greedy block's decision, the argmax
+of its rows, through torch's max and through ``row_argmax``; and (``cache``) the near-zero model's step
+and its LM head with the greedy argmax warm, against the same after the CPU caches were flushed or the
+process slept, as a service's step runs after the other processes had the CPU. The logits of every mode are compared with
 ``transformers``' at each cell: ``step`` must equal them bit for bit, ``inductor`` to rounding (its fused
 kernels sum in another order), with the same argmax. JSON and a PNG.
 """
@@ -40,9 +42,10 @@ def add_flags(parser) -> None:
     parser.add_argument("--step-widths", default="1,2,3,5,9", help="--suite step: verify widths (tokens per row)")
     parser.add_argument("--step-batches", default="1,8,32", help="--suite step: rows packed into one forward")
     parser.add_argument("--step-repeats", type=int, default=3, help="--suite step: interleaved repeats per cell")
-    parser.add_argument("--step-parts", default="forward,decision",
-                        help="--suite step: forward (the packed forward by width and batch) and/or decision (a greedy "
-                             "block's argmax rows: torch's max against row_argmax)")
+    parser.add_argument("--step-parts", default="forward,decision,cache",
+                        help="--suite step: forward (the packed forward by width and batch), decision (a greedy "
+                             "block's argmax rows: torch's max against row_argmax) and/or cache (the near-zero "
+                             "model's step and LM head warm, after a cache flush, after a sleep)")
 
 
 def load(ref: str, mode: str):
@@ -140,13 +143,91 @@ def measure_decision(widths: list[int], vocab: int = 49152, repeats: int = 5) ->
     return rows
 
 
+CACHE_SHAPES = ((1, 1), (32, 1), (32, 5))  # (rows, tokens a row): one session at k = 0; 32 at k = 0 and at k = 4
+CACHE_STATES = ("flushed", "warm", "spun", "slept")  # in this order call by call (``measure_cache``)
+PAUSE_S = 0.001  # a service's gap between two steps, about: the rest of a round
+
+
+def _last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest CPU cache's size as Linux reports it (64 MiB when it does not)."""
+    sizes = []
+    for index in caches.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=64 << 20)
+
+
+def measure_cache(ref: str, calls: int = 100) -> dict:
+    """The step of ``ref`` (the near-zero model) and its LM head + greedy argmax at ``CACHE_SHAPES``, each call
+    timed alone: ``flushed`` (a buffer twice the last-level cache written first: weights and the code's working
+    set come back from memory), ``warm`` (the third call in a row), ``spun`` (after ``PAUSE_S`` of a Python loop
+    that touches no memory) and ``slept`` (after ``PAUSE_S`` asleep, as a service waits for its next step).
+    What spun and slept add over warm is what a step pays for the time since the last one: the caches' content
+    ages (other processes, other tenants of a shared cache), whether or not the core idled. Medians,
+    milliseconds; the states interleaved call by call."""
+    from specsplit.lmkit.sampling import row_argmax
+
+    model, kind, _ = load(ref, "step")
+    flush = torch.ones(2 * _last_level_cache_bytes() // 4)
+    kvs = _prefill(model, max(rows for rows, _ in CACHE_SHAPES))
+    head = model.get_output_embeddings()
+    hidden = int(model.config.hidden_size)
+
+    def forward(rows, width):
+        steps = _rows(model, rows, width, kvs)
+        return lambda: packed_rows.forward_rows(model, steps)
+
+    def decide(rows, width):
+        states = torch.randn(rows * width, hidden, generator=torch.Generator().manual_seed(rows * width))
+        return lambda: row_argmax(head(states))
+
+    def before(state: str, fn) -> None:
+        if state == "flushed":
+            flush.add_(1.0)
+        elif state == "warm":
+            for _ in range(2):
+                fn()
+        elif state == "spun":
+            until = time.perf_counter() + PAUSE_S
+            while time.perf_counter() < until:
+                pass
+        else:
+            time.sleep(PAUSE_S)
+
+    cells = []
+    for part, make in (("step", forward), ("lm_head_argmax", decide)):
+        for rows, width in CACHE_SHAPES:
+            fn, times = make(rows, width), {state: [] for state in CACHE_STATES}
+            with torch.inference_mode():
+                fn()
+                for _ in range(calls):
+                    for state in CACHE_STATES:
+                        before(state, fn)
+                        began = time.perf_counter()
+                        fn()
+                        times[state].append(time.perf_counter() - began)
+            median = {state: sorted(t)[len(t) // 2] * 1e3 for state, t in times.items()}
+            cells.append({"part": part, "rows": rows, "width": width,
+                          **{f"{state}_ms": round(ms, 3) for state, ms in median.items()},
+                          **{f"{state}_over_warm": round(median[state] / median["warm"], 2)
+                             for state in CACHE_STATES if state != "warm"}})
+    head_bytes = int(model.config.vocab_size) * hidden * torch.finfo(model.dtype).bits // 8
+    return {"model": "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)", "what": kind,
+            "lm_head_bytes": head_bytes, "flush_bytes": flush.numel() * flush.element_size(), "pause_s": PAUSE_S,
+            "calls": calls, "cells": cells}
+
+
 def run(args) -> int:
     from specsplit.bench.overhead import tiny_model
 
     torch.set_num_threads(1)
     parts = {p.strip() for p in args.step_parts.split(",") if p.strip()}
-    if not parts or parts - {"forward", "decision"}:
-        raise ValueError(f"--step-parts: forward and/or decision, got {args.step_parts!r}")
+    if not parts or parts - {"forward", "decision", "cache"}:
+        raise ValueError(f"--step-parts: forward, decision and/or cache, got {args.step_parts!r}")
     widths = [int(w) for w in args.step_widths.split(",")]
     batches = [int(b) for b in args.step_batches.split(",")]
     if min(widths) < 1 or min(batches) < 1 or args.step_repeats < 1:
@@ -162,9 +243,13 @@ def run(args) -> int:
         real = measure_model(args.model, widths, batches, args.step_repeats, lambda b, w: 3 if b * w <= 16 else 1)
         results = [near_zero, real]
     decision = measure_decision(widths) if "decision" in parts else []
+    cache = None
+    if "cache" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            cache = measure_cache(str(tiny_model(Path(tmp) / "near-zero")))
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
-        "repeats": args.step_repeats, "results": results, "decision": decision,
+        "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "duration_s": round(time.time() - started, 1),
     }
@@ -181,6 +266,10 @@ def run(args) -> int:
     for row in out["decision"]:
         print(f"greedy decision, {row['rows']} x {row['vocab']}: max {row['max_us']} us, row_argmax "
               f"{row['row_argmax_us']} us (x{row['ratio']})")
+    for row in (cache or {}).get("cells", ()):
+        print(f"near-zero {row['part']}, {row['rows']} x {row['width']}: warm {row['warm_ms']} ms; "
+              + ", ".join(f"{state} {row[state + '_ms']} ms (x{row[state + '_over_warm']})"
+                          for state in CACHE_STATES if state != "warm"))
     print(f"-> {path}" + (f", {png}" if png else ""))
     return 0 if not any(r["mismatches"] for r in out["results"]) else 1
 
