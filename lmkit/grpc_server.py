@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specsplit.lmkit import errors, logs, wire_version
 from specsplit.lmkit.caller_check import CallerCheck, CallerPolicy, add_caller_flags, caller_policy
+from specsplit.lmkit.heap import freeze_startup_heap
 from specsplit.lmkit.metrics import serve_metrics
 from specsplit.lmkit.security import ServerTls, refusing
 from specsplit.lmkit.sessions import SessionLimits
@@ -510,6 +511,7 @@ async def run_service(args, service_name: str, register, load, servicer: "Engine
             await probes.stop(0)
         raise
     attach()
+    freeze_startup_heap(service_name.rsplit(".", 1)[-1])
     await set_serving(health, [service_name], True)
     write_port_file(args.port_file, port)
     log.info("%s serving on %s:%d", service_name, args.host, port)

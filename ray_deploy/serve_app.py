@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from ray import serve
 
+from specsplit.lmkit.heap import freeze_startup_heap
 from specsplit.orchestrator.api import server
 from specsplit.ray_deploy.options import RAY_DEFAULTS, flags_to_argv, parse_serve_argv
 from specsplit.v1 import specsplit_pb2 as pb
@@ -106,6 +107,7 @@ class OrchestratorReplica:
         self.tokens = server.public_tokens(ns)
         self.orch = await Orchestrator.connect(server.config_from_args(ns))
         self.servicer = GeneratorServicer(self.orch)
+        freeze_startup_heap("orchestrator replica")
 
     def __serve_build_asgi_app__(self):
         """The replica's HTTP ingress: the OpenAI-compatible API over this replica's orchestrator."""

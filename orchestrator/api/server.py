@@ -18,6 +18,7 @@ from specsplit.lmkit.grpc_server import (
     start_in_process,
     write_port_file,
 )
+from specsplit.lmkit.heap import freeze_startup_heap
 from specsplit.lmkit.kinds import DrafterKind, VerificationMode
 from specsplit.lmkit.message_limits import generate_request_bytes
 from specsplit.lmkit.metrics import serve_metrics
@@ -277,6 +278,7 @@ async def serve(args) -> None:
     http = await _start_http(args, orchestrator, tokens) if args.http_port is not None else None
     try:
         await server.start()
+        freeze_startup_heap("orchestrator")
         await set_serving(health, [SERVICE_NAME], True)
         write_port_file(args.port_file, port)
         log.info("orchestrator serving on %s:%d", args.host, port)

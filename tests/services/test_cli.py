@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.services
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_target_dir, tiny_draft_dir):
+def services(tmp_path_factory, tiny_target_dir, tiny_draft_dir):
+    """The three processes, started as a user starts them; the orchestrator last."""
     work = tmp_path_factory.mktemp("cli")
     started = []
     try:
@@ -28,10 +30,25 @@ def stack(tmp_path_factory, tiny_target_dir, tiny_draft_dir):
             ["--target", target.address, "--draft", draft.address, "--tokenizer", str(tiny_target_dir)], work, 300,
         )
         started.append(orch)
-        yield orch.address
+        yield started
     finally:
         for service in reversed(started):
             assert service.stop() == 0, service.log_tail()  # SIGTERM drains and exits cleanly
+
+
+@pytest.fixture(scope="module")
+def stack(services) -> str:
+    return services[-1].address
+
+
+def test_each_process_freezes_its_startup_heap_before_serving(services):
+    """What start-up leaves alive (imports, model, tokenizer) is frozen out of garbage collection, so no
+    collection while serving walks it (lmkit.heap)."""
+    for service in services:
+        log = service.log_path.read_text()
+        frozen = re.search(r": (\d+) start-up objects frozen out of garbage collection", log)
+        assert frozen and int(frozen.group(1)) > 10_000, service.log_tail()
+        assert log.index("frozen out of garbage collection") < log.index("serving on"), service.log_tail()
 
 
 def specsplit(*args, timeout=300) -> subprocess.CompletedProcess:
@@ -56,7 +73,6 @@ def test_generate_streams_the_targets_greedy_text(stack, tiny_target_dir, drafte
 
 def test_generate_constrains_samples_and_sends_tools_from_its_flags(stack, tmp_path):
     import json
-    import re
 
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["a"], "additionalProperties": False}
