@@ -18,11 +18,15 @@ import os
 import statistics
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from specsplit.bench import runs
 from specsplit.lmkit import processes
+from specsplit.lmkit.heap import collector_clock, freeze_startup_heap
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.api.config import OrchestratorConfig
@@ -133,9 +137,11 @@ def parts_per_round(walls: list[float], loop: LoopStats, mode: Mode) -> dict:
     }
 
 
-async def concurrent(orch: Orchestrator, mode: Mode, sessions: int, tokens: int, pids: dict[str, int]) -> dict:
-    """``sessions`` at once, each ``tokens`` new tokens: CPU per generated token of each process, tokens/s."""
-    before, start = processes.cpu_seconds(pids), time.perf_counter()
+async def concurrent(orch: Orchestrator, mode: Mode, sessions: int, tokens: int, pids: dict[str, int],
+                     metrics_ports: dict[str, int] | None = None) -> dict:
+    """``sessions`` at once, each ``tokens`` new tokens: CPU per generated token of each process, tokens/s, and
+    the garbage collector's share of each (``collector``)."""
+    before, gc_before, start = processes.cpu_seconds(pids), gc_readings(metrics_ports), time.perf_counter()
     done = await asyncio.gather(*(collect(orch, mode, tokens) for _ in range(sessions)))
     wall, used = time.perf_counter() - start, processes.cpu_used(pids, before)
     generated = sum(n for n, _ in done)
@@ -144,7 +150,58 @@ async def concurrent(orch: Orchestrator, mode: Mode, sessions: int, tokens: int,
         "mode": mode.name, "sessions": sessions, "tokens": generated, "wall_s": round(wall, 3),
         "tokens_per_s": round(generated / wall, 1), "tokens_per_round": round(generated / max(rounds, 1), 3),
         "cpu_ms_per_token": {name: round(s / generated * 1e3, 4) for name, s in used.items()},
+        "collector": collector_use(gc_before, gc_readings(metrics_ports), generated),
     }
+
+
+def gc_readings(metrics_ports: dict[str, int] | None) -> dict[str, dict]:
+    """Each process's garbage collector so far: this one's clock, and each service's from its metrics port
+    (passes and seconds per generation, and the bound of the largest bucket a pass fell in)."""
+    readings = {"orchestrator": collector_clock().take()}
+    for name, port in (metrics_ports or {}).items():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        passes, seconds, buckets = [0, 0, 0], [0.0, 0.0, 0.0], [{}, {}, {}]
+        for family in text_string_to_metric_families(text):
+            if family.name != "specsplit_gc_pause_seconds":
+                continue
+            for sample in family.samples:
+                generation = int(sample.labels["generation"])
+                if sample.name.endswith("_count"):
+                    passes[generation] = int(sample.value)
+                elif sample.name.endswith("_sum"):
+                    seconds[generation] = sample.value
+                elif sample.name.endswith("_bucket"):
+                    buckets[generation][float(sample.labels["le"])] = sample.value
+        readings[name] = {"passes": passes, "seconds": seconds, "buckets": buckets}
+    return readings
+
+
+def collector_use(before: dict[str, dict], after: dict[str, dict], tokens: int) -> dict[str, dict]:
+    """What each process's collector did between two readings: passes per generation, ms per generated token,
+    and the longest pass (this process's exactly; a service's as the bucket bound it fell under)."""
+    use = {}
+    for name, now in after.items():
+        then = before.get(name)
+        if then is None:
+            continue
+        spent = sum(now["seconds"]) - sum(then["seconds"])
+        row = {"passes": [a - b for a, b in zip(now["passes"], then["passes"])],
+               "ms_per_token": round(spent / max(tokens, 1) * 1e3, 4)}
+        if "longest_s" in now:
+            row["longest_ms"] = round(max(now["longest_s"]) * 1e3, 3)
+        else:  # cumulative buckets: every pass of the window is at most the first bound that holds them all
+            bounds = []
+            for generation in range(3):
+                grown = {le: count - then["buckets"][generation].get(le, 0.0)
+                         for le, count in now["buckets"][generation].items()}
+                total = grown.get(float("inf"), 0.0)
+                if total:
+                    bounds.append(min(le for le, count in grown.items() if count == total))
+            longest = max(bounds, default=0.0)  # None: past the histogram's largest bound
+            row["longest_under_ms"] = None if longest == float("inf") else round(longest * 1e3, 3)
+        use[name] = row
+    return use
 
 
 async def collect(orch: Orchestrator, mode: Mode, tokens: int) -> tuple[int, int]:
@@ -155,13 +212,15 @@ async def collect(orch: Orchestrator, mode: Mode, tokens: int) -> tuple[int, int
     return generated, rounds
 
 
-async def measure(target: str, draft: str, model: str, args, pids: dict[str, int]) -> dict:
+async def measure(target: str, draft: str, model: str, args, pids: dict[str, int],
+                  metrics_ports: dict[str, int] | None = None) -> dict:
     transports = [name.strip() for name in args.overhead_transports.split(",") if name.strip()]
     if not transports or set(transports) - {"shared", "own"}:
         raise ValueError(f"--overhead-transports: shared and/or own, got {args.overhead_transports!r}")
     orchs = {name: await Orchestrator.connect(OrchestratorConfig(target, draft, tokenizer=model,
                                                                  shared_stream_from=1 if name == "shared" else 0))
              for name in transports}
+    freeze_startup_heap("the bench's orchestrator")  # as `specsplit serve` does once connected
     sessions = [int(s) for s in args.overhead_sessions.split(",") if s.strip()]
     per_round: dict[tuple[str, str], list[dict]] = {}
     cpu: dict[tuple[str, str, int], list[dict]] = {}
@@ -178,7 +237,8 @@ async def measure(target: str, draft: str, model: str, args, pids: dict[str, int
             for n in sessions:
                 for mode in (MODES[0], MODES[1]):  # k = 0 and k = 4 n-gram
                     for name, orch in orchs.items():
-                        row = {"transport": name, **await concurrent(orch, mode, n, args.overhead_tokens, pids)}
+                        row = {"transport": name,
+                               **await concurrent(orch, mode, n, args.overhead_tokens, pids, metrics_ports)}
                         cpu.setdefault((name, mode.name, n), []).append(row)
     finally:
         for orch in orchs.values():
@@ -253,10 +313,12 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model(Path(tmp) / "tiny"))
         service = ["--model", model, "--threads", "1"]
-        target_service = [*service, "--compile", args.overhead_target_compile]
-        with processes.local_services(target_service, service) as (target, draft):
+        ports = {"target": processes.restartable_port(), "draft": processes.restartable_port()}
+        target_service = [*service, "--compile", args.overhead_target_compile, "--metrics-port", str(ports["target"])]
+        draft_service = [*service, "--metrics-port", str(ports["draft"])]
+        with processes.local_services(target_service, draft_service) as (target, draft):
             pids = {"orchestrator": os.getpid(), "target": target.process.pid, "draft": draft.process.pid}
-            result = asyncio.run(measure(target.address, draft.address, model, args, pids))
+            result = asyncio.run(measure(target.address, draft.address, model, args, pids, ports))
     report = {
         "benchmark": "overhead",
         "model": "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)",
@@ -276,6 +338,8 @@ def run(args) -> int:
               ", ".join(f"{k} {v:.3f}" for k, v in r["parts_ms"].items()))
     for c in result["concurrency"]:
         print(f"{c['transport']:6s} {c['mode']:15s} {c['sessions']:3d} sessions: {c['tokens_per_s']:8.1f} tok/s, CPU ms/token " +
-              " ".join(f"{k} {v:.3f}" for k, v in c["cpu_ms_per_token"].items()))
+              " ".join(f"{k} {v:.3f}" for k, v in c["cpu_ms_per_token"].items()) + "; collector ms/token " +
+              " ".join(f"{k} {v['ms_per_token']:.3f} (longest {v.get('longest_ms', v.get('longest_under_ms'))} ms)"
+                       for k, v in c["collector"].items()))
     print(f"-> {path}" + (f", {png}" if png else ""))
     return 0

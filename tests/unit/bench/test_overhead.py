@@ -33,3 +33,23 @@ def test_figures_are_set_against_each_gpu_step():
     assert [r["ms"] for r in rows] == [3.0, 8.0]  # 32 sessions x 0.25 ms: a target step's worth of orchestrator CPU
     eight_b = next(iter(overhead.GPU_STEPS))
     assert rows[0][eight_b] == pytest.approx(0.5) and rows[1][eight_b] == pytest.approx(8 / 6, rel=1e-2)
+
+
+def test_the_collectors_share_is_taken_between_two_readings():
+    inf = float("inf")
+    bounds = (0.001, 0.01, 0.1, inf)
+
+    def service(passes, seconds, counts):  # counts: cumulative per bound, generation 2 only
+        return {"passes": passes, "seconds": seconds,
+                "buckets": [{b: 0.0 for b in bounds}, {b: 0.0 for b in bounds}, dict(zip(bounds, counts))]}
+
+    before = {"orchestrator": {"passes": [10, 1, 0], "seconds": [0.01, 0.001, 0.0], "longest_s": [0.0, 0.0, 0.0]},
+              "target": service([0, 0, 2], [0.0, 0.0, 0.05], [0, 1, 2, 2])}
+    after = {"orchestrator": {"passes": [30, 2, 0], "seconds": [0.03, 0.003, 0.0], "longest_s": [0.002, 0.0, 0.0]},
+             "target": service([0, 0, 5], [0.0, 0.0, 0.35], [0, 1, 4, 5])}
+    use = overhead.collector_use(before, after, tokens=1000)
+    assert use["orchestrator"] == {"passes": [20, 1, 0], "ms_per_token": pytest.approx(0.022), "longest_ms": 2.0}
+    assert use["target"]["passes"] == [0, 0, 3] and use["target"]["ms_per_token"] == pytest.approx(0.3)
+    assert use["target"]["longest_under_ms"] is None  # one of the three passes fell past the last finite bound
+    after["target"] = service([0, 0, 5], [0.0, 0.0, 0.1], [0, 1, 5, 5])
+    assert overhead.collector_use(before, after, 1000)["target"]["longest_under_ms"] == 100.0

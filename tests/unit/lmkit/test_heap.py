@@ -39,3 +39,23 @@ def test_the_startup_heap_is_frozen_and_later_garbage_still_collected():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok ")
+
+
+def test_the_collector_clock_counts_and_times_each_pass_by_generation():
+    import gc
+
+    from specsplit.lmkit.heap import GC_PAUSE, CollectorClock
+
+    clock = CollectorClock()
+    observed = GC_PAUSE.labels("1")._sum.get()
+    gc.callbacks.append(clock)
+    try:
+        gc.collect(1)
+    finally:
+        gc.callbacks.remove(clock)
+    first = clock.take()
+    assert first["passes"][1] == 1 and first["seconds"][1] > 0
+    assert first["longest_s"][1] == pytest.approx(first["seconds"][1], abs=1e-6)
+    assert GC_PAUSE.labels("1")._sum.get() > observed  # and each pass is in the Prometheus histogram
+    second = clock.take()  # the longest pass is per take; passes and seconds add up
+    assert second["passes"] == first["passes"] and second["longest_s"] == [0.0, 0.0, 0.0]
