@@ -13,7 +13,8 @@ Modes are measured in turn within each repeat (interleaved), the fastest repeat 
 time, and the first forward after it (a new session's prefill); a greedy block's decision, the argmax
 of its rows, through torch's max and through ``row_argmax``; and (``cache``) the near-zero model's step
 and its LM head with the greedy argmax warm, against the same after the CPU caches were flushed or the
-process slept, as a service's step runs after the other processes had the CPU. The logits of every mode are compared with
+process slept, as a service's step runs after the other processes had the CPU; and (``engine``) the target
+engine's whole batched step (plan, packed forward, decision, commit) for 32 sessions by context length. The logits of every mode are compared with
 ``transformers``' at each cell: ``step`` must equal them bit for bit, ``inductor`` to rounding (its fused
 kernels sum in another order), with the same argmax. JSON and a PNG.
 """
@@ -42,10 +43,11 @@ def add_flags(parser) -> None:
     parser.add_argument("--step-widths", default="1,2,3,5,9", help="--suite step: verify widths (tokens per row)")
     parser.add_argument("--step-batches", default="1,8,32", help="--suite step: rows packed into one forward")
     parser.add_argument("--step-repeats", type=int, default=3, help="--suite step: interleaved repeats per cell")
-    parser.add_argument("--step-parts", default="forward,decision,cache",
+    parser.add_argument("--step-parts", default="forward,decision,cache,engine",
                         help="--suite step: forward (the packed forward by width and batch), decision (a greedy "
-                             "block's argmax rows: torch's max against row_argmax) and/or cache (the near-zero "
-                             "model's step and LM head warm, after a cache flush, after a sleep)")
+                             "block's argmax rows: torch's max against row_argmax), cache (the near-zero "
+                             "model's step and LM head warm, after a cache flush, after a sleep) and/or engine "
+                             "(the target engine's batched step of 32 sessions by context length)")
 
 
 def load(ref: str, mode: str):
@@ -221,13 +223,48 @@ def measure_cache(ref: str, calls: int = 100) -> dict:
             "calls": calls, "cells": cells}
 
 
+ENGINE_CONTEXTS = (64, 600, 3000)  # tokens a session holds: a chat turn, a long answer, a long document
+
+
+def measure_engine(ref: str, sessions: int = 32, k: int = 4, steps: int = 20, repeats: int = 5) -> list[dict]:
+    """The target engine's whole batched step for ``ref`` (the near-zero model) in this process: ``sessions``
+    sessions, each verifying a chain of ``k`` (planning from the session's cache, one packed forward, the greedy
+    decisions, the commits), by the sessions' context length; ms a step, the best of ``repeats`` runs of
+    ``steps`` steps. What grows with the context beyond attention is per-step bookkeeping the step should not pay."""
+    from specsplit.lmkit.kinds import VerificationMode
+    from specsplit.lmkit.sampling import SamplingParams
+    from specsplit.lmkit.sessions import SessionLimits
+    from specsplit.target_service.engine import TargetEngine, VerifyItem
+
+    engine = TargetEngine(models.load_model(models.ModelSpec(ref)), model_id="near-zero", vocab_fingerprint="",
+                          limits=SessionLimits(max_sessions=sessions))
+    rows = []
+    for context in ENGINE_CONTEXTS:
+        opened = [engine.open(f"c{context}-{i}", [(7 * j + 11 * i) % 1000 + 100 for j in range(context)],
+                              SamplingParams(), VerificationMode.GREEDY) for i in range(sessions)]
+        for session in opened:
+            engine.verify(session, len(session.tokens), [], None)  # the prefill, alone
+        block = [(5 * j) % 1000 + 100 for j in range(k)]
+        best = float("inf")
+        for _ in range(repeats):
+            began = time.perf_counter()
+            for _ in range(steps):
+                engine.verify_batch([VerifyItem(s, len(s.tokens), block, None) for s in opened])
+            best = min(best, (time.perf_counter() - began) / steps)
+        for session in opened:
+            engine.close(session.session_id)
+        rows.append({"context": context, "sessions": sessions, "k": k, "ms_per_step": round(best * 1e3, 3),
+                     "us_per_session": round(best / sessions * 1e6, 1)})
+    return rows
+
+
 def run(args) -> int:
     from specsplit.bench.overhead import tiny_model
 
     torch.set_num_threads(1)
     parts = {p.strip() for p in args.step_parts.split(",") if p.strip()}
-    if not parts or parts - {"forward", "decision", "cache"}:
-        raise ValueError(f"--step-parts: forward, decision and/or cache, got {args.step_parts!r}")
+    if not parts or parts - {"forward", "decision", "cache", "engine"}:
+        raise ValueError(f"--step-parts: forward, decision, cache and/or engine, got {args.step_parts!r}")
     widths = [int(w) for w in args.step_widths.split(",")]
     batches = [int(b) for b in args.step_batches.split(",")]
     if min(widths) < 1 or min(batches) < 1 or args.step_repeats < 1:
@@ -243,13 +280,15 @@ def run(args) -> int:
         real = measure_model(args.model, widths, batches, args.step_repeats, lambda b, w: 3 if b * w <= 16 else 1)
         results = [near_zero, real]
     decision = measure_decision(widths) if "decision" in parts else []
-    cache = None
-    if "cache" in parts:
+    cache, engine = None, []
+    if parts & {"cache", "engine"}:
         with tempfile.TemporaryDirectory() as tmp:
-            cache = measure_cache(str(tiny_model(Path(tmp) / "near-zero")))
+            near_zero = str(tiny_model(Path(tmp) / "near-zero"))
+            cache = measure_cache(near_zero) if "cache" in parts else None
+            engine = measure_engine(near_zero) if "engine" in parts else []
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
-        "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache,
+        "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache, "engine": engine,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "duration_s": round(time.time() - started, 1),
     }
@@ -270,6 +309,9 @@ def run(args) -> int:
         print(f"near-zero {row['part']}, {row['rows']} x {row['width']}: warm {row['warm_ms']} ms; "
               + ", ".join(f"{state} {row[state + '_ms']} ms (x{row[state + '_over_warm']})"
                           for state in CACHE_STATES if state != "warm"))
+    for row in out["engine"]:
+        print(f"near-zero engine step, {row['sessions']} sessions x k {row['k']}, context {row['context']}: "
+              f"{row['ms_per_step']} ms ({row['us_per_session']} us a session)")
     print(f"-> {path}" + (f", {png}" if png else ""))
     return 0 if not any(r["mismatches"] for r in out["results"]) else 1
 

@@ -275,11 +275,11 @@ class GraphSessionCache(SessionCache):
 
     def end_step(self, feed: Sequence[int]) -> None:
         """After a step: ``feed`` is cached."""
-        self.tokens = [*self.tokens, *feed]
+        self.cached(feed)
         self.fed += len(feed)
 
     def crop(self, length: int) -> None:
-        self.tokens = self.tokens[:length]
+        self._forget_from(length)
 
     def reset(self) -> None:
         self.tokens = []

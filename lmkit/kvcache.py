@@ -93,7 +93,7 @@ class SessionCache:
         self.kv = KVBuffer(int(model.config.num_hidden_layers)) if packed else None
         # full layers only: a sliding window is the mask's job (class docstring)
         self.cache = None if packed else DynamicCache()
-        self.tokens: list[int] = []  # tokens whose keys/values are in the cache
+        self.tokens = []  # tokens whose keys/values are in the cache (``tokens``)
         # Feature drafters (EAGLE): hidden states to keep from each forward, as indices into the
         # model's hidden states (0 = embeddings, i = input of decoder layer i); empty = none.
         self.feature_layers: tuple[int, ...] = ()
@@ -102,7 +102,26 @@ class SessionCache:
         self.fed = 0  # positions this cache's own steps (``apply``) computed, for the service's counters
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens whose keys/values are in the cache. Changed through the cache's own steps only: it remembers
+        how many of them matched the context it last planned for (``plan``)."""
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+        self._matched = 0  # tokens[:_matched] equal the first tokens of the context the last plan saw
+
+    def cached(self, feed: Sequence[int]) -> None:
+        """A step computed ``feed`` after the kept positions: they are cached now."""
+        self._tokens.extend(feed)
+
+    def _forget_from(self, length: int) -> None:
+        del self._tokens[length:]
+        self._matched = min(self._matched, length)
 
     gives_features = True  # keeps the hidden states of ``feature_layers`` (EAGLE, Medusa)
 
@@ -113,9 +132,9 @@ class SessionCache:
 
     def logits(
         self, context: Sequence[int], block: Sequence[int], parents: Sequence[int] | None = None,
-        all_rows: bool = False,
+        all_rows: bool = False, grown: bool = False,
     ) -> torch.Tensor:
-        """Logits after ``context[-1]`` and after each token of ``block``.
+        """Logits after ``context[-1]`` and after each token of ``block`` (``grown``: as in ``plan``).
 
         Returns [len(block) + 1, vocab] float32 on the CPU: row i predicts the
         token at position len(context) + i. Afterwards the cache holds
@@ -124,17 +143,23 @@ class SessionCache:
         cache holds context + every node until ``keep_path``. ``all_rows``: a row
         for every token fed, the context's not cached yet first (scoring a prompt).
         """
-        keep, feed = self.plan(context, block)
+        keep, feed = self.plan(context, block, grown)
         return self.apply(keep, feed, len(feed) if all_rows else len(block) + 1, parents)
 
-    def plan(self, context: Sequence[int], block: Sequence[int]) -> tuple[int, list[int]]:
-        """How many cached positions to keep, and which tokens to feed after them."""
+    def plan(self, context: Sequence[int], block: Sequence[int], grown: bool = False) -> tuple[int, list[int]]:
+        """How many cached positions to keep, and which tokens to feed after them.
+
+        ``grown``: ``context`` is the context of this cache's previous plan with tokens appended (a session's
+        committed tokens): only the tokens after those that plan matched are compared, so planning a step costs
+        what the context gained since, not its length.
+        """
         if not context:
             raise ValueError("context must hold at least one token")
-        seq = [*context, *block]
-        # The last context token is always fed so its logits exist.
-        keep = min(common_prefix(self.tokens, seq), len(context) - 1)
-        return keep, seq[keep:]
+        limit = len(context) - 1  # the last context token is always fed so its logits exist
+        start = min(self._matched, limit) if grown else 0
+        keep = start + common_prefix(self._tokens[start:limit], context[start:limit])
+        self._matched = keep
+        return keep, [*context[keep:], *block]
 
     def row_step(
         self, keep: int, feed: Sequence[int], n_logits: int, parents: Sequence[int] | None = None
@@ -167,7 +192,7 @@ class SessionCache:
             )
             self.keep_features(out.hidden_states, 0, keep, len(feed))
             logits = [to_host(out.logits[0])]  # small: [n_logits, vocab]; verification runs on the CPU
-        self.tokens = [*self.tokens, *feed]
+        self.cached(feed)
         self.fed += len(feed)
         return logits[0]
 
@@ -218,19 +243,20 @@ class SessionCache:
 
     def keep_path(self, length: int, path: Sequence[int]) -> None:
         """After a tree step: keep ``length`` positions, then the tree nodes ``path`` (root first) after them."""
-        nodes = self.tokens[length:]
+        nodes = self._tokens[length:]
         self.kv.keep_path(length, path)
-        self.tokens = [*self.tokens[:length], *(nodes[i] for i in path)]
+        self._forget_from(length)
+        self._tokens.extend(nodes[i] for i in path)
 
     def crop(self, length: int) -> None:
         """Drop cached positions at index >= ``length``."""
-        extra = len(self.tokens) - length
+        extra = len(self._tokens) - length
         if extra > 0:
             if self.kv is not None:
                 self.kv.crop(length)
             else:
                 self.cache.crop(-extra)  # a negative count: transformers 5.x refuses a positive one
-            self.tokens = self.tokens[:length]
+            self._forget_from(length)
 
 
 def kv_bytes_per_token(model, tp_degree: int = 1) -> int:

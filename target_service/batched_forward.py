@@ -153,7 +153,7 @@ def _forward_packed(model, steps: Sequence[Step]) -> list[torch.Tensor]:
         step.cache.crop(step.keep)
     results, features = packed_rows.forward_rows_with_features(model, rows)
     for step, kept in zip(steps, features):
-        step.cache.tokens = [*step.cache.tokens, *step.feed]
+        step.cache.cached(step.feed)
         if kept is not None:
             step.cache.features, step.cache.features_from = kept, step.keep
     return results
@@ -167,7 +167,7 @@ def _append(step: Step, batch_cache: DynamicCache, row: int) -> None:
         keys = batched.new_keys[row : row + 1, :, :n]
         values = batched.new_values[row : row + 1, :, :n]
         own.update(keys.contiguous(), values.contiguous(), layer)
-    step.cache.tokens = [*step.cache.tokens, *step.feed]
+    step.cache.cached(step.feed)
 
 
 def split_by_width(widths: Sequence[int], overhead_tokens: float) -> list[list[int]]:

@@ -54,7 +54,7 @@ Decided = rejection.Verdict | tree_verify.TreeVerdict
 @dataclass
 class TargetSession:
     session_id: str
-    tokens: list[int]  # committed: prompt + output, the orchestrator's truth mirrored
+    tokens: list[int]  # committed: prompt + output, the orchestrator's truth mirrored; only ever appended to
     sampling: SamplingParams
     mode: VerificationMode
     cache: SessionCache
@@ -303,7 +303,7 @@ class TargetEngine:
         fed = session.cache.fed
         scoring = session.scores_prompt
         # [k+1, vocab]; scoring the prompt: a row for every position fed, the prompt's first (the cache is new)
-        logits = session.cache.logits(session.tokens, draft_tokens, parents, all_rows=scoring)
+        logits = session.cache.logits(session.tokens, draft_tokens, parents, all_rows=scoring, grown=True)
         forward_s = time.perf_counter() - start
         prompt_logprobs = ()
         if scoring:
@@ -345,7 +345,7 @@ class TargetEngine:
             except errors.SpecsplitError as exc:
                 results[i] = exc
                 continue
-            keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens)
+            keep, feed = item.session.cache.plan(item.session.tokens, item.draft_tokens, grown=True)
             if self._chunks(item, feed):
                 chunking.append((i, keep, feed))
                 continue

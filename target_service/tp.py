@@ -129,13 +129,13 @@ class ShardedSessionCache(SessionCache):
 
     def logits(
         self, context: Sequence[int], block: Sequence[int], parents: Sequence[int] | None = None,
-        all_rows: bool = False,
+        all_rows: bool = False, grown: bool = False,
     ) -> torch.Tensor:
         if parents is not None:  # ModelInfo.token_trees is false for a sharded target: chains only
             raise ValueError("a tensor-parallel target verifies chains only, not token trees")
         if self._leader.broken:
             raise errors.Unavailable(f"the tensor-parallel target lost a rank ({self._leader.broken})")
-        keep, feed = self.plan(context, block)
+        keep, feed = self.plan(context, block, grown)
         n_logits = len(feed) if all_rows else len(block) + 1
         try:
             self._leader.announce(OP_FORWARD, self.slot, keep, feed, n_logits)
