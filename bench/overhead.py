@@ -72,7 +72,7 @@ def tiny_model(path: Path) -> Path:
 
 def add_flags(parser) -> None:
     parser.add_argument("--overhead-rounds", type=int, default=400, help="--suite overhead: rounds per mode, one session")
-    parser.add_argument("--overhead-sessions", default="1,8,32,64",
+    parser.add_argument("--overhead-sessions", default="1,8,32,128",
                         help="--suite overhead: concurrent sessions for the CPU per token part")
     parser.add_argument("--overhead-tokens", type=int, default=128,
                         help="--suite overhead: new tokens per session in the CPU per token part")
@@ -312,7 +312,8 @@ def run(args) -> int:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model(Path(tmp) / "tiny"))
-        service = ["--model", model, "--threads", "1"]
+        most = max(int(n) for n in args.overhead_sessions.split(",") if n.strip())
+        service = ["--model", model, "--threads", "1", "--max-sessions", str(max(most, 64))]
         ports = {"target": processes.restartable_port(), "draft": processes.restartable_port()}
         target_service = [*service, "--compile", args.overhead_target_compile, "--metrics-port", str(ports["target"])]
         draft_service = [*service, "--metrics-port", str(ports["draft"])]
