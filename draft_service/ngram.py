@@ -169,9 +169,16 @@ class NgramDrafter(Drafter):
         differently from ``tokens``: the first index at which the two copies differ, and its token."""
         length = len(self._tokens)
         for m in range(n, self._config.min_n - 1, -1):
-            earlier = self._ends[m].get(tuple(self._tokens[length - m :]), [])[:-1]
-            for other in [e for e in reversed(earlier) if e != start][:_SECOND_GUESS_CANDIDATES]:
+            ends = self._ends[m].get(tuple(self._tokens[length - m :]), ())
+            tried = 0
+            for j in range(len(ends) - 2, -1, -1):  # most recent first; ends[-1] is the suffix itself
+                other = ends[j]
+                if other == start:
+                    continue
                 for i, token in enumerate(tokens[: length - other]):
                     if self._tokens[other + i] != token:
                         return i, self._tokens[other + i]
+                tried += 1
+                if tried == _SECOND_GUESS_CANDIDATES:  # walked without touching every earlier occurrence
+                    break
         return None

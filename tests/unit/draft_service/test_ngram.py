@@ -245,3 +245,38 @@ def test_long_context_proposal():
     drafter.rollback(0)
     assert drafter.position == 0
     assert drafter.propose(6).tokens == []
+
+
+def reference_second_guess(context: list[int], config: NgramConfig, k: int, candidates: int = 4):
+    """The second guess by brute-force scan: where the most recent other earlier occurrences of the matched
+    suffix (then of shorter ones; a few each) go on differently from the proposal, the first such place."""
+    length = len(context)
+    for n in range(min(config.max_n, length), config.min_n - 1, -1):
+        ends = [end for end in range(n, length) if context[end - n : end] == context[length - n :]]
+        if ends:
+            start = ends[-1]
+            break
+    else:
+        return None
+    tokens = context[start : start + k]
+    for m in range(n, config.min_n - 1, -1):
+        others = [end for end in range(length - 1, m - 1, -1)
+                  if context[end - m : end] == context[length - m :] and end != start][:candidates]
+        for other in others:
+            for i, token in enumerate(tokens[: length - other]):
+                if context[other + i] != token:
+                    return i, context[other + i]
+    return None
+
+
+def test_the_second_guess_is_where_another_earlier_occurrence_goes_on_differently():
+    rng = random.Random(11)
+    config = NgramConfig()
+    guessed = 0
+    for _ in range(400):
+        context = [rng.randrange(3) for _ in range(rng.randrange(4, 80))]  # three symbols: many occurrences
+        k = rng.randrange(1, 7)
+        got = NgramDrafter(config, context).propose(k).second_guess
+        assert got == reference_second_guess(context, config, k), (context, k)
+        guessed += got is not None
+    assert guessed > 100  # most contexts have one
