@@ -221,7 +221,7 @@ async def measure(target: str, draft: str, model: str, args, pids: dict[str, int
                                                                  shared_stream_from=1 if name == "shared" else 0))
              for name in transports}
     freeze_startup_heap("the bench's orchestrator")  # as `specsplit serve` does once connected
-    sessions = [int(s) for s in args.overhead_sessions.split(",") if s.strip()]
+    sessions = session_counts(args)
     per_round: dict[tuple[str, str], list[dict]] = {}
     cpu: dict[tuple[str, str, int], list[dict]] = {}
     try:
@@ -245,6 +245,11 @@ async def measure(target: str, draft: str, model: str, args, pids: dict[str, int
             await orch.close()
     return {"per_round": [median_of(rows) for rows in per_round.values()],
             "concurrency": [median_of(rows) for rows in cpu.values()]}
+
+
+def session_counts(args) -> list[int]:
+    """--overhead-sessions as numbers: the concurrencies of the CPU per token part."""
+    return [int(n) for n in args.overhead_sessions.split(",") if n.strip()]
 
 
 def median_of(rows: list[dict]) -> dict:
@@ -312,8 +317,7 @@ def run(args) -> int:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model(Path(tmp) / "tiny"))
-        most = max(int(n) for n in args.overhead_sessions.split(",") if n.strip())
-        service = ["--model", model, "--threads", "1", "--max-sessions", str(max(most, 64))]
+        service = ["--model", model, "--threads", "1", "--max-sessions", str(max(*session_counts(args), 64))]
         ports = {"target": processes.restartable_port(), "draft": processes.restartable_port()}
         target_service = [*service, "--compile", args.overhead_target_compile, "--metrics-port", str(ports["target"])]
         draft_service = [*service, "--metrics-port", str(ports["draft"])]

@@ -11,11 +11,11 @@ verifying a block of ``width`` tokens, ``batch`` rows packed into one forward:
 
 Modes are measured in turn within each repeat (interleaved), the fastest repeat kept. Also: the compile
 time, and the first forward after it (a new session's prefill); a greedy block's decision, the argmax
-of its rows, through torch's max and through ``row_argmax``; and (``cache``) the near-zero model's step
-and its LM head with the greedy argmax warm, against the same after the CPU caches were flushed or the
-process slept, as a service's step runs after the other processes had the CPU; and (``engine``) the target
-engine's whole batched step (plan, packed forward, decision, commit) for 32 sessions by context length. The logits of every mode are compared with
-``transformers``' at each cell: ``step`` must equal them bit for bit, ``inductor`` to rounding (its fused
+of its rows, through torch's max and through ``row_argmax``; (``cache``) the near-zero model's step and
+its LM head with the greedy argmax warm, against the same after the CPU caches were flushed or the process
+slept, as a service's step runs after the other processes had the CPU; and (``engine``) the target
+engine's whole batched step (plan, packed forward, decision, commit) for 32 sessions by context length.
+The logits of every mode are compared with ``transformers``' at each cell: ``step`` must equal them bit for bit, ``inductor`` to rounding (its fused
 kernels sum in another order), with the same argmax. JSON and a PNG.
 """
 
@@ -271,21 +271,18 @@ def run(args) -> int:
         raise ValueError("--step-widths, --step-batches and --step-repeats take positive integers")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "specsplit-bench-inductor"))
     started = time.time()
-    results = []
-    if "forward" in parts:
-        with tempfile.TemporaryDirectory() as tmp:
-            tiny = str(tiny_model(Path(tmp) / "near-zero"))
+    results, cache, engine = [], None, []
+    with tempfile.TemporaryDirectory() as tmp:  # the near-zero model, written once for every part that runs it
+        tiny = str(tiny_model(Path(tmp) / "near-zero")) if parts & {"forward", "cache", "engine"} else ""
+        if "forward" in parts:
             near_zero = measure_model(tiny, widths, batches, args.step_repeats, lambda b, w: 200 if b == 1 else 50)
-        near_zero["model"] = "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)"
-        real = measure_model(args.model, widths, batches, args.step_repeats, lambda b, w: 3 if b * w <= 16 else 1)
-        results = [near_zero, real]
-    decision = measure_decision(widths) if "decision" in parts else []
-    cache, engine = None, []
-    if parts & {"cache", "engine"}:
-        with tempfile.TemporaryDirectory() as tmp:
-            near_zero = str(tiny_model(Path(tmp) / "near-zero"))
-            cache = measure_cache(near_zero) if "cache" in parts else None
-            engine = measure_engine(near_zero) if "engine" in parts else []
+            near_zero["model"] = "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)"
+            real = measure_model(args.model, widths, batches, args.step_repeats,
+                                 lambda b, w: 3 if b * w <= 16 else 1)
+            results = [near_zero, real]
+        decision = measure_decision(widths) if "decision" in parts else []
+        cache = measure_cache(tiny) if "cache" in parts else None
+        engine = measure_engine(tiny) if "engine" in parts else []
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
         "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache, "engine": engine,

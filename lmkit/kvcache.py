@@ -93,7 +93,7 @@ class SessionCache:
         self.kv = KVBuffer(int(model.config.num_hidden_layers)) if packed else None
         # full layers only: a sliding window is the mask's job (class docstring)
         self.cache = None if packed else DynamicCache()
-        self.tokens = []  # tokens whose keys/values are in the cache (``tokens``)
+        self.tokens = []  # through the setter: no match remembered yet
         # Feature drafters (EAGLE): hidden states to keep from each forward, as indices into the
         # model's hidden states (0 = embeddings, i = input of decoder layer i); empty = none.
         self.feature_layers: tuple[int, ...] = ()

@@ -2,9 +2,9 @@
 
 Services hold caches, never truth: a lost session is rebuilt from the
 orchestrator's committed tokens. ``DraftLink``: a block late past its round's
-deadline (the wait the loop gives each request) is not waited for and is dropped when it comes;
-a draft that fails, stalls or is unreachable is re-attached in the background,
-re-prefilled; losing it never fails a generation. ``TargetLink``: a target that
+deadline (the wait the loop gives each request) is not waited for and is
+dropped when it comes; a draft that fails, stalls or is unreachable is
+re-attached in the background, re-prefilled; losing it never fails a generation. ``TargetLink``: a target that
 restarts or drops the session is re-opened and the same block verified again;
 only one down past its deadline fails the generation (UNAVAILABLE). A failed
 round commits nothing, so no token is lost, duplicated or retracted.
