@@ -16,7 +16,6 @@ unchanged and sampling lossless. docs/design.md, "One round".
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from dataclasses import dataclass, field, replace
@@ -460,13 +459,8 @@ async def speculative_decode(
                 yield [], Finish.CONTEXT, []
                 return
             block, allowed = loop.constrain(await loop.next_block())
-            verifying = asyncio.ensure_future(
-                target.verify(loop.committed, block.tokens, block.probs, block.parents, allowed))
-            loop.start_ahead(block)
-            try:
-                result = await verifying
-            finally:
-                verifying.cancel()  # no-op once done; stops the verify when the generation is cancelled
+            loop.start_ahead(block)  # its requests leave with the verify's, when this task next yields
+            result = await target.verify(loop.committed, block.tokens, block.probs, block.parents, allowed)
             new, finish = loop.commit(block, result, target.last_prefilled, target.last_wall_s)
             if finish is not None:
                 await loop.close()  # nothing is drafted past the end: the look-ahead stops before the last yield
