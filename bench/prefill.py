@@ -4,9 +4,11 @@
 is one forward), the orchestrator in this process, target-only greedy decoding (the prefill's effect alone, no
 draft). Each run: ``--prefill-sessions`` short prompts decode; once they stream, a prompt of
 ``--prefill-prompt-tokens`` tokens arrives. Reported per value: the other sessions' inter-token gaps while the long
-prompt waited for its first token (largest, p95, median), the long prompt's time to first token, and the tokens/s
-of the short sessions over that window. Values interleaved run by run, ``--prefill-repeats`` times; medians over
-repeats.
+prompt waited for its first token (largest, p99, p95, median), the long prompt's time to first token, and the
+tokens/s of the short sessions over that window (an event of several tokens, text held back for an incomplete character,
+counts as that many rounds over its gap: ``spread``); against their gaps in the ``BASELINE_S`` before it arrived (their
+median there is a decode step), how far their p99 gap rose, in decode steps. Values interleaved run by run,
+``--prefill-repeats`` times; medians over repeats.
 
 ``--prefill-service draft``: the same on the draft alone, a draft process (``--model`` as its model drafter) per
 value of its ``--prefill-chunk``, driven over its ``Session`` streams from this process: the short sessions propose
@@ -37,6 +39,7 @@ from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 TEXT = ("The river ran past the old mill and under the stone bridge, where the children of the village "
         "gathered every evening to watch the boats come home with their nets full of silver fish. ")
+BASELINE_S = 1.0  # the short sessions decode this long, all streaming, before the long prompt arrives
 SHORT_PROMPTS = ("Write a short poem about the sea.", "List three facts about the moon.",
                  "Explain what a compiler does.", "Describe a walk in the forest.")
 
@@ -70,7 +73,7 @@ async def one_run(orch: Orchestrator, short_ids: list[list[int]], long_ids: list
     async def short(i: int) -> None:
         async for event in orch.generate(request(4096), short_ids[i]):
             if event.token_ids:
-                arrivals[i].append(time.perf_counter())
+                spread(arrivals[i], time.perf_counter(), len(event.token_ids))
             if all(arrivals):
                 streaming.set()
             if "first" in window:
@@ -78,7 +81,7 @@ async def one_run(orch: Orchestrator, short_ids: list[list[int]], long_ids: list
 
     async def long() -> None:
         await streaming.wait()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(BASELINE_S)
         window["sent"] = time.perf_counter()
         async for event in orch.generate(request(4), long_ids):
             if event.token_ids and "first" not in window:
@@ -86,6 +89,15 @@ async def one_run(orch: Orchestrator, short_ids: list[list[int]], long_ids: list
 
     await alongside(long, short, len(short_ids))
     return window_figures(arrivals, window["sent"], window["first"])
+
+
+def spread(times: list[float], now: float, tokens: int) -> None:
+    """Add the arrival of an event of ``tokens`` tokens at ``now`` to ``times`` as that many rounds (target-only
+    greedy: a token a round), spread evenly since the arrival before it. An event carries several tokens when
+    their text was held back (a character incomplete until the last of them): the rounds went on meanwhile, and
+    the gap is the text's, not the decoding's."""
+    last = times[-1] if times else now
+    times += [last + (now - last) * (j + 1) / tokens for j in range(tokens)]
 
 
 async def alongside(long, short, shorts: int) -> None:
@@ -101,22 +113,37 @@ async def alongside(long, short, shorts: int) -> None:
 
 def window_figures(arrivals: list[list[float]], sent: float, first: float) -> dict:
     """The short sessions' gaps between arrivals (``arrivals``: each one's times) while the long prompt waited from
-    ``sent`` to ``first``, and what arrived meanwhile."""
-    gaps, tokens = [], 0
+    ``sent`` to ``first``, and what arrived meanwhile; and their gaps in the ``BASELINE_S`` before ``sent``: a decode
+    step (their median) and how many steps their p99 gap rose by."""
+    gaps, before_gaps, tokens = [], [], 0
     for times in arrivals:
         inside = [t for t in times if sent <= t <= first]
         before = [t for t in times if t < sent]
         points = ([before[-1]] if before else []) + inside + [first]
         gaps += [b - a for a, b in zip(points, points[1:])]
         tokens += len(inside)
+        baseline = [t for t in before if t >= sent - BASELINE_S]
+        before_gaps += [b - a for a, b in zip(baseline, baseline[1:])]
     gaps.sort()
+    before_gaps.sort()
+    step = statistics.median(before_gaps) if before_gaps else float("nan")
+    p99, p99_before = _rank(gaps, 0.99), _rank(before_gaps, 0.99) if before_gaps else float("nan")
     return {
         "long_ttft_s": round(first - sent, 3),
         "others_max_gap_s": round(gaps[-1], 3),
-        "others_p95_gap_s": round(gaps[min(len(gaps) - 1, int(0.95 * len(gaps)))], 3),
+        "others_p99_gap_s": round(p99, 3),
+        "others_p95_gap_s": round(_rank(gaps, 0.95), 3),
         "others_median_gap_s": round(statistics.median(gaps), 4),
         "others_tokens_per_s": round(tokens / (first - sent), 1),
+        "step_s": round(step, 4),
+        "others_p99_gap_before_s": round(p99_before, 3),
+        "p99_rise_steps": round((p99 - p99_before) / step, 2),
     }
+
+
+def _rank(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of ascending ``ordered`` (nearest rank)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 DRAFT_BLOCK = 4  # tokens a short session's proposal asks for (each taken whole, as if the target accepted it)
@@ -156,7 +183,7 @@ async def draft_run(address: str, short_ids: list[list[int]], long_ids: list[int
 
         async def long() -> None:
             await streaming.wait()
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(BASELINE_S)
             window["sent"] = time.perf_counter()
             call = await draft_session(stub, f"long-{run}", long_ids)
             await call.write(pb.DraftRequest(propose=pb.ProposeRequest(position=len(long_ids), k=DRAFT_BLOCK)))
@@ -240,7 +267,8 @@ def run(args) -> int:
     path = runs.write(report, args.json)
     for chunk, m in result["medians"].items():
         print(f"{service} --prefill-chunk {chunk:>5}: long TTFT {m['long_ttft_s']:.2f} s; others' largest gap "
-              f"{m['others_max_gap_s']:.2f} s, p95 {m['others_p95_gap_s']:.2f} s, median {m['others_median_gap_s']:.3f} s, "
+              f"{m['others_max_gap_s']:.2f} s, p99 {m['others_p99_gap_s']:.2f} s (+{m['p99_rise_steps']:.1f} steps of "
+              f"{m['step_s']:.3f} s), p95 {m['others_p95_gap_s']:.2f} s, median {m['others_median_gap_s']:.3f} s, "
               + (f"{m['others_proposals_per_s']:.1f} proposals/s" if service == "draft"
                  else f"{m['others_tokens_per_s']:.1f} tok/s") + " meanwhile")
     print(f"-> {path}")
