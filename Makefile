@@ -12,7 +12,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) $(MODEL_LOCK) | s
 # their own venv: checkov's pins (networkx, packaging) clash with torch's.
 K8S_VENV := .venv-k8s
 K8S_REQS := k8s/requirements-tools.txt
-K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_REQS) | sha256sum | cut -c1-12)
+K8S_LOCK := k8s/requirements-tools.lock
+K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_LOCK) | sha256sum | cut -c1-12)
 
 .PHONY: install lock k8s-tools demo test test-unit lint-imports bench bench-speed bench-network protos check-protos clean medusa-heads
 
@@ -46,11 +47,12 @@ lock: install
 	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --find-links $(TORCH_WHEELS) \
 	  --override $(VENV)/torch-cpu.txt --quiet -o docker/requirements-cpu.lock
 	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --no-config --quiet -o docker/requirements-gpu.lock
+	$(VENV)/bin/uv pip compile $(K8S_REQS) $(LOCK_FLAGS) --no-config --quiet -o $(K8S_LOCK)
 
-$(K8S_STAMP): $(K8S_REQS)
+$(K8S_STAMP): $(K8S_LOCK)
 	test -x $(K8S_VENV)/bin/python || $(PYTHON) -m venv $(K8S_VENV)
 	$(K8S_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(K8S_VENV)/bin/python -m pip install --quiet -r $(K8S_REQS)
+	$(K8S_VENV)/bin/python -m pip install --quiet --require-hashes -r $(K8S_LOCK)
 	rm -f $(K8S_VENV)/.installed-*
 	touch $@
 

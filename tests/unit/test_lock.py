@@ -82,7 +82,14 @@ def test_the_lock_meets_every_requirement_of_pyproject():
     assert unmet(project_requirements(), pins) == [], "the lock is stale: run `make lock`"
 
 
-@pytest.mark.parametrize("lock", ["requirements.lock", "requirements-model.lock"])
+def test_the_linters_lock_meets_their_list():
+    listed = [Requirement(line) for line in (REPO / "k8s" / "requirements-tools.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert listed
+    assert unmet(listed, read_lock((REPO / "k8s" / "requirements-tools.lock").read_text())) == []
+
+
+@pytest.mark.parametrize("lock", ["requirements.lock", "requirements-model.lock", "k8s/requirements-tools.lock"])
 def test_every_pin_carries_its_hashes(lock):
     pins = read_lock((REPO / lock).read_text())
     assert pins
