@@ -147,6 +147,9 @@ def _rank(ordered: list[float], q: float) -> float:
 
 
 DRAFT_BLOCK = 4  # tokens a short session's proposal asks for (each taken whole, as if the target accepted it)
+# The draft's short sessions grow their context a block a proposal, back to back: a shorter baseline keeps a small
+# model's context from filling before the long one arrives.
+DRAFT_BASELINE_S = 0.2
 
 
 async def draft_session(stub, session_id: str, tokens: list[int]):
@@ -183,7 +186,7 @@ async def draft_run(address: str, short_ids: list[list[int]], long_ids: list[int
 
         async def long() -> None:
             await streaming.wait()
-            await asyncio.sleep(BASELINE_S)
+            await asyncio.sleep(DRAFT_BASELINE_S)
             window["sent"] = time.perf_counter()
             call = await draft_session(stub, f"long-{run}", long_ids)
             await call.write(pb.DraftRequest(propose=pb.ProposeRequest(position=len(long_ids), k=DRAFT_BLOCK)))
