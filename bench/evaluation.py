@@ -7,6 +7,7 @@ speedup compares like with like: same model, threads, prompts and budget.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from specsplit.bench.prompts import DemoPrompt, chat_ids
@@ -67,11 +68,13 @@ async def run_one(
 async def generate_to_end(orch: Orchestrator, request: GenerationRequest, prompt_ids: list[int]):
     """Run one generation to its end: its text, its token ids and the finishing event (stats, loop)."""
     text, ids = [], []
-    async for event in orch.generate(request, prompt_ids):
-        text.append(event.text)
-        ids.extend(event.token_ids)
-        if event.finish is not None:
-            return "".join(text), ids, event
+    # Closed here, its sessions with it: not by a finalizer during the next run or after the channels are gone.
+    async with contextlib.aclosing(orch.generate(request, prompt_ids)) as events:
+        async for event in events:
+            text.append(event.text)
+            ids.extend(event.token_ids)
+            if event.finish is not None:
+                return "".join(text), ids, event
     raise RuntimeError("generation ended without a finish event")
 
 

@@ -14,6 +14,11 @@ adaptive up to ``--k``, or fixed with ``--fixed-k``). Greedy, or sampled with
 ``--decoding sampling`` (T 0.7, top-p 0.95, a seed per prompt shared by every
 contender: under coupled verification, the default, the seed fixes the text);
 every output is compared with target-only's.
+
+Each contender calls the services under a bearer token of its own, so a recycling drafter's table (one per
+caller, kept across requests) holds the target's successors of that contender's own text only, never those
+of the contenders run before it on the same prompt. ``--warm-prompt-set`` first runs each contender that
+recycles over another prompt set, as a caller's table is warm from its earlier requests in service.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import asyncio
 import json
 import os
 import platform
+import secrets
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -54,6 +61,11 @@ def add_flags(parser) -> None:
         "--drafters", default="ngram,eagle,ngram+eagle",
         help="--suite interleaved: drafters compared, comma-separated; a+b is a chain (n-gram first), "
              "name@k a fixed k",
+    )
+    parser.add_argument(
+        "--warm-prompt-set", default="", choices=["", *sorted(PROMPT_SETS)],
+        help="--suite interleaved: run each contender that recycles over this prompt set first (none in common "
+             "with --prompt-set), so its caller's table is warm as after earlier requests",
     )
 
 
@@ -91,21 +103,48 @@ def draft_flags(args, entries: list[Entry]) -> list[str]:
     return flags
 
 
-async def _measure(args, entries: list[Entry], target_address: str, draft_address: str) -> dict[str, list[Comparison]]:
+TARGET_ONLY = "target-only"
+
+
+def caller_tokens(folder: Path, labels: list[str]) -> tuple[Path, dict[str, Path]]:
+    """A bearer token per caller under ``folder``: the services' token file (``NAME TOKEN`` a line) and each
+    caller's own file of its token (an orchestrator's ``peer_token_file``)."""
+    tokens = {label: secrets.token_hex(16) for label in labels}
+    services = folder / "services.tokens"
+    services.write_text("".join(f"caller-{i} {token}\n" for i, token in enumerate(tokens.values())))
+    own = {}
+    for i, (label, token) in enumerate(tokens.items()):
+        own[label] = folder / f"caller-{i}.token"
+        own[label].write_text(token + "\n")
+    return services, own
+
+
+def recycles(entry: Entry) -> bool:
+    return DrafterKind.RECYCLING in (entry.chain or (entry.drafter,))
+
+
+async def _measure(args, entries: list[Entry], target_address: str, draft_address: str,
+                   token_files: dict[str, Path]) -> dict[str, list[Comparison]]:
     config = OrchestratorConfig(target_address=target_address, draft_address=draft_address, tokenizer=args.model)
     greedy = SamplingParams()
     decoding = decoding_of(args)
     overlap = not args.no_overlap
     k_of = {e.label: (e.fixed_k or args.k, not (e.fixed_k or args.fixed_k)) for e in entries}  # (k, adaptive)
     prompts = PROMPT_SETS[args.prompt_set]
-    baseline_orch = await Orchestrator.connect(config)
-    orchs = {e.label: await Orchestrator.connect(config) for e in entries}
+    baseline_orch = await Orchestrator.connect(replace(config, peer_token_file=str(token_files[TARGET_ONLY])))
+    orchs = {e.label: await Orchestrator.connect(replace(config, peer_token_file=str(token_files[e.label])))
+             for e in entries}
     try:
         await run_one(baseline_orch, prompts[0], 0, DrafterKind.NGRAM, 8, greedy)
         for e in entries:  # first calls pay one-off allocation costs and seed each cost model
             k, adaptive = k_of[e.label]
             await run_one(orchs[e.label], prompts[0], k, e.drafter, 16, greedy, adaptive_k=adaptive,
                           overlap=overlap, chain=e.chain)
+        for warm in PROMPT_SETS[args.warm_prompt_set] if args.warm_prompt_set else ():
+            for e in filter(recycles, entries):
+                k, adaptive = k_of[e.label]
+                await run_one(orchs[e.label], warm, k, e.drafter, args.max_new_tokens, decoding.params(warm, 0),
+                              adaptive_k=adaptive, overlap=overlap, chain=e.chain)
         results: dict[str, list[Comparison]] = {e.label: [] for e in entries}
         for prompt in prompts:
             sampling = decoding.params(prompt, 0)
@@ -193,16 +232,22 @@ def run(args) -> int:
     entries = parse_entries(args.drafters)
     target_args, draft_args = runs.service_args(argparse.Namespace(**{**vars(args), "drafter": "ngram"}))
     flags = draft_flags(args, entries)
-    if any(DrafterKind.RECYCLING in (e.chain or (e.drafter,)) for e in entries):
-        # Contenders run one after another on the same prompt: a shared table would hand the later ones the
-        # target's successors of the very text they are about to draft. Each session drafts from its own.
-        draft_args += ["--recycling-table-tokens", "0"]
+    if args.warm_prompt_set:
+        shared = {p.name for p in PROMPT_SETS[args.warm_prompt_set]} & {p.name for p in PROMPT_SETS[args.prompt_set]}
+        if shared:
+            raise ValueError(f"--warm-prompt-set {args.warm_prompt_set} shares prompts with --prompt-set "
+                             f"{args.prompt_set} ({', '.join(sorted(shared)[:3])}): warm on other prompts")
     if flags:
         draft_args += ["--model", args.model, *flags]
     started = time.time()
-    with local_services(target_args, draft_args) as (target, draft):
-        results = asyncio.run(_measure(args, entries, target.address, draft.address))
-    out = {**report(args, entries, results), "duration_s": round(time.time() - started, 1)}
+    with tempfile.TemporaryDirectory(prefix="specsplit-callers-") as folder:
+        services, own = caller_tokens(Path(folder), [TARGET_ONLY, *(e.label for e in entries)])
+        target_args += ["--auth-token-file", str(services)]
+        draft_args += ["--auth-token-file", str(services)]
+        with local_services(target_args, draft_args) as (target, draft):
+            results = asyncio.run(_measure(args, entries, target.address, draft.address, own))
+    out = {**report(args, entries, results), "warm_prompt_set": args.warm_prompt_set or None,
+           "duration_s": round(time.time() - started, 1)}
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")

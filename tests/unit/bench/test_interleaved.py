@@ -8,6 +8,7 @@ import pytest
 
 from specsplit.bench import interleaved
 from specsplit.bench.speculative import build_parser
+from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.kinds import DrafterKind
 
 pytestmark = pytest.mark.unit
@@ -40,3 +41,19 @@ def test_the_draft_service_gets_each_self_draft_flag_once():
     flags = interleaved.draft_flags(args, interleaved.parse_entries("ngram,eagle,ngram+eagle,quantized"))
     assert flags == ["--quantize", "int8", "--eagle-head", "smollm2-135m"]
     assert interleaved.draft_flags(args, interleaved.parse_entries("ngram")) == []
+
+
+def test_each_contender_calls_under_a_token_of_its_own(tmp_path):
+    services, own = interleaved.caller_tokens(tmp_path, ["target-only", "ngram", "recycling"])
+    accepted = Tokens(path=str(services))
+    callers = {label: accepted.caller(Tokens(path=str(path)).first()) for label, path in own.items()}
+    assert None not in callers.values()
+    assert len(set(callers.values())) == 3  # a recycling table per caller: none shared between contenders
+
+
+def test_a_warm_up_set_sharing_prompts_with_the_measured_set_is_refused():
+    args = build_parser(argparse.ArgumentParser()).parse_args([
+        "--json", "x.json", "--suite", "interleaved", "--drafters", "recycling", "--prompt-set", "mixed",
+        "--warm-prompt-set", "mixed-dev"])
+    with pytest.raises(ValueError, match="shares prompts with --prompt-set mixed"):
+        interleaved.run(args)
