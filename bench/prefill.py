@@ -5,10 +5,10 @@ is one forward), the orchestrator in this process, target-only greedy decoding (
 draft). Each run: ``--prefill-sessions`` short prompts decode; once they stream, a prompt of
 ``--prefill-prompt-tokens`` tokens arrives. Reported per value: the other sessions' inter-token gaps while the long
 prompt waited for its first token (largest, p99, p95, median), the long prompt's time to first token, and the
-tokens/s of the short sessions over that window (an event of several tokens, text held back for an incomplete character,
-counts as that many rounds over its gap: ``spread``); against their gaps in the ``BASELINE_S`` before it arrived (their
-median there is a decode step), how far their p99 gap rose, in decode steps. Values interleaved run by run,
-``--prefill-repeats`` times; medians over repeats.
+tokens/s of the short sessions over that window; an event of several tokens (text held back for an incomplete
+character) counts as that many rounds over its gap (``spread``). Against their gaps in the ``BASELINE_S`` before it
+arrived (their median there is a decode step): how far their p99 gap rose, in decode steps. Values interleaved run
+by run, ``--prefill-repeats`` times; medians over repeats.
 
 ``--prefill-service draft``: the same on the draft alone, a draft process (``--model`` as its model drafter) per
 value of its ``--prefill-chunk``, driven over its ``Session`` streams from this process: the short sessions propose
@@ -88,7 +88,7 @@ async def one_run(orch: Orchestrator, short_ids: list[list[int]], long_ids: list
                 window["first"] = time.perf_counter()
 
     await alongside(long, short, len(short_ids))
-    return window_figures(arrivals, window["sent"], window["first"])
+    return window_figures(arrivals, window["sent"], window["first"], BASELINE_S)
 
 
 def spread(times: list[float], now: float, tokens: int) -> None:
@@ -111,10 +111,10 @@ async def alongside(long, short, shorts: int) -> None:
             task.cancel()
 
 
-def window_figures(arrivals: list[list[float]], sent: float, first: float) -> dict:
+def window_figures(arrivals: list[list[float]], sent: float, first: float, baseline_s: float) -> dict:
     """The short sessions' gaps between arrivals (``arrivals``: each one's times) while the long prompt waited from
-    ``sent`` to ``first``, and what arrived meanwhile; and their gaps in the ``BASELINE_S`` before ``sent``: a decode
-    step (their median) and how many steps their p99 gap rose by."""
+    ``sent`` to ``first``, and what arrived meanwhile; and their gaps in the ``baseline_s`` before ``sent``: a decode
+    step (their median) and how many steps their p99 gap rose by (None without a gap there)."""
     gaps, before_gaps, tokens = [], [], 0
     for times in arrivals:
         inside = [t for t in times if sent <= t <= first]
@@ -122,12 +122,16 @@ def window_figures(arrivals: list[list[float]], sent: float, first: float) -> di
         points = ([before[-1]] if before else []) + inside + [first]
         gaps += [b - a for a, b in zip(points, points[1:])]
         tokens += len(inside)
-        baseline = [t for t in before if t >= sent - BASELINE_S]
+        baseline = [t for t in before if t >= sent - baseline_s]
         before_gaps += [b - a for a, b in zip(baseline, baseline[1:])]
     gaps.sort()
     before_gaps.sort()
-    step = statistics.median(before_gaps) if before_gaps else float("nan")
-    p99, p99_before = _rank(gaps, 0.99), _rank(before_gaps, 0.99) if before_gaps else float("nan")
+    p99 = _rank(gaps, 0.99)
+    baseline_figures = {"step_s": None, "others_p99_gap_before_s": None, "p99_rise_steps": None}
+    if before_gaps:
+        step, p99_before = statistics.median(before_gaps), _rank(before_gaps, 0.99)
+        baseline_figures = {"step_s": round(step, 4), "others_p99_gap_before_s": round(p99_before, 3),
+                            "p99_rise_steps": round((p99 - p99_before) / step, 2)}
     return {
         "long_ttft_s": round(first - sent, 3),
         "others_max_gap_s": round(gaps[-1], 3),
@@ -135,9 +139,7 @@ def window_figures(arrivals: list[list[float]], sent: float, first: float) -> di
         "others_p95_gap_s": round(_rank(gaps, 0.95), 3),
         "others_median_gap_s": round(statistics.median(gaps), 4),
         "others_tokens_per_s": round(tokens / (first - sent), 1),
-        "step_s": round(step, 4),
-        "others_p99_gap_before_s": round(p99_before, 3),
-        "p99_rise_steps": round((p99 - p99_before) / step, 2),
+        **baseline_figures,
     }
 
 
@@ -196,7 +198,7 @@ async def draft_run(address: str, short_ids: list[list[int]], long_ids: list[int
             call.cancel()
 
         await alongside(long, short, len(short_ids))
-    figures = window_figures(arrivals, window["sent"], window["first"])
+    figures = window_figures(arrivals, window["sent"], window["first"], DRAFT_BASELINE_S)
     figures["others_proposals_per_s"] = figures.pop("others_tokens_per_s")  # an arrival here is a block
     return figures
 
@@ -231,8 +233,14 @@ async def interleaved(values: list[str], run_one, short_ids: list[list[int]], lo
         for value in values if repeat % 2 == 0 else values[::-1]:
             rows[value].append(await run_one(value, short_ids, long_ids, repeat))
     return {"runs": rows,
-            "medians": {value: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            "medians": {value: {key: _median([r[key] for r in runs]) for key in runs[0]}
                         for value, runs in rows.items()}}
+
+
+def _median(values: list) -> float | None:
+    """The median of the runs' figures that exist (None where no run had one)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def run(args) -> int:
@@ -270,8 +278,9 @@ def run(args) -> int:
     path = runs.write(report, args.json)
     for chunk, m in result["medians"].items():
         print(f"{service} --prefill-chunk {chunk:>5}: long TTFT {m['long_ttft_s']:.2f} s; others' largest gap "
-              f"{m['others_max_gap_s']:.2f} s, p99 {m['others_p99_gap_s']:.2f} s (+{m['p99_rise_steps']:.1f} steps of "
-              f"{m['step_s']:.3f} s), p95 {m['others_p95_gap_s']:.2f} s, median {m['others_median_gap_s']:.3f} s, "
+              f"{m['others_max_gap_s']:.2f} s, p99 {m['others_p99_gap_s']:.2f} s"
+              + (f" (+{m['p99_rise_steps']:.1f} steps of {m['step_s']:.3f} s)" if m["step_s"] is not None else "")
+              + f", p95 {m['others_p95_gap_s']:.2f} s, median {m['others_median_gap_s']:.3f} s, "
               + (f"{m['others_proposals_per_s']:.1f} proposals/s" if service == "draft"
                  else f"{m['others_tokens_per_s']:.1f} tok/s") + " meanwhile")
     print(f"-> {path}")

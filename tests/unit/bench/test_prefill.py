@@ -18,7 +18,7 @@ def test_a_decode_step_and_the_p99_rise_come_from_the_gaps_before_and_during_the
     # every 0.2 s (every step carries a chunk).
     a = _ticks(sent - 3.0, sent, 0.1) + [10.05, 10.55] + _ticks(10.65, first, 0.1)
     b = _ticks(sent - 3.0, sent, 0.1) + _ticks(10.1, first, 0.2)
-    figures = window_figures([a, b], sent, first)
+    figures = window_figures([a, b], sent, first, BASELINE_S)
     assert figures["step_s"] == pytest.approx(0.1)
     assert figures["others_p99_gap_before_s"] == pytest.approx(0.1)
     assert figures["others_max_gap_s"] == pytest.approx(0.5)
@@ -33,9 +33,15 @@ def test_the_baseline_is_only_the_window_before_the_prompt_arrived():
     """Gaps older than BASELINE_S before the prompt (a session's own prefill, say) are not a decode step."""
     sent, first = 10.0, 10.5
     times = [sent - BASELINE_S - 2.0] + _ticks(sent - BASELINE_S, sent, 0.05) + _ticks(sent, first, 0.05)
-    figures = window_figures([times], sent, first)
+    figures = window_figures([times], sent, first, BASELINE_S)
     assert figures["step_s"] == pytest.approx(0.05)
     assert figures["p99_rise_steps"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_without_gaps_before_the_prompt_there_is_no_step_to_count_in():
+    figures = window_figures([[10.0, 10.2, 10.4]], 10.0, 10.5, BASELINE_S)
+    assert figures["step_s"] is None and figures["p99_rise_steps"] is None
+    assert prefill._median([None, None]) is None and prefill._median([None, 2.0, 4.0]) == 3.0
 
 
 def test_the_rank_is_the_nearest_rank_quantile():
