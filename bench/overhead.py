@@ -7,7 +7,8 @@ and the orchestrator runs in this process. Part one: one session per mode
 time split into the orchestrator's share, each hop (wire and both gRPC
 stacks) and each service's time outside its compute, from the services' own
 reports (``ServiceTiming``). Part two: CPU per generated token of each
-process and the stack's tokens/s at several concurrent sessions. Every
+process and the stack's tokens/s at several concurrent sessions (k = 0; k = 4
+n-gram, sync and overlapped, the default). Every
 figure is also set against GPU decode steps (``GPU_STEPS``) as a fraction.
 """
 
@@ -52,6 +53,8 @@ MODES = (
     Mode("ngram4-overlap", 4, DrafterKind.NGRAM, True),
     Mode("model4-sync", 4, DrafterKind.MODEL, False),
 )
+# The CPU per token part: k = 0, n-gram k = 4 sync, and n-gram k = 4 with overlap (what a request gets by default).
+CONCURRENT_MODES = MODES[:3]
 
 
 def tiny_model(path: Path) -> Path:
@@ -235,7 +238,7 @@ async def measure(target: str, draft: str, model: str, args, pids: dict[str, int
                     row = {"transport": name, **await one_session(orch, mode, args.overhead_rounds)}
                     per_round.setdefault((name, mode.name), []).append(row)
             for n in sessions:
-                for mode in (MODES[0], MODES[1]):  # k = 0 and k = 4 n-gram
+                for mode in CONCURRENT_MODES:
                     for name, orch in orchs.items():
                         row = {"transport": name,
                                **await concurrent(orch, mode, n, args.overhead_tokens, pids, metrics_ports)}

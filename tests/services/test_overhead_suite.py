@@ -26,7 +26,7 @@ def test_the_overhead_suite_reports_every_mode_and_process(tmp_path):
     assert modes["k0"]["parts_ms"]["draft_hop_waited"] == 0.0  # no draft request at k = 0
     assert modes["model4-sync"]["parts_ms"]["draft_compute_waited"] > 0
     assert {(c["transport"], c["mode"], c["sessions"]) for c in report["concurrency"]} == {
-        (t, m, n) for t in ("shared", "own") for m in ("k0", "ngram4-sync") for n in (1, 3)}
+        (t, m, n) for t in ("shared", "own") for m in ("k0", "ngram4-sync", "ngram4-overlap") for n in (1, 3)}
     assert all(set(c["cpu_ms_per_token"]) == {"orchestrator", "target", "draft"} for c in report["concurrency"])
-    assert len(report["against_gpu_steps"]) == 2 * (4 + 4)
+    assert len(report["against_gpu_steps"]) == 2 * (4 + 6)
     assert out.with_suffix(".png").exists()
