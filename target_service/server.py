@@ -230,10 +230,12 @@ def run(args) -> int:
     if world != args.tp:
         raise ValueError(f"--tp {args.tp} but torchrun started {world} ranks")
     if rank == 0:
-        return asyncio.run(serve(args))
-    engine, _ = load_engine(args)
-    tp.follow(engine.model)
-    return 0
+        code = asyncio.run(serve(args))
+    else:
+        engine, _ = load_engine(args)
+        tp.follow(engine.model)
+        code = 0
+    return code if code or tp.leave_group() else 1
 
 
 def launch_ranks(args, spec: models.ModelSpec) -> int:

@@ -57,6 +57,22 @@ def init_process_group(device: str, timeout_s: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave_group() -> bool:
+    """After a clean shutdown (every rank past the last broadcast): meet the other ranks, then destroy this rank's
+    process group while the interpreter is whole. Left to the interpreter's exit, gloo's worker threads can
+    outlive what they hold and abort the process ("terminate called without an active exception"). False when
+    a rank is gone meanwhile."""
+    if not dist.is_initialized():
+        return True
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError) included
+        log.error("could not leave the tensor-parallel group cleanly: %s", exc)
+        return False
+    return True
+
+
 def comm_device() -> torch.device:
     """Where the step broadcasts live: the rank's GPU under NCCL, the CPU under gloo.
 
