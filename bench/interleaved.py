@@ -55,6 +55,11 @@ class Entry:
     chain: tuple[DrafterKind, ...] = ()
     fixed_k: int = 0  # 0: the run's --k and --fixed-k
 
+    @property
+    def members(self) -> tuple[DrafterKind, ...]:
+        """The drafters it runs: a chain's members, else its one drafter."""
+        return self.chain or (self.drafter,)
+
 
 def add_flags(parser) -> None:
     parser.add_argument(
@@ -93,7 +98,7 @@ def parse_entries(spec: str) -> list[Entry]:
 
 def draft_flags(args, entries: list[Entry]) -> list[str]:
     """serve-draft flags for every self-drafter the entries use (each flag once)."""
-    kinds = {k for e in entries for k in (e.chain or (e.drafter,))}
+    kinds = {k for e in entries for k in e.members}
     flags: list[str] = []
     for kind in sorted(kinds, key=lambda k: k.value):
         one = demo.self_draft_flags(argparse.Namespace(**{**vars(args), "drafter": kind.name.lower()}))
@@ -120,7 +125,7 @@ def caller_tokens(folder: Path, labels: list[str]) -> tuple[Path, dict[str, Path
 
 
 def recycles(entry: Entry) -> bool:
-    return DrafterKind.RECYCLING in (entry.chain or (entry.drafter,))
+    return DrafterKind.RECYCLING in entry.members
 
 
 async def _measure(args, entries: list[Entry], target_address: str, draft_address: str,
@@ -204,7 +209,7 @@ def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> 
         "target": args.model,
         "drafters": [e.label for e in entries],
         "eagle_head": args.eagle_head or (args.model if any(
-            DrafterKind.EAGLE in (e.chain or (e.drafter,)) for e in entries) else None),
+            DrafterKind.EAGLE in e.members for e in entries) else None),
         "prompt_set": args.prompt_set,
         "decoding": decoding_of(args).name,
         "k": args.k, "adaptive_k": not args.fixed_k, "overlap": not args.no_overlap,
