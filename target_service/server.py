@@ -235,7 +235,9 @@ def run(args) -> int:
         engine, _ = load_engine(args)
         tp.follow(engine.model)
         code = 0
-    return code if code or tp.leave_group() else 1
+    if code == 0 and not tp.leave_group():  # a rank went away between the last broadcast and the exit
+        code = 1
+    return code
 
 
 def launch_ranks(args, spec: models.ModelSpec) -> int:
