@@ -179,18 +179,28 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             read_s = 0.0 if prepared.cancelled() or prepared.exception() else prepared.result()
         # spent on this session's context: compute, as the block's own (other sessions' between its chunks are not)
         waited = min(time.perf_counter() - received, read_s)
+        proposed = await self._run(session.free, self._proposal, engine, session, msg)
+        return self._block(msg, *proposed, received, waited, read_s)
+
+    def propose_at_once(self, engine: DraftEngine, session, msg: pb.ProposeRequest) -> pb.DraftBlock:
+        """A free drafter's proposal (no context read pending), made in the event loop as ``_propose`` would."""
+        received = time.perf_counter()
+        return self._block(msg, *self._proposal(engine, session, msg), received, 0.0, 0.0)
+
+    @staticmethod
+    def _proposal(engine: DraftEngine, session, msg: pb.ProposeRequest):
+        """The engine's proposal and the encoding of its distributions (on the compute thread unless free)."""
         features = None
         if msg.HasField("features"):
             features = features_from_proto(msg.features, session.feature_width or msg.features.width)
         successors = [successors_from_proto(s) for s in msg.successors]
+        done = engine.propose(
+            session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches, features, successors
+        )
+        return done, probs_to_proto(done.proposal.probs) if done.proposal.probs is not None else None
 
-        def propose():  # on the compute thread, with the encoding of the block's distributions
-            done = engine.propose(
-                session, msg.position, list(msg.tokens), msg.k, msg.free_k, msg.max_branches, features, successors
-            )
-            return done, probs_to_proto(done.proposal.probs) if done.proposal.probs is not None else None
-
-        done, probs = await self._run(session.free, propose)
+    @staticmethod
+    def _block(msg: pb.ProposeRequest, done, probs, received: float, waited: float, read_s: float) -> pb.DraftBlock:
         block = pb.DraftBlock(
             position=msg.position + len(msg.tokens),
             tokens=done.proposal.tokens,
@@ -208,7 +218,6 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
         block.timing.read_us = int(read_s * 1e6)
         block.timing.service_us = int((time.perf_counter() - received) * 1e6)
         return block
-
 
 
 class _DraftSlot:
@@ -238,6 +247,11 @@ class _DraftCalls:
             raise errors.FailedPrecondition(f"session {slot.session.session_id!r} is open; send `propose` calls")
         prepared, slot.prepared = slot.prepared, None
         return "block", await self._servicer._propose(self._engine, slot.session, msg, prepared)
+
+    def serve_at_once(self, slot: _DraftSlot, kind: str, msg):
+        if kind != "propose" or not slot.session.free or slot.prepared is not None:
+            return None  # a model's proposal runs on the compute thread; a bad call's error comes from ``serve``
+        return "block", self._servicer.propose_at_once(self._engine, slot.session, msg)
 
     def close(self, slot: _DraftSlot) -> pb.SessionState:
         state = self._servicer.session_state(slot.session)

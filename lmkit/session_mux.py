@@ -5,8 +5,10 @@ run in the order sent, sessions run independently (a verify waits in the
 target's batcher beside the others'), and the answers that are ready together
 (one batched forward's) leave in one message. A call's domain error closes its
 session alone and is answered with its status code; every session of the
-stream closes when the stream ends, and one idle past the TTL is evicted. What
-a call does is the servicer's (``MuxHandler``); this module only carries it.
+stream closes when the stream ends, and one idle past the TTL is evicted. A
+call that needs no waiting, none of its session's calls before it still
+running, is answered as it is read, without a task of its own. What a call
+does is the servicer's (``MuxHandler``); this module only carries it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class MuxHandler(Protocol):
 
     async def serve(self, state: Any, kind: str, call: Any) -> tuple[str, Any]:
         """Answer one call of an open session: (the answer's kind, its message)."""
+
+    def serve_at_once(self, state: Any, kind: str, call: Any) -> tuple[str, Any] | None:
+        """``serve``'s answer when it needs no waiting (a model-free drafter's proposal), computed in the
+        event loop now; None when the call must be awaited (``serve``)."""
 
     def close(self, state: Any) -> Any:
         """Free a session; returns the ``closed`` answer."""
@@ -107,7 +113,25 @@ class SessionMux:
             self._answer(session_id, "error", errors.NotFound(
                 f"session {session_id!r} is {why}; open a new one from the committed tokens"))
             return
+        elif kind != "close" and slot.state is not None and (slot.tail is None or slot.tail.done()):
+            if self._answered_at_once(session_id, slot, kind, call):
+                return
         slot.tail = asyncio.ensure_future(self._call(session_id, slot, kind, call, slot.tail))
+
+    def _answered_at_once(self, session_id: str, slot: _Slot, kind: str, call) -> bool:
+        """Answer the call now when its servicer can without waiting (``MuxHandler.serve_at_once``)."""
+        try:
+            answer = self._handler.serve_at_once(slot.state, kind, getattr(call, kind))
+            if answer is None:
+                return False
+            self._answer(session_id, *answer)
+        except errors.SpecsplitError as exc:
+            self._fail(session_id, slot, exc)
+        except Exception as exc:  # noqa: BLE001 - one session's failure never fails the stream's others
+            log.exception("a %s call of session %r failed", kind, session_id)
+            self._fail(session_id, slot, errors.Internal(f"the {kind} call failed: {exc}"))
+        slot.active = time.monotonic()
+        return True
 
     async def _call(self, session_id: str, slot: _Slot, kind: str, call, before: asyncio.Future | None) -> None:
         if before is not None and not before.done():

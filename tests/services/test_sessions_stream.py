@@ -195,3 +195,41 @@ def test_the_orchestrator_gives_the_same_tokens_over_one_stream_as_over_a_stream
     # always shared; never; and from the third session on (a mix of both at once)
     assert run_async(generate(1)) == run_async(generate(0)) == run_async(generate(3))
     assert wait_for_zero(tiny_services) == (0, 0)
+
+
+def test_a_model_free_drafters_calls_are_answered_as_read_in_order_each_one(tiny_services):
+    """n-gram proposals need no waiting: the draft answers them as it reads them, a session's in order, and a
+    call behind one that failed is answered too (its session is gone), never left without an answer."""
+    tokens = [5, 6, 7, 8, 5, 6, 7]
+
+    async def go():
+        async with grpc.aio.insecure_channel(tiny_services.draft_address) as channel:
+            shared = pb_grpc.DraftServiceStub(channel).Sessions(metadata=VERSION)
+            await shared.write(pb.DraftCalls(calls=[
+                pb.DraftCall(session_id=sid, open=pb.DraftOpen(tokens=tokens, drafter=pb.DRAFTER_KIND_NGRAM))
+                for sid in ("m", "n")]))
+            opened = []
+            while len(opened) < 2:
+                opened += (await shared.read()).replies
+            await shared.write(pb.DraftCalls(calls=[
+                pb.DraftCall(session_id="m", propose=pb.ProposeRequest(position=len(tokens), k=3)),
+                pb.DraftCall(session_id="m", propose=pb.ProposeRequest(position=len(tokens), tokens=[8], k=2)),
+                pb.DraftCall(session_id="n", propose=pb.ProposeRequest(position=99, k=3)),  # a stale position
+                pb.DraftCall(session_id="n", propose=pb.ProposeRequest(position=len(tokens), k=3)),
+                pb.DraftCall(session_id="m", propose=pb.ProposeRequest(position=len(tokens) + 1, tokens=[5], k=1)),
+            ]))
+            replies = []
+            async with asyncio.timeout(10):
+                while len(replies) < 5:
+                    replies += (await shared.read()).replies
+            shared.cancel()
+            return replies
+
+    replies = run_async(go())
+    m = [r for r in replies if r.session_id == "m"]
+    assert [list(r.block.tokens) for r in m] == [[8, 5, 6], [5, 6], [6]]  # each from the context the one before left
+    n = [r for r in replies if r.session_id == "n"]
+    assert [r.WhichOneof("kind") for r in n] == ["error", "error"]
+    assert "position" in n[0].error.message
+    assert n[1].error.code == grpc.StatusCode.NOT_FOUND.value[0]  # closed by its error: open it again
+    assert wait_for_zero(tiny_services) == (0, 0)
