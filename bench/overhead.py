@@ -77,8 +77,10 @@ def add_flags(parser) -> None:
     parser.add_argument("--overhead-rounds", type=int, default=400, help="--suite overhead: rounds per mode, one session")
     parser.add_argument("--overhead-sessions", default="1,8,32,128",
                         help="--suite overhead: concurrent sessions for the CPU per token part")
-    parser.add_argument("--overhead-tokens", type=int, default=128,
-                        help="--suite overhead: new tokens per session in the CPU per token part")
+    parser.add_argument("--overhead-tokens", type=int, default=200,
+                        help="--suite overhead: new tokens per session in the CPU per token part (200: the shape "
+                             "its goals are stated at; longer generations spread each session's open and first "
+                             "rounds over more tokens)")
     parser.add_argument("--overhead-repeats", type=int, default=2,
                         help="--suite overhead: interleaved passes over the modes; medians are reported")
     parser.add_argument("--overhead-target-compile", default="auto", choices=("off", "auto", "inductor"),
