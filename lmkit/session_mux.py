@@ -5,7 +5,8 @@ run in the order sent, sessions run independently (a verify waits in the
 target's batcher beside the others'), and the answers that are ready together
 (one batched forward's) leave in one message. A call's domain error closes its
 session alone and is answered with its status code; every session of the
-stream closes when the stream ends, and one idle past the TTL is evicted. A
+stream closes when the stream ends, and one idle past the TTL is evicted. Every
+call is answered, one sent after its session was closed with NOT_FOUND. A
 call that needs no waiting, none of its session's calls before it still
 running, is answered as it is read, without a task of its own. What a call
 does is the servicer's (``MuxHandler``); this module only carries it.
@@ -136,8 +137,11 @@ class SessionMux:
     async def _call(self, session_id: str, slot: _Slot, kind: str, call, before: asyncio.Future | None) -> None:
         if before is not None and not before.done():
             await asyncio.wait({before})  # its outcome is its own: this call runs after it either way
-        if self._slots.get(session_id) is not slot:
-            return  # closed meanwhile (an error, a close, an eviction): its answer went out already
+        if self._slots.get(session_id) is not slot:  # closed meanwhile: an error, a close, an eviction
+            self._answer(session_id, "error", errors.NotFound(
+                f"session {session_id!r} was closed before this {kind} call ran (an earlier call's error, a close "
+                "or an eviction); open a new one from the committed tokens"))
+            return
         try:
             if kind == "open":
                 slot.state, answer = await self._handler.open(session_id, getattr(call, kind))

@@ -96,10 +96,14 @@ def test_a_calls_error_closes_its_session_alone(tiny_services):
             await call.write(pb.TargetCalls(calls=[
                 pb.TargetCall(session_id="a", verify=pb.VerifyRequest(position=99)),  # a stale position
                 pb.TargetCall(session_id="b", verify=pb.VerifyRequest(position=3)),
+                pb.TargetCall(session_id="a", verify=pb.VerifyRequest(position=4)),  # behind the failing one
             ]))
             replies = []
-            while len(replies) < 2:
-                replies += (await call.read()).replies
+            async with asyncio.timeout(10):  # every call is answered
+                while len(replies) < 3:
+                    replies += (await call.read()).replies
+            behind = [r for r in replies if r.session_id == "a"][1]
+            replies = [r for r in replies if r is not behind]
             await call.write(pb.TargetCalls(calls=[
                 pb.TargetCall(session_id="a", verify=pb.VerifyRequest(position=4)),
                 pb.TargetCall(session_id="z", verify=pb.VerifyRequest(position=1)),
@@ -109,9 +113,10 @@ def test_a_calls_error_closes_its_session_alone(tiny_services):
             while len(later) < 3:
                 later += (await call.read()).replies
             call.cancel()
-            return {r.session_id: r for r in replies}, later
+            return {r.session_id: r for r in replies}, later, behind
 
-    replies, later = run_async(go())
+    replies, later, behind = run_async(go())
+    assert behind.error.code == grpc.StatusCode.NOT_FOUND.value[0] and "closed before" in behind.error.message
     assert replies["a"].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
     assert "position" in replies["a"].error.message
     assert replies["b"].WhichOneof("kind") == "result"
