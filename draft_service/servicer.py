@@ -249,7 +249,7 @@ class _DraftCalls:
         return "block", await self._servicer._propose(self._engine, slot.session, msg, prepared)
 
     def serve_at_once(self, slot: _DraftSlot, kind: str, msg):
-        if kind != "propose" or not slot.session.free or slot.prepared is not None:
+        if kind != "propose" or not slot.session.free:  # a free session has no context read (``_prepare``)
             return None  # a model's proposal runs on the compute thread; a bad call's error comes from ``serve``
         return "block", self._servicer.propose_at_once(self._engine, slot.session, msg)
 

@@ -126,11 +126,8 @@ class SessionMux:
             if answer is None:
                 return False
             self._answer(session_id, *answer)
-        except errors.SpecsplitError as exc:
-            self._fail(session_id, slot, exc)
         except Exception as exc:  # noqa: BLE001 - one session's failure never fails the stream's others
-            log.exception("a %s call of session %r failed", kind, session_id)
-            self._fail(session_id, slot, errors.Internal(f"the {kind} call failed: {exc}"))
+            self._failed_call(session_id, slot, kind, exc)
         slot.active = time.monotonic()
         return True
 
@@ -151,13 +148,17 @@ class SessionMux:
                 self._answer(session_id, "closed", self._free(slot))
             else:
                 self._answer(session_id, *await self._handler.serve(slot.state, kind, getattr(call, kind)))
-        except errors.SpecsplitError as exc:
-            self._fail(session_id, slot, exc)
         except Exception as exc:  # noqa: BLE001 - one session's failure never fails the stream's others
-            log.exception("a %s call of session %r failed", kind, session_id)
-            self._fail(session_id, slot, errors.Internal(f"the {kind} call failed: {exc}"))
+            self._failed_call(session_id, slot, kind, exc)
         finally:
             slot.active = time.monotonic()
+
+    def _failed_call(self, session_id: str, slot: _Slot, kind: str, exc: Exception) -> None:
+        """A call raised: a domain error closes its session with its status, anything else as INTERNAL (logged)."""
+        if not isinstance(exc, errors.SpecsplitError):
+            log.error("a %s call of session %r failed", kind, session_id, exc_info=exc)
+            exc = errors.Internal(f"the {kind} call failed: {exc}")
+        self._fail(session_id, slot, exc)
 
     def _fail(self, session_id: str, slot: _Slot, exc: errors.SpecsplitError) -> None:
         if self._slots.get(session_id) is slot:
