@@ -9,8 +9,9 @@ restarts or drops the session is re-opened and the same block verified again;
 only one down past its deadline fails the generation (UNAVAILABLE). A failed
 round commits nothing, so no token is lost, duplicated or retracted.
 
-Deadlines use ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11
-``wait_for`` can swallow a cancellation that lands as its call completes.
+A round's calls are bounded by ``timeouts.Timeouts`` (one timer for all of a
+link's calls), an open by ``asyncio.timeout``; never ``asyncio.wait_for``: on
+Python 3.11 it can swallow a cancellation that lands as its call completes.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from specsplit.orchestrator.decode.peers import (
 )
 from specsplit.orchestrator.decode.policy.measure import RttEstimator
 from specsplit.orchestrator.decode.replies import DraftedBlock, DraftReplyCost, VerifiedBlock, drafted_of, verified_of
+from specsplit.orchestrator.decode.timeouts import Timeouts
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -69,14 +71,16 @@ class _SessionLink:
     replica of the service's pool that ``Pool.place`` picks at each open."""
 
     def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], object],
-                 policy: LinkPolicy, shared: bool = False) -> None:
+                 policy: LinkPolicy, call_timeout_s: float, shared: bool = False) -> None:
         self._pool = pool
         self._open_msg = open_msg  # (session id, committed tokens) -> the service's open message
         self._policy = policy
         self._shared = shared  # on the client's shared Sessions stream (where it has one)
         self._stream = None
+        self._calls = Timeouts(call_timeout_s)  # a round's call unanswered this long: the peer has stalled
 
     async def close(self) -> None:
+        self._calls.close()
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.close()
@@ -120,7 +124,7 @@ class _SessionLink:
 class TargetLink(_SessionLink):
     def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
                  policy: LinkPolicy, rtt: RttEstimator | None = None, shared: bool = False) -> None:
-        super().__init__(pool, open_msg, policy, shared)
+        super().__init__(pool, open_msg, policy, policy.target_timeout_s, shared)
         self._stream: TargetStream | None = None
         self._opened = 0
         self._rtt = rtt if rtt is not None else RttEstimator()  # this target's link, shared by its sessions
@@ -174,7 +178,7 @@ class TargetLink(_SessionLink):
                     await self.open(committed)
                 call = self._stream.verify(len(committed), tokens, probs, parents, mask)
                 start = time.perf_counter()
-                async with asyncio.timeout(self._policy.target_timeout_s):
+                with self._calls.bound():
                     result = await call
                 self.last_wall_s = time.perf_counter() - start
                 self._rtt.observe(self.last_wall_s - (result.timing.service_us or result.timing.compute_us) / 1e6)
@@ -229,7 +233,7 @@ class DraftLink(_SessionLink):
 
     def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
                  policy: LinkPolicy, shared: bool = False) -> None:
-        super().__init__(pool, open_msg, policy, shared)
+        super().__init__(pool, open_msg, policy, policy.draft_timeout_s, shared)
         self._stream: DraftStream | None = None
         self._costs: list[DraftReplyCost] = []  # replies' costs the loop has not taken yet
         self._synced = 0  # the draft holds committed[:_synced]
@@ -354,7 +358,7 @@ class DraftLink(_SessionLink):
             call = self._stream.propose(
                 self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches, features, successors
             )
-            async with asyncio.timeout(self._policy.draft_timeout_s):
+            with self._calls.bound():
                 block = drafted_of(await call)
         except (PeerError, asyncio.TimeoutError) as exc:
             stream, self._stream = self._stream, None
