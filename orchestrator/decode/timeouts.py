@@ -2,8 +2,8 @@
 
 A link awaits one verify and one proposal a round, each under a timeout that
 a healthy peer never reaches (it only catches a stalled one). ``asyncio.timeout``
-schedules a timer handle for every such await and cancels it after: about half
-the cost of the await itself. Here each await enters an ordered table instead:
+schedules a timer handle for every such await and cancels it after: about as
+much again as the await itself. Here each await enters an ordered table instead:
 every timeout of a ``Timeouts`` is as long, so deadlines come in the order of
 entry, and one timer, armed at the earliest, cancels whichever awaits are past
 theirs. The await cancelled so raises ``TimeoutError``, as under
