@@ -9,15 +9,17 @@ restarts or drops the session is re-opened and the same block verified again;
 only one down past its deadline fails the generation (UNAVAILABLE). A failed
 round commits nothing, so no token is lost, duplicated or retracted.
 
-A round's calls are bounded by ``timeouts.Timeouts`` (one timer for all of a
-link's calls), an open by ``asyncio.timeout``; never ``asyncio.wait_for``: on
-Python 3.11 it can swallow a cancellation that lands as its call completes.
+A verify is bounded by ``timeouts.Timeouts`` (one timer for all of a link's
+verifies), an open by ``asyncio.timeout``; never ``asyncio.wait_for``: on
+Python 3.11 it can swallow a cancellation that lands as its call completes. A
+proposal is sent at once and not awaited: the next request finds it stalled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 import uuid
@@ -71,16 +73,14 @@ class _SessionLink:
     replica of the service's pool that ``Pool.place`` picks at each open."""
 
     def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], object],
-                 policy: LinkPolicy, call_timeout_s: float, shared: bool = False) -> None:
+                 policy: LinkPolicy, shared: bool = False) -> None:
         self._pool = pool
         self._open_msg = open_msg  # (session id, committed tokens) -> the service's open message
         self._policy = policy
         self._shared = shared  # on the client's shared Sessions stream (where it has one)
         self._stream = None
-        self._calls = Timeouts(call_timeout_s)  # a round's call unanswered this long: the peer has stalled
 
     async def close(self) -> None:
-        self._calls.close()
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.close()
@@ -124,7 +124,8 @@ class _SessionLink:
 class TargetLink(_SessionLink):
     def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], pb.TargetOpen],
                  policy: LinkPolicy, rtt: RttEstimator | None = None, shared: bool = False) -> None:
-        super().__init__(pool, open_msg, policy, policy.target_timeout_s, shared)
+        super().__init__(pool, open_msg, policy, shared)
+        self._verifies = Timeouts(policy.target_timeout_s)  # a verify unanswered this long: the target has stalled
         self._stream: TargetStream | None = None
         self._opened = 0
         self._rtt = rtt if rtt is not None else RttEstimator()  # this target's link, shared by its sessions
@@ -150,6 +151,10 @@ class TargetLink(_SessionLink):
         self.session_id = message.session_id
         self._opened += 1
         self._verified = 0
+
+    async def close(self) -> None:
+        self._verifies.close()
+        await super().close()
 
     async def try_open(self, committed: Sequence[int]) -> bool:
         """Open the session now; False when the target is briefly unavailable (the first verify retries)."""
@@ -178,7 +183,7 @@ class TargetLink(_SessionLink):
                     await self.open(committed)
                 call = self._stream.verify(len(committed), tokens, probs, parents, mask)
                 start = time.perf_counter()
-                with self._calls.bound():
+                with self._verifies.bound():
                     result = await call
                 self.last_wall_s = time.perf_counter() - start
                 self._rtt.observe(self.last_wall_s - (result.timing.service_us or result.timing.compute_us) / 1e6)
@@ -212,20 +217,23 @@ class TargetLink(_SessionLink):
 class DraftCall:
     """A proposal on its way: the reply, the loop time by which a round waits for it, where its block starts."""
 
-    task: asyncio.Task
+    reply: asyncio.Future  # of its DraftedBlock, None when it failed (a re-attaching open's: None)
     deadline: float  # loop.time(); past it the round goes on without this block
     position: int  # committed + assumed tokens it continues: the reply's block must start here
+    sent: float  # loop.time() when it was sent; unanswered ``draft_timeout_s`` later, the draft has stalled
+    answered: float = 0.0  # time.perf_counter() when its answer came (0: not yet, or never)
 
 
 class DraftLink(_SessionLink):
     """The draft session of one generation: requests in order on one stream, each with a deadline.
 
-    A request sent while another is on its way is written once that one is
-    answered (the draft serves a session's requests in order). A reply that
-    misses its deadline is not waited for: the round goes on without it (the
-    target steps alone), it is dropped when it comes, and until then the link
-    takes no new request. A request unanswered after ``draft_timeout_s`` drops
-    the stream; re-attaching runs in the background. No round ever waits for
+    A request is sent at once, no task of its own: the draft serves a session's
+    requests in the order sent (on a stream of the session's own, the next is
+    written once the one before is answered). A reply that misses its deadline
+    is not waited for: the round goes on without it (the target steps alone),
+    it is dropped when it comes, and until then the link takes no new request.
+    A request unanswered after ``draft_timeout_s`` drops the stream (seen at
+    the next request); re-attaching runs in the background. No round ever waits for
     the draft past a request's deadline. The link asks no one how long to wait
     and tells no one what a reply cost: the loop passes each request's wait and
     takes every reply's cost (``take_costs``), late ones included.
@@ -233,13 +241,13 @@ class DraftLink(_SessionLink):
 
     def __init__(self, pool: Pool, open_msg: Callable[[str, Sequence[int]], pb.DraftOpen],
                  policy: LinkPolicy, shared: bool = False) -> None:
-        super().__init__(pool, open_msg, policy, policy.draft_timeout_s, shared)
+        super().__init__(pool, open_msg, policy, shared)
         self._stream: DraftStream | None = None
         self._costs: list[DraftReplyCost] = []  # replies' costs the loop has not taken yet
         self._synced = 0  # the draft holds committed[:_synced]
         self._down_since: float | None = None
         self._tail: DraftCall | None = None  # the last request sent (or the re-attaching open)
-        self._pending: set[asyncio.Task] = set()
+        self._pending: set[asyncio.Future] = set()  # replies on their way, and a re-attaching open
         self._cold = True  # the first proposal after an open waits for the draft's read of the context
         self._opened_at = 0.0  # when the draft session opened (event-loop time), and its read of the context began
         self.fallback_rounds = 0  # rounds decoded without a draft because it was down
@@ -263,7 +271,7 @@ class DraftLink(_SessionLink):
 
     @property
     def busy(self) -> bool:
-        return self._tail is not None and not self._tail.task.done()
+        return self._tail is not None and not self._tail.reply.done()
 
     @property
     def cold(self) -> bool:
@@ -310,30 +318,49 @@ class DraftLink(_SessionLink):
         verification, drafted past as if its outcome were ``assumed``), waited for ``wait_s`` once the request
         before it is answered. None when the draft cannot take a request now (down, or a late reply still due):
         this round goes on without it."""
+        loop = asyncio.get_running_loop()
+        now, before = loop.time(), self._tail if self.busy else None
+        if before is not None and self._stream is not None and now > before.sent + self._policy.draft_timeout_s:
+            self._drop(self._stream, asyncio.TimeoutError(f"no draft reply in {self._policy.draft_timeout_s:g} s"))
         if self._stream is None:
             self._reattach_later(committed)
             self.fallback_rounds += 1
             return None
-        loop = asyncio.get_running_loop()
-        now, before = loop.time(), self._tail if self.busy else None
+        before = self._tail if self.busy else None
         if before is not None and now > before.deadline:
             self.busy_rounds += 1
             return None
         cold, self._cold = self._cold, False
         position = len(committed) + len(assumed)  # where the block starts; the draft read all before it at the open
-        task = self._track(self._propose(list(committed), list(assumed), k, free_k, max_branches, cold, before))
-        self._tail = DraftCall(task, max(now, before.deadline if before else now) + wait_s, position)
+        features, self._features = self._features, None  # a new session starts from whichever features come next
+        successors = list(self._successors)
+        self._successors.clear()
+        stream, start = self._stream, time.perf_counter()
+        asked = stream.propose(
+            self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches, features, successors
+        )
+        # The draft will hold the committed tokens once it has answered; a failure drops the session with the
+        # stream, and a re-attach opens a new one from what is committed then.
+        self._synced = len(committed)
+        reply = loop.create_future()
+        self._pending.add(reply)
+        reply.add_done_callback(self._pending.discard)
+        read = position if cold else None
+        call = DraftCall(reply, max(now, before.deadline if before else now) + wait_s, position, now)
+        asked.add_done_callback(functools.partial(self._replied, call=call, before=before, stream=stream, start=start,
+                                                  read=read))
+        self._tail = call
         return self._tail
 
     async def receive(self, call: DraftCall) -> DraftedBlock | None:
         """The call's block if it comes by its deadline and starts where it must; else None (late, failed, stale)."""
-        if not call.task.done():  # (a reply already in is taken without a pass of the event loop)
+        if not call.reply.done():  # (a reply already in is taken without a pass of the event loop)
             remaining = call.deadline - asyncio.get_running_loop().time()
-            done, _ = await asyncio.wait({call.task}, timeout=max(remaining, 0.0))
+            done, _ = await asyncio.wait({call.reply}, timeout=max(remaining, 0.0))
             if not done:
                 self.late_blocks += 1
                 return None
-        block = call.task.result()
+        block = call.reply.result()
         if block is None or block.position != call.position:
             return None
         return block
@@ -344,40 +371,48 @@ class DraftLink(_SessionLink):
         task.add_done_callback(self._pending.discard)
         return task
 
-    async def _propose(self, committed: list[int], assumed: list[int], k: int, free_k: int, max_branches: int,
-                       cold: bool, before: DraftCall | None) -> DraftedBlock | None:
-        if before is not None and not before.task.done():
-            await asyncio.wait({before.task})  # its reply comes first on the stream
-        if self._stream is None:  # it failed and dropped the stream
-            return None
-        start = time.perf_counter()
-        features, self._features = self._features, None  # a new session starts from whichever features come next
-        successors = list(self._successors)
-        self._successors.clear()
+    def _replied(self, answer: asyncio.Future, call: DraftCall, before: DraftCall | None, stream, start: float,
+                 read: int | None) -> None:
+        """A proposal's answer came (or failed): its block and what it cost, into the call's reply. ``before``: the
+        request sent before it, where that was still on its way; ``read``: the session's first since its open,
+        after this many tokens (the draft read them first)."""
+        reply = call.reply
+        if reply.done():
+            return  # the link closed meanwhile
+        if answer.cancelled() or answer.exception() is not None:
+            if stream is self._stream:
+                self._drop(stream, answer.exception() if not answer.cancelled() else PeerError(
+                    "draft", grpc.StatusCode.CANCELLED, "the proposal was cancelled"))
+            reply.set_result(None)
+            return
         try:
-            call = self._stream.propose(
-                self._synced, [*committed[self._synced :], *assumed], k, free_k, max_branches, features, successors
-            )
-            with self._calls.bound():
-                block = drafted_of(await call)
-        except (PeerError, asyncio.TimeoutError) as exc:
-            stream, self._stream = self._stream, None
-            stream.abort()
-            self._mark_down(exc)
-            return None
-        self._synced = len(committed)  # ``assumed`` is not committed: it is re-sent or rolled back next time
-        compute_s, wall_s = block.compute_s, time.perf_counter() - start
+            block = drafted_of(answer.result())
+        except Exception as exc:  # noqa: BLE001 - a malformed reply: the round that takes it raises
+            reply.set_exception(exc)
+            return
+        # The draft serves a session's requests in order: one sent behind another waited there for that one's
+        # answer, so its wall time is no sample of the link's round trip (the stats count it from that answer).
+        call.answered = time.perf_counter()
+        compute_s, wall_s = block.compute_s, call.answered - start
+        if before is not None:
+            wall_s = call.answered - max(start, before.answered)
         self.compute_s += compute_s
         self.wall_s += wall_s
         self.service_s += block.service_s
-        read = None
-        if cold:  # the draft read the context first: the time that took (a service without the read: all of it)
-            read = (len(committed) + len(assumed), block.read_s or compute_s)
+        cost = None
+        if read is not None:  # the draft read the context first: the time that took (a service without the read: all)
+            cost = (read, block.read_s or compute_s)
         else:
             self.warm_s += compute_s
             self.warm_tokens += len(block.tokens)
-        self._costs.append(DraftReplyCost(block, wall_s, read))
-        return block
+        self._costs.append(DraftReplyCost(block, None if before is not None else wall_s, cost))
+        reply.set_result(block)
+
+    def _drop(self, stream, exc: BaseException) -> None:
+        """The draft failed or stalled on ``stream``: drop it; the next request re-attaches (``_reattach_later``)."""
+        self._stream = None
+        stream.abort()
+        self._mark_down(exc)
 
     def _reattach_later(self, committed: Sequence[int]) -> None:
         """Re-open the session in the background, at most once per ``draft_retry_s``."""
@@ -386,7 +421,8 @@ class DraftLink(_SessionLink):
         if self._down_since is not None and time.monotonic() - self._down_since < self._policy.draft_retry_s:
             return
         task = self._track(self._reattach(list(committed)))
-        self._tail = DraftCall(task, asyncio.get_running_loop().time() + self._policy.draft_timeout_s, -1)
+        now = asyncio.get_running_loop().time()
+        self._tail = DraftCall(task, now + self._policy.draft_timeout_s, -1, now)
 
     async def _reattach(self, committed: list[int]) -> None:
         if await self.open(committed):
@@ -402,8 +438,8 @@ class DraftLink(_SessionLink):
         """End the session; requests still on their way are cancelled and the stream dropped."""
         if self._pending:
             pending = list(self._pending)
-            for task in pending:
-                task.cancel()
+            for waiting in pending:
+                waiting.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             if self._stream is not None:
                 stream, self._stream = self._stream, None

@@ -308,7 +308,7 @@ class _Loop:
         ahead = next((a for a in aheads if a.fits(self.committed)), None)
         if ahead is None:
             return None
-        waiting = ahead.call.task.done()  # the reply came before the verification's
+        waiting = ahead.call.reply.done()  # the reply came before the verification's
         reply = await self.received(ahead.call)
         self.returned(reply, ahead.free_k, guessed=ahead.guess)
         # Usable iff (a guess) the guessed bonus token is the one the target committed, and tokens follow.

@@ -159,12 +159,19 @@ class MuxSession:
         self._epoch = 0
 
     async def call(self, kind: str, message):
+        return await self.ask(kind, message)
+
+    def ask(self, kind: str, message) -> asyncio.Future:
+        """Send the call now; the future of its answer's payload (PeerError: an error answer, a failed stream, or
+        a stream reset since this session opened)."""
         if kind == "open":
             self._id, self._epoch = message.session_id, self._mux.current()
         elif self._epoch != self._mux.epoch:
-            raise PeerError(self._mux.peer, grpc.StatusCode.UNAVAILABLE,
-                            "the sessions stream was reset since this session opened")
-        return await self._mux.ask(self._id, kind, message)
+            reset = asyncio.get_running_loop().create_future()
+            reset.set_exception(PeerError(self._mux.peer, grpc.StatusCode.UNAVAILABLE,
+                                          "the sessions stream was reset since this session opened"))
+            return reset
+        return self._mux.ask(self._id, kind, message)
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """End the session and wait until the service has freed it (or ``timeout_s``)."""

@@ -71,6 +71,17 @@ class OwnStream:
         self._call = call
         self._request_type = request_type  # TargetRequest or DraftRequest: the stream's message
         self.peer = peer
+        self._last: asyncio.Future | None = None  # the latest call sent with ``ask``: the next one follows it
+
+    def ask(self, kind: str, message) -> asyncio.Future:
+        """``call`` as a future, written once the calls asked before it are answered (one write, one read)."""
+        self._last = asyncio.ensure_future(self._after(self._last, kind, message))
+        return self._last
+
+    async def _after(self, before: asyncio.Future | None, kind: str, message):
+        if before is not None and not before.done():
+            await asyncio.wait({before})  # its outcome is its own
+        return await self.call(kind, message)
 
     async def call(self, kind: str, message):
         """Send ``message`` as the request's ``kind``; the response's payload."""
@@ -105,6 +116,8 @@ class OwnStream:
     def abort(self) -> None:
         """Drop the stream at once (a failed or stalled peer); the service frees the session when it notices."""
         self._call.cancel()
+        if self._last is not None:
+            self._last.cancel()  # the calls chained before it end with the stream
 
     async def _drain(self) -> None:
         if self._call.done():
@@ -157,15 +170,16 @@ class DraftStream(_Session):
     async def open(self, open_msg: pb.DraftOpen) -> None:
         await self._transport.call("open", open_msg)
 
-    async def propose(
+    def propose(
         self, position: int, tokens: Sequence[int], k: int, free_k: int = 0, max_branches: int = 1,
         features: pb.HiddenFeatures | None = None, successors: Sequence[pb.Successors] = (),
-    ) -> pb.DraftBlock:
+    ) -> asyncio.Future:
+        """Send a proposal request now; the future of its ``DraftBlock`` (a session's answers come in order)."""
         msg = pb.ProposeRequest(position=position, tokens=tokens, k=k, free_k=free_k, max_branches=max_branches,
                                 successors=successors)
         if features is not None:
             msg.features.CopyFrom(features)
-        return await self._transport.call("propose", msg)
+        return self._transport.ask("propose", msg)
 
 
 @dataclass(eq=False)
@@ -448,9 +462,22 @@ class Placed:
         try:
             return await self._transport.call(kind, message)
         except PeerError as exc:
-            if exc.code in RETRYABLE:
-                self.replica.failed_at = time.monotonic()
+            self._failed(exc)
             raise
+
+    def ask(self, kind: str, message) -> asyncio.Future:
+        """``call`` as a future, sent now (``OwnStream.ask``, ``MuxSession.ask``)."""
+        answer = self._transport.ask(kind, message)
+        answer.add_done_callback(self._answered)
+        return answer
+
+    def _answered(self, answer: asyncio.Future) -> None:
+        if not answer.cancelled() and isinstance(answer.exception(), PeerError):
+            self._failed(answer.exception())
+
+    def _failed(self, exc: PeerError) -> None:
+        if exc.code in RETRYABLE:
+            self.replica.failed_at = time.monotonic()
 
     def _release(self) -> None:
         if self._placed:

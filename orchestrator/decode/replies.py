@@ -62,7 +62,7 @@ class DraftReplyCost:
     """What one draft reply cost, as the draft link saw it come (late replies too), for the controller."""
 
     block: DraftedBlock
-    wall_s: float  # request to reply, here
+    wall_s: float | None  # request to reply, here; None: sent behind a request still on its way (see DraftLink)
     read: tuple[int, float] | None = None  # a session's first: (context tokens, seconds the draft spent reading)
 
 

@@ -309,7 +309,7 @@ class ModelDraft:
     async def reply(self, call):
         from specsplit.orchestrator.decode.loop import learn_draft_costs
 
-        block = await call.task
+        block = await call.reply
         learn_draft_costs(self.link, self.controller)
         return block
 

@@ -218,13 +218,15 @@ class Controller:
         drafting = tokens * self.costs.draft_s_per_token(self.drafters.session)
         return self.costs.links.draft.srtt + left + drafting <= budget_s
 
-    def observe_proposal(self, wall_s: float, compute_s: float, tokens: int, drafter: DrafterKind | None,
+    def observe_proposal(self, wall_s: float | None, compute_s: float, tokens: int, drafter: DrafterKind | None,
                          read: tuple[int, float] | None = None) -> None:
-        """A draft reply came ``wall_s`` after its request, ``compute_s`` of it drafting ``tokens`` tokens by
-        ``drafter``; ``read``: the session's first, (context tokens, seconds the draft spent reading them)."""
+        """A draft reply came ``wall_s`` after its request (None: it was sent behind another of its session, and
+        its wait says nothing of the link), ``compute_s`` of it drafting ``tokens`` tokens by ``drafter``;
+        ``read``: the session's first, (context tokens, seconds the draft spent reading them)."""
         # Waiting behind other sessions' proposals on the draft's compute thread counts as link time: no load model
         # covers the draft, and a deadline must allow for it.
-        self.costs.links.draft.observe(wall_s - compute_s)
+        if wall_s is not None:
+            self.costs.links.draft.observe(wall_s - compute_s)
         if read is not None:
             self.costs.observe_read(*read, self.drafters.session)
         else:

@@ -79,3 +79,13 @@ def test_every_reply_cost_reaches_the_controller_once_with_its_drafter_and_read(
     learn_draft_costs(link, controller)  # taken once: nothing is counted twice
     assert costs.draft_s_per_token(DrafterKind.MODEL) == pytest.approx(0.002)
 
+
+def test_a_reply_sent_behind_another_teaches_its_cost_but_not_the_links_round_trip():
+    controller = _controller()
+    behind = DraftedBlock(3, [9, 9, 9], compute_s=0.006)
+    learn_draft_costs(_Link(costs=[DraftReplyCost(behind, None)]), controller)
+    assert controller.costs.draft_s_per_token(DrafterKind.MODEL) == pytest.approx(0.002)
+    assert controller.costs.links.draft.samples == 0
+    learn_draft_costs(_Link(costs=[DraftReplyCost(behind, 0.007)]), controller)
+    assert controller.costs.links.draft.samples == 1 and controller.costs.links.draft.srtt == pytest.approx(0.001)
+

@@ -144,9 +144,9 @@ def _take_ahead(reply: DraftedBlock, bonus: int):
         config = LoopConfig(max_new_tokens=100, eos_ids=frozenset(), max_context=1000, tree_branches=4)
         controller = FixedK(8, Measurements(), AcceptRule.of(VerificationMode.GREEDY, 0.0))
         loop = _Loop([1, 2, 3], config, _Answered(reply), LoopStats(), controller)
-        task = asyncio.get_running_loop().create_future()
-        task.set_result(reply)
-        loop.aheads = [_Ahead(DraftCall(task, 0.0, 5), 3, [5, 6], 3, guess=True)]
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result(reply)
+        loop.aheads = [_Ahead(DraftCall(answered, 0.0, 5, 0.0), 3, [5, 6], 3, guess=True)]
         loop.committed += [5, 6, bonus]
         return await loop.take_ahead()
 
