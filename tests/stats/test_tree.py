@@ -116,15 +116,16 @@ def coupled_samples(walk, seed: int) -> tuple[np.ndarray, np.ndarray]:  # -> [TR
             tokens, parents = TREES[last]
             rows = TARGET[[last, *tokens]].double()  # [n+1, vocab]
             start = len(emitted)
-            verdict = walk(lambda r: rows[r], torch.tensor(tokens), parents, vocab,
-                           lambda depth, ids, start=start: gumbel[start + depth, ids])
+            verdict = walk(lambda r, rows=rows: rows[r], torch.tensor(tokens), parents, vocab,
+                           lambda depth, ids, start=start, gumbel=gumbel: gumbel[start + depth, ids])
             new = [tokens[i] for i in verdict.path] + [verdict.next_token]
             emitted.extend(new)
             last = new[-1]
         walked[trial] = emitted[:EMITTED]
         last = START
         for position in range(EMITTED):
-            last = gumbel_max(TARGET[last].double(), lambda ids, position=position: gumbel[position, ids])
+            last = gumbel_max(TARGET[last].double(),
+                              lambda ids, position=position, gumbel=gumbel: gumbel[position, ids])
             alone[trial, position] = last
     return walked, alone
 

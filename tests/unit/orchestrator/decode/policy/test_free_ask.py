@@ -278,7 +278,9 @@ def test_the_bound_on_a_saving_answers_as_the_full_price_does():
             controller.load = load
             priced_qualities = []
             price = controller.free_acceptance
-            controller.free_acceptance = lambda key, n: priced_qualities.append(key) or price(key, n)
+            controller.free_acceptance = (
+                lambda key, n, priced_qualities=priced_qualities, price=price: priced_qualities.append(key)
+                or price(key, n))
             full = controller.free_saving_s(NGRAM, 8)
             priced_for_full = len(priced_qualities)
             for needed in (0.0, 0.0005, 0.002, 0.01, 0.05):
