@@ -326,7 +326,6 @@ class DraftLink(_SessionLink):
             self._reattach_later(committed)
             self.fallback_rounds += 1
             return None
-        before = self._tail if self.busy else None
         if before is not None and now > before.deadline:
             self.busy_rounds += 1
             return None
@@ -393,9 +392,8 @@ class DraftLink(_SessionLink):
         # The draft serves a session's requests in order: one sent behind another waited there for that one's
         # answer, so its wall time is no sample of the link's round trip (the stats count it from that answer).
         call.answered = time.perf_counter()
-        compute_s, wall_s = block.compute_s, call.answered - start
-        if before is not None:
-            wall_s = call.answered - max(start, before.answered)
+        since = start if before is None else max(start, before.answered)
+        compute_s, wall_s = block.compute_s, call.answered - since
         self.compute_s += compute_s
         self.wall_s += wall_s
         self.service_s += block.service_s

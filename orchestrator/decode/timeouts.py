@@ -1,7 +1,7 @@
 """Timeouts of one length for many awaits, on one timer.
 
-A link awaits one verify and one proposal a round, each under a timeout that
-a healthy peer never reaches (it only catches a stalled one). ``asyncio.timeout``
+A target link awaits one verify a round under a timeout that a healthy peer
+never reaches (it only catches a stalled one). ``asyncio.timeout``
 schedules a timer handle for every such await and cancels it after: about as
 much again as the await itself. Here each await enters an ordered table instead:
 every timeout of a ``Timeouts`` is as long, so deadlines come in the order of
