@@ -209,11 +209,12 @@ def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [r
 
     torch's max with indices over rows of a large vocabulary runs an element at a time on the CPU; a
     vectorized amax over chunks of ``ARGMAX_CHUNK``, then the first chunk holding the row's maximum, then
-    the first position in it, finds the same index (ties to the lowest id) in a fraction of the time. A
-    NaN in a row makes that row's maximum NaN, as max does. Other shapes and devices use max itself.
+    the first position in it, finds the same index (ties to the lowest id) in a fraction of the time, one
+    row too (a k = 0 step's: 60-76 us of max against 11 us of amax in the target's step). A NaN in a row
+    makes that row's maximum NaN, as max does. Other shapes and devices use max itself.
     """
     rows, vocab = logits.shape
-    if rows < 2 or vocab % ARGMAX_CHUNK or logits.device.type != "cpu" or not logits.is_contiguous():
+    if vocab % ARGMAX_CHUNK or logits.device.type != "cpu" or not logits.is_contiguous():
         return logits.max(dim=-1)
     chunks = logits.view(rows, vocab // ARGMAX_CHUNK, ARGMAX_CHUNK)
     chunk_max = chunks.amax(dim=-1)  # [rows, vocab / chunk]

@@ -295,6 +295,8 @@ def test_row_argmax_reports_a_nan_row_as_max_does():
     best, index = row_argmax(logits)
     assert torch.isnan(best[2]) and not torch.isnan(best[[0, 1, 3]]).any()
     assert torch.equal(index[[0, 1, 3]], logits.max(dim=-1).indices[[0, 1, 3]])
+    best, _ = row_argmax(logits[2:3])  # one row alone
+    assert torch.isnan(best[0])
 
 
 def test_block_argmax_decides_consecutive_blocks_together_and_others_alone():
