@@ -26,7 +26,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from specsplit.bench import runs
-from specsplit.lmkit import processes
+from specsplit.lmkit import event_loop, processes
 from specsplit.lmkit.heap import collector_clock, freeze_startup_heap
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
@@ -328,12 +328,13 @@ def run(args) -> int:
         draft_service = [*service, "--metrics-port", str(ports["draft"])]
         with processes.local_services(target_service, draft_service) as (target, draft):
             pids = {"orchestrator": os.getpid(), "target": target.process.pid, "draft": draft.process.pid}
-            result = asyncio.run(measure(target.address, draft.address, model, args, pids, ports))
+            result = event_loop.run(measure(target.address, draft.address, model, args, pids, ports))
     report = {
         "benchmark": "overhead",
         "model": "random Llama, 1 layer, hidden 16, vocabulary 49152 (near-zero compute)",
         "services": "processes on 127.0.0.1, 1 thread each; the orchestrator in the bench process; greedy, fixed K",
         "target_compile": args.overhead_target_compile,
+        "event_loop": event_loop.name(),  # the services' and this process's (``lmkit.event_loop``)
         "transports": "shared: every session on one Sessions stream per service; own: a stream per session",
         "machine": runs.machine(),
         **result,

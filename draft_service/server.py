@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from dataclasses import replace
 
 from specsplit.draft_service import eagle_head, medusa, self_draft
@@ -11,7 +10,7 @@ from specsplit.draft_service.engine import DEFAULT_SUCCESSOR_TABLE_TOKENS, Draft
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.self_draft import QuantizeMode
 from specsplit.draft_service.servicer import DraftServicer
-from specsplit.lmkit import entry, logs, models
+from specsplit.lmkit import entry, event_loop, logs, models
 from specsplit.lmkit.caller_check import CallerPolicy
 from specsplit.lmkit.grpc_server import (
     ComputeThread,
@@ -193,7 +192,7 @@ def run(args) -> None:
     logs.configure(args.log_level, "draft", args.log_format)
     models.configure_torch_threads(args.threads)
     models.pin_cpus(args.cpus, args.threads)
-    asyncio.run(serve(args))
+    event_loop.run(serve(args))
 
 
 def main(argv: list[str] | None = None) -> None:

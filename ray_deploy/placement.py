@@ -10,7 +10,6 @@ process binds the node's IP and dies with its actor.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
@@ -20,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specsplit.lmkit import event_loop
 from specsplit.lmkit.processes import start_service
 from specsplit.orchestrator.api import server
 from specsplit.ray_deploy import cluster, options, resources
@@ -193,7 +193,7 @@ def run(args) -> int:
             setattr(args, role, info["address"])
         if args.no_draft:
             args.draft = ""
-        asyncio.run(front.run_front(args, local=started))
+        event_loop.run(front.run_front(args, local=started))
     except KeyboardInterrupt:
         if not cluster.stop_requested():
             raise

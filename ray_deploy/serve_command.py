@@ -9,8 +9,8 @@ the orchestrator's replicas and serves our gRPC front over them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 
+from specsplit.lmkit import event_loop
 from specsplit.orchestrator.api import server
 from specsplit.ray_deploy import options
 
@@ -26,5 +26,5 @@ def run(args) -> int:
         return server.run(args)
     from specsplit.ray_deploy import front  # imports Ray
 
-    asyncio.run(front.serve(args))
+    event_loop.run(front.serve(args))
     return 0

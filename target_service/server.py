@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specsplit.lmkit import decoder_step, entry, logs, models
+from specsplit.lmkit import decoder_step, entry, event_loop, logs, models
 from specsplit.lmkit.caller_check import CallerPolicy
 from specsplit.lmkit.grpc_server import (
     ComputeThread,
@@ -223,14 +222,14 @@ def run(args) -> int:
     models.configure_torch_threads(args.threads)
     models.pin_cpus(args.cpus, args.threads)
     if args.tp == 1:
-        return asyncio.run(serve(args))
+        return event_loop.run(serve(args))
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = tp.init_process_group(spec.device, args.tp_timeout_s)
     if world != args.tp:
         raise ValueError(f"--tp {args.tp} but torchrun started {world} ranks")
     if rank == 0:
-        code = asyncio.run(serve(args))
+        code = event_loop.run(serve(args))
     else:
         engine, _ = load_engine(args)
         tp.follow(engine.model)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
-from specsplit.lmkit import entry, logs, models
+from specsplit.lmkit import entry, event_loop, logs, models
 from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.grpc_server import (
     add_servicer,
@@ -302,7 +301,7 @@ async def _start_http(args, orchestrator: Orchestrator, tokens: Tokens | None):
 
 
 def run(args) -> int:
-    asyncio.run(serve(args))
+    event_loop.run(serve(args))
     return 0
 
 
