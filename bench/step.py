@@ -43,11 +43,12 @@ def add_flags(parser) -> None:
     parser.add_argument("--step-widths", default="1,2,3,5,9", help="--suite step: verify widths (tokens per row)")
     parser.add_argument("--step-batches", default="1,8,32", help="--suite step: rows packed into one forward")
     parser.add_argument("--step-repeats", type=int, default=3, help="--suite step: interleaved repeats per cell")
-    parser.add_argument("--step-parts", default="forward,decision,cache,engine",
+    parser.add_argument("--step-parts", default="forward,decision,cache,engine,linears",
                         help="--suite step: forward (the packed forward by width and batch), decision (a greedy "
                              "block's argmax rows: torch's max against row_argmax), cache (the near-zero "
                              "model's step and LM head warm, after a cache flush, after a sleep) and/or engine "
-                             "(the target engine's batched step of 32 sessions by context length)")
+                             "(the target engine's batched step of 32 sessions by context length) and/or linears (one "
+                             "projection packed and plain, by weight shape and row count)")
 
 
 def load(ref: str, mode: str):
@@ -143,6 +144,42 @@ def measure_decision(widths: list[int], vocab: int = 49152, repeats: int = 5) ->
                      "row_argmax_us": round(best["row_argmax"] * 1e6, 1),
                      "ratio": round(best["max"] / best["row_argmax"], 2)})
     return rows
+
+
+# (out, in) of the weights measured by ``measure_linears``: the near-zero model's layers and LM head, the test
+# models' (hidden 64), sizes around the packing threshold, SmolLM2's layers and LM head.
+LINEAR_SHAPES = ((16, 16), (32, 16), (16, 32), (64, 64), (128, 64), (128, 128), (256, 128), (256, 256),
+                 (192, 576), (576, 576), (1536, 576), (576, 1536), (49152, 16), (49152, 576))
+LINEAR_ROWS = (1, 5, 32, 160)  # one token; one session's block of 5; 32 sessions at k 0; 32 at k 4
+
+
+def measure_linears(repeats: int = 5) -> list[dict]:
+    """One projection of [1, rows, in] through a oneDNN-packed weight and through torch's plain matmul
+    (``F.linear``), interleaved, by weight shape and row count; microseconds a call, the best of ``repeats``.
+    What ``packed_linear.PACK_MIN_VALUES`` is set from; ``packed`` says which way ``pack_linears`` runs it."""
+    from specsplit.lmkit.packed_linear import PACK_MIN_VALUES, PackedLinear
+
+    out = []
+    for rows_out, rows_in in LINEAR_SHAPES:
+        linear = torch.nn.Linear(rows_in, rows_out, bias=False)
+        packed = PackedLinear(linear)
+        for rows in LINEAR_ROWS:
+            x = torch.randn(1, rows, rows_in, generator=torch.Generator().manual_seed(rows))
+            calls = max(3, min(2000, int(2e6 / (rows_out * rows_in * rows) ** 0.75)))
+            best = {"packed": float("inf"), "plain": float("inf")}
+            with torch.no_grad():
+                for _ in range(repeats):
+                    for name, fn in (("packed", packed), ("plain", linear)):
+                        fn(x)
+                        began = time.perf_counter()
+                        for _ in range(calls):
+                            fn(x)
+                        best[name] = min(best[name], (time.perf_counter() - began) / calls)
+            out.append({"out": rows_out, "in": rows_in, "rows": rows, "packed_us": round(best["packed"] * 1e6, 1),
+                        "plain_us": round(best["plain"] * 1e6, 1),
+                        "plain_over_packed": round(best["plain"] / best["packed"], 2),
+                        "packed": rows_out * rows_in >= PACK_MIN_VALUES})
+    return out
 
 
 CACHE_SHAPES = ((1, 1), (32, 1), (32, 5))  # (rows, tokens a row): one session at k = 0; 32 at k = 0 and at k = 4
@@ -263,8 +300,8 @@ def run(args) -> int:
 
     torch.set_num_threads(1)
     parts = {p.strip() for p in args.step_parts.split(",") if p.strip()}
-    if not parts or parts - {"forward", "decision", "cache", "engine"}:
-        raise ValueError(f"--step-parts: forward, decision, cache and/or engine, got {args.step_parts!r}")
+    if not parts or parts - {"forward", "decision", "cache", "engine", "linears"}:
+        raise ValueError(f"--step-parts: forward, decision, cache, engine and/or linears, got {args.step_parts!r}")
     widths = [int(w) for w in args.step_widths.split(",")]
     batches = [int(b) for b in args.step_batches.split(",")]
     if min(widths) < 1 or min(batches) < 1 or args.step_repeats < 1:
@@ -283,10 +320,11 @@ def run(args) -> int:
         decision = measure_decision(widths) if "decision" in parts else []
         cache = measure_cache(tiny) if "cache" in parts else None
         engine = measure_engine(tiny) if "engine" in parts else []
+        linears = measure_linears() if "linears" in parts else []
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
         "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache, "engine": engine,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "linears": linears, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "duration_s": round(time.time() - started, 1),
     }
     path = runs.write(out, args.json)
@@ -309,6 +347,9 @@ def run(args) -> int:
     for row in out["engine"]:
         print(f"near-zero engine step, {row['sessions']} sessions x k {row['k']}, context {row['context']}: "
               f"{row['ms_per_step']} ms ({row['us_per_session']} us a session)")
+    for row in out["linears"]:
+        print(f"linear {row['out']} x {row['in']}, {row['rows']:>3} rows: packed {row['packed_us']} us, plain "
+              f"{row['plain_us']} us (x{row['plain_over_packed']}); {'packed' if row['packed'] else 'plain'} by default")
     print(f"-> {path}" + (f", {png}" if png else ""))
     return 0 if not any(r["mismatches"] for r in out["results"]) else 1
 

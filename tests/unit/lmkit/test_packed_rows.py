@@ -31,7 +31,8 @@ def stock(tiny_target_dir):
 @pytest.fixture(scope="module")
 def fast(stock):
     model = copy.deepcopy(stock)
-    assert pack_linears(model) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    # q, k, v, o, gate, up, down per layer, and the LM head; packed whatever their size, to test the packing
+    assert pack_linears(model, min_values=0) == 2 * 7 + 1
     assert packed_rows.install(model)
     return model
 
@@ -49,7 +50,17 @@ def test_packed_linear_matches_linear():
     linear = torch.nn.Linear(32, 48)
     x = torch.randn(3, 5, 32)
     torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=0, atol=1e-5)
-    assert not pack_linears(torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16)))  # fp32 only
+    assert not pack_linears(torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16)), min_values=0)  # fp32 only
+
+
+def test_small_weights_stay_plain(stock):
+    model = copy.deepcopy(stock)  # hidden 64: every layer's weight is under PACK_MIN_VALUES, the LM head is not
+    assert pack_linears(model) == 1
+    assert type(model.lm_head) is PackedLinear
+    assert {type(m) for m in model.model.layers.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))} == {
+        torch.nn.Linear}
+    big = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(64, 64))
+    assert pack_linears(big) == 1 and type(big[0]) is PackedLinear and type(big[1]) is torch.nn.Linear
 
 
 def test_kv_buffer_grows_crops_and_keeps_a_path():
