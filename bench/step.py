@@ -33,7 +33,7 @@ import torch
 from specsplit.bench import runs
 from specsplit.lmkit import models, packed_rows
 from specsplit.lmkit.kv_buffer import KVBuffer
-from specsplit.lmkit.packed_linear import pack_linears
+from specsplit.lmkit.packed_linear import PackedLinear, pack_linears
 
 MODES = ("transformers", "step", "inductor")
 CONTEXT = 64
@@ -43,12 +43,13 @@ def add_flags(parser) -> None:
     parser.add_argument("--step-widths", default="1,2,3,5,9", help="--suite step: verify widths (tokens per row)")
     parser.add_argument("--step-batches", default="1,8,32", help="--suite step: rows packed into one forward")
     parser.add_argument("--step-repeats", type=int, default=3, help="--suite step: interleaved repeats per cell")
-    parser.add_argument("--step-parts", default="forward,decision,cache,engine,linears",
+    parser.add_argument("--step-parts", default="forward,decision,cache,engine,linears,bound",
                         help="--suite step: forward (the packed forward by width and batch), decision (a greedy "
                              "block's argmax rows: torch's max against row_argmax), cache (the near-zero "
                              "model's step and LM head warm, after a cache flush, after a sleep) and/or engine "
                              "(the target engine's batched step of 32 sessions by context length) and/or linears (one "
-                             "projection packed and plain, by weight shape and row count)")
+                             "projection packed and plain, by weight shape and row count) and/or bound (--model's "
+                             "eager step by width against the memory bound: weights read / one thread's read rate)")
 
 
 def load(ref: str, mode: str):
@@ -157,7 +158,7 @@ def measure_linears(repeats: int = 5) -> list[dict]:
     """One projection of [1, rows, in] through a oneDNN-packed weight and through torch's plain matmul
     (``F.linear``), interleaved, by weight shape and row count; microseconds a call, the best of ``repeats``.
     What ``packed_linear.PACK_MIN_VALUES`` is set from; ``packed`` says which way ``pack_linears`` runs it."""
-    from specsplit.lmkit.packed_linear import PACK_MIN_VALUES, PackedLinear
+    from specsplit.lmkit.packed_linear import PACK_MIN_VALUES
 
     out = []
     for rows_out, rows_in in LINEAR_SHAPES:
@@ -198,6 +199,61 @@ def _last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/ca
         unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         sizes.append(int(text.rstrip("KMG")) * unit)
     return max(sizes, default=64 << 20)
+
+
+def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes a second one thread reads from memory here: the best of ``repeats`` sums of a ``mib`` MiB buffer,
+    many times the last-level cache, so each sum streams it from memory as a step streams its weights."""
+    buffer = torch.ones(mib << 18)  # fp32: mib MiB
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - began)
+    return buffer.numel() * buffer.element_size() / best
+
+
+def weights_read(model) -> int:
+    """Bytes a one-token step reads of ``model``'s weights: every parameter and buffer once (the packed
+    copies of the linears included), except an input embedding the LM head does not share: of that, one row."""
+    embedding = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
+    read = sum(t.numel() * t.element_size() for t in tensors.values())
+    if head is not embedding:
+        read -= (embedding.shape[0] - 1) * embedding[0].numel() * embedding.element_size()
+    return read
+
+
+def measure_bound(ref: str, widths: list[int], repeats: int = 3, n: int = 5) -> dict:
+    """``ref``'s eager step (one row of ``widths`` tokens, the decoder step as ``--compile auto`` runs it on the
+    CPU) against the memory bound of its first: the weights it reads over what one thread reads a second; and
+    its projections alone (every linear once, in the step's order, on random inputs of the same width)."""
+    model, kind, _ = load(ref, "step")
+    kvs = _prefill(model, 1)
+    bandwidth = read_bandwidth()
+    read = weights_read(model)
+    bound_ms = read / bandwidth * 1e3
+    projections = [m for m in model.modules() if isinstance(m, (PackedLinear, torch.nn.Linear))]  # in step order
+
+    @torch.no_grad()
+    def linears_alone(x: dict[int, torch.Tensor]) -> None:
+        for projection in projections:
+            projection(x[projection.in_features])
+
+    cells = []
+    for width in widths:
+        inputs = {m.in_features: torch.randn(1, width, m.in_features) for m in projections}
+        best = min(_time(model, _rows(model, 1, width, kvs), n) for _ in range(repeats))
+        alone = float("inf")
+        for _ in range(repeats):
+            began = time.perf_counter()
+            linears_alone(inputs)
+            alone = min(alone, time.perf_counter() - began)
+        cells.append({"width": width, "ms": round(best * 1e3, 3), "over_bound": round(best * 1e3 / bound_ms, 3),
+                      "linears_ms": round(alone * 1e3, 3), "linears_over_bound": round(alone * 1e3 / bound_ms, 3)})
+    return {"model": ref, "what": kind, "weights_read_mb": round(read / 2**20, 1),
+            "read_gb_s": round(bandwidth / 1e9, 2), "bound_ms": round(bound_ms, 3), "cells": cells}
 
 
 def measure_cache(ref: str, calls: int = 100) -> dict:
@@ -300,8 +356,8 @@ def run(args) -> int:
 
     torch.set_num_threads(1)
     parts = {p.strip() for p in args.step_parts.split(",") if p.strip()}
-    if not parts or parts - {"forward", "decision", "cache", "engine", "linears"}:
-        raise ValueError(f"--step-parts: forward, decision, cache, engine and/or linears, got {args.step_parts!r}")
+    if not parts or parts - {"forward", "decision", "cache", "engine", "linears", "bound"}:
+        raise ValueError(f"--step-parts: forward, decision, cache, engine, linears and/or bound, got {args.step_parts!r}")
     widths = [int(w) for w in args.step_widths.split(",")]
     batches = [int(b) for b in args.step_batches.split(",")]
     if min(widths) < 1 or min(batches) < 1 or args.step_repeats < 1:
@@ -321,10 +377,11 @@ def run(args) -> int:
         cache = measure_cache(tiny) if "cache" in parts else None
         engine = measure_engine(tiny) if "engine" in parts else []
         linears = measure_linears() if "linears" in parts else []
+        bound = measure_bound(args.model, widths) if "bound" in parts else None
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
         "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache, "engine": engine,
-        "linears": linears, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "linears": linears, "bound": bound, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "duration_s": round(time.time() - started, 1),
     }
     path = runs.write(out, args.json)
@@ -350,6 +407,12 @@ def run(args) -> int:
     for row in out["linears"]:
         print(f"linear {row['out']} x {row['in']}, {row['rows']:>3} rows: packed {row['packed_us']} us, plain "
               f"{row['plain_us']} us (x{row['plain_over_packed']}); {'packed' if row['packed'] else 'plain'} by default")
+    if bound:
+        print(f"{bound['model']} ({bound['what']}): reads {bound['weights_read_mb']} MiB of weights a step; one thread "
+              f"reads {bound['read_gb_s']} GB/s: bound {bound['bound_ms']} ms")
+        for row in bound["cells"]:
+            print(f"  width {row['width']}: {row['ms']} ms, x{row['over_bound']} the bound; its linears alone "
+                  f"{row['linears_ms']} ms, x{row['linears_over_bound']}")
     print(f"-> {path}" + (f", {png}" if png else ""))
     return 0 if not any(r["mismatches"] for r in out["results"]) else 1
 
