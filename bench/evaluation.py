@@ -33,6 +33,8 @@ class RunResult:
     overlap_hits: int = 0
     feature_bytes: int = 0  # hidden features the target sent (feature drafters)
     draft_requests: int = 0  # proposals sent to the draft (``LoopStats.draft_requests``)
+    tree_rounds: int = 0  # rounds that verified a token tree (``GenerationStats.tree_rounds``)
+    tree_nodes: int = 0  # the drafted tokens of those rounds
 
 
 @dataclass
@@ -61,7 +63,7 @@ async def run_one(
         prompt, text, ids, s.wall_s, s.rounds, s.drafted_tokens, s.accepted_tokens,
         s.draft_compute_s, s.target_compute_s, event.finish.name,
         list(event.loop.accepted_per_round), list(event.loop.drafted_per_round), s.overlap_hits,
-        s.feature_bytes, event.loop.draft_requests,
+        s.feature_bytes, event.loop.draft_requests, s.tree_rounds, s.tree_nodes,
     )
 
 
@@ -113,6 +115,8 @@ class Summary:
     baseline_rounds: int = 0
     identical: int = 0
     feature_bytes: int = 0
+    tree_rounds: int = 0
+    tree_nodes: int = 0
     names: list[str] = field(default_factory=list)
 
     def add(self, c: Comparison) -> None:
@@ -130,6 +134,8 @@ class Summary:
         self.baseline_rounds += c.baseline.rounds
         self.identical += int(c.identical)
         self.feature_bytes += c.speculative.feature_bytes
+        self.tree_rounds += c.speculative.tree_rounds
+        self.tree_nodes += c.speculative.tree_nodes
 
     @property
     def baseline_tokens(self) -> int:

@@ -10,7 +10,9 @@ column alike; ratios are read within the run. Each drafter (and target-only)
 drives its own orchestrator, so adaptive K's cost model learns that drafter's
 draft cost alone. ``a+b`` names a chain (``ngram+eagle``: n-gram first, eagle
 where it finds nothing); ``name@k`` drafts exactly k tokens a round (else K is
-adaptive up to ``--k``, or fixed with ``--fixed-k``). Greedy, or sampled with
+adaptive up to ``--k``, or fixed with ``--fixed-k``); ``name/b`` verifies token trees of
+up to b branches (else ``--tree-branches``: by default what ``specsplit serve`` gives a
+request, trees where drafter and mode take them; 1: chains). Greedy, or sampled with
 ``--decoding sampling`` (T 0.7, top-p 0.95, a seed per prompt shared by every
 contender: under coupled verification, the default, the seed fixes the text);
 every output is compared with target-only's.
@@ -42,7 +44,7 @@ from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import local_services
 from specsplit.lmkit.sampling import SamplingParams
-from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.config import DEFAULT_TREE_BRANCHES, MAX_TREE_BRANCHES, OrchestratorConfig
 from specsplit.orchestrator.api.generation import Orchestrator
 
 
@@ -54,6 +56,7 @@ class Entry:
     drafter: DrafterKind
     chain: tuple[DrafterKind, ...] = ()
     fixed_k: int = 0  # 0: the run's --k and --fixed-k
+    branches: int = 0  # the tree width its requests ask for; 0: the run's --tree-branches
 
     @property
     def members(self) -> tuple[DrafterKind, ...]:
@@ -65,7 +68,12 @@ def add_flags(parser) -> None:
     parser.add_argument(
         "--drafters", default="ngram,eagle,ngram+eagle",
         help="--suite interleaved: drafters compared, comma-separated; a+b is a chain (n-gram first), "
-             "name@k a fixed k",
+             "name@k a fixed k, name/b trees of up to b branches (both: name@k/b)",
+    )
+    parser.add_argument(
+        "--tree-branches", type=int, default=DEFAULT_TREE_BRANCHES,
+        help="--suite interleaved: token-tree branches a request may verify, for drafters named without /b "
+             f"(default {DEFAULT_TREE_BRANCHES}, as `specsplit serve` gives a request; 1: chains only)",
     )
     parser.add_argument(
         "--warm-prompt-set", default="", choices=["", *sorted(PROMPT_SETS)],
@@ -80,9 +88,12 @@ def parse_entries(spec: str) -> list[Entry]:
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
-        names, _, k = item.partition("@")
+        head, _, branches = item.partition("/")
+        names, _, k = head.partition("@")
         if k and (not k.isdigit() or int(k) < 1):
             raise ValueError(f"--drafters: {item!r}: write a fixed k as name@K with K >= 1")
+        if branches and (not branches.isdigit() or not 1 <= int(branches) <= MAX_TREE_BRANCHES):
+            raise ValueError(f"--drafters: {item!r}: write a tree width as name/B with 1 <= B <= {MAX_TREE_BRANCHES}")
         try:
             kinds = tuple(DrafterKind[name.strip().upper()] for name in names.split("+"))
         except KeyError as exc:
@@ -90,7 +101,7 @@ def parse_entries(spec: str) -> list[Entry]:
         if DrafterKind.CHAIN in kinds:
             raise ValueError("--drafters: write a chain as its members joined by '+', e.g. ngram+eagle")
         chain = kinds if len(kinds) > 1 else ()
-        entries.append(Entry(item, DrafterKind.CHAIN if chain else kinds[0], chain, int(k or 0)))
+        entries.append(Entry(item, DrafterKind.CHAIN if chain else kinds[0], chain, int(k or 0), int(branches or 0)))
     if not entries or len({e.label for e in entries}) != len(entries):
         raise ValueError(f"--drafters {spec!r}: name at least one drafter, each once")
     return entries
@@ -135,6 +146,7 @@ async def _measure(args, entries: list[Entry], target_address: str, draft_addres
     decoding = decoding_of(args)
     overlap = not args.no_overlap
     k_of = {e.label: (e.fixed_k or args.k, not (e.fixed_k or args.fixed_k)) for e in entries}  # (k, adaptive)
+    branches = {e.label: e.branches or args.tree_branches for e in entries}
     prompts = PROMPT_SETS[args.prompt_set]
     baseline_orch = await Orchestrator.connect(replace(config, peer_token_file=str(token_files[TARGET_ONLY])))
     orchs = {e.label: await Orchestrator.connect(replace(config, peer_token_file=str(token_files[e.label])))
@@ -144,12 +156,12 @@ async def _measure(args, entries: list[Entry], target_address: str, draft_addres
         for e in entries:  # first calls pay one-off allocation costs and seed each cost model
             k, adaptive = k_of[e.label]
             await run_one(orchs[e.label], prompts[0], k, e.drafter, 16, greedy, adaptive_k=adaptive,
-                          overlap=overlap, chain=e.chain)
+                          overlap=overlap, chain=e.chain, tree_branches=branches[e.label])
         for warm in PROMPT_SETS[args.warm_prompt_set] if args.warm_prompt_set else ():
             for e in filter(recycles, entries):
                 k, adaptive = k_of[e.label]
                 await run_one(orchs[e.label], warm, k, e.drafter, args.max_new_tokens, decoding.params(warm, 0),
-                              adaptive_k=adaptive, overlap=overlap, chain=e.chain)
+                              adaptive_k=adaptive, overlap=overlap, chain=e.chain, tree_branches=branches[e.label])
         results: dict[str, list[Comparison]] = {e.label: [] for e in entries}
         for prompt in prompts:
             sampling = decoding.params(prompt, 0)
@@ -157,7 +169,8 @@ async def _measure(args, entries: list[Entry], target_address: str, draft_addres
             for e in entries:
                 k, adaptive = k_of[e.label]
                 run = await run_one(orchs[e.label], prompt, k, e.drafter, args.max_new_tokens, sampling,
-                                    adaptive_k=adaptive, overlap=overlap, chain=e.chain)
+                                    adaptive_k=adaptive, overlap=overlap, chain=e.chain,
+                                    tree_branches=branches[e.label])
                 results[e.label].append(Comparison(prompt, baseline, run))
             print(f"{prompt.name}: " + "  ".join(
                 f"{e.label} {results[e.label][-1].baseline.wall_s / results[e.label][-1].speculative.wall_s:.2f}x"
@@ -193,6 +206,8 @@ def figures(g: Summary, k: int) -> dict:
         "accepted_tokens": g.accepted,
         "identical_to_target_only": g.identical,
         "feature_bytes_per_round": round(g.feature_bytes / g.rounds, 1) if g.rounds else 0.0,
+        "tree_rounds": g.tree_rounds,
+        "mean_tree_nodes": round(g.tree_nodes / g.tree_rounds, 2) if g.tree_rounds else 0.0,
     }
 
 
@@ -201,7 +216,8 @@ def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> 
     for e in entries:
         groups = summarise(results[e.label])
         k = e.fixed_k or args.k
-        drafters[e.label] = {"k": k, "adaptive_k": not (e.fixed_k or args.fixed_k), **figures(groups["all"], k),
+        drafters[e.label] = {"k": k, "adaptive_k": not (e.fixed_k or args.fixed_k),
+                             "tree_branches": e.branches or args.tree_branches, **figures(groups["all"], k),
                              "by_kind": {n: figures(g, k) for n, g in groups.items() if n != "all"}}
     first = results[entries[0].label]
     return {
@@ -212,7 +228,7 @@ def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> 
             DrafterKind.EAGLE in e.members for e in entries) else None),
         "prompt_set": args.prompt_set,
         "decoding": decoding_of(args).name,
-        "k": args.k, "adaptive_k": not args.fixed_k, "overlap": not args.no_overlap,
+        "k": args.k, "adaptive_k": not args.fixed_k, "overlap": not args.no_overlap, "tree_branches": args.tree_branches,
         "max_new_tokens": args.max_new_tokens,
         "target_threads": args.target_threads, "draft_threads": args.draft_threads,
         "target_cpus": args.target_cpus or "unpinned", "draft_cpus": args.draft_cpus or "unpinned",
@@ -260,6 +276,7 @@ def run(args) -> int:
         kinds = "  ".join(f"{n} {g['speedup']:.2f}x a={g['acceptance_rate']:.2f}" for n, g in r["by_kind"].items())
         print(f"{label:14s} all {r['speedup']:.2f}x  alpha {r['acceptance_rate']:.2f}  "
               f"drafted/round {r['mean_drafted_per_round']:.2f}  c {r['draft_cost_ratio']:.3f}  "
+              f"trees {r['tree_rounds']}/{r['rounds']} ({r['mean_tree_nodes']} nodes)  "
               f"identical {r['identical_to_target_only']}/{r['prompts']}  |  {kinds}")
     print(f"-> {path}")
     return 0 if all(r["identical_to_target_only"] == r["prompts"] for r in out["results"].values()) else 1

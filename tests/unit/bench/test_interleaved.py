@@ -10,17 +10,25 @@ from specsplit.bench import interleaved
 from specsplit.bench.speculative import build_parser
 from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.kinds import DrafterKind
+from specsplit.orchestrator.api.config import DEFAULT_TREE_BRANCHES
 
 pytestmark = pytest.mark.unit
 
 
-def test_drafters_chains_and_fixed_k_are_parsed():
-    entries = interleaved.parse_entries("ngram, eagle@2,ngram+eagle")
-    assert [(e.label, e.drafter, e.chain, e.fixed_k) for e in entries] == [
-        ("ngram", DrafterKind.NGRAM, (), 0),
-        ("eagle@2", DrafterKind.EAGLE, (), 2),
-        ("ngram+eagle", DrafterKind.CHAIN, (DrafterKind.NGRAM, DrafterKind.EAGLE), 0),
+def test_drafters_chains_fixed_k_and_tree_widths_are_parsed():
+    entries = interleaved.parse_entries("ngram, eagle@2,ngram+eagle,medusa/1,recycling@3/8")
+    assert [(e.label, e.drafter, e.chain, e.fixed_k, e.branches) for e in entries] == [
+        ("ngram", DrafterKind.NGRAM, (), 0, 0),
+        ("eagle@2", DrafterKind.EAGLE, (), 2, 0),
+        ("ngram+eagle", DrafterKind.CHAIN, (DrafterKind.NGRAM, DrafterKind.EAGLE), 0, 0),
+        ("medusa/1", DrafterKind.MEDUSA, (), 0, 1),
+        ("recycling@3/8", DrafterKind.RECYCLING, (), 3, 8),
     ]
+
+
+def test_requests_ask_for_the_tree_width_a_served_request_gets_unless_told():
+    args = build_parser(argparse.ArgumentParser()).parse_args(["--json", "x.json", "--suite", "interleaved"])
+    assert args.tree_branches == DEFAULT_TREE_BRANCHES > 1
 
 
 @pytest.mark.parametrize("spec,fragment", [
@@ -29,6 +37,9 @@ def test_drafters_chains_and_fixed_k_are_parsed():
     ("eagle@0", "name@K with K >= 1"),
     ("eagle@x", "name@K with K >= 1"),
     ("eagle,eagle", "each once"),
+    ("medusa/0", "name/B with 1 <= B"),
+    ("medusa/x", "name/B with 1 <= B"),
+    ("medusa/99", "name/B with 1 <= B"),
     (" , ", "at least one"),
 ])
 def test_bad_drafter_lists_are_refused(spec, fragment):
