@@ -7,13 +7,12 @@ Every prompt runs twice through the same target service: target-only
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from specsplit.bench.evaluation import compare, summarise
 from specsplit.bench.prompts import DEMO_PROMPTS
 from specsplit.draft_service import medusa
 from specsplit.draft_service.eagle_head import BUNDLED
-from specsplit.lmkit import models
+from specsplit.lmkit import event_loop, models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import local_services
 from specsplit.orchestrator.api.config import DEFAULT_DRAFTER, DEFAULT_K, OrchestratorConfig
@@ -146,4 +145,4 @@ def run(args) -> int:
     target_args, draft_args = service_args(args)
     print("starting target and draft services on loopback (first run converts the model, ~30 s)...", flush=True)
     with local_services(target_args, draft_args) as (target, draft):
-        return asyncio.run(_run(args, target.address, draft.address))
+        return event_loop.run(_run(args, target.address, draft.address))

@@ -26,7 +26,6 @@ recycles over another prompt set, as a caller's table is warm from its earlier r
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -41,6 +40,7 @@ import torch
 from specsplit.bench import demo, runs, traffic
 from specsplit.bench.evaluation import Comparison, Summary, run_one, summarise, theoretical_speedup
 from specsplit.bench.prompts import PROMPT_SETS
+from specsplit.lmkit import event_loop
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import local_services
 from specsplit.lmkit.sampling import SamplingParams
@@ -266,7 +266,7 @@ def run(args) -> int:
         target_args += ["--auth-token-file", str(services)]
         draft_args += ["--auth-token-file", str(services)]
         with local_services(target_args, draft_args) as (target, draft):
-            results = asyncio.run(_measure(args, entries, target.address, draft.address, own))
+            results = event_loop.run(_measure(args, entries, target.address, draft.address, own))
     out = {**report(args, entries, results), "warm_prompt_set": args.warm_prompt_set or None,
            "duration_s": round(time.time() - started, 1)}
     path = Path(args.json)

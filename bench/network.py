@@ -17,7 +17,6 @@ links and the router host; each level's relays run on the router host, and level
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -35,6 +34,7 @@ from specsplit.bench.evaluation import theoretical_speedup
 from specsplit.bench.hosts import Hosts
 from specsplit.bench.netem_check import self_check
 from specsplit.bench.prompts import PROMPT_SETS
+from specsplit.lmkit import event_loop
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import ServiceProcess, local_services
 from specsplit.lmkit.sampling import SamplingParams
@@ -391,7 +391,7 @@ def run(args) -> int:
             with shaped_links(net, {"draft": draft, "target": target}, shape, Path(tmp), i) as (addresses, relays):
                 # across hosts this process is the orchestrator's host while it measures (gRPC made in there)
                 with net.inside("orch") if net else contextlib.nullcontext():
-                    measured = asyncio.run(_level(addresses, args, prompts, cells, rotate=i))
+                    measured = event_loop.run(_level(addresses, args, prompts, cells, rotate=i))
                 relay_stats = {name: link.stop() for name, link in relays.items()}
             levels.append(level_report(rtt, measured, cells, check, relay_stats))
             lv = levels[-1]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specsplit.bench import runs
 from specsplit.bench.prompts import DEMO_PROMPTS, chat_ids
-from specsplit.lmkit import processes
+from specsplit.lmkit import event_loop, processes
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.orchestrator.api.config import OrchestratorConfig
@@ -130,7 +130,7 @@ def run(args) -> int:
         targets = [start("specsplit.target_service.server", f"target-{i}", target_args)
                    for i in range(max(target_counts))]
         drafts = [start("specsplit.draft_service.server", f"draft-{i}", draft_args) for i in range(max(draft_counts))]
-        result = asyncio.run(measure([t.address for t in targets], [d.address for d in drafts], pairs, args))
+        result = event_loop.run(measure([t.address for t in targets], [d.address for d in drafts], pairs, args))
     report = {
         "benchmark": "pools",
         "model": args.model,

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 from specsplit.bench import runs
-from specsplit.lmkit import models, processes
+from specsplit.lmkit import event_loop, models, processes
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.wire_version import metadata as wire_metadata
@@ -263,7 +263,7 @@ def run(args) -> int:
             else:
                 (process,) = stack.enter_context(processes.local_services(service_args, None))
             addresses[chunk] = process.address
-        result = asyncio.run(measure(addresses, args.model, args))
+        result = event_loop.run(measure(addresses, args.model, args))
     what = ("the draft's model drafter proposing blocks of 4 for" if service == "draft" else "target-only greedy;")
     report = {
         "benchmark": "prefill",

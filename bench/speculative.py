@@ -13,7 +13,6 @@ separate devices); the HF anchors run in this process with the target's threads.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 
 from specsplit.bench import (
@@ -31,6 +30,7 @@ from specsplit.bench import (
     traffic,
 )
 from specsplit.bench.prompts import PROMPT_SETS
+from specsplit.lmkit import event_loop
 from specsplit.lmkit.processes import local_services
 from specsplit.orchestrator.api.config import OrchestratorConfig
 from specsplit.orchestrator.api.generation import Orchestrator
@@ -112,7 +112,7 @@ def run(args) -> int:
     started = time.time()
     model = None if args.no_hf else runs.load_anchor_model(args)
     with local_services(*runs.service_args(args)) as (target, draft):
-        result = asyncio.run(
+        result = event_loop.run(
             measure_traffic(args, target.address, draft.address, traffic.DECODINGS[args.decoding], model))
     report = {"benchmark": "traffic", **runs.header(args), **result, "duration_s": round(time.time() - started, 1)}
     path = runs.write(report, args.json)

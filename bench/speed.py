@@ -28,7 +28,7 @@ import torch
 from specsplit.bench import runs, traffic
 from specsplit.bench.evaluation import RunResult, run_one, theoretical_speedup
 from specsplit.bench.prompts import PROMPT_SETS, chat_ids
-from specsplit.lmkit import models
+from specsplit.lmkit import event_loop, models
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import cpu_seconds, cpu_used, local_services
 from specsplit.lmkit.sampling import SamplingParams
@@ -446,7 +446,7 @@ def run(args) -> int:
     started = time.time()
     model = runs.load_anchor_model(args) if "traffic" in parts and not args.no_hf else None
     with local_services(target_args, draft_args) as (target, draft):
-        measured = asyncio.run(_measure(args, target, draft, parts, model))
+        measured = event_loop.run(_measure(args, target, draft, parts, model))
     hf = None
     if "modes" in parts:  # after the services stopped: the anchors get the target's cores to themselves
         tokenizer = models.load_tokenizer(args.model)

@@ -15,7 +15,6 @@ to validate against its schema, and to equal target-only's.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import platform
@@ -27,6 +26,7 @@ import torch
 
 from specsplit.bench import runs
 from specsplit.bench.evaluation import generate_to_end
+from specsplit.lmkit import event_loop
 from specsplit.lmkit.kinds import DrafterKind
 from specsplit.lmkit.processes import local_services
 from specsplit.lmkit.sampling import SamplingParams
@@ -223,7 +223,7 @@ def run(args) -> int:
     started = time.time()
     target_args, draft_args = runs.service_args(args)
     with local_services(target_args, draft_args) as (target, draft):
-        rows = asyncio.run(_measure(args, target.address, draft.address))
+        rows = event_loop.run(_measure(args, target.address, draft.address))
     out = {**report(args, rows), "duration_s": round(time.time() - started, 1)}
     path = runs.write(out, args.json)
     print(
