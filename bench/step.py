@@ -33,7 +33,7 @@ import torch
 from specsplit.bench import runs
 from specsplit.lmkit import models, packed_rows
 from specsplit.lmkit.kv_buffer import KVBuffer
-from specsplit.lmkit.packed_linear import PackedLinear, pack_linears
+from specsplit.lmkit.packed_linear import PACK_MIN_VALUES, PackedLinear, pack_linears
 
 MODES = ("transformers", "step", "inductor")
 CONTEXT = 64
@@ -44,12 +44,12 @@ def add_flags(parser) -> None:
     parser.add_argument("--step-batches", default="1,8,32", help="--suite step: rows packed into one forward")
     parser.add_argument("--step-repeats", type=int, default=3, help="--suite step: interleaved repeats per cell")
     parser.add_argument("--step-parts", default="forward,decision,cache,engine,linears,bound",
-                        help="--suite step: forward (the packed forward by width and batch), decision (a greedy "
-                             "block's argmax rows: torch's max against row_argmax), cache (the near-zero "
-                             "model's step and LM head warm, after a cache flush, after a sleep) and/or engine "
-                             "(the target engine's batched step of 32 sessions by context length) and/or linears (one "
-                             "projection packed and plain, by weight shape and row count) and/or bound (--model's "
-                             "eager step by width against the memory bound: weights read / one thread's read rate)")
+                        help="--suite step, comma-separated: forward (the packed forward by width and batch), "
+                             "decision (a greedy block's argmax rows: torch's max against row_argmax), cache (the "
+                             "near-zero model's step and LM head warm, after a cache flush, after a sleep), engine "
+                             "(the target engine's batched step of 32 sessions by context length), linears (one "
+                             "projection packed and plain, by weight shape and row count), bound (--model's eager "
+                             "step by width against the memory bound: weights read / one thread's read rate)")
 
 
 def load(ref: str, mode: str):
@@ -158,15 +158,13 @@ def measure_linears(repeats: int = 5) -> list[dict]:
     """One projection of [1, rows, in] through a oneDNN-packed weight and through torch's plain matmul
     (``F.linear``), interleaved, by weight shape and row count; microseconds a call, the best of ``repeats``.
     What ``packed_linear.PACK_MIN_VALUES`` is set from; ``packed`` says which way ``pack_linears`` runs it."""
-    from specsplit.lmkit.packed_linear import PACK_MIN_VALUES
-
     out = []
-    for rows_out, rows_in in LINEAR_SHAPES:
-        linear = torch.nn.Linear(rows_in, rows_out, bias=False)
+    for out_features, in_features in LINEAR_SHAPES:
+        linear = torch.nn.Linear(in_features, out_features, bias=False)
         packed = PackedLinear(linear)
         for rows in LINEAR_ROWS:
-            x = torch.randn(1, rows, rows_in, generator=torch.Generator().manual_seed(rows))
-            calls = max(3, min(2000, int(2e6 / (rows_out * rows_in * rows) ** 0.75)))
+            x = torch.randn(1, rows, in_features, generator=torch.Generator().manual_seed(rows))
+            calls = max(3, min(2000, int(2e6 / (out_features * in_features * rows) ** 0.75)))
             best = {"packed": float("inf"), "plain": float("inf")}
             with torch.no_grad():
                 for _ in range(repeats):
@@ -176,10 +174,11 @@ def measure_linears(repeats: int = 5) -> list[dict]:
                         for _ in range(calls):
                             fn(x)
                         best[name] = min(best[name], (time.perf_counter() - began) / calls)
-            out.append({"out": rows_out, "in": rows_in, "rows": rows, "packed_us": round(best["packed"] * 1e6, 1),
+            out.append({"out": out_features, "in": in_features, "rows": rows,
+                        "packed_us": round(best["packed"] * 1e6, 1),
                         "plain_us": round(best["plain"] * 1e6, 1),
                         "plain_over_packed": round(best["plain"] / best["packed"], 2),
-                        "packed": rows_out * rows_in >= PACK_MIN_VALUES})
+                        "packed": out_features * in_features >= PACK_MIN_VALUES})
     return out
 
 
