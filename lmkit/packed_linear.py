@@ -11,8 +11,8 @@ as between any two BLAS kernels (torch's own path already switches kernels betwe
 The packed weight replaces the original, so weight memory does not grow; a tied LM head gets its own
 packed copy (the embedding keeps the original).
 
-A packed call costs about 10 us whatever the weight (the oneDNN primitive behind it), where torch's plain
-matmul of a small weight takes 2-4 us: below ``PACK_MIN_VALUES`` values a weight stays an ``nn.Linear``
+A packed call costs 11-13 us whatever the weight (the oneDNN primitive behind it), where torch's plain
+matmul of a small weight takes 3-5 us: below ``PACK_MIN_VALUES`` values a weight stays an ``nn.Linear``
 (``bench --suite step --step-parts linears`` measures both by weight shape and row count).
 """
 
