@@ -189,6 +189,7 @@ def decoding_of(args) -> traffic.Decoding:
 def figures(g: Summary, k: int) -> dict:
     """One drafter's figures over a group of prompts."""
     c = g.draft_cost_ratio
+    best = max(((n, theoretical_speedup(g.acceptance_rate, n, c)) for n in range(1, k + 1)), key=lambda x: x[1])
     return {
         "prompts": g.prompts,
         "prompt_names": g.names,
@@ -200,6 +201,9 @@ def figures(g: Summary, k: int) -> dict:
         "mean_accepted_length": round(g.mean_accepted_length, 3),
         "draft_cost_ratio": round(c, 4),
         "theoretical_speedup": round(theoretical_speedup(g.acceptance_rate, k, c), 3),
+        # The same bound at the best fixed K up to k: what this acceptance and draft cost give where verifying
+        # K + 1 tokens costs one step (a GPU at small batch), chains only.
+        "verify_free_best_k": best[0], "verify_free_speedup": round(best[1], 3),
         "rounds": g.rounds,
         "drafted_tokens": g.drafted,
         "mean_drafted_per_round": round(g.drafted / g.rounds, 3) if g.rounds else 0.0,

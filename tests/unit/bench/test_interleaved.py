@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from specsplit.bench import interleaved
+from specsplit.bench.evaluation import Summary, theoretical_speedup
 from specsplit.bench.speculative import build_parser
 from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.kinds import DrafterKind
@@ -68,3 +69,15 @@ def test_a_warm_up_set_sharing_prompts_with_the_measured_set_is_refused():
         "--warm-prompt-set", "mixed-dev"])
     with pytest.raises(ValueError, match="shares prompts with --prompt-set mixed"):
         interleaved.run(args)
+
+
+@pytest.mark.parametrize("accepted,draft_s,best_k", [(2, 0.07, 1), (8, 0.01, 8)])
+def test_the_verify_free_bound_takes_the_best_k_for_the_measured_acceptance(accepted, draft_s, best_k):
+    # 10 drafted tokens, `accepted` of them kept; a target step takes 1 s, a drafted token draft_s s (c = draft_s)
+    summary = Summary(prompts=1, rounds=10, drafted=10, accepted=accepted, draft_compute_s=draft_s * 10,
+                      baseline_target_compute_s=10.0, baseline_rounds=10)
+    got = interleaved.figures(summary, 8)
+    alpha, c = accepted / 10, draft_s
+    assert got["verify_free_best_k"] == best_k
+    assert got["verify_free_speedup"] == round(max(theoretical_speedup(alpha, n, c) for n in range(1, 9)), 3)
+    assert got["verify_free_speedup"] >= got["theoretical_speedup"]
