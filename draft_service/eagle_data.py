@@ -165,7 +165,8 @@ def generate_answers(
                 mask[row, width - len(p) :] = 1
             torch.manual_seed(seed + i)
             sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature > 0 else {"do_sample": False}
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+            device = model.get_output_embeddings().weight.device
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                                  pad_token_id=pad, eos_token_id=sorted(eos_ids), **sampling)
             for row in out[:, width:].tolist():
                 cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
@@ -226,7 +227,8 @@ class Segments:
 @torch.inference_mode()
 def extract(model, sequences: list[list[int]], answer_from: list[int], layers: Sequence[int], desc: str,
             batch_tokens: int = 2048) -> Segments:
-    """Run sequences through the target teacher-forced and keep features, final hidden states and argmaxes."""
+    """Run sequences through the target teacher-forced and keep features, final hidden states and argmaxes (on the
+    CPU, whatever device the target runs on)."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths share a batch
     head_weight = model.get_output_embeddings().weight
     out_tokens, out_features, out_final, out_argmax = [], [], [], []
@@ -244,16 +246,17 @@ def extract(model, sequences: list[list[int]], answer_from: list[int], layers: S
             for row, g in enumerate(group):
                 ids[row, : len(sequences[g])] = torch.tensor(sequences[g])
                 mask[row, : len(sequences[g])] = 1
-            out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            out = model.model(input_ids=ids.to(head_weight.device), attention_mask=mask.to(head_weight.device),
+                              output_hidden_states=True)
             final = out.last_hidden_state  # [B, T, H], normed
             # [B, T, F]; no layers: none (Medusa's heads read the final hidden state alone)
             features = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1) if layers else final[..., :0]
             for row, g in enumerate(group):
                 n = len(sequences[g])
                 out_tokens.append(ids[row, :n])
-                out_features.append(features[row, :n].half())
-                out_final.append(final[row, :n].half())
-                out_argmax.append(torch.cat([(chunk @ head_weight.T).argmax(-1) for chunk in final[row, :n].split(512)]))
+                out_features.append(features[row, :n].half().cpu())
+                out_final.append(final[row, :n].half().cpu())
+                out_argmax.append(torch.cat([(chunk @ head_weight.T).argmax(-1) for chunk in final[row, :n].split(512)]).cpu())
                 kept.append(g)
             bar.update(sum(len(sequences[g]) for g in group))
             i += len(group)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -56,6 +57,7 @@ class MedusaDistillConfig:
     chunk_prompts: int = 64
     seed: int = 0
     max_minutes: float = 0.0  # stop training after this long, checkpointed; 0 = no limit
+    device: str = "cpu"  # where the target runs (its answers, its hidden states) and the heads train: cpu, cuda[:N]
 
     def __post_init__(self) -> None:
         for name in ("corpus_tokens", "prompts", "answer_tokens", "held_out_prompts", "heads", "steps", "batch",
@@ -70,6 +72,8 @@ class MedusaDistillConfig:
             raise ValueError(f"--max-minutes must be >= 0 (0 = no limit), got {self.max_minutes}")
         if not self.out:
             raise ValueError("--out is required: the folder to write data, checkpoints and the heads to")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ValueError(f"--medusa-device must be cpu or cuda[:N], got {self.device!r}")
 
     def data_fields(self) -> dict:
         keep = ("target", "corpus", "corpus_tokens", "answer_tokens", "held_out_prompts", "chunk_prompts", "seq_len",
@@ -118,11 +122,12 @@ def training_rows(segments: eagle_data.Segments, heads: int, answers_only: bool 
 def _loss(heads: medusa.MedusaHeads, segments: eagle_data.Segments, rows: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of head i at position j against the target's greedy choice at j + 1 + i, summed over heads
     with Medusa's decaying weights 0.8^i."""
-    hidden = segments.final[rows].float()
+    device = heads.parameter_like().device  # the data stays on the CPU; each batch goes to the heads
+    hidden = segments.final[rows].float().to(device)
     total = hidden.new_zeros(())
     for i in range(heads.config.num_heads):
         logits = heads.logits(hidden, i, 1)[0]
-        total = total + 0.8**i * F.cross_entropy(logits.float(), segments.argmax[rows + 1 + i])
+        total = total + 0.8**i * F.cross_entropy(logits.float(), segments.argmax[rows + 1 + i].to(device))
     return total
 
 
@@ -134,8 +139,10 @@ def agreement(heads: medusa.MedusaHeads, held: eagle_data.Segments, batch: int =
     n = heads.config.num_heads
     hits = torch.zeros(n)
     accepted = 0.0
+    device = heads.parameter_like().device
     for chunk in rows.split(batch):
-        guesses = heads.best(held.final[chunk].float(), 0, n, 1)[0][..., 0]  # [heads, rows]: over the draft vocabulary
+        # [heads, rows]: over the draft vocabulary
+        guesses = heads.best(held.final[chunk].float().to(device), 0, n, 1)[0][..., 0].cpu()
         right = torch.stack([guesses[i] == held.argmax[chunk + 1 + i] for i in range(n)])  # [heads, rows]
         hits += right.sum(1)
         accepted += float(right.int().cumprod(0).sum())
@@ -188,10 +195,14 @@ def distill_medusa(config: MedusaDistillConfig) -> dict:
     """Make (or load) the data, train (or resume), write the heads and the report; return the report."""
     from tqdm import tqdm
 
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--medusa-device {config.device}: torch finds no CUDA device here; train with --medusa-device "
+                         "cpu, or on a machine with a GPU")
     started = time.perf_counter()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = models.load_model(models.ModelSpec(config.target)).requires_grad_(False)
+    # float32 on any device: the heads learn from the hidden states and choices the served fp32 target has
+    model = models.load_model(models.ModelSpec(config.target, config.device, "float32")).requires_grad_(False)
     tokenizer = models.load_tokenizer(config.target)
     train, held = _data(config, model, tokenizer)
     data_s = round(time.perf_counter() - started, 1)
@@ -261,6 +272,8 @@ def add_flags(parser) -> None:
                    help="answers kept for the report")
     g.add_argument("--medusa-answer-tokens", type=int, default=d.answer_tokens, help="longest answer generated")
     g.add_argument("--medusa-corpus-tokens", type=int, default=d.corpus_tokens, help="corpus positions to run the target on")
+    g.add_argument("--medusa-device", default=d.device,
+                   help="where the target answers and reads the data (in float32) and the heads train: cpu or cuda[:N]")
 
 
 def config_from_args(args) -> MedusaDistillConfig:
@@ -276,4 +289,5 @@ def config_from_args(args) -> MedusaDistillConfig:
         save_every=args.save_every, seed=args.seed, max_minutes=args.max_minutes, prompts=args.medusa_prompts,
         held_out_prompts=args.medusa_held_out_prompts, answer_tokens=args.medusa_answer_tokens,
         corpus_tokens=args.medusa_corpus_tokens, seq_len=given("seq_len", d.seq_len), gen_batch=args.gen_batch,
+        device=args.medusa_device,
     )

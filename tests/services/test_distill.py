@@ -213,6 +213,19 @@ def test_medusa_distill_stops_on_time_resumes_and_writes_servable_heads(tiny_tar
         medusa_distill.distill_medusa(medusa_args_for(tiny_target_dir, out, corpus, 4, medusa_heads=2))
 
 
+@pytest.mark.parametrize("device,fragment", [("tpu", "cpu or cuda"), ("cuda:x", "cpu or cuda")])
+def test_a_bad_medusa_device_is_refused(tmp_path, device, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        medusa_args_for("smollm2-135m", tmp_path / "m", tmp_path, 1, medusa_device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where no GPU is")
+def test_medusa_on_cuda_without_a_gpu_says_so_before_loading(tmp_path):
+    config = medusa_args_for("smollm2-135m", tmp_path / "m", tmp_path, 1, medusa_device="cuda")
+    with pytest.raises(ValueError, match="no CUDA device here"):
+        medusa_distill.distill_medusa(config)
+
+
 def test_medusa_agreement_counts_a_chains_accepted_length():
     """Two heads, held-out answers of one sequence: the report's figures from hand-made guesses."""
     from specsplit.draft_service.eagle_data import Segments
@@ -230,6 +243,9 @@ def test_medusa_agreement_counts_a_chains_accepted_length():
         def best(self, hidden, first, count, top):  # as MedusaHeads.best over the whole vocabulary
             probs, ids = self.logits(hidden).softmax(-1).topk(top, dim=-1)
             return ids, probs
+
+        def parameter_like(self):  # the heads' device and dtype
+            return torch.zeros(())
 
     argmax = torch.tensor([3, 4, 5, 9, 7, 8, 9, 1])
     final = torch.zeros(8, 4)
