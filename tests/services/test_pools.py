@@ -83,9 +83,10 @@ async def opened(replicas) -> list[int]:
 
 
 def connect(replicas, folder: Path) -> Orchestrator:
-    """An orchestrator over both pools; a lost draft re-attached within 0.1 s (the generations here are short)."""
+    """An orchestrator over both pools; a lost draft re-attached within 0.02 s: the generations here are short
+    (160 tokens of a tiny model: what is left of one after a kill can take well under a second)."""
     config = OrchestratorConfig(addresses(replicas["targets"]), addresses(replicas["drafts"]), str(folder),
-                                link_policy=LinkPolicy(draft_retry_s=0.1))
+                                link_policy=LinkPolicy(draft_retry_s=0.02))
     return Orchestrator.connect(config)
 
 
