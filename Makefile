@@ -66,11 +66,14 @@ demo: install
 # Medusa heads for the default target, self-distilled on this machine (draft_service/medusa_distill.py): the
 # recipe of the bundled heads (draft_service/heads/medusa-smollm2-135m), about 6 minutes of data and 10 of
 # training on 2 cores, each resumable; training stops checkpointed after MEDUSA_MINUTES (rerun to continue).
-# Serve them with `specsplit serve-draft --model smollm2-135m --medusa-head $(MEDUSA_OUT)`.
+# Serve them with `specsplit serve-draft --model smollm2-135m --medusa-head $(MEDUSA_OUT)`. MEDUSA_DEVICE=cuda
+# makes the data and trains on a GPU.
 MEDUSA_OUT ?= $(HOME)/.cache/specsplit/medusa-smollm2-135m
 MEDUSA_MINUTES ?= 12
+MEDUSA_DEVICE ?= cpu
 medusa-heads: install
-	$(VENV)/bin/specsplit distill --medusa --target smollm2-135m --out $(MEDUSA_OUT) --max-minutes $(MEDUSA_MINUTES)
+	$(VENV)/bin/specsplit distill --medusa --target smollm2-135m --out $(MEDUSA_OUT) --max-minutes $(MEDUSA_MINUTES) \
+		--medusa-device $(MEDUSA_DEVICE)
 
 # Two workers (CI has two cores); the Ray tests share one of them (tests/conftest.py). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
