@@ -178,6 +178,12 @@ def theoretical_speedup(alpha: float, k: int, c: float) -> float:
     return expected / (k * c + 1)
 
 
+def best_fixed_k(alpha: float, c: float, ks) -> tuple[int, float]:
+    """The K of ``ks`` (not empty) with the highest ``theoretical_speedup`` for ``alpha`` and ``c``, and that
+    speedup; the smallest such K on a tie."""
+    return max(((k, theoretical_speedup(alpha, k, c)) for k in ks), key=lambda pair: pair[1])
+
+
 def summarise(comparisons: list[Comparison]) -> dict[str, Summary]:
     """Per kind and "all"."""
     groups: dict[str, Summary] = {"all": Summary()}

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from specsplit.bench import demo, runs, traffic
-from specsplit.bench.evaluation import Comparison, Summary, run_one, summarise, theoretical_speedup
+from specsplit.bench.evaluation import Comparison, Summary, best_fixed_k, run_one, summarise, theoretical_speedup
 from specsplit.bench.prompts import PROMPT_SETS
 from specsplit.lmkit import event_loop
 from specsplit.lmkit.kinds import DrafterKind
@@ -57,6 +57,10 @@ class Entry:
     chain: tuple[DrafterKind, ...] = ()
     fixed_k: int = 0  # 0: the run's --k and --fixed-k
     branches: int = 0  # the tree width its requests ask for; 0: the run's --tree-branches
+
+    def settings(self, args) -> tuple[int, bool, int]:
+        """(k, adaptive K, tree branches) its requests ask for: its own where named, else the run's flags."""
+        return self.fixed_k or args.k, not (self.fixed_k or args.fixed_k), self.branches or args.tree_branches
 
     @property
     def members(self) -> tuple[DrafterKind, ...]:
@@ -145,8 +149,6 @@ async def _measure(args, entries: list[Entry], target_address: str, draft_addres
     greedy = SamplingParams()
     decoding = decoding_of(args)
     overlap = not args.no_overlap
-    k_of = {e.label: (e.fixed_k or args.k, not (e.fixed_k or args.fixed_k)) for e in entries}  # (k, adaptive)
-    branches = {e.label: e.branches or args.tree_branches for e in entries}
     prompts = PROMPT_SETS[args.prompt_set]
     baseline_orch = await Orchestrator.connect(replace(config, peer_token_file=str(token_files[TARGET_ONLY])))
     orchs = {e.label: await Orchestrator.connect(replace(config, peer_token_file=str(token_files[e.label])))
@@ -154,23 +156,22 @@ async def _measure(args, entries: list[Entry], target_address: str, draft_addres
     try:
         await run_one(baseline_orch, prompts[0], 0, DrafterKind.NGRAM, 8, greedy)
         for e in entries:  # first calls pay one-off allocation costs and seed each cost model
-            k, adaptive = k_of[e.label]
+            k, adaptive, branches = e.settings(args)
             await run_one(orchs[e.label], prompts[0], k, e.drafter, 16, greedy, adaptive_k=adaptive,
-                          overlap=overlap, chain=e.chain, tree_branches=branches[e.label])
+                          overlap=overlap, chain=e.chain, tree_branches=branches)
         for warm in PROMPT_SETS[args.warm_prompt_set] if args.warm_prompt_set else ():
             for e in filter(recycles, entries):
-                k, adaptive = k_of[e.label]
+                k, adaptive, branches = e.settings(args)
                 await run_one(orchs[e.label], warm, k, e.drafter, args.max_new_tokens, decoding.params(warm, 0),
-                              adaptive_k=adaptive, overlap=overlap, chain=e.chain, tree_branches=branches[e.label])
+                              adaptive_k=adaptive, overlap=overlap, chain=e.chain, tree_branches=branches)
         results: dict[str, list[Comparison]] = {e.label: [] for e in entries}
         for prompt in prompts:
             sampling = decoding.params(prompt, 0)
             baseline = await run_one(baseline_orch, prompt, 0, DrafterKind.NGRAM, args.max_new_tokens, sampling)
             for e in entries:
-                k, adaptive = k_of[e.label]
+                k, adaptive, branches = e.settings(args)
                 run = await run_one(orchs[e.label], prompt, k, e.drafter, args.max_new_tokens, sampling,
-                                    adaptive_k=adaptive, overlap=overlap, chain=e.chain,
-                                    tree_branches=branches[e.label])
+                                    adaptive_k=adaptive, overlap=overlap, chain=e.chain, tree_branches=branches)
                 results[e.label].append(Comparison(prompt, baseline, run))
             print(f"{prompt.name}: " + "  ".join(
                 f"{e.label} {results[e.label][-1].baseline.wall_s / results[e.label][-1].speculative.wall_s:.2f}x"
@@ -189,7 +190,7 @@ def decoding_of(args) -> traffic.Decoding:
 def figures(g: Summary, k: int) -> dict:
     """One drafter's figures over a group of prompts."""
     c = g.draft_cost_ratio
-    best = max(((n, theoretical_speedup(g.acceptance_rate, n, c)) for n in range(1, k + 1)), key=lambda x: x[1])
+    best_k, best = best_fixed_k(g.acceptance_rate, c, range(1, k + 1))
     return {
         "prompts": g.prompts,
         "prompt_names": g.names,
@@ -203,7 +204,7 @@ def figures(g: Summary, k: int) -> dict:
         "theoretical_speedup": round(theoretical_speedup(g.acceptance_rate, k, c), 3),
         # The same bound at the best fixed K up to k: what this acceptance and draft cost give where verifying
         # K + 1 tokens costs one step (a GPU at small batch), chains only.
-        "verify_free_best_k": best[0], "verify_free_speedup": round(best[1], 3),
+        "verify_free_best_k": best_k, "verify_free_speedup": round(best, 3),
         "rounds": g.rounds,
         "drafted_tokens": g.drafted,
         "mean_drafted_per_round": round(g.drafted / g.rounds, 3) if g.rounds else 0.0,
@@ -219,9 +220,8 @@ def report(args, entries: list[Entry], results: dict[str, list[Comparison]]) -> 
     drafters = {}
     for e in entries:
         groups = summarise(results[e.label])
-        k = e.fixed_k or args.k
-        drafters[e.label] = {"k": k, "adaptive_k": not (e.fixed_k or args.fixed_k),
-                             "tree_branches": e.branches or args.tree_branches, **figures(groups["all"], k),
+        k, adaptive, branches = e.settings(args)
+        drafters[e.label] = {"k": k, "adaptive_k": adaptive, "tree_branches": branches, **figures(groups["all"], k),
                              "by_kind": {n: figures(g, k) for n, g in groups.items() if n != "all"}}
     first = results[entries[0].label]
     return {

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specsplit.bench import runs, traffic
-from specsplit.bench.evaluation import RunResult, run_one, theoretical_speedup
+from specsplit.bench.evaluation import RunResult, best_fixed_k, run_one
 from specsplit.bench.prompts import PROMPT_SETS, chat_ids
 from specsplit.lmkit import event_loop, models
 from specsplit.lmkit.kinds import DrafterKind
@@ -100,7 +100,7 @@ def _figures(runs: list[RunResult], baseline: list[RunResult], mode: Mode, hf: d
     alpha = accepted / drafted if drafted else 0.0
     # Leviathan's bound for the measured alpha and c: at K for fixed K, at the best K <= K_max when adaptive.
     ks = range(1, mode.k + 1) if mode.adaptive else [mode.k]
-    bound = max((theoretical_speedup(alpha, k, c) for k in ks), default=1.0) if mode.k else 1.0
+    bound = best_fixed_k(alpha, c, ks)[1] if mode.k else 1.0
     tps = tokens / wall
     speedup = tps / base_tps
     return {
