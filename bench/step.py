@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -33,9 +32,10 @@ import torch
 from specsplit.bench import runs
 from specsplit.lmkit import models, packed_rows
 from specsplit.lmkit.kv_buffer import KVBuffer
-from specsplit.lmkit.packed_linear import PACK_MIN_VALUES, PackedLinear, pack_linears
+from specsplit.lmkit.packed_linear import PackedLinear, pack_linears, packs
 
 MODES = ("transformers", "step", "inductor")
+PARTS = ("forward", "decision", "cache", "engine", "linears", "bound")  # --step-parts, in the order they run
 CONTEXT = 64
 
 
@@ -43,7 +43,7 @@ def add_flags(parser) -> None:
     parser.add_argument("--step-widths", default="1,2,3,5,9", help="--suite step: verify widths (tokens per row)")
     parser.add_argument("--step-batches", default="1,8,32", help="--suite step: rows packed into one forward")
     parser.add_argument("--step-repeats", type=int, default=3, help="--suite step: interleaved repeats per cell")
-    parser.add_argument("--step-parts", default="forward,decision,cache,engine,linears,bound",
+    parser.add_argument("--step-parts", default=",".join(PARTS),
                         help="--suite step, comma-separated: forward (the packed forward by width and batch), "
                              "decision (a greedy block's argmax rows: torch's max against row_argmax), cache (the "
                              "near-zero model's step and LM head warm, after a cache flush, after a sleep), engine "
@@ -157,7 +157,8 @@ LINEAR_ROWS = (1, 5, 32, 160)  # one token; one session's block of 5; 32 session
 def measure_linears(repeats: int = 5) -> list[dict]:
     """One projection of [1, rows, in] through a oneDNN-packed weight and through torch's plain matmul
     (``F.linear``), interleaved, by weight shape and row count; microseconds a call, the best of ``repeats``.
-    What ``packed_linear.PACK_MIN_VALUES`` is set from; ``packed`` says which way ``pack_linears`` runs it."""
+    What ``packed_linear.PACK_MIN_VALUES`` is set from; ``packed`` says which way ``pack_linears`` runs it
+    (``packed_linear.packs``)."""
     out = []
     for out_features, in_features in LINEAR_SHAPES:
         linear = torch.nn.Linear(in_features, out_features, bias=False)
@@ -178,7 +179,7 @@ def measure_linears(repeats: int = 5) -> list[dict]:
                         "packed_us": round(best["packed"] * 1e6, 1),
                         "plain_us": round(best["plain"] * 1e6, 1),
                         "plain_over_packed": round(best["plain"] / best["packed"], 2),
-                        "packed": out_features * in_features >= PACK_MIN_VALUES})
+                        "packed": packs(linear)})
     return out
 
 
@@ -355,8 +356,8 @@ def run(args) -> int:
 
     torch.set_num_threads(1)
     parts = {p.strip() for p in args.step_parts.split(",") if p.strip()}
-    if not parts or parts - {"forward", "decision", "cache", "engine", "linears", "bound"}:
-        raise ValueError(f"--step-parts: forward, decision, cache, engine, linears and/or bound, got {args.step_parts!r}")
+    if not parts or parts - set(PARTS):
+        raise ValueError(f"--step-parts: any of {', '.join(PARTS)}, got {args.step_parts!r}")
     widths = [int(w) for w in args.step_widths.split(",")]
     batches = [int(b) for b in args.step_batches.split(",")]
     if min(widths) < 1 or min(batches) < 1 or args.step_repeats < 1:
@@ -380,7 +381,7 @@ def run(args) -> int:
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
         "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache, "engine": engine,
-        "linears": linears, "bound": bound, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "linears": linears, "bound": bound, "machine": runs.machine(),
         "duration_s": round(time.time() - started, 1),
     }
     path = runs.write(out, args.json)

@@ -55,6 +55,11 @@ def can_pack(model) -> bool:
 PACK_MIN_VALUES = 128 * 128
 
 
+def packs(module, min_values: int = PACK_MIN_VALUES) -> bool:
+    """Whether ``pack_linears`` packs ``module``: an ``nn.Linear`` whose weight has at least ``min_values`` values."""
+    return type(module) is torch.nn.Linear and module.weight.numel() >= min_values
+
+
 @torch.no_grad()
 def pack_linears(model, min_values: int = PACK_MIN_VALUES) -> int:
     """Replace every ``nn.Linear`` of ``model`` whose weight has at least ``min_values`` values by a
@@ -67,7 +72,7 @@ def pack_linears(model, min_values: int = PACK_MIN_VALUES) -> int:
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear and child.weight.numel() >= min_values:
+            if packs(child, min_values):
                 setattr(module, name, PackedLinear(child))
                 replaced += 1
     return replaced
