@@ -226,6 +226,16 @@ class GraphStep:
         return [inputs.logits[row, : len(tokens)] for row, (_, _, tokens) in enumerate(rows)]
 
     @torch.inference_mode()
+    def clear(self, slot: int) -> None:
+        """Zero every position of ``slot``: a step reads a slot's whole capacity and masks the positions past its
+        row, and a masked non-finite value still reaches the sum (0 * NaN = NaN), so nothing a session left in a
+        slot may reach the next session there."""
+        span = slice(slot * self.capacity, (slot + 1) * self.capacity)
+        for buffers in (self.keys, self.values):
+            for layer in buffers:
+                layer[:, span] = 0
+
+    @torch.inference_mode()
     def copy(self, source: int, target: int, length: int) -> None:
         """Positions 0..length-1 of slot ``source`` into slot ``target`` (a fork's shared prompt)."""
         if length:
@@ -300,6 +310,7 @@ class GraphSessionCache(SessionCache):
 
     def release(self) -> None:
         if self.slot is not None:
+            self._graph.clear(self.slot)
             self._slots.release(self.slot)
             self.slot = None
 

@@ -117,3 +117,24 @@ def test_slots_are_handed_out_once_and_reused_after_release():
     with pytest.raises(ValueError, match="slot 0 is not held"):
         slots.release(0)
     assert slots.take() == 0
+
+
+def test_a_released_slot_holds_nothing_of_its_last_session(model):
+    """A step reads its slot's whole capacity and masks what lies past the row; a masked NaN would still reach the
+    sum (0 * NaN). A session leaves non-finite keys and values past its tokens; the next session in that slot gets
+    finite logits equal to the stock forward's."""
+    step = graph_step.GraphStep(model, slots=2, capacity=16, max_width=4)
+    slots = graph_step.Slots(2)
+    first = graph_step.GraphSessionCache(model, step, slots)
+    first.apply(0, [5, 6, 7], 3)
+    with torch.inference_mode():
+        for buffers in (step.keys, step.values):
+            for layer in buffers:
+                layer[:, first.slot * step.capacity + 15] = float("nan")
+    slot = first.slot
+    first.release()
+    second = graph_step.GraphSessionCache(model, step, slots)
+    assert second.slot == slot
+    got = second.apply(0, [5, 6, 7], 3)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, _stock(model, [5, 6, 7], 0), rtol=1e-4, atol=1e-4)
