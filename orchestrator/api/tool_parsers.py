@@ -2,8 +2,9 @@
 
 A format gives the text around one call's arguments (``call_prefix`` + the arguments' JSON + ``call_suffix``),
 from which ``orchestrator.tools`` builds the grammar of a forced call, and parses a completion into its
-content and calls, whole (``parse``) or as it streams (``stream``). ``FORMATS`` is the registry that
-``--tool-call-parser`` names; a convention is one ``ToolCallFormat`` and one line there.
+content and calls as it streams (``stream``) or whole (``parse``: the same scanner over the whole text).
+``FORMATS`` is the registry that ``--tool-call-parser`` names; a convention is one ``ToolCallFormat`` and one
+line there.
 
 Hermes (NousResearch's Hermes 2 Pro, Qwen 2.5 and 3, and the templates copied from them) writes each call as
 
@@ -101,17 +102,21 @@ class ToolCallFormat:
         return CallStream(self)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """A whole completion's content (the text outside the calls, stripped; None if empty) and its calls: a
-        block that holds no call, or a call never ended, is content."""
+        """A whole completion's content (the text outside the calls, stripped; None if empty) and its calls, read
+        by the one scanner a stream reads with (``CallStream``), so a whole reply and a streamed one always agree:
+        a block that holds no call is content; a call cut before its end is a call when its name was written
+        first (with the arguments written so far), content otherwise."""
+        stream = self.stream()
         content, calls = [], []
-        while (at := text.find(self.start)) >= 0 and (end := text.find(self.end, at)) >= 0:
-            end += len(self.end)
-            call = self.read_block(text[at:end])
-            content.append(text[:at] if call else text[:end])
-            calls += [call] if call else []
-            text = text[end:]
-        joined = ("".join(content) + text).strip()
-        return joined or None, calls
+        for piece in stream.feed(text) + stream.finish():
+            if isinstance(piece, str):
+                content.append(piece)
+            elif isinstance(piece, CallHead):
+                calls.append([piece.name, ""])
+            else:
+                calls[-1][1] += piece.text
+        joined = "".join(content).strip()
+        return joined or None, [ParsedCall(name, arguments) for name, arguments in calls]
 
 
 class CallStream:
@@ -154,7 +159,7 @@ class CallStream:
                     break
                 self.buffer, self.inside, self.arguments = self.buffer[at + len(self.fmt.end) :], False, None
             else:
-                at = self.buffer.find(self.fmt.end)
+                at = self._block_end()
                 if at < 0:
                     break
                 block, self.buffer = self.buffer[: at + len(self.fmt.end)], self.buffer[at + len(self.fmt.end) :]
@@ -162,6 +167,16 @@ class CallStream:
                 call = self.fmt.read_block(block)
                 pieces += [CallHead(call.name), CallArguments(call.arguments)] if call is not None else [block]
         return _merged(pieces)
+
+    def _block_end(self) -> int:
+        """Where the end tag of the call the buffer begins (not name first) is, or -1: after its JSON object when
+        the call holds one (an end tag inside a string is the arguments' text), else its first end tag."""
+        offset = len(self.fmt.start)
+        offset += len(self.buffer[offset:]) - len(self.buffer[offset:].lstrip())
+        if self.buffer[offset : offset + 1] != "{":
+            return self.buffer.find(self.fmt.end) if offset < len(self.buffer) else -1
+        end = _object_end(self.buffer, offset)
+        return -1 if end is None else self.buffer.find(self.fmt.end, end)
 
     def finish(self) -> list[Piece]:
         """What is held back when the text ends: a call never ended is content, unless its head was passed on."""

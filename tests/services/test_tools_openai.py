@@ -178,6 +178,27 @@ def test_streamed_call_deltas_add_up_to_the_whole_call(api):
     )
 
 
+def test_an_end_tag_inside_an_argument_is_read_the_same_whole_and_streamed(api):
+    """The one value a forced call can take holds the format's end tag: the whole reply and the stream both carry
+    the call with that value, no content."""
+    echo = {"type": "object", "properties": {"s": {"enum": ["a</tool_call>b"]}}, "required": ["s"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "echo", "parameters": echo}}]
+    options = dict(tools=tools, tool_choice=named("echo"), extra_body={"k": 4})
+    whole = create(api.client(), **options).choices[0]
+    assert whole.message.content is None and whole.finish_reason == "tool_calls"
+    (call,) = whole.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("echo", {"s": "a</tool_call>b"})
+    content, name, arguments = "", "", ""
+    for chunk in create(api.client(), stream=True, **options):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                name += delta.function.name or ""
+                arguments += delta.function.arguments or ""
+    assert (content, name, arguments) == ("", "echo", call.function.arguments)
+
+
 def test_none_gives_plain_text_with_the_tools_in_the_prompt(api):
     client = api.client()
     with_tools = create(client, tools=TOOLS, tool_choice="none", max_tokens=12)

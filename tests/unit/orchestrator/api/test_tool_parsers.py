@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -51,8 +52,10 @@ def test_arguments_written_as_a_json_string_are_read_as_the_object():
     assert HERMES.parse(text) == (None, [ParsedCall("f", '{"x": 1}')])
 
 
-def test_a_call_cut_before_its_end_is_content():
-    assert HERMES.parse(CALL[:-3]) == (CALL[:-3], [])
+def test_a_call_cut_before_its_name_is_content_and_after_it_a_call():
+    cut = CALL[: CALL.index('"name"') + 4]
+    assert HERMES.parse(cut) == (cut, [])
+    assert HERMES.parse(CALL[:-3]) == (None, [WEATHER])
 
 
 def test_the_prefix_and_suffix_around_arguments_make_a_call_the_parser_reads():
@@ -111,21 +114,93 @@ def test_arguments_keep_the_models_text_whole_and_streamed():
     assert calls_of(streamed(text, 2)) == [call]
 
 
-def test_a_streamed_call_cut_in_its_arguments_stands_with_what_was_written():
-    """Whole, a call never ended is content; streamed, a call whose name went out stays a call (the reply's
-    finish_reason says it was cut)."""
+def test_a_call_cut_in_its_arguments_stands_with_what_was_written_whole_and_streamed():
+    """A call whose name was written stays a call, whole or streamed (the reply's finish_reason says it was cut)."""
     cut = CALL[: CALL.index("Paris")]
-    assert HERMES.parse(cut) == (cut, [])
+    assert HERMES.parse(cut) == (None, [ParsedCall("get_weather", '{"city": "')])
     pieces = streamed(cut, 4)
     assert calls_of(pieces) == [ParsedCall("get_weather", '{"city": "')]
     assert not any(isinstance(p, str) for p in pieces)
 
 
-def test_content_streams_at_once_unless_it_may_begin_a_call():
-    stream = HERMES.stream()
-    assert stream.feed("Hello") == ["Hello"]
-    assert stream.feed(" <tool_") == [" "]  # "<tool_" may be a call's start: held
-    assert stream.feed("x") == ["<tool_x"]
-    assert stream.feed("<tool_call>\n{") == []
-    assert stream.feed('"name": "f"}</tool_call>') == [CallHead("f"), CallArguments("{}")]
-    assert stream.finish() == []
+def test_an_end_tag_inside_a_string_is_part_of_the_arguments_whole_and_streamed():
+    text = '<tool_call>\n{"name": "f", "arguments": {"s": "a</tool_call>b"}}\n</tool_call> after'
+    call = ParsedCall("f", '{"s": "a</tool_call>b"}')
+    assert HERMES.parse(text) == ("after", [call])
+    assert calls_of(streamed(text, 3)) == [call]
+
+
+def test_a_repeated_name_key_reads_the_same_whole_and_streamed():
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1}, "name": "g"}</tool_call>'
+    assert HERMES.parse(text)[1] == calls_of(streamed(text, 1)) == [ParsedCall("f", '{"a": 1}')]
+
+
+_ALPHABET = ['a', 'Z', ' ', '\n', '"', '\\', '{', '}', '[', ']', ':', ',', 'é', '日', '🙂', '</tool_call>', '<tool_call>',
+             '<tool', '\\"', '\\u00e9', 'name', 'arguments']
+
+
+def _random_text(rng: random.Random) -> str:
+    return "".join(rng.choice(_ALPHABET) for _ in range(rng.randrange(0, 8)))
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(6 if depth < 2 else 4)
+    if kind == 0:
+        return _random_text(rng)
+    if kind == 1:
+        return rng.randrange(-1000, 1000)
+    if kind == 2:
+        return rng.choice([True, False, None, 1.5])
+    if kind == 3:
+        return _random_text(rng) + "</tool_call>" + _random_text(rng)
+    if kind == 4:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(3))]
+    return {_random_text(rng): _random_value(rng, depth + 1) for _ in range(rng.randrange(3))}
+
+
+def _random_completion(rng: random.Random) -> tuple[str, list[tuple[str, dict]] | None]:
+    """Content and calls as a model may write them: name first or not, arguments as an object or a JSON string,
+    compact or spaced, sometimes broken, sometimes cut anywhere; with the calls it holds (name, arguments) when
+    none was broken or cut."""
+    parts, calls, intact = [], [], True
+    for _ in range(rng.randrange(1, 4)):
+        parts.append(_random_text(rng).replace("<tool_call>", ""))
+        arguments = {_random_text(rng): _random_value(rng) for _ in range(rng.randrange(3))}
+        name = rng.choice(["f", "get_weather", "日本", _random_text(rng)])
+        body = {"name": name, "arguments": arguments}
+        if rng.random() < 0.2:
+            body = {"arguments": arguments, "name": name}
+        if rng.random() < 0.1:
+            body["arguments"] = json.dumps(arguments)
+        written = json.dumps(body, ensure_ascii=rng.random() < 0.5, separators=rng.choice([(",", ":"), (", ", ": ")]))
+        if rng.random() < 0.05:
+            written, intact = written[:-1] + ', "name": "other"}', False
+        if rng.random() < 0.05:
+            written, intact = written[: rng.randrange(len(written))], False
+        parts.append(f"<tool_call>{rng.choice(['', chr(10)])}{written}{rng.choice(['', chr(10)])}</tool_call>")
+        calls.append((name, arguments))
+    text = "".join(parts) + _random_text(rng).replace("<tool_call>", "")
+    if rng.random() < 0.2:
+        text, intact = text[: rng.randrange(len(text) + 1)], False
+    return text, calls if intact else None
+
+
+def test_a_whole_reply_and_the_same_reply_streamed_in_any_chunks_always_agree():
+    """10,000 random completions, each streamed in random chunks: the calls and the content are the whole
+    parse's; where no call was broken or cut, the calls are exactly those written."""
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(10_000):
+        text, written = _random_completion(rng)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(6)))) if len(text) > 1 else []
+        stream, pieces = HERMES.stream(), []
+        for start, end in zip([0, *cuts], [*cuts, len(text)]):
+            pieces += stream.feed(text[start:end])
+        pieces += stream.finish()
+        content = "".join(p for p in pieces if isinstance(p, str)).strip() or None
+        whole = HERMES.parse(text)
+        assert (content, calls_of(pieces)) == whole, text
+        if written is not None:
+            assert [(call.name, json.loads(call.arguments)) for call in whole[1]] == written, text
+            checked += 1
+    assert checked > 5_000
