@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import grpc
 
+from specsplit.lmkit import errors
 from specsplit.lmkit.wire import join_features
 from specsplit.orchestrator.decode.peers import (
     RETRYABLE,
@@ -106,8 +107,14 @@ class _SessionLink:
             stream = stream_type(placed)
             try:
                 async with asyncio.timeout(timeout_s):
+                    await self._pool.recheck(placed.replica, timeout_s)  # a replica that came back: its build
                     await stream.open(message)
                 return stream
+            except errors.FailedPrecondition:
+                stream.abort()
+                tried.append(placed.replica)
+                if not self._pool.untried(tried):
+                    raise
             except PeerError as exc:
                 stream.abort()
                 tried.append(placed.replica)

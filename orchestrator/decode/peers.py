@@ -198,6 +198,10 @@ class ServiceClient:
     gone: bool = False  # its address no longer resolves from the pool's name: no new session
     reported: pb.StatsResponse | None = None  # its latest Stats (every orchestrator's sessions; Pool.watch_load)
     sessions_at_report: int = 0  # this orchestrator's sessions here when ``reported`` was read
+    # Its connection dropped since ``info`` was read: what answers at the address now may be another build, whose
+    # Info is read again before a session opens there (``Pool.recheck``).
+    reconnected: bool = False
+    _watching: asyncio.Task | None = None
 
     @property
     def load(self) -> tuple[int, float]:
@@ -217,7 +221,8 @@ class ServiceClient:
             try:
                 info = await self.stub.Info(pb.InfoRequest(), timeout=max(remaining, 0.01), wait_for_ready=True)
                 wire_version.check_service(info.wire_version, info.min_wire_version, self.kind, self.address)
-                self.info = info
+                self.info, self.reconnected = info, False
+                self._watch_connection()
                 return info
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -232,10 +237,29 @@ class ServiceClient:
                     ) from None
                 await asyncio.sleep(0.5)
 
+    def _watch_connection(self) -> None:
+        """Mark the replica ``reconnected`` whenever its channel leaves READY (a restart drops the connection), so a
+        process restarted at the same address is checked again (wire version, model) before a session uses it."""
+        if self._watching is not None:
+            return
+
+        async def watch() -> None:
+            state = self.channel.get_state()
+            while True:
+                await self.channel.wait_for_state_change(state)
+                new = self.channel.get_state()
+                if state is grpc.ChannelConnectivity.READY and new is not grpc.ChannelConnectivity.READY:
+                    self.reconnected = True
+                state = new
+
+        self._watching = asyncio.ensure_future(watch())
+
     async def stats(self) -> pb.StatsResponse:
         return await self.stub.Stats(pb.StatsRequest())
 
     async def close(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
         if self.mux is not None:
             await self.mux.close()
         await self.channel.close()
@@ -278,6 +302,7 @@ class Pool:
         self.kind = self.replicas[0].kind
         self._where: dict[str, ServiceClient] = {}  # open session id -> its replica
         self._first: ServiceClient | None = None  # the replica whose Info the pool's is
+        self._model: pb.ModelInfo | None = None  # that Info, as it answered at connect
         self._joining: set[asyncio.Task] = set()  # replicas that did not answer at connect, still asked
         self._refresher: asyncio.Task | None = None  # a resolving pool's re-resolution (``Resolving``)
         self._watcher: asyncio.Task | None = None  # reads the replicas' Stats (``watch_load``)
@@ -295,7 +320,7 @@ class Pool:
 
     @property
     def info(self) -> pb.ModelInfo | None:
-        return self._first.info if self._first is not None else None
+        return self._model
 
     @property
     def live(self) -> list[ServiceClient]:
@@ -351,6 +376,7 @@ class Pool:
                     first_error = first_error or task.exception()
                 elif self._first is None:
                     self._first = asking[task]
+                    self._model = self._first.info
         if self._first is None:
             raise first_error
         if pending:
@@ -371,15 +397,33 @@ class Pool:
         if mismatch is not None:
             await self.close()
             raise mismatch
-        return self._first.info
+        return self._model
+
+    async def recheck(self, replica: ServiceClient, timeout_s: float) -> None:
+        """Before a session opens on ``replica``: if its connection dropped since its ``Info`` was read, read it
+        again and check it as at connect (wire version, the pool's model); a replica that fails the check takes
+        no session until it answers as the pool's model (FailedPrecondition, naming what differs)."""
+        if not replica.reconnected:
+            return
+        try:
+            await replica.fetch_info(timeout_s)
+            if self._model is not None:
+                self._check_same(replica)
+        except (errors.FailedPrecondition, ValueError) as exc:
+            replica.info, replica.reconnected = None, True
+            log.error("%s replica at %s left out until it is checked again: %s", self.kind, replica.address, exc)
+            raise errors.FailedPrecondition(str(exc)) from None
 
     def _check_same(self, replica: ServiceClient) -> None:
         """A ValueError naming both, in the pool's order, when ``replica`` serves another model than the pool's
         (it then takes none)."""
-        first, mine = self._first.info, replica.info
+        first, mine = self._model, replica.info
         for name in SAME_IN_A_POOL:
             if getattr(mine, name) != getattr(first, name):
                 replica.info = None
+                if replica is self._first:
+                    raise ValueError(f"the {self.kind} at {replica.address} came back serving another model: "
+                                     f"{name} {getattr(mine, name)!r}, was {getattr(first, name)!r}")
                 a, b = sorted([(self._first, first), (replica, mine)], key=lambda r: self.replicas.index(r[0]))
                 raise ValueError(
                     f"the {self.kind} replicas at {a[0].address} and {b[0].address} differ in {name} "

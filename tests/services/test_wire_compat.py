@@ -212,3 +212,56 @@ def test_an_orchestrator_refuses_a_service_that_states_no_version(background_loo
     message = str(refused.value)
     assert f"the target at 127.0.0.1:{port} speaks specsplit.v1 wire version 1 (it states none" in message
     assert "this orchestrator speaks wire version 2 and accepts targets of version 2 or later" in message
+
+
+def test_a_target_restarted_at_its_address_as_an_older_build_is_checked_again(background_loop, tiny_target_dir):
+    """The orchestrator's target stops and a build that states no version starts at the same address: the next
+    generation is refused by name (FAILED_PRECONDITION, both versions) before any session uses it, instead of
+    reading the timings the old build would not send; the current build back at the address serves again."""
+    import asyncio
+
+    from specsplit.lmkit import errors
+    from specsplit.lmkit.grpc_server import start_in_process
+    from specsplit.lmkit.kinds import DrafterKind
+    from specsplit.lmkit.sampling import SamplingParams
+    from specsplit.orchestrator.api.config import OrchestratorConfig
+    from specsplit.orchestrator.api.generation import GenerationRequest, Orchestrator
+    from specsplit.target_service.server import start_server
+    from tests.conftest import make_engines
+
+    class Unversioned(pb_grpc.TargetServiceServicer):
+        async def Info(self, request, context):
+            return pb.ModelInfo(model_id="old-target", vocab_size=49152, max_context=2048, max_block=16)
+
+    target, _ = make_engines(str(tiny_target_dir), None)
+    server, port = background_loop.run(start_server(target))
+    address = f"127.0.0.1:{port}"
+    orch = background_loop.run(Orchestrator.connect(OrchestratorConfig(address, "", str(tiny_target_dir))))
+    request = GenerationRequest("", False, 8, SamplingParams(), (), 0, DrafterKind.NGRAM, False)
+
+    async def generate() -> list[int]:
+        return [t async for event in orch.generate(request, orch.encode(PROMPT, False)) for t in event.token_ids]
+
+    try:
+        served = background_loop.run(generate())
+        assert len(served) == 8
+        background_loop.run(server.stop(0))
+        server, _ = background_loop.run(start_in_process(
+            Unversioned(), pb_grpc.add_TargetServiceServicer_to_server, "specsplit.v1.TargetService", address))
+        with pytest.raises(errors.FailedPrecondition) as refused:
+            background_loop.run(generate())
+        message = str(refused.value)
+        assert f"the target at {address} speaks specsplit.v1 wire version 1 (it states none" in message, message
+        background_loop.run(server.stop(0))
+        server, _ = background_loop.run(start_server(target, address))
+        for _ in range(50):  # the channel reconnects; the replica is checked again and serves
+            try:
+                assert background_loop.run(generate()) == served
+                break
+            except errors.SpecsplitError:
+                background_loop.run(asyncio.sleep(0.2))
+        else:
+            pytest.fail("the current build back at the address was never served")
+    finally:
+        background_loop.run(server.stop(0))
+        background_loop.run(orch.close())
