@@ -198,10 +198,7 @@ class ServiceClient:
     gone: bool = False  # its address no longer resolves from the pool's name: no new session
     reported: pb.StatsResponse | None = None  # its latest Stats (every orchestrator's sessions; Pool.watch_load)
     sessions_at_report: int = 0  # this orchestrator's sessions here when ``reported`` was read
-    # Its connection dropped since ``info`` was read: what answers at the address now may be another build, whose
-    # Info is read again before a session opens there (``Pool.recheck``).
-    reconnected: bool = False
-    _watching: asyncio.Task | None = None
+    checked_at: float = field(default=-float("inf"))  # time.monotonic() when ``info`` was last read and checked
 
     @property
     def load(self) -> tuple[int, float]:
@@ -221,8 +218,7 @@ class ServiceClient:
             try:
                 info = await self.stub.Info(pb.InfoRequest(), timeout=max(remaining, 0.01), wait_for_ready=True)
                 wire_version.check_service(info.wire_version, info.min_wire_version, self.kind, self.address)
-                self.info, self.reconnected = info, False
-                self._watch_connection()
+                self.info, self.checked_at = info, time.monotonic()
                 return info
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -237,29 +233,16 @@ class ServiceClient:
                     ) from None
                 await asyncio.sleep(0.5)
 
-    def _watch_connection(self) -> None:
-        """Mark the replica ``reconnected`` whenever its channel leaves READY (a restart drops the connection), so a
-        process restarted at the same address is checked again (wire version, model) before a session uses it."""
-        if self._watching is not None:
-            return
-
-        async def watch() -> None:
-            state = self.channel.get_state()
-            while True:
-                await self.channel.wait_for_state_change(state)
-                new = self.channel.get_state()
-                if state is grpc.ChannelConnectivity.READY and new is not grpc.ChannelConnectivity.READY:
-                    self.reconnected = True
-                state = new
-
-        self._watching = asyncio.ensure_future(watch())
+    @property
+    def may_have_restarted(self) -> bool:
+        """Whether what answers at the address may not be what answered ``Info``: the channel is not connected (a
+        dropped connection leaves it idle until the next call), or a call here failed since the check."""
+        return self.channel.get_state() is not grpc.ChannelConnectivity.READY or self.failed_at >= self.checked_at
 
     async def stats(self) -> pb.StatsResponse:
         return await self.stub.Stats(pb.StatsRequest())
 
     async def close(self) -> None:
-        if self._watching is not None:
-            self._watching.cancel()
         if self.mux is not None:
             await self.mux.close()
         await self.channel.close()
@@ -400,19 +383,27 @@ class Pool:
         return self._model
 
     async def recheck(self, replica: ServiceClient, timeout_s: float) -> None:
-        """Before a session opens on ``replica``: if its connection dropped since its ``Info`` was read, read it
-        again and check it as at connect (wire version, the pool's model); a replica that fails the check takes
-        no session until it answers as the pool's model (FailedPrecondition, naming what differs)."""
-        if not replica.reconnected:
+        """Before a session opens on ``replica``: if it may have restarted since its ``Info`` was read, ask it again
+        (one call, no waiting for the connection) and check the answer as at connect (wire version, the pool's
+        model). A replica that answers as another build or model is left out (FailedPrecondition, naming what
+        differs; alone in its pool, it is asked again at the next open); one that does not answer is left to the
+        open, which fails or retries as it would have."""
+        if not replica.may_have_restarted:
             return
         try:
-            await replica.fetch_info(timeout_s)
+            info = await replica.stub.Info(pb.InfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return
+        try:
+            wire_version.check_service(info.wire_version, info.min_wire_version, replica.kind, replica.address)
+            replica.info = info
             if self._model is not None:
                 self._check_same(replica)
         except (errors.FailedPrecondition, ValueError) as exc:
-            replica.info, replica.reconnected = None, True
-            log.error("%s replica at %s left out until it is checked again: %s", self.kind, replica.address, exc)
+            replica.info = None
+            log.error("%s replica at %s left out until it answers as the pool's: %s", self.kind, replica.address, exc)
             raise errors.FailedPrecondition(str(exc)) from None
+        replica.checked_at = time.monotonic()
 
     def _check_same(self, replica: ServiceClient) -> None:
         """A ValueError naming both, in the pool's order, when ``replica`` serves another model than the pool's
