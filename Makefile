@@ -15,7 +15,7 @@ K8S_REQS := k8s/requirements-tools.txt
 K8S_LOCK := k8s/requirements-tools.lock
 K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_LOCK) | sha256sum | cut -c1-12)
 
-.PHONY: install lock k8s-tools demo test test-unit lint-imports bench bench-speed bench-network protos check-protos clean medusa-heads
+.PHONY: install lock k8s-tools demo test test-unit mutants lint-imports bench bench-speed bench-network protos check-protos clean medusa-heads
 
 $(STAMP): pyproject.toml $(LOCK) $(MODEL_LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -79,6 +79,11 @@ medusa-heads: install
 TEST_WORKERS ?= 2
 test: install k8s-tools lint-imports
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
+# One-line faults in the fast paths (tests/mutants.py), each of which the unit and services tiers must catch; not
+# part of `make test`. Writes bench/results/mutants.json; fails while a mutant survives.
+mutants: install
+	$(PY) tests/mutants.py --json bench/results/mutants.json
 
 # The layers of pyproject's [tool.importlinter], checked on the layout the packages install as (tests/layers.py).
 lint-imports: install

@@ -21,7 +21,7 @@ from specsplit.lmkit.grpc_server import (
     start_in_process,
 )
 from specsplit.lmkit.kinds import DrafterKind
-from specsplit.lmkit.sessions import SessionLimits, check_prefill_chunk
+from specsplit.lmkit.sessions import DEFAULT_PREFILL_CHUNK, SessionLimits, check_prefill_chunk
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
@@ -44,7 +44,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "keys and values, nothing for n-gram, recycling or Medusa); 0: no budget, "
                              "--max-sessions alone. A session the budget cannot hold is refused (RESOURCE_EXHAUSTED) "
                              "and the orchestrator runs it target-only")
-    parser.add_argument("--prefill-chunk", type=int, default=512,
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="context tokens a new session's read computes at most at a time on the draft model: a "
                              "long prompt is read in chunks between other sessions' proposals; 0: in one forward")
     parser.add_argument("--ngram-min", type=int, default=2, help="n-gram drafter: shortest suffix to match")

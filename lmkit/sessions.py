@@ -40,6 +40,7 @@ class SessionLimits:
             raise ValueError("a service's KV budget is in positions (the target) or in bytes (the draft), not both")
 
 
+DEFAULT_PREFILL_CHUNK = 512  # either service's --prefill-chunk unless told otherwise
 PREFILL_AUTO = "auto"  # serve-target --prefill-chunk auto: chunks sized by the step's measured cost
 
 

@@ -24,7 +24,7 @@ from specsplit.lmkit.grpc_server import (
     start_in_process,
 )
 from specsplit.lmkit.kvcache import kv_bytes_per_token
-from specsplit.lmkit.sessions import check_prefill_chunk, prefill_chunk_flag
+from specsplit.lmkit.sessions import DEFAULT_PREFILL_CHUNK, check_prefill_chunk, prefill_chunk_flag
 from specsplit.target_service import ranks, tp
 from specsplit.target_service.engine import TargetEngine
 from specsplit.target_service.servicer import TargetServicer
@@ -48,7 +48,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--kv-budget-bytes", type=int, default=0,
                         help="KV-cache bytes per device every live session may reserve together (each reserves its "
                              "prompt + most new tokens + one block at its open); 0: no budget, --max-sessions alone")
-    parser.add_argument("--prefill-chunk", type=prefill_chunk_flag, default=512,
+    parser.add_argument("--prefill-chunk", type=prefill_chunk_flag, default=DEFAULT_PREFILL_CHUNK,
                         help="a prompt longer than this many tokens is computed this many a step, beside other "
                              "sessions' verification rows, so their rounds go on while it prefills (at least one "
                              "block; the packed forward only: not with --tp, --batch-invariant or cuda-graphs); "

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models on the real vocabulary, and real gRPC services on 127.0.0.1.
+"""Shared fixtures: tiny context-sensitive models on the real vocabulary, and real gRPC services on 127.0.0.1.
 
 Services run in-process on a background event loop (real servers, real
 sockets, port 0); tests drive them from their own loop through real channels.
@@ -120,28 +120,68 @@ def gguf_tokenizer():
     return load_tokenizer(DEFAULT_MODEL)
 
 
+FAMILY_SEED = 20261207  # the tiny models' shared embeddings and first layer: what makes a draft agree with a target
+
+
 def save_tiny_llama(path: Path, tokenizer, seed: int, layers: int = 2, hidden: int = 64, context: int = 512) -> Path:
-    """A random Llama on the SmolLM2 vocabulary, saved like any checkpoint folder."""
+    """A tiny Llama on the SmolLM2 vocabulary whose greedy output depends on its context, saved like any checkpoint
+    folder (``hidden`` a multiple of 16).
+
+    Each layer holds a copy head: every attention head of the layer shares one query map ``A`` (random, large enough
+    to make attention sharp) and its keys are ``A`` turned 90 degrees in each rotary plane, so a token's score for
+    another is antisymmetric and position-dependent (rotary), and zero for itself; values are the normalised
+    residual and the output projection writes the attended vector back scaled, so the residual stream becomes the
+    embedding of the context token the head picked. The output head is the embedding matrix (untied, scaled), so
+    the greedy token is the context token the heads point at: it moves with the prompt, the positions and every
+    key and value in the cache, with logit margins far above float32 rounding (a random model's top two logits
+    are near-ties). Fed one token with no context, the model repeats it. Greedy, it never writes a special
+    token (their output rows are zero); a logit bias makes it. The embeddings and the first layer's head
+    come from ``FAMILY_SEED``, later layers' heads and every MLP from ``seed``: a one-layer draft agrees with a
+    two-layer target at most positions, not all."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    head_dim = 16
+    kv_heads = hidden // head_dim
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2 * kv_heads,  # grouped-query attention, two query heads a key head
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         max_position_embeddings=context,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
-    # Larger logits make argmax ties (and so fp32 reduction-order flips) vanishingly rare.
+    family, own = torch.Generator().manual_seed(FAMILY_SEED), torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(8.0)
+        embed = torch.randn(VOCAB, hidden, generator=family) * 0.02
+        head = embed * 8.0
+        # Special tokens (end of turn, end of text, ...) read as a plain token at the vocabulary's end and are never
+        # pointed at: a chat template's <|im_end|> in the context would otherwise end every generation early.
+        special = torch.tensor(sorted(tokenizer.added_tokens_decoder), dtype=torch.long)
+        embed[special] = embed[VOCAB - 1 - special]
+        head[special] = 0.0
+        model.model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(head)
+        for index, layer in enumerate(model.model.layers):
+            attention = layer.self_attn
+            query = torch.randn(head_dim, hidden, generator=family if index == 0 else own) * 0.4
+            key = torch.cat([query[head_dim // 2 :], -query[: head_dim // 2]])  # rotate_half's planes, 90 degrees
+            attention.q_proj.weight.copy_(query.repeat(2 * kv_heads, 1))
+            attention.k_proj.weight.copy_(key.repeat(kv_heads, 1))
+            attention.v_proj.weight.copy_(torch.eye(hidden))
+            scale = 4.0 if index == 0 else 2.0
+            out = torch.zeros(hidden, 2 * kv_heads * head_dim)
+            for head in range(2 * kv_heads):  # each query head writes half its key head's slice
+                rows, columns = head // 2 * head_dim, head * head_dim
+                out[rows : rows + head_dim, columns : columns + head_dim] = torch.eye(head_dim) * scale / 2
+            attention.o_proj.weight.copy_(out)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     GenerationConfig(eos_token_id=2, pad_token_id=2, bos_token_id=1).save_pretrained(path)
@@ -231,17 +271,21 @@ class Services:
         self.loop.run(self.draft_server.stop(0))
 
 
-def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32, compile_mode: str = "off"):
+def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32, compile_mode: str = "off",
+                 prefill_chunk: int | None = None):
+    """Target and draft engines as the servers build them, with the servers' default prefill chunk unless told."""
     from specsplit.draft_service.engine import DraftEngine
     from specsplit.lmkit import models
-    from specsplit.lmkit.sessions import SessionLimits
+    from specsplit.lmkit.sessions import DEFAULT_PREFILL_CHUNK, SessionLimits
     from specsplit.target_service.engine import TargetEngine
+
+    prefill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
 
     target_model = models.load_model(models.ModelSpec(target_ref))
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(target_ref))
     target = TargetEngine(
         target_model, model_id=target_ref, vocab_fingerprint=fingerprint, limits=SessionLimits(max_block=max_block),
-        compile_mode=compile_mode,
+        compile_mode=compile_mode, prefill_chunk=prefill_chunk,
     )
     draft_model = models.load_model(models.ModelSpec(draft_ref)) if draft_ref else None
     draft = DraftEngine(
@@ -249,6 +293,7 @@ def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32, co
         model_id=draft_ref or "",
         vocab_fingerprint=models.vocab_fingerprint(models.load_tokenizer(draft_ref)) if draft_ref else "",
         limits=SessionLimits(max_block=max_block),
+        prefill_chunk=prefill_chunk,
     )
     return target, draft
 

@@ -74,9 +74,9 @@ def test_orchestrator_counts_requests_tokens_acceptance_and_latencies(public_api
 
 def test_service_exports_sessions_over_http(tmp_path, tiny_target_dir):
     port = free_port()
-    # 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes = 512 bytes a position: a budget of 100 positions
+    # 2 layers x 4 KV heads x 16 dims x 2 (K, V) x 4 bytes = 1,024 bytes a position: a budget of 100 positions
     target = start_service("specsplit.target_service.server", "target",
-                           ["--model", str(tiny_target_dir), "--metrics-port", str(port), "--kv-budget-bytes", "51200"],
+                           ["--model", str(tiny_target_dir), "--metrics-port", str(port), "--kv-budget-bytes", "102400"],
                            tmp_path, 300)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

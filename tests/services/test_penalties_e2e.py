@@ -28,8 +28,9 @@ PROMPTS = [TINY_PROMPTS[i] for i in (0, 3, 6)]  # prose, a counting list, a repe
 EOS = 2  # the tiny models' end-of-sequence token
 
 CASES = {
-    # The tiny target repeats its top token with a wide margin: 2 moves it off the prompt's tokens, then repeats.
-    "repetition": (SamplingParams(repetition_penalty=2.0), {"repetition_penalty": 2.0}),
+    # The tiny target points at context tokens: 1.5 moves it off some of them, and its text still repeats (so
+    # n-gram drafts are accepted under the penalty); 2 moves it off the context altogether.
+    "repetition": (SamplingParams(repetition_penalty=1.5), {"repetition_penalty": 1.5}),
     # Bans the counting prompt's repeated token (28); token 13 gains 9.
     "bias": (SamplingParams(logit_bias=((13, 9.0), (28, -100.0))), {"sequence_bias": {(13,): 9.0, (28,): -100.0}}),
     # A strong EOS bias would end at once; min_tokens holds it back for 5 tokens.

@@ -138,3 +138,34 @@ def test_a_released_slot_holds_nothing_of_its_last_session(model):
     got = second.apply(0, [5, 6, 7], 3)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, _stock(model, [5, 6, 7], 0), rtol=1e-4, atol=1e-4)
+
+
+def test_two_groups_in_one_bucket_keep_their_own_logits(model):
+    """Four rows of one width with max_batch 2: two groups replay the same (2, 4) bucket, whose output buffer the
+    second overwrites; each row still gets its own stock logits."""
+    step = graph_step.GraphStep(model, slots=4, capacity=32, max_width=4, max_batch=2)
+    sequences = [_ids(5 + slot, 200 + slot) for slot in range(4)]
+    for slot, sequence in enumerate(sequences):
+        step.forward(slot, 0, sequence)
+    rows = []
+    for slot in range(4):
+        start = len(sequences[slot])
+        sequences[slot] = sequences[slot] + _ids(3, 300 + slot)
+        rows.append((slot, start, sequences[slot][start:]))
+    got = step.forward_rows(rows)
+    for (slot, start, _), logits in zip(rows, got):
+        torch.testing.assert_close(logits, _stock(model, sequences[slot], start), rtol=1e-4, atol=1e-4)
+
+
+def test_after_a_rollback_the_next_block_is_fed_from_the_kept_position(model):
+    """A session's cache keeps 2 of a 4-token block (crop), then is fed 3 other tokens: its logits are the stock
+    forward's over the kept context and the new tokens, not over the rejected ones."""
+    step = graph_step.GraphStep(model, slots=1, capacity=32, max_width=4)
+    slots = graph_step.Slots(1)
+    cache = graph_step.GraphSessionCache(model, step, slots)
+    prompt, block, after = _ids(6, 400), _ids(4, 401), _ids(3, 402)
+    cache.apply(0, prompt + block, 1)
+    keep = len(prompt) + 2
+    got = cache.apply(keep, after, len(after))
+    torch.testing.assert_close(got, _stock(model, prompt + block[:2] + after, keep), rtol=1e-4, atol=1e-4)
+    assert cache.tokens == prompt + block[:2] + after

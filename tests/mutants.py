@@ -1,0 +1,177 @@
+"""Mutation checks: one-line faults in the fast paths, each of which the unit and services tiers must catch.
+
+    python tests/mutants.py [--only NAME ...] [--json FILE]      (``make mutants``; not part of ``make test``)
+
+Each mutant replaces one line of the source (its ``before`` text, found exactly once) with a faulty one and runs
+the tests it names, unit and services tier (the fast ones: not ``slow``), stopping at the first failure: the
+mutant is *killed* when a test fails, *survived* when they all pass. The tests first run unmutated and must
+pass. The file is restored whatever happens (an interrupt included). Exit status 0 only when every mutant was
+killed.
+
+The list grows with every fast path: a new forward, cache or scheduler path adds the faults that would break
+it silently (keys and values at the wrong place, a padded row in a real slot, a stale rejected token, ...),
+with the tests that are meant to see them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    before: str  # the text replaced, found exactly once in ``path``
+    after: str
+    tests: tuple[str, ...]  # pytest node ids or files, unit and services tier
+
+
+GRAPH_TESTS = ("tests/unit/lmkit/test_graph_step.py", "tests/unit/target_service/test_graph_engine.py")
+PACKED_TESTS = (
+    "tests/unit/lmkit/test_packed_rows.py",
+    "tests/unit/target_service/test_batched_forward.py",
+    "tests/services/test_greedy_e2e.py",
+)
+
+MUTANTS = (
+    Mutant(
+        "captured step: keys and values written one position off",
+        "lmkit/graph_step.py",
+        "write_index = (base + inputs.positions).reshape(-1)",
+        "write_index = (base + inputs.positions + 1).reshape(-1)",
+        GRAPH_TESTS,
+    ),
+    Mutant(
+        "captured step: a padded row lands in a real slot",
+        "lmkit/graph_step.py",
+        "slots = torch.full((batch,), self.scratch, dtype=torch.long)",
+        "slots = torch.full((batch,), 0, dtype=torch.long)",
+        GRAPH_TESTS,
+    ),
+    Mutant(
+        "captured step: two replay groups share one output",
+        "lmkit/graph_step.py",
+        "out += [t.clone() for t in logits] if len(groups) > 1 else logits",
+        "out += logits",
+        GRAPH_TESTS,
+    ),
+    Mutant(
+        "captured step: a released slot keeps its last session's values",
+        "lmkit/graph_step.py",
+        "            self._graph.clear(self.slot)\n",
+        "",
+        GRAPH_TESTS,
+    ),
+    Mutant(
+        "decoder step: keys and values written one position off",
+        "lmkit/decoder_step.py",
+        "row.kv.write(layer.index, row.start, k[:, :, fed], v[:, :, fed])",
+        "row.kv.write(layer.index, row.start + 1, k[:, :, fed], v[:, :, fed])",
+        PACKED_TESTS,
+    ),
+    Mutant(
+        "packed rows: rotary positions restart at 0 every block",
+        "lmkit/packed_rows.py",
+        "positions.extend(range(step.start, step.start + width) if step.positions is None else step.positions)",
+        "positions.extend(range(0, width) if step.positions is None else step.positions)",
+        PACKED_TESTS,
+    ),
+    Mutant(
+        "session cache: a rejected token kept after rollback",
+        "lmkit/kvcache.py",
+        "        extra = len(self._tokens) - length\n",
+        "        extra = 0\n",
+        ("tests/unit/draft_service/test_model_drafter.py", "tests/unit/target_service/test_batched_forward.py",
+         "tests/services/test_greedy_e2e.py"),
+    ),
+    Mutant(
+        "captured step: a rollback forgets nothing",
+        "lmkit/graph_step.py",
+        "    def crop(self, length: int) -> None:\n        self._forget_from(length)\n",
+        "    def crop(self, length: int) -> None:\n        pass\n",
+        GRAPH_TESTS,
+    ),
+    Mutant(
+        "chunked prefill: a chunk's keys and values dropped",
+        "target_service/engine.py",
+        "        self.prefill_chunks += sum(chunked)\n",
+        "        self.prefill_chunks += sum(chunked)\n"
+        "        [t[:, :, s.keep : s.keep + len(s.feed)].zero_() for s, c in zip(steps, chunked) if c"
+        " for t in (*s.cache.kv.keys, *s.cache.kv.values)]\n",
+        ("tests/services/test_chunked_prefill.py",),
+    ),
+)
+
+
+def pytest(tests: tuple[str, ...], timeout_s: float) -> tuple[int, float, str]:
+    """(exit status, seconds, the last lines of output) of pytest over ``tests``, stopping at the first failure."""
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return 124, time.monotonic() - start, "timed out"
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return done.returncode, time.monotonic() - start, "\n".join(lines[-3:])
+
+
+def run(mutant: Mutant, timeout_s: float) -> dict:
+    path = ROOT / mutant.path
+    source = path.read_text()
+    if source.count(mutant.before) != 1:
+        return {"name": mutant.name, "outcome": "stale", "why": f"its text is in {mutant.path} "
+                f"{source.count(mutant.before)} times, not once: update the list"}
+    restore = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # restored by the finally below
+    try:
+        path.write_text(source.replace(mutant.before, mutant.after))
+        status, seconds, tail = pytest(mutant.tests, timeout_s)
+    finally:
+        path.write_text(source)
+        signal.signal(signal.SIGTERM, restore)
+    # 1: a test failed. Anything else (an import error, a timeout, no test collected) is not a kill by a test.
+    outcome = {0: "survived", 1: "killed"}.get(status, "error")
+    return {"name": mutant.name, "outcome": outcome, "status": status, "seconds": round(seconds, 1), "tail": tail}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", default=None, help="run the mutants whose name holds one of these")
+    parser.add_argument("--json", type=Path, default=None, help="write the outcomes here")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per run of the tests")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if args.only is None or any(word in m.name for word in args.only)]
+    if not chosen:
+        parser.error(f"no mutant's name holds any of {args.only}; names: {[m.name for m in MUTANTS]}")
+    tests = tuple(dict.fromkeys(test for mutant in chosen for test in mutant.tests))
+    status, seconds, tail = pytest(tests, args.timeout_s)
+    if status != 0:
+        print(f"the tests fail unmutated (status {status}, {seconds:.0f} s); fix them first:\n{tail}")
+        return 2
+    print(f"unmutated: the tests pass ({seconds:.0f} s)")
+    results = []
+    for mutant in chosen:
+        result = run(mutant, args.timeout_s)
+        results.append(result)
+        print(f"{result['outcome']:>8}  {mutant.name}  ({result.get('seconds', 0)} s)", flush=True)
+        if result["outcome"] != "killed":
+            print("          " + result.get("tail", result.get("why", "")).replace("\n", "\n          "))
+    killed = sum(r["outcome"] == "killed" for r in results)
+    print(f"{killed} of {len(results)} mutants killed")
+    if args.json:
+        args.json.write_text(json.dumps({"killed": killed, "mutants": results}, indent=2) + "\n")
+    return 0 if killed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
