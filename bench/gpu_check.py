@@ -91,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="stages starting after this many seconds are skipped (the JSON says which)")
     parser.add_argument("--target-compile", default="auto", choices=["off", "auto", "inductor", "cuda-graphs"],
                         help="the target service's --compile (cuda-graphs: slots of 1024 positions, --graph-context)")
+    parser.add_argument("--draft-compile", default="auto", choices=["off", "auto", "inductor", "cuda-graphs"],
+                        help="the draft service's --compile (cuda-graphs: its model's sessions in slots of 1024 "
+                             "positions of the captured step)")
     parser.add_argument("--stages", default=",".join(STAGE_GROUPS),
                         help=f"comma-separated groups of stages to run, of {', '.join(STAGE_GROUPS)} (default: all)")
     args = parser.parse_args(argv)
@@ -253,7 +256,8 @@ class Check:
                   "--threads", threads]
         target_args = ["--model", str(self.target_dir), "--max-batch", "64", "--compile", self.args.target_compile,
                        *(["--graph-context", "1024"] if self.args.target_compile == "cuda-graphs" else []), *common]
-        draft_args = ["--model", str(self.draft_dir), *common]
+        draft_args = ["--model", str(self.draft_dir), "--compile", self.args.draft_compile,
+                      *(["--graph-context", "1024"] if self.args.draft_compile == "cuda-graphs" else []), *common]
         start = time.monotonic()
         with ThreadPoolExecutor(2) as pool:  # both load at once
             target = pool.submit(start_service, "specsplit.target_service.server", "target", target_args, self.tmp, 300)

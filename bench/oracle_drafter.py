@@ -22,13 +22,14 @@ import random
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specsplit.draft_service.drafter import Proposal
 from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.registry import DrafterEntry, DraftRequestContext, register
 from specsplit.lmkit import errors
 from specsplit.lmkit.kinds import DrafterKind
+from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.sampling import SamplingParams
 
 ORACLE = DrafterKind(95, "ORACLE")
@@ -65,8 +66,9 @@ class Oracle:
 class OracleDrafter(ModelDrafter):
     """The model drafter (its cache, context and rollback) with each token chosen by the oracle."""
 
-    def __init__(self, model, prompt: Sequence[int], oracle: Oracle, vocab_size: int) -> None:
-        super().__init__(model, prompt, SamplingParams(), return_probs=False)
+    def __init__(self, model, prompt: Sequence[int], oracle: Oracle, vocab_size: int,
+                 new_cache: Callable[[object], SessionCache] = SessionCache) -> None:
+        super().__init__(model, prompt, SamplingParams(), return_probs=False, new_cache=new_cache)
         self._prompt_len = len(prompt)
         self._truth = oracle.continuations.get(tuple(prompt), [])
         self._alpha = oracle.alpha
@@ -100,7 +102,7 @@ def _build(c: DraftRequestContext) -> OracleDrafter:
     path = os.environ.get(ORACLE_FILE_ENV, "")
     if not path or not Path(path).is_file():
         raise errors.FailedPrecondition(f"the ORACLE drafter reads ${ORACLE_FILE_ENV}, which names no file ({path!r})")
-    return OracleDrafter(c.model, c.prompt, Oracle.read(Path(path)), int(c.model.config.vocab_size))
+    return OracleDrafter(c.model, c.prompt, Oracle.read(Path(path)), int(c.model.config.vocab_size), c.new_cache)
 
 
 register(DrafterEntry(ORACLE, _build, needs_model=True,

@@ -1,4 +1,5 @@
-"""``specsplit bench --suite step``: the target's packed forward by width and batch, through each way to run it.
+"""``specsplit bench --suite step``: the target's packed forward by width and batch, through each way to run it;
+and the draft's model step, stock against fast (``draft``).
 
 In this process, one thread, no services: for the near-zero model (one layer, hidden 16, the default
 vocabulary) and for ``--model`` (SmolLM2 by default), each row a session with a 64-token context
@@ -35,7 +36,7 @@ from specsplit.lmkit.kv_buffer import KVBuffer
 from specsplit.lmkit.packed_linear import PackedLinear, pack_linears, packs
 
 MODES = ("transformers", "step", "inductor")
-PARTS = ("forward", "decision", "cache", "engine", "linears", "bound")  # --step-parts, in the order they run
+PARTS = ("forward", "decision", "cache", "engine", "linears", "bound", "draft")  # --step-parts, in running order
 CONTEXT = 64
 
 
@@ -49,7 +50,10 @@ def add_flags(parser) -> None:
                              "near-zero model's step and LM head warm, after a cache flush, after a sleep), engine "
                              "(the target engine's batched step of 32 sessions by context length), linears (one "
                              "projection packed and plain, by weight shape and row count), bound (--model's eager "
-                             "step by width against the memory bound: weights read / one thread's read rate)")
+                             "step by width against the memory bound: weights read / one thread's read rate), draft "
+                             "(the model drafter's proposal of 1 and of k tokens with --model, its layer-skip and its "
+                             "int8 self-drafts, on transformers' stock forward and on the fast one)")
+    parser.add_argument("--step-draft-k", type=int, default=4, help="--suite step: the draft block measured beside 1")
 
 
 def load(ref: str, mode: str):
@@ -351,6 +355,58 @@ def measure_engine(ref: str, sessions: int = 32, k: int = 4, steps: int = 20, re
     return rows
 
 
+DRAFT_FORWARDS = ("stock", "off")  # lmkit.forward's modes the draft part compares: stock, and the fast forward
+
+
+def _drafting_models(ref: str, mode: str) -> dict:
+    """--model and its self-drafts (half its layers; int8), set up as serve-draft sets them up for ``mode``."""
+    from specsplit.draft_service import self_draft
+    from specsplit.lmkit import forward
+
+    model = models.load_model(models.ModelSpec(ref))
+    drafting = {"model": model,
+                "layer-skip": self_draft.layerskip_view(model, max(self_draft.layer_count(model) // 2, 1)),
+                "int8": self_draft.quantized_view(model, self_draft.QuantizeMode.INT8)}
+    return {name: (m, forward.install(m, mode)) for name, m in drafting.items()}  # every view: packed rows at least
+
+
+def measure_draft(ref: str, k: int, repeats: int = 3, n: int = 5) -> dict:
+    """The model drafter's proposal of 1 and of ``k`` greedy tokens after a 64-token context (its cache warm: each
+    proposal re-feeds the context's last token and drafts), per drafting model and forward, interleaved, the
+    fastest repeat kept; the proposals of the two forwards must be the same tokens."""
+    from specsplit.draft_service.model_drafter import ModelDrafter
+    from specsplit.lmkit.sampling import SamplingParams
+
+    context = [(11 * i + 5) % 1000 + 100 for i in range(CONTEXT)]
+    loaded = {mode: _drafting_models(ref, mode) for mode in DRAFT_FORWARDS}
+    drafters = {(mode, name): ModelDrafter(m, context, SamplingParams(), False)
+                for mode, models_ in loaded.items() for name, (m, _) in models_.items()}
+    for drafter in drafters.values():
+        drafter.prepare()
+    mismatch = []
+    for name in loaded["stock"]:
+        proposed = {mode: drafters[(mode, name)].propose(k).tokens for mode in DRAFT_FORWARDS}
+        if len(set(map(tuple, proposed.values()))) > 1:
+            mismatch.append({"drafter": name, **proposed})
+    times: dict[tuple, list[float]] = {}
+    for _ in range(repeats):
+        for tokens in (1, k):
+            for key, drafter in drafters.items():
+                drafter.propose(tokens)
+                began = time.perf_counter()
+                for _ in range(n):
+                    drafter.propose(tokens)
+                times.setdefault((*key, tokens), []).append((time.perf_counter() - began) / n)
+    cells = []
+    for name in loaded["stock"]:
+        for tokens in (1, k):
+            stock, fast = (min(times[(mode, name, tokens)]) for mode in DRAFT_FORWARDS)
+            cells.append({"drafter": name, "tokens": tokens, "stock_ms": round(stock * 1e3, 3),
+                          "fast_ms": round(fast * 1e3, 3), "speedup": round(stock / fast, 3)})
+    return {"model": ref, "k": k, "what": {name: loaded["off"][name][1] for name in loaded["off"]},
+            "cells": cells, "mismatches": mismatch}
+
+
 def run(args) -> int:
     from specsplit.bench.overhead import tiny_model
 
@@ -378,10 +434,11 @@ def run(args) -> int:
         engine = measure_engine(tiny) if "engine" in parts else []
         linears = measure_linears() if "linears" in parts else []
         bound = measure_bound(args.model, widths) if "bound" in parts else None
+        draft = measure_draft(args.model, args.step_draft_k, args.step_repeats) if "draft" in parts else None
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
         "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache, "engine": engine,
-        "linears": linears, "bound": bound, "machine": runs.machine(),
+        "linears": linears, "bound": bound, "draft": draft, "machine": runs.machine(),
         "duration_s": round(time.time() - started, 1),
     }
     path = runs.write(out, args.json)
@@ -413,8 +470,14 @@ def run(args) -> int:
         for row in bound["cells"]:
             print(f"  width {row['width']}: {row['ms']} ms, x{row['over_bound']} the bound; its linears alone "
                   f"{row['linears_ms']} ms, x{row['linears_over_bound']}")
+    if draft:
+        print(f"the model drafter on {draft['model']}, stock forward against the fast one:")
+        for row in draft["cells"]:
+            print(f"  {row['drafter']:>10}, {row['tokens']} token(s): stock {row['stock_ms']} ms, fast {row['fast_ms']} ms "
+                  f"(x{row['speedup']}; {draft['what'][row['drafter']]})")
+        print(f"  mismatches: {draft['mismatches'] or 'none'}")
     print(f"-> {path}" + (f", {png}" if png else ""))
-    return 0 if not any(r["mismatches"] for r in out["results"]) else 1
+    return 0 if not any(r["mismatches"] for r in out["results"]) and not (draft or {}).get("mismatches") else 1
 
 
 def plot(out: dict, path: Path) -> Path | None:

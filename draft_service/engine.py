@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from specsplit.draft_service import abandon
 from specsplit.draft_service.drafter import Drafter, Proposal
@@ -12,10 +12,10 @@ from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.recycling import SuccessorTable
 from specsplit.draft_service.registry import DRAFTERS, DraftRequestContext
-from specsplit.lmkit import errors
+from specsplit.lmkit import decoder_step, errors, forward
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
-from specsplit.lmkit.kvcache import check_cache_layout, kv_bytes_per_token
+from specsplit.lmkit.kvcache import SessionCache, check_cache_layout, kv_bytes_per_token
 from specsplit.lmkit.sampling import SamplingParams
 from specsplit.lmkit.sessions import (
     SessionLimits,
@@ -43,6 +43,9 @@ class DraftSession:
     fork_source: "DraftSession | None" = None  # a MODEL session whose context cache it copies (DraftOpen.fork_from)
 
 
+SELF_DRAFTS = (DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED)  # views of the draft model that draft with a forward
+
+
 @dataclass(frozen=True)
 class TimedProposal:
     proposal: Proposal
@@ -62,11 +65,16 @@ class DraftEngine:
         derived: Mapping[DrafterKind, object] | None = None,
         successor_table_tokens: int = DEFAULT_SUCCESSOR_TABLE_TOKENS,
         prefill_chunk: int = 0,
+        forward_mode: str = "off",
+        graph_context: int = 1024,
     ) -> None:
         """``successor_table_tokens``: tokens each caller's shared table of the target's successors holds at most
         (token recycling; serve-draft --recycling-table-tokens); 0: no shared table, each session drafts from its
         own reports alone. ``prefill_chunk``: context tokens a new session's read computes at most per call on the
-        compute thread (serve-draft --prefill-chunk); 0: the whole context at once."""
+        compute thread (serve-draft --prefill-chunk); 0: the whole context at once. ``forward_mode``: how the models
+        that draft run their steps (``lmkit.forward``: serve-draft --compile resolved, or ``stock``); under
+        ``cuda-graphs`` the draft model's sessions hold slots of ``graph_context`` positions of the static step
+        (captured on CUDA, eager elsewhere), the self-drafts' views run the fast forward."""
         check_prefill_chunk(prefill_chunk)
         derived = dict(derived or {})
         if derived and model is None:
@@ -92,7 +100,32 @@ class DraftEngine:
         self.prefill_chunk = prefill_chunk
         self.prefill_chunks = 0  # calls that read part of a new session's context (not in StatsResponse)
         self.position_bytes = _position_bytes(model, derived)  # KV bytes a position costs, by drafter kind
+        # What runs each drafting model's steps (for the log), and the caches its sessions get
+        self.forward_kinds: dict[DrafterKind, str] = {}
+        self._caches: dict[int, Callable[[], SessionCache]] = {}  # id(model) -> a new session's cache, if not plain
+        for kind, drafting in ((DrafterKind.MODEL, model), *((k, derived.get(k)) for k in SELF_DRAFTS)):
+            if drafting is None:
+                continue
+            # the static step runs the draft model's own layers: a self-draft's view runs the fast forward
+            mode = "off" if forward_mode == "cuda-graphs" and kind is not DrafterKind.MODEL else forward_mode
+            reason = decoder_step.unsupported(drafting) if mode != forward.STOCK else None
+            if reason:  # one session a forward: packed rows without the decoder step gain nothing (bench: draft)
+                self.forward_kinds[kind] = f"transformers' stock forward (the decoder step cannot run it: {reason})"
+                continue
+            self.forward_kinds[kind] = forward.install(drafting, mode)
+            if mode == "cuda-graphs":
+                on_cuda = next(drafting.parameters()).device.type == "cuda"
+                new_cache, context = forward.slots(drafting, limits.max_sessions, graph_context, limits.max_block + 1,
+                                                   batch=1, graphs=on_cuda)
+                self._caches[id(drafting)] = new_cache
+                self.max_context = min(self.max_context or context, context)
         abandon.watch([model, *derived.values()])  # a closed session's proposal stops at the next layer
+
+    def _new_cache(self, model) -> SessionCache:
+        """A session's cache over ``model`` (one of the drafting models): a slot of its static step, or a plain
+        cache over the forward it was set up with."""
+        slot = self._caches.get(id(model))
+        return slot() if slot is not None else SessionCache(model)
 
     @property
     def drafters(self) -> list[DrafterKind]:
@@ -163,7 +196,8 @@ class DraftEngine:
         reads_successors = any(DRAFTERS[m].successors_k for m in _members(kind, chain))
         table = self._successor_table(caller) if reads_successors else None
         context = DraftRequestContext(
-            list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled, table
+            list(tokens), sampling, return_probs, ngram, self.model, self.derived, tuple(chain), coupled, table,
+            self._new_cache,
         )
         session = DraftSession(session_id, kind, entry.build(context), feature_width=width, free=self.free(kind, chain))
         source = self.sessions.find(fork_from, caller) if fork_from else None

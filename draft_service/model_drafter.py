@@ -13,7 +13,7 @@ second choices as leaves (``ModelDrafter.propose_tree``; EAGLE-2, Li et al. 2024
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -66,11 +66,19 @@ class SamplingDrafter(ContextDrafter):
 
 
 class ModelDrafter(SamplingDrafter):
+    """Drafts with a model of the target's vocabulary, one forward a drafted token, over a session cache
+    ``new_cache(model)`` builds: the forward the service set the model up with (``lmkit.forward``), a slot of the
+    static step under ``--compile cuda-graphs``."""
+
     def __init__(
-        self, model, prompt: Sequence[int], sampling: SamplingParams, return_probs: bool, coupled: bool = False
+        self, model, prompt: Sequence[int], sampling: SamplingParams, return_probs: bool, coupled: bool = False,
+        new_cache: Callable[[object], SessionCache] = SessionCache,
     ) -> None:
         super().__init__(prompt, sampling, return_probs, coupled)
-        self._cache = SessionCache(model)
+        self._cache = new_cache(model)
+
+    def close(self) -> None:
+        self._cache.release()
 
     @property
     def cached_tokens(self) -> int:

@@ -13,6 +13,7 @@ from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.ngram import NgramConfig, NgramDrafter
 from specsplit.draft_service.recycling import SUCCESSORS_K, RecyclingDrafter, SuccessorTable
 from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
+from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.sampling import SamplingParams
 
 
@@ -30,6 +31,7 @@ class DraftRequestContext:
     chain: tuple[DrafterKind, ...] = ()  # the members, in order, when the kind is CHAIN
     coupled: bool = False  # COUPLED verification: sample by Gumbel-max with the target's noise
     successors: SuccessorTable | None = None  # the caller's shared table of the target's successors (RECYCLING)
+    new_cache: Callable[[object], SessionCache] = SessionCache  # a session's cache over one of the models above
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class DrafterEntry:
 
 
 def _model_drafter(model, c: DraftRequestContext) -> ModelDrafter:
-    return ModelDrafter(model, c.prompt, c.sampling, c.return_probs, c.coupled)
+    return ModelDrafter(model, c.prompt, c.sampling, c.return_probs, c.coupled, c.new_cache)
 
 
 def _chain(c: DraftRequestContext) -> ChainDrafter:

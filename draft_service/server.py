@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from dataclasses import replace
 
 from specsplit.draft_service import eagle_head, medusa, self_draft
@@ -10,7 +12,7 @@ from specsplit.draft_service.engine import DEFAULT_SUCCESSOR_TABLE_TOKENS, Draft
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.self_draft import QuantizeMode
 from specsplit.draft_service.servicer import DraftServicer
-from specsplit.lmkit import entry, event_loop, logs, models
+from specsplit.lmkit import entry, event_loop, forward, logs, models
 from specsplit.lmkit.caller_check import CallerPolicy
 from specsplit.lmkit.grpc_server import (
     ComputeThread,
@@ -25,6 +27,7 @@ from specsplit.lmkit.sessions import DEFAULT_PREFILL_CHUNK, SessionLimits, check
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 DEFAULT_PORT = 50051
 
@@ -84,6 +87,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="RECYCLING drafter: tokens each caller's shared table of the target's successors holds at most "
              "(about 300 bytes each); 0: no shared table, each session drafts from its own reports alone",
     )
+    forward.add_flags(parser, "draft", graph_context=1024)
     add_common_flags(parser, DEFAULT_PORT)
     return parser
 
@@ -145,8 +149,16 @@ def load_engine(args, limits: SessionLimits) -> DraftEngine:
     model = models.load_model(spec)
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     derived = derive_drafts(args, model, fingerprint)
-    return DraftEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits, derived=derived,
-                       successor_table_tokens=args.recycling_table_tokens, prefill_chunk=args.prefill_chunk)
+    mode = forward.mode_of(args)
+    if mode in ("inductor", "cuda-graphs"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache_dir
+        log.info("setting up the draft's step (--compile %s): health stays NOT_SERVING until done", mode)
+    engine = DraftEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits, derived=derived,
+                         successor_table_tokens=args.recycling_table_tokens, prefill_chunk=args.prefill_chunk,
+                         forward_mode=mode, graph_context=args.graph_context)
+    for kind, what in engine.forward_kinds.items():
+        log.info("%s drafter step: %s", kind.name, what)
+    return engine
 
 
 def draft_limits(args) -> SessionLimits:
@@ -188,6 +200,7 @@ def run(args) -> None:
     check_prefill_chunk(args.prefill_chunk)
     if args.model:
         models.ModelSpec(args.model, args.device, args.dtype, args.trust_remote_code)
+    forward.mode_of(args)
     check_self_draft_flags(args)
     logs.configure(args.log_level, "draft", args.log_format)
     models.configure_torch_threads(args.threads)

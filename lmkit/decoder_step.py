@@ -142,6 +142,15 @@ def unsupported(model) -> str | None:
         return "its rotary embedding depends on the forward's positions (dynamic or longrope)"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "it splits its projections (pretraining_tp > 1)"
+    if not isinstance(getattr(getattr(model.model, "norm", None), "weight", None), torch.Tensor):
+        return "its final norm is not an RMS norm with a weight (an exit adapter before it, say)"
+    projections = [getattr(part, name) for layer in model.model.layers for part, names in
+                   ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, ("gate_proj", "up_proj",
+                                                                                         "down_proj")))
+                   for name in names if hasattr(part, name)]
+    odd = {type(m).__name__ for m in projections if type(m) not in (torch.nn.Linear, PackedLinear)}
+    if odd:
+        return f"its projections are {', '.join(sorted(odd))} (the step runs nn.Linear ones)"
     return None
 
 

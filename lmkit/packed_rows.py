@@ -95,6 +95,12 @@ def install(model) -> bool:
     AttentionInterface.register(ATTENTION, _attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
+    # A view of another model (a self-draft) may hold layers whose modules read a config of their own (copied
+    # layers) or the other model's (shared ones): each must dispatch to the packed-rows attention too.
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and config is not model.config and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION
     setattr(model, _INSTALLED, True)
     return True
 

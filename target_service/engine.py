@@ -13,12 +13,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from specsplit.lmkit import draws, errors, packed_rows, token_mask, token_tree
+from specsplit.lmkit import draws, errors, forward, packed_rows, token_mask, token_tree
 from specsplit.lmkit.costs import LinearCost
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import TREE_MODES, VerificationMode
 from specsplit.lmkit.kvcache import SessionCache, check_cache_layout, common_prefix, rows_share_rope
-from specsplit.lmkit.packed_linear import pack_linears
 from specsplit.lmkit.sampling import (
     SamplingParams,
     apply_penalties,
@@ -162,13 +161,11 @@ class TargetEngine:
         allows, with linear layers packed for oneDNN (fp32 CPU) unless compiled; off, the model's stock
         forward."""
         check_cache_layout(model)
-        self.forward_kind = "transformers' stock forward"
-        if compile_mode == "cuda-graphs":  # new_cache hands out slots of an lmkit.graph_step.GraphStep
-            self.forward_kind = "the static decoder step, captured as CUDA graphs (sessions batched, chains)"
-        elif fast_forward and new_cache is None and next(model.parameters()).device.type == "cpu":
-            self.forward_kind = packed_rows.install_fast_forward(model, compile_mode, pack=pack_linears)
-        elif compile_mode != "off":
-            self.forward_kind += f" (--compile {compile_mode} applies to the decoder step, which runs on an unsharded CPU target)"
+        # cuda-graphs: new_cache hands out slots of an lmkit.graph_step.GraphStep; another new_cache: tensor parallel
+        sharded = new_cache is not None and compile_mode != "cuda-graphs"
+        self.forward_kind = forward.install(model, compile_mode if fast_forward else forward.STOCK, sharded)
+        if not fast_forward and compile_mode != "off":
+            self.forward_kind += f" (--compile {compile_mode} applies to the fast forward, which is off)"
         self.model = model
         self.model_id = model_id
         self.vocab_fingerprint = vocab_fingerprint

@@ -7,13 +7,11 @@ import logging
 import os
 import signal
 import sys
-import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from specsplit.lmkit import decoder_step, entry, event_loop, logs, models
+from specsplit.lmkit import entry, event_loop, forward, logs, models
 from specsplit.lmkit.caller_check import CallerPolicy
 from specsplit.lmkit.grpc_server import (
     ComputeThread,
@@ -62,60 +60,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "depend on other sessions in bfloat16 either; costs the batching speed-up")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun; gloo on CPU, NCCL on GPU)")
     parser.add_argument("--tp-timeout-s", type=float, default=60.0, help="a collective stuck this long fails the group")
-    parser.add_argument(
-        "--stock-forward", action="store_true",
-        help="run transformers' own forward (DynamicCache, MKL linears, padded batches) instead of the fast "
-        "one (oneDNN linears on fp32 CPU, KV buffers, packed rows, token trees); for comparisons",
-    )
-    parser.add_argument(
-        "--compile", default="auto", choices=decoder_step.COMPILE_MODES,
-        help="compile the target's decoder step: off (eager), inductor (torch.compile, at start-up, health "
-             "NOT_SERVING until done), cuda-graphs (a static step captured once per block width and batch of up "
-             "to --max-batch sessions over KV slots allocated at start-up: CUDA only, chains only, no hidden "
-             "features for EAGLE/Medusa), auto (what measured faster on the device: off on the CPU and, for now, on CUDA)",
-    )
-    parser.add_argument(
-        "--graph-context", type=int, default=4096,
-        help="with --compile cuda-graphs: positions each session's KV slot holds (prompt + output; capped at the "
-             "model's context); --max-sessions slots are allocated at start-up",
-    )
-    parser.add_argument(
-        "--compile-cache-dir", default=str(Path.home() / ".cache" / "specsplit" / "inductor"),
-        help="where compiled code is kept between starts (TORCHINDUCTOR_CACHE_DIR): a restart reuses it",
-    )
+    forward.add_flags(parser, "target", graph_context=4096)
     add_common_flags(parser, DEFAULT_PORT)
     return parser
 
 
 def compile_mode(args) -> str:
-    """--compile resolved for --device; refused (ValueError) where nothing would be compiled."""
-    mode = decoder_step.resolve_compile(args.compile, args.device.split(":")[0])
-    if mode != "off" and args.stock_forward:
-        raise ValueError(f"--compile {args.compile} compiles the fast forward; drop --stock-forward or use --compile off")
+    """--compile resolved for --device (``lmkit.forward.mode_of``; ``off`` with --stock-forward, which
+    ``fast_forward`` carries); refused (ValueError) where nothing would be compiled."""
+    mode = forward.mode_of(args)
     if mode == "cuda-graphs" and args.tp > 1:
         raise ValueError("--compile cuda-graphs runs an unsharded target; use --tp 1 or --compile off")
-    if mode == "cuda-graphs" and args.graph_context < 2:
-        raise ValueError(f"--graph-context must be >= 2 positions, got {args.graph_context}")
-    return mode
-
-
-def graph_caches(model, args, limits):
-    """--compile cuda-graphs: the captured step, its KV slots (one per --max-sessions) and each session's cache
-    in one; returns (new_cache, the context a session may reach)."""
-    from specsplit.lmkit import graph_step
-
-    context = min(args.graph_context, int(getattr(model.config, "max_position_embeddings", 0) or args.graph_context))
-    width = limits.max_block + 1
-    started = time.perf_counter()
-    batch = min(args.max_batch, limits.max_sessions)  # sessions a replay verifies together
-    graph = graph_step.GraphStep(model, slots=limits.max_sessions, capacity=context + width, max_width=width,
-                                 graphs=True, max_batch=batch)
-    slots = graph_step.Slots(limits.max_sessions)
-    kv_bytes = sum(t.numel() * t.element_size() for t in (*graph.keys, *graph.values))
-    log.info("captured the step for widths %s x batches %s (%d graphs) in %.1f s; %d KV slots of %d positions "
-             "(%.2f GB)", ",".join(map(str, graph.widths)), ",".join(map(str, graph.batches)), len(graph.graphs),
-             time.perf_counter() - started, limits.max_sessions, context, kv_bytes / 1e9)
-    return (lambda: graph_step.GraphSessionCache(model, graph, slots)), context
+    return "off" if mode == forward.STOCK else mode
 
 
 def kv_budget_tokens(model, budget_bytes: int, tp_degree: int) -> int:
@@ -147,7 +103,8 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
     new_cache, context = leader.new_cache if leader else None, 0
     if mode == "cuda-graphs":
         log.info("capturing the decoder step as CUDA graphs: health stays NOT_SERVING until done")
-        new_cache, context = graph_caches(model, args, limits)
+        new_cache, context = forward.slots(model, limits.max_sessions, args.graph_context, limits.max_block + 1,
+                                           args.max_batch)
     engine = TargetEngine(
         model,
         model_id=args.model,

@@ -158,5 +158,5 @@ def test_a_target_the_step_does_not_run_on_says_why_compile_did_nothing(tiny_tar
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
     engine = TargetEngine(model, model_id="t", vocab_fingerprint="", limits=SessionLimits(), fast_forward=False,
                           compile_mode="inductor")
-    assert engine.forward_kind == ("transformers' stock forward (--compile inductor applies to the decoder step, "
-                                   "which runs on an unsharded CPU target)")
+    assert engine.forward_kind == ("transformers' stock forward (--compile inductor applies to the fast forward, "
+                                   "which is off)")

@@ -41,8 +41,8 @@ LS, Q, NG, CH = DrafterKind.LAYERSKIP, DrafterKind.QUANTIZED, DrafterKind.NGRAM,
 def self_draft_services(background_loop, tiny_target_dir):
     target, _ = make_engines(str(tiny_target_dir), None)
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
-    # The tiny target's residual stream is dominated by its (scaled) embedding, so plain layer-skip would agree
-    # with it everywhere; a random exit adapter makes it a draft that is often wrong, exercising rejections.
+    # A random exit adapter after the first layer: a layer-skip draft that is often wrong (rejections), run
+    # through the adapter's path.
     torch.manual_seed(5)
     adapter = self_draft.ExitAdapter(model.config.hidden_size)
     torch.nn.init.normal_(adapter.proj.weight, std=ADAPTER_STD)

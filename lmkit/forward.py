@@ -1,0 +1,113 @@
+"""How a service runs a model's steps: one choice, made here, for the target, the tensor-parallel target and
+every drafter that runs a model (the model drafter and the self-drafts).
+
+    kind = install(model, mode)        sets ``model`` up to run its steps as ``mode`` says; returns what runs them
+    new_cache, context = slots(model, sessions, context, width, batch, graphs)
+                                       the static step's KV slots (``--compile cuda-graphs``): each session's cache
+
+``mode`` is ``--compile`` resolved for the device (``decoder_step.resolve_compile``), or ``stock``:
+
+    stock         transformers' forward over a ``DynamicCache`` (``--stock-forward``)
+    off           the packed-rows forward (``lmkit.packed_rows``): the decoder step, eager, with oneDNN-packed
+                  linears on the CPU, where the model's layout allows; transformers' forward over packed rows
+                  where only the attention allows; the stock forward where neither (a sliding window)
+    inductor      the same, the decoder step compiled by ``torch.compile`` (plain linears)
+    cuda-graphs   the static decoder step over KV slots allocated at start, captured per (batch, width) bucket
+                  (``lmkit.graph_step``): a session's cache is a slot (``slots``), chains only
+
+A ``SessionCache`` built over an installed model runs the packed forward (``kvcache``); over the stock model, the
+stock one. The packed forward and the decoder step are per model object: a self-draft view installs its own.
+The fast forward runs on an unsharded CPU model; on CUDA the fast path is ``cuda-graphs``, elsewhere the stock
+forward runs and the returned text says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from specsplit.lmkit import decoder_step, packed_rows
+from specsplit.lmkit.packed_linear import pack_linears
+
+log = logging.getLogger(__name__)
+
+STOCK = "stock"
+MODES = (STOCK, "off", "inductor", "cuda-graphs")  # what ``install`` takes (``--compile`` resolved)
+
+
+def install(model, mode: str, sharded: bool = False) -> str:
+    """Set ``model`` up to run its steps as ``mode`` says (see the module's text); returns what runs them, for the
+    log. ``sharded``: a tensor-parallel shard (its collectives run in transformers' forward: the stock forward)."""
+    if mode not in MODES:
+        raise ValueError(f"forward mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == STOCK:
+        return "transformers' stock forward"
+    if mode == "cuda-graphs":
+        return "the static decoder step, captured as CUDA graphs (sessions batched, chains)"
+    device = next(model.parameters()).device.type
+    if not sharded and device == "cpu":
+        return packed_rows.install_fast_forward(model, mode, pack=pack_linears)
+    where = "a sharded model" if sharded else f"a {device} model"
+    if mode == "off":
+        return f"transformers' stock forward (the fast forward runs on an unsharded CPU model; on {where}: " \
+               "--compile cuda-graphs where the model is unsharded on CUDA)"
+    return f"transformers' stock forward (--compile {mode} applies to the decoder step, which runs on an unsharded " \
+           f"CPU model, not on {where})"
+
+
+def slots(model, sessions: int, context: int, width: int, batch: int, graphs: bool = True):
+    """``--compile cuda-graphs``: the static step over ``sessions`` KV slots of ``context`` positions each (as
+    far as the model reaches) for blocks of up to ``width`` tokens, ``batch`` sessions a replay, captured as CUDA
+    graphs (``graphs``; off, it runs eagerly: the CPU's tests); returns (a new session's cache, the context a
+    session may reach)."""
+    from specsplit.lmkit import graph_step
+
+    context = min(context, int(getattr(model.config, "max_position_embeddings", 0) or context))
+    started = time.perf_counter()
+    batch = min(batch, sessions)
+    step = graph_step.GraphStep(model, slots=sessions, capacity=context + width, max_width=width, graphs=graphs,
+                                max_batch=batch)
+    free = graph_step.Slots(sessions)
+    kv_bytes = sum(t.numel() * t.element_size() for t in (*step.keys, *step.values))
+    log.info("%s the step for widths %s x batches %s (%d graphs) in %.1f s; %d KV slots of %d positions (%.2f GB)",
+             "captured" if graphs else "built", ",".join(map(str, step.widths)), ",".join(map(str, step.batches)),
+             len(step.graphs), time.perf_counter() - started, sessions, context, kv_bytes / 1e9)
+    return (lambda: graph_step.GraphSessionCache(model, step, free)), context
+
+
+def add_flags(parser, service: str, graph_context: int) -> None:
+    """The flags that choose how ``service`` (``target``, ``draft``) runs its model's steps: --compile,
+    --stock-forward, --graph-context, --compile-cache-dir."""
+    parser.add_argument(
+        "--stock-forward", action="store_true",
+        help="run transformers' own forward (DynamicCache, MKL linears, padded batches) instead of the fast "
+        "one (oneDNN linears on fp32 CPU, KV buffers, packed rows, token trees); for comparisons",
+    )
+    parser.add_argument(
+        "--compile", default="auto", choices=decoder_step.COMPILE_MODES,
+        help=f"compile the {service}'s decoder step: off (eager), inductor (torch.compile, at start-up, health "
+             "NOT_SERVING until done), cuda-graphs (a static step captured once per block width and batch over KV "
+             "slots allocated at start-up: CUDA only, chains only, no hidden features for EAGLE/Medusa), auto (what "
+             "measured faster on the device: off on the CPU and, for now, on CUDA)",
+    )
+    parser.add_argument(
+        "--graph-context", type=int, default=graph_context,
+        help="with --compile cuda-graphs: positions each session's KV slot holds (prompt + output; capped at the "
+             "model's context); --max-sessions slots are allocated at start-up",
+    )
+    parser.add_argument(
+        "--compile-cache-dir", default=str(Path.home() / ".cache" / "specsplit" / "inductor"),
+        help="where compiled code is kept between starts (TORCHINDUCTOR_CACHE_DIR): a restart reuses it",
+    )
+
+
+def mode_of(args) -> str:
+    """The flags of ``add_flags`` resolved for --device: one of ``MODES``; a ValueError naming the flags where they
+    ask for different things or nothing would run."""
+    mode = decoder_step.resolve_compile(args.compile, args.device.split(":")[0])
+    if mode != "off" and args.stock_forward:
+        raise ValueError(f"--compile {args.compile} compiles the fast forward; drop --stock-forward or use --compile off")
+    if mode == "cuda-graphs" and args.graph_context < 2:
+        raise ValueError(f"--graph-context must be >= 2 positions, got {args.graph_context}")
+    return STOCK if args.stock_forward else mode
