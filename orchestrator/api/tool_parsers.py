@@ -72,9 +72,10 @@ class ToolCallFormat:
         return (json.loads(found.group(1)), found.end()) if found else None
 
     def read_block(self, block: str) -> ParsedCall | None:
-        """The call a ``start ... end`` block holds; None when it holds none (bad JSON, no name, arguments not an
-        object): the block is then content, as the model wrote it. Arguments keep the model's text when it
-        wrote them name first as an object (so a streamed call's pieces add up to the whole call's)."""
+        """The call a ``start ... end`` block not written name first holds (``CallStream`` reads a name-first call
+        as it streams, keeping the model's text of its arguments); None when it holds none (bad JSON, no name,
+        arguments not an object): the block is then content, as the model wrote it. The arguments are written
+        again as JSON."""
         body = block[len(self.start) : len(block) - len(self.end)].strip()
         try:
             value = json.loads(body)
@@ -90,13 +91,7 @@ class ToolCallFormat:
                 return None
         if not isinstance(arguments, dict):
             return None
-        written = json.dumps(arguments, ensure_ascii=False)
-        head = self.head(block)
-        if head is not None and head[0] == value["name"]:
-            end = _object_end(block, head[1])
-            if end is not None and _loads(block[head[1] : end]) == arguments:
-                written = block[head[1] : end]
-        return ParsedCall(value["name"], written)
+        return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
     def stream(self) -> "CallStream":
         return CallStream(self)
@@ -226,13 +221,6 @@ def _object_end(text: str, start: int) -> int | None:
     scan = _ObjectScan(start)
     scan.scan(text)
     return scan.end
-
-
-def _loads(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 def _held(text: str, start: str) -> int:
