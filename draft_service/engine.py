@@ -12,7 +12,7 @@ from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.recycling import SuccessorTable
 from specsplit.draft_service.registry import DRAFTERS, DraftRequestContext
-from specsplit.lmkit import decoder_step, errors, forward
+from specsplit.lmkit import errors, forward
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
 from specsplit.lmkit.kvcache import SessionCache, check_cache_layout, kv_bytes_per_token
@@ -102,30 +102,24 @@ class DraftEngine:
         self.position_bytes = _position_bytes(model, derived)  # KV bytes a position costs, by drafter kind
         # What runs each drafting model's steps (for the log), and the caches its sessions get
         self.forward_kinds: dict[DrafterKind, str] = {}
-        self._caches: dict[int, Callable[[], SessionCache]] = {}  # id(model) -> a new session's cache, if not plain
+        self._new_slot: Callable[[], SessionCache] | None = None  # cuda-graphs: a slot of the draft model's step
         for kind, drafting in ((DrafterKind.MODEL, model), *((k, derived.get(k)) for k in SELF_DRAFTS)):
             if drafting is None:
                 continue
             # the static step runs the draft model's own layers: a self-draft's view runs the fast forward
             mode = "off" if forward_mode == "cuda-graphs" and kind is not DrafterKind.MODEL else forward_mode
-            reason = decoder_step.unsupported(drafting) if mode != forward.STOCK else None
-            if reason:  # one session a forward: packed rows without the decoder step gain nothing (bench: draft)
-                self.forward_kinds[kind] = f"transformers' stock forward (the decoder step cannot run it: {reason})"
-                continue
-            self.forward_kinds[kind] = forward.install(drafting, mode)
+            self.forward_kinds[kind] = forward.install(drafting, mode, alone=True)
             if mode == "cuda-graphs":
                 on_cuda = next(drafting.parameters()).device.type == "cuda"
-                new_cache, context = forward.slots(drafting, limits.max_sessions, graph_context, limits.max_block + 1,
-                                                   batch=1, graphs=on_cuda)
-                self._caches[id(drafting)] = new_cache
+                self._new_slot, context = forward.slots(drafting, limits.max_sessions, graph_context,
+                                                        limits.max_block + 1, batch=1, graphs=on_cuda)
                 self.max_context = min(self.max_context or context, context)
         abandon.watch([model, *derived.values()])  # a closed session's proposal stops at the next layer
 
     def _new_cache(self, model) -> SessionCache:
         """A session's cache over ``model`` (one of the drafting models): a slot of its static step, or a plain
         cache over the forward it was set up with."""
-        slot = self._caches.get(id(model))
-        return slot() if slot is not None else SessionCache(model)
+        return self._new_slot() if self._new_slot is not None and model is self.model else SessionCache(model)
 
     @property
     def drafters(self) -> list[DrafterKind]:

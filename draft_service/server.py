@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from dataclasses import replace
 
 from specsplit.draft_service import eagle_head, medusa, self_draft
@@ -150,8 +149,8 @@ def load_engine(args, limits: SessionLimits) -> DraftEngine:
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     derived = derive_drafts(args, model, fingerprint)
     mode = forward.mode_of(args)
+    forward.use_compile_cache(args, mode)
     if mode in ("inductor", "cuda-graphs"):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache_dir
         log.info("setting up the draft's step (--compile %s): health stays NOT_SERVING until done", mode)
     engine = DraftEngine(model, model_id=args.model, vocab_fingerprint=fingerprint, limits=limits, derived=derived,
                          successor_table_tokens=args.recycling_table_tokens, prefill_chunk=args.prefill_chunk,

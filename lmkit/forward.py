@@ -24,6 +24,7 @@ forward runs and the returned text says why.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -36,13 +37,17 @@ STOCK = "stock"
 MODES = (STOCK, "off", "inductor", "cuda-graphs")  # what ``install`` takes (``--compile`` resolved)
 
 
-def install(model, mode: str, sharded: bool = False) -> str:
+def install(model, mode: str, sharded: bool = False, alone: bool = False) -> str:
     """Set ``model`` up to run its steps as ``mode`` says (see the module's text); returns what runs them, for the
-    log. ``sharded``: a tensor-parallel shard (its collectives run in transformers' forward: the stock forward)."""
+    log. ``sharded``: a tensor-parallel shard (its collectives run in transformers' forward: the stock forward).
+    ``alone``: its steps run one session at a time (a drafter), where packed rows without the decoder step gain
+    nothing (``bench --suite step --step-parts draft``), so a model the step cannot run keeps the stock forward."""
     if mode not in MODES:
         raise ValueError(f"forward mode must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == STOCK:
         return "transformers' stock forward"
+    if alone and (reason := decoder_step.unsupported(model)):
+        return f"transformers' stock forward (the decoder step cannot run it: {reason})"
     if mode == "cuda-graphs":
         return "the static decoder step, captured as CUDA graphs (sessions batched, chains)"
     device = next(model.parameters()).device.type
@@ -100,6 +105,12 @@ def add_flags(parser, service: str, graph_context: int) -> None:
         "--compile-cache-dir", default=str(Path.home() / ".cache" / "specsplit" / "inductor"),
         help="where compiled code is kept between starts (TORCHINDUCTOR_CACHE_DIR): a restart reuses it",
     )
+
+
+def use_compile_cache(args, mode: str) -> None:
+    """Under ``inductor``, keep compiled code in --compile-cache-dir, so that a restart reuses it."""
+    if mode == "inductor":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache_dir
 
 
 def mode_of(args) -> str:

@@ -96,8 +96,8 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
     fingerprint = models.vocab_fingerprint(models.load_tokenizer(args.model))
     leader = tp.Leader(model, on_broken=leader_hook) if args.tp > 1 else None
     mode = compile_mode(args)
+    forward.use_compile_cache(args, mode)
     if mode == "inductor":
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache_dir
         log.info("compiling the decoder step (%s; cache %s): health stays NOT_SERVING until done", mode,
                  args.compile_cache_dir)
     new_cache, context = leader.new_cache if leader else None, 0
