@@ -7,8 +7,6 @@ next step again); the end-to-end test runs the real scheduler under gRPC with lo
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from specsplit.lmkit import models
@@ -94,9 +92,7 @@ def test_long_and_short_prompts_at_once_through_the_services_give_the_targets_ou
     """Real gRPC, the real scheduler: two long prompts (chunked, one after the other within a step's budget) and
     the short prompts, all at once, speculating with the model drafter; every output is the target's own."""
     from specsplit.draft_service.engine import DraftEngine
-    from specsplit.orchestrator.api.config import OrchestratorConfig
-    from specsplit.orchestrator.api.generation import Orchestrator
-    from tests.services.test_speed_e2e import collect, request
+    from tests.services.test_speed_e2e import request, run_with
 
     fingerprint = models.vocab_fingerprint(gguf_tokenizer)
     target = engine_of(models.load_model(models.ModelSpec(str(tiny_target_dir))), CHUNK, fingerprint)
@@ -105,16 +101,9 @@ def test_long_and_short_prompts_at_once_through_the_services_give_the_targets_ou
     services = Services(background_loop, target, draft)
     prompts = [LONG, LONG[::-1], *(gguf_tokenizer.encode(p) for p in TINY_PROMPTS)]
 
-    async def go():
-        orch = await Orchestrator.connect(OrchestratorConfig(services.target_address, services.draft_address,
-                                                             str(tiny_target_dir)))
-        try:
-            return await asyncio.gather(*(collect(orch, request(4, DrafterKind.MODEL, max_new=24), ids) for ids in prompts))
-        finally:
-            await orch.close()
-
+    jobs = [(request(4, DrafterKind.MODEL, max_new=24), ids) for ids in prompts]
     try:
-        outputs = run_async(go())
+        outputs = run_async(run_with(services, str(tiny_target_dir), jobs, concurrent=True))
     finally:
         services.stop()
     assert [ids for ids, _ in outputs] == [reference_greedy(model, ids, 24) for ids in prompts]

@@ -6,8 +6,6 @@ output is the stock model's own greedy continuation (transformers' forward).
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from specsplit.bench.prompts import DEMO_PROMPTS
@@ -46,25 +44,14 @@ def prompts(smollm2):
 
 
 def test_a_long_prompt_prefilled_in_small_chunks_beside_others_gives_the_targets_output(background_loop, prompts):
-    from specsplit.orchestrator.api.config import OrchestratorConfig
-    from specsplit.orchestrator.api.generation import Orchestrator
-    from tests.services.test_speed_e2e import collect, request
+    from tests.services.test_speed_e2e import request, run_with
 
     target, draft = make_engines("smollm2-135m", None, max_block=MAX_BLOCK, prefill_chunk=CHUNK)
     services = Services(background_loop, target, draft)
     prompt_ids, expected = prompts
-
-    async def go():
-        orch = await Orchestrator.connect(OrchestratorConfig(services.target_address, services.draft_address,
-                                                             "smollm2-135m"))
-        try:
-            return await asyncio.gather(*(collect(orch, request(4, DrafterKind.NGRAM, max_new=NEW), ids)
-                                          for ids in prompt_ids))
-        finally:
-            await orch.close()
-
+    jobs = [(request(4, DrafterKind.NGRAM, max_new=NEW), ids) for ids in prompt_ids]
     try:
-        outputs = run_async(go())
+        outputs = run_async(run_with(services, "smollm2-135m", jobs, concurrent=True))
     finally:
         services.stop()
     assert [ids for ids, _ in outputs] == expected
