@@ -43,6 +43,8 @@ PACKED_TESTS = (
     "tests/services/test_greedy_e2e.py",
 )
 
+DRAFT_TESTS = ("tests/unit/draft_service/test_draft_forward.py", "tests/services/test_drafters_e2e.py")
+
 MUTANTS = (
     Mutant(
         "captured step: keys and values written one position off",
@@ -100,6 +102,27 @@ MUTANTS = (
         "    def crop(self, length: int) -> None:\n        self._forget_from(length)\n",
         "    def crop(self, length: int) -> None:\n        pass\n",
         GRAPH_TESTS,
+    ),
+    Mutant(
+        "draft: the model drafter ignores the engine's caches",
+        "draft_service/model_drafter.py",
+        "        self._cache = new_cache(model)\n",
+        "        self._cache = SessionCache(model)\n",
+        DRAFT_TESTS,
+    ),
+    Mutant(
+        "draft: a closed session keeps its slot",
+        "draft_service/model_drafter.py",
+        "    def close(self) -> None:\n        self._cache.release()\n",
+        "    def close(self) -> None:\n        pass\n",
+        DRAFT_TESTS,
+    ),
+    Mutant(
+        "packed rows: a view's copied layers keep their own attention",
+        "lmkit/packed_rows.py",
+        "            config._attn_implementation = ATTENTION\n",
+        "            pass\n",
+        DRAFT_TESTS,
     ),
     Mutant(
         "chunked prefill: a chunk's keys and values dropped",
