@@ -1,0 +1,119 @@
+"""Each family people serve (``tests/families.py``) runs through specsplit's caches with its own model's output.
+
+Per family: greedy through a session cache (over the stock forward and over the forward ``lmkit.forward`` installs)
+equals the model's own ``generate``; several sessions in one batched step, with a rejected block rolled back,
+get their solo logits; token trees, where the forward verifies them, give each node its root path's logits; and
+the static step of ``--compile cuda-graphs`` (run eagerly here), where the decoder step runs the family, gives
+the same greedy output. The contexts pass the shrunk sliding windows.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specsplit.lmkit import decoder_step, forward, models, token_tree
+from specsplit.lmkit.kvcache import SessionCache
+from specsplit.target_service.batched_forward import Step, forward_batch
+from tests.families import FAMILIES, save_family
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog and", "def fibonacci(n):\n    if n < 2:", "Once upon a time"]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory, gguf_tokenizer):
+    """(name, folder, the model as transformers loads it, as specsplit loads it, with the fast forward installed)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_family(tmp_path_factory.mktemp(request.param), request.param, gguf_tokenizer)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    stock = models.load_model(models.ModelSpec(str(folder)))
+    fast = copy.deepcopy(stock)
+    runs = forward.install(fast, "off")
+    return request.param, folder, reference, stock, fast, runs
+
+
+def _generate(model, ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+def _greedy(cache: SessionCache, ids: list[int]) -> list[int]:
+    context, out = list(ids), []
+    for _ in range(NEW_TOKENS):
+        out.append(int(cache.logits(context, [])[-1].argmax()))
+        context.append(out[-1])
+    return out
+
+
+def _close(have: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(have, want, rtol=0, atol=1e-4)
+    assert torch.equal(have.argmax(-1), want.argmax(-1))
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_greedy_through_the_caches_equals_the_models_own_generate(family, gguf_tokenizer):
+    name, _, reference, stock, fast, runs = family
+    for prompt in PROMPTS:
+        ids = gguf_tokenizer.encode(prompt)
+        want = _generate(reference, ids)
+        assert len(set(want)) >= 4, f"{name}'s test model repeats itself: {want}"
+        assert _generate(reference, ids[len(ids) // 2:]) != want, f"{name}'s test model ignores its context"
+        assert _greedy(SessionCache(stock), ids) == want, f"{name}, stock forward, {prompt!r}"
+        assert _greedy(SessionCache(fast), ids) == want, f"{name}, {runs}, {prompt!r}"
+
+
+def test_sessions_batched_with_a_rollback_get_their_solo_logits(family):
+    name, _, _, stock, fast, _ = family
+    vocab = stock.config.vocab_size
+    contexts = [_ids(n, n, vocab) for n in (5, 23, 40)]
+    blocks = [_ids(k, 100 + k, vocab) for k in (3, 0, 6)]
+    for model in (stock, fast):
+        caches = [SessionCache(model) for _ in contexts]
+        for cache, context in zip(caches, contexts):
+            cache.logits([*context, *_ids(4, 7, vocab)], [])  # then rejected: the step below crops it away
+        steps = [Step(cache, *cache.plan(c, b), len(b) + 1) for cache, c, b in zip(caches, contexts, blocks)]
+        for have, context, block in zip(forward_batch(model, steps), contexts, blocks):
+            _close(have, SessionCache(stock).logits(context, block))
+        for cache, context, block in zip(caches, contexts, blocks):
+            following = [*context, *block, 7]
+            _close(cache.logits(following, [1, 2]), SessionCache(stock).logits(following, [1, 2]))
+
+
+TREE_TOKENS = [11, 12, 13, 21, 22, 31, 14]
+TREE_PARENTS = [-1, 0, 1, -1, 3, 0, 2]
+
+
+def test_each_tree_node_gets_its_root_paths_logits_where_trees_run(family):
+    name, _, _, stock, fast, runs = family
+    context = _ids(30, 4, stock.config.vocab_size)
+    cache = SessionCache(fast)
+    if not cache.supports_trees:
+        pytest.skip(f"{name} runs {runs}: no token trees")
+    logits = cache.logits(context, TREE_TOKENS, TREE_PARENTS)
+    for node in range(len(TREE_TOKENS)):
+        path = [TREE_TOKENS[i] for i in token_tree.path_to(TREE_PARENTS, node)]
+        _close(logits[node + 1], SessionCache(stock).logits(context, path)[-1])
+
+
+def test_the_static_step_gives_the_same_greedy_output(family, gguf_tokenizer):
+    name, _, reference, stock, _, _ = family
+    if reason := decoder_step.unsupported(stock):
+        pytest.skip(f"the decoder step does not run {name}: {reason}")
+    new_cache, _ = forward.slots(copy.deepcopy(stock), sessions=2, context=128, width=8, batch=2, graphs=False)
+    for prompt in PROMPTS:
+        ids = gguf_tokenizer.encode(prompt)
+        cache = new_cache()
+        try:
+            assert _greedy(cache, ids) == _generate(reference, ids), f"{name}, static step, {prompt!r}"
+        finally:
+            cache.release()
