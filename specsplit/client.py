@@ -61,6 +61,7 @@ def build_request(
     choice: Sequence[str] | None = None,  # the output is exactly one of these strings
     tools: Sequence[dict] | str | None = None,  # OpenAI's tools array (or its JSON text) for the chat template
     prompt_logprobs: int | None = None,  # score the prompt, this many alternatives (GenerateResponse.prompt_logprobs)
+    prompt_token_ids: Sequence[int] = (),  # the prompt as the target's token ids, fed as they are (chat does not apply)
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for a prompt or a conversation (``messages``: system, user, assistant turns, rendered
     with the model's chat template); unset options take the server's defaults. The server validates every field.
@@ -84,9 +85,10 @@ def build_request(
     sampling.logit_bias.update(logit_bias or {})
     sampling.min_tokens, sampling.ignore_eos = min_tokens, ignore_eos
     request = pb.GenerateRequest(
-        prompt=prompt, chat=chat, sampling=sampling, stop=list(stop), draft_probs=draft_probs,
+        prompt=prompt, chat=chat and not prompt_token_ids, sampling=sampling, stop=list(stop), draft_probs=draft_probs,
         return_token_ids=return_token_ids, messages=[chat_message(m) for m in messages],
         return_logprobs=logprobs, top_logprobs=top_logprobs, request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
     )
     for name, value in (("max_new_tokens", max_new_tokens), ("k", k), ("adaptive_k", adaptive_k), ("overlap", overlap),
                         ("n", n)):

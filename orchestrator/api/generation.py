@@ -240,10 +240,10 @@ class Orchestrator:
     def active(self) -> int:
         return self.slots.active
 
-    def admit(self, caller: str = "", count: int = 1):
-        """Hold ``count`` generation slots for ``caller`` (``with``; one per sample); ResourceExhausted when
-        they are not all free to it."""
-        return self.slots.hold(caller, count)
+    def admit(self, caller: str = "", count: int = 1, what: str = ""):
+        """Hold ``count`` generation slots for ``caller`` (``with``; one per sample, ``what`` naming them when they
+        are not a prompt's n samples); ResourceExhausted when they are not all free to it."""
+        return self.slots.hold(caller, count, what)
 
     async def tokenize(self, prompt: str, chat: bool, messages: Sequence[dict] = (), tools: Sequence[dict] = ()) -> list[int]:
         """``encode`` on the tokenizer threads, off the event loop."""

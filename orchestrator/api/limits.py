@@ -30,10 +30,11 @@ class Slots:
         return self._held.get(caller, 0)
 
     @contextlib.contextmanager
-    def hold(self, caller: str = "", count: int = 1):
-        """``count`` slots for ``caller`` for the ``with`` block (a request of ``count`` samples), all or none;
-        ResourceExhausted when they are not all free to it."""
-        asked = "" if count == 1 else f" (this request's n = {count} samples count as {count} generations)"
+    def hold(self, caller: str = "", count: int = 1, what: str = ""):
+        """``count`` slots for ``caller`` for the ``with`` block (a request of ``count`` samples, or ``what``
+        says of what), all or none; ResourceExhausted when they are not all free to it."""
+        what = what or f"n = {count} samples"
+        asked = "" if count == 1 else f" (this request's {what} count as {count} generations)"
         if self.active + count > self.limit:
             metrics.REFUSED.inc(reason="concurrency")
             raise errors.ResourceExhausted(

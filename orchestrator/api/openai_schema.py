@@ -148,11 +148,14 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, texts, token ids, token-id lists (OpenAI's four)
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+
+_ALTERNATIVES = ("str", "list[str]", "list[TextPart]", "int", "float", "list[int]", "list[list[int]]")
 
 
 def validate(model_cls: type[_Common], body: Any) -> _Common:
@@ -165,7 +168,7 @@ def validate(model_cls: type[_Common], body: Any) -> _Common:
         error = exc.errors()[0]
         path = [str(part) for part in error["loc"]]
         # A union reports each alternative's failure ("stop.str"): name the parameter, not the alternative.
-        param = ".".join(p for p in path if p not in ("str", "list[str]", "list[TextPart]", "int", "float"))
+        param = ".".join(p for p in path if p not in _ALTERNATIVES)
         if error["type"] == "extra_forbidden":
             raise RequestError(f"unrecognized request argument supplied: {param}", param) from None
         if error["type"] == "missing":
@@ -194,7 +197,7 @@ def to_generate_request(
         max_tokens = getattr(req, max_name)
         _chat_logprobs(req, msg)
     else:
-        msg.prompt = _one_prompt(req.prompt)
+        set_prompt(msg, completion_prompts(req)[0])
         max_tokens, max_name = req.max_tokens, "max_tokens"
         _completion_logprobs(req, msg)
         if req.echo and (req.logprobs is not None or max_tokens == 0):
@@ -305,12 +308,41 @@ def _stop(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def _one_prompt(prompt: str | list[str]) -> str:
+Prompt = str | list[int]  # one prompt of a completion request: its text, or its token ids
+
+
+def completion_prompts(req: CompletionRequest) -> list[Prompt]:
+    """The prompts of a completion request, in order (OpenAI's four shapes: a string, a list of strings, a list of
+    token ids, a list of token-id lists); each becomes a generation of its own."""
+    prompt = req.prompt
     if isinstance(prompt, str):
-        return prompt
-    if len(prompt) != 1:
-        raise RequestError(f"prompt lists {len(prompt)} prompts; send one prompt per request", "prompt")
-    return prompt[0]
+        return [prompt]
+    if not prompt:
+        raise RequestError("prompt is an empty list; send a string, a list of strings, a list of token ids or a list "
+                           "of token-id lists", "prompt")
+    if isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    for i, one in enumerate(prompts):
+        if isinstance(one, list):
+            where = "prompt" if prompts[0] is prompt else f"prompt[{i}]"
+            if not one:
+                raise RequestError(f"{where} is an empty list of token ids", "prompt")
+            bad = next((j for j, token in enumerate(one) if not 0 <= token < 2**32), None)
+            if bad is not None:
+                raise RequestError(f"{where}[{bad}] = {_shown(one[bad])} is not a token id", "prompt")
+    return prompts
+
+
+def set_prompt(msg: pb.GenerateRequest, prompt: Prompt) -> None:
+    """Put one prompt in ``msg``: text in ``prompt``, token ids in ``prompt_token_ids``."""
+    msg.ClearField("prompt")
+    msg.ClearField("prompt_token_ids")
+    if isinstance(prompt, str):
+        msg.prompt = prompt
+    else:
+        msg.prompt_token_ids.extend(prompt)
 
 
 def _chat_logprobs(req: ChatCompletionRequest, msg: pb.GenerateRequest) -> None:
@@ -492,16 +524,16 @@ def finish_reason(value: int) -> str:
     return _FINISH[Finish(value)]
 
 
-def usage(samples: Sequence[pb.GenerationStats]) -> dict:
-    """OpenAI's token counts (the prompt once, every sample's completion), plus the speculative stats of the
+def usage(samples: Sequence[pb.GenerationStats], per_prompt: int = 0) -> dict:
+    """OpenAI's token counts (each prompt once, every sample's completion), plus the speculative stats of the
     generation under ``speculative``: of the samples together for n > 1 (counts summed, rates over the sums,
-    each sample's seed in ``seeds``)."""
-    first = samples[0]
+    each sample's seed in ``seeds``). ``samples`` are prompt-major, ``per_prompt`` of each prompt (0: one prompt)."""
+    prompt = sum(s.prompt_tokens for s in samples[:: per_prompt or len(samples)])
     completion = sum(s.new_tokens for s in samples)
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
+        "total_tokens": prompt + completion,
         "speculative": _speculative(samples),
     }
 
@@ -588,6 +620,7 @@ class ResponseShape:
         self.model = model
         self.logprobs = logprobs
         self.prompt_logprobs = False  # the request asked for vLLM's prompt_logprobs (whole responses only)
+        self.samples_per_prompt = 0  # choices of each prompt of a list (prompt-major); 0: one prompt
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
@@ -602,12 +635,12 @@ class ResponseShape:
         return self._envelope(self.chunk_object, [self._choice(index, text, logprobs, finish, delta=True)])
 
     def usage_chunk(self, samples: Sequence[pb.GenerationStats]) -> dict:
-        return {**self._envelope(self.chunk_object, []), "usage": usage(samples)}
+        return {**self._envelope(self.chunk_object, []), "usage": usage(samples, self.samples_per_prompt)}
 
     def whole(self, choices: Sequence[Choice], samples: Sequence[pb.GenerationStats]) -> dict:
         """The response of every sample (``choices[i]`` is sample i's)."""
         made = [self._choice(i, c.text, c.logprobs, c.finish, delta=False) for i, c in enumerate(choices)]
-        whole = {**self._envelope(self.whole_object, made), "usage": usage(samples)}
+        whole = {**self._envelope(self.whole_object, made), "usage": usage(samples, self.samples_per_prompt)}
         if self.prompt_logprobs:  # vLLM: on each choice of a completion, once on a chat response
             if isinstance(self, CompletionShape):
                 for choice, c in zip(made, choices):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API of the orchestrator (FastAPI), beside the gRPC one (docs/http-api.md).
 
     POST /v1/chat/completions   messages through the tokenizer's chat template
-    POST /v1/completions        a raw prompt
+    POST /v1/completions        raw prompts: text or token ids, one or a list
     GET  /v1/models             the served model names
     GET  /health                200 once serving
 
@@ -56,7 +56,9 @@ from specsplit.orchestrator.api.openai_schema import (
     CompletionRequest,
     CompletionShape,
     RequestError,
+    completion_prompts,
     finish_reason,
+    set_prompt,
     to_generate_request,
     validate,
 )
@@ -160,15 +162,19 @@ class OpenAIApi:
             shape = _shape(shape_cls, body, response_id, msg.return_logprobs, self.orch.config.tool_call_parser)
             shape.prompt_logprobs = body.prompt_logprobs is not None
             n = sample_count(msg, self.orch.config.max_n)
-            events = self._events(msg, n, arrived, _caller(request))
-            if isinstance(body, CompletionRequest) and body.echo:
-                events = _echoed(events, msg.prompt, msg.return_logprobs)
+            msgs = [msg]
+            if isinstance(body, CompletionRequest):
+                msgs = [_with_prompt(msg, prompt) for prompt in completion_prompts(body)]
+            shape.samples_per_prompt = n
+            echo = isinstance(body, CompletionRequest) and bool(body.echo)
+            events = self._events(msgs, n, arrived, _caller(request), echo)
+            choices = n * len(msgs)
             if body.stream:
                 first = await _until_disconnected(request, anext(events))
                 usage = body.stream_options is not None and body.stream_options.include_usage
-                return _ClosingStream(self._stream(shape, n, first, events, usage), media_type="text/event-stream",
-                                      headers=headers)
-            whole = await _until_disconnected(request, self._whole(shape, n, events))
+                return _ClosingStream(self._stream(shape, choices, first, events, usage),
+                                      media_type="text/event-stream", headers=headers)
+            whole = await _until_disconnected(request, self._whole(shape, choices, events))
             metrics.REQUESTS.inc(code="OK")
             return JSONResponse(whole, headers=headers)
         except ClientGone:
@@ -177,14 +183,25 @@ class OpenAIApi:
         except Exception as exc:  # noqa: BLE001 - every failure leaves as an OpenAI error
             return self._error_response(exc, request_id, headers)
 
-    async def _events(self, msg, n: int, arrived: float, caller: str):
-        """The samples' (index, event)s; admission and validation happen on the first ``anext``.
+    async def _events(self, msgs, n: int, arrived: float, caller: str, echo: bool = False):
+        """The (index, event)s of ``n`` samples of each request in ``msgs`` (a completion's prompts), prompt-major:
+        prompt p's sample i is choice p * n + i. Admission (every sample of every prompt, or none) and validation
+        happen on the first ``anext``; ``echo``: each sample's text begins with its prompt's.
 
         Closing this generator closes the generations at once (their sessions with them).
         """
-        with self.orch.admit(caller, n):
-            parsed, prompt_ids = await parse_request(msg, self.orch)
-            async with contextlib.aclosing(generate_samples(self.orch, parsed, prompt_ids, n, arrived)) as samples:
+        what = "" if len(msgs) == 1 else f"{len(msgs)} prompts x n = {n} samples"
+        with self.orch.admit(caller, n * len(msgs), what):
+            parsed = [await parse_request(msg, self.orch) for msg in msgs]
+            streams = []
+            for msg, (request, prompt_ids) in zip(msgs, parsed):
+                samples = generate_samples(self.orch, request, prompt_ids, n, arrived)
+                if echo:
+                    text = msg.prompt or self.orch.tokenizer.decode(prompt_ids)
+                    samples = _echoed(samples, text, msg.return_logprobs)
+                streams.append(samples)
+            merged = streams[0] if len(streams) == 1 else _prompt_major(streams, n)
+            async with contextlib.aclosing(merged) as samples:
                 async for indexed in samples:
                     yield indexed
 
@@ -292,6 +309,46 @@ async def _echoed(events, prompt: str, logprobs: bool):
                 event = replace(event, text=prompt + event.text,
                                 logprobs=(*event.prompt_logprobs, *event.logprobs) if logprobs else event.logprobs)
             yield index, event
+
+
+async def _prompt_major(streams, n: int):
+    """Several prompts' (sample index, event) streams at once, as events arrive: prompt p's sample i as index
+    p * n + i. The first stream to fail fails them all (its error is raised); closing this generator closes every
+    stream (each a prompt's generations)."""
+    arrivals: asyncio.Queue = asyncio.Queue()  # (index, event, error); unbounded: a put never blocks a cancel
+
+    async def pump(prompt: int, stream) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for index, event in stream:
+                    arrivals.put_nowait((prompt * n + index, event, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, who fails the request with it
+            arrivals.put_nowait((None, None, exc))
+
+    tasks = [asyncio.create_task(pump(prompt, stream)) for prompt, stream in enumerate(streams)]
+    finished: set[int] = set()
+    try:
+        while len(finished) < n * len(streams):
+            index, event, error = await arrivals.get()
+            if error is not None:
+                raise error
+            if event.finish is not None:
+                finished.add(index)
+            yield index, event
+    finally:
+        # A prompt whose samples all finished is closing its sessions: let it; cancel the others once.
+        for prompt, task in enumerate(tasks):
+            if not finished.issuperset(range(prompt * n, (prompt + 1) * n)):
+                task.cancel()
+        await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+
+
+def _with_prompt(msg, prompt):
+    """A copy of ``msg`` for one prompt of a completion request."""
+    one = type(msg)()
+    one.CopyFrom(msg)
+    set_prompt(one, prompt)
+    return one
 
 
 def _shape(shape_cls, body, response_id: str, logprobs: bool, tool_call_parser: str):

@@ -75,7 +75,8 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     top_logprobs = _top_logprobs(msg)
     request_id = _request_id(msg.request_id)
     _check_bias_ids(sampling, orch.target.info.vocab_size)
-    prompt_ids = await orch.tokenize(msg.prompt, msg.chat, messages, tools)
+    prompt_ids = _token_prompt(msg, orch.target.info.vocab_size) if msg.prompt_token_ids else \
+        await orch.tokenize(msg.prompt, msg.chat, messages, tools)
     limit = orch.target.info.max_context
     if limit and len(prompt_ids) >= limit:
         raise errors.InvalidArgument(
@@ -126,12 +127,29 @@ def _check_bias_ids(sampling: SamplingParams, vocab_size: int) -> None:
 
 
 def _messages(msg: pb.GenerateRequest) -> tuple[dict, ...]:
-    """The conversation, checked, as chat templates read it; a request sends either a prompt or messages."""
-    if msg.prompt and msg.messages:
-        raise errors.InvalidArgument("send either prompt or messages, not both")
-    if not msg.prompt and not msg.messages:
-        raise errors.InvalidArgument("prompt is empty; send the text to continue (or messages for a conversation)")
+    """The conversation, checked, as chat templates read it; a request sends one of prompt, prompt_token_ids and
+    messages."""
+    sent = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(msg, name)]
+    if len(sent) > 1:
+        raise errors.InvalidArgument(f"send one of prompt, prompt_token_ids and messages, not {' and '.join(sent)}")
+    if not sent:
+        raise errors.InvalidArgument("prompt is empty; send the text to continue (or prompt_token_ids, or messages "
+                                     "for a conversation)")
     return tuple(_turn(i, turn) for i, turn in enumerate(msg.messages))
+
+
+def _token_prompt(msg: pb.GenerateRequest, vocab_size: int) -> list[int]:
+    """``prompt_token_ids`` as the target takes them, each checked to be a token of its vocabulary."""
+    if msg.chat:
+        raise errors.InvalidArgument("chat wraps a text prompt in the chat template; prompt_token_ids are fed as they "
+                                     "are: send the templated ids, or the prompt text with chat")
+    ids = list(msg.prompt_token_ids)
+    if vocab_size:
+        for index, token in enumerate(ids):
+            if token >= vocab_size:
+                raise errors.InvalidArgument(f"prompt_token_ids[{index}] = {token} is outside the model's vocabulary "
+                                             f"[0, {vocab_size}); send ids the target's tokenizer produces")
+    return ids
 
 
 def _turn(i: int, turn: pb.ChatMessage) -> dict:

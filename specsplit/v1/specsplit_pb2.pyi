@@ -580,8 +580,9 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "messages", "tools", "max_new_tokens", "stop", "sampling", "mode", "draft_probs", "drafter", "chain", "k", "adaptive_k", "overlap", "tree_branches", "return_token_ids", "return_logprobs", "top_logprobs", "prompt_logprobs", "request_id", "grammar", "n")
+    __slots__ = ("prompt", "prompt_token_ids", "chat", "messages", "tools", "max_new_tokens", "stop", "sampling", "mode", "draft_probs", "drafter", "chain", "k", "adaptive_k", "overlap", "tree_branches", "return_token_ids", "return_logprobs", "top_logprobs", "prompt_logprobs", "request_id", "grammar", "n")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
@@ -604,6 +605,7 @@ class GenerateRequest(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     chat: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tools: str
@@ -625,7 +627,7 @@ class GenerateRequest(_message.Message):
     request_id: str
     grammar: Grammar
     n: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., draft_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., k: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., return_token_ids: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[VerificationMode, str]] = ..., draft_probs: _Optional[bool] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., chain: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., k: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., overlap: _Optional[bool] = ..., tree_branches: _Optional[int] = ..., return_token_ids: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "ebnf", "strict")

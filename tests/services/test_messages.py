@@ -38,7 +38,7 @@ def test_a_conversation_is_answered_as_the_target_answers_it_alone(public_api, t
 
 
 @pytest.mark.parametrize("request_fields, fragment", [
-    ({"prompt": "hi", "messages": [("user", "hi")]}, "either prompt or messages"),
+    ({"prompt": "hi", "messages": [("user", "hi")]}, "one of prompt, prompt_token_ids and messages"),
     ({"messages": [("narrator", "hi")]}, "messages[0].role"),
     ({"prompt": "hi", "top_logprobs": 3}, "top_logprobs needs return_logprobs"),
     ({"prompt": "hi", "logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),

@@ -14,6 +14,7 @@ import json
 import socket
 import time
 
+import grpc
 import openai
 import pytest
 import torch
@@ -438,3 +439,63 @@ def test_a_client_that_disconnects_before_a_whole_answer_ends_the_generation(api
     assert wait_until(lambda: sessions(tiny_services) == (0, 0)), sessions(tiny_services)
     assert tiny_services.target_engine.sessions.stats()[2] - rounds_before < 250
     assert api.orch.active == 0
+
+
+# -- prompt shapes: token ids, lists of prompts ----------------------------------------------------------------
+
+
+def test_token_id_prompts_are_fed_as_they_are(api, reference, gguf_tokenizer, tiny_services, public_api):
+    """A token-id prompt gives the text prompt's tokens, and ids the tokenizer would not write reach the target
+    untouched (lm-evaluation-harness sends its own tokenization); gRPC takes them too."""
+    from specsplit.client import Client
+
+    text = "def fibonacci(n):"
+    ids = list(gguf_tokenizer.encode(text))
+    odd = [t for letter in "fibonacci" for t in gguf_tokenizer.encode(letter)]  # a letter a token: not the tokenizer's
+    assert list(gguf_tokenizer.encode(gguf_tokenizer.decode(odd))) != odd
+    with api.client() as client:
+        by_text = client.completions.create(model=MODEL, prompt=text, temperature=0, max_tokens=12)
+        by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=12)
+        untouched = client.completions.create(model=MODEL, prompt=odd, temperature=0, max_tokens=12,
+                                              extra_body={"k": 4, "drafter": "model"})
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=[5, 60000], max_tokens=2)
+    assert by_ids.choices[0].text == by_text.choices[0].text == reference.text(reference.greedy(ids, 12))
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert untouched.choices[0].text == reference.text(reference.greedy(odd, 12))
+    assert untouched.usage.prompt_tokens == len(odd)
+    assert "prompt_token_ids[1] = 60000 is outside the model's vocabulary" in info.value.message
+    with Client(public_api) as client:
+        done = client.complete(prompt_token_ids=odd, max_new_tokens=12, k=4, return_token_ids=True)
+        assert done.token_ids == reference.greedy(odd, 12)
+        with pytest.raises(grpc.RpcError) as refused:
+            client.complete("x", prompt_token_ids=odd, chat=False, max_new_tokens=2)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not prompt and prompt_token_ids" in \
+        refused.value.details()
+    assert wait_until(lambda: sessions(tiny_services) == (0, 0))
+
+
+def test_a_list_of_prompts_is_one_request_with_choices_prompt_major(api, reference, gguf_tokenizer, tiny_services):
+    texts = ["a b a b a b", "The quick brown fox"]
+    ids = [list(gguf_tokenizer.encode(t)) for t in texts]
+    new = [reference.greedy(i, 6) for i in ids]
+    common = dict(model=MODEL, temperature=0, max_tokens=6, n=2)
+    with api.client() as client:
+        by_texts = client.completions.create(prompt=texts, **common)
+        by_ids = client.completions.create(prompt=ids, echo=True, logprobs=1, **common)
+        stream = client.completions.create(prompt=ids, stream=True, stream_options={"include_usage": True}, **common)
+        chunks = list(stream)
+        with pytest.raises(openai.BadRequestError) as info:  # the second prompt is refused: nothing runs
+            client.completions.create(model=MODEL, prompt=[ids[0], [1, 2**31]], max_tokens=2)
+    assert [c.index for c in by_texts.choices] == [0, 1, 2, 3]
+    assert [c.text for c in by_texts.choices] == [reference.text(new[p]) for p in (0, 0, 1, 1)]
+    assert by_texts.usage.prompt_tokens == len(ids[0]) + len(ids[1]) and by_texts.usage.completion_tokens == 24
+    echoed = [c.text for c in sorted(by_ids.choices, key=lambda c: c.index)]
+    assert echoed == [gguf_tokenizer.decode(ids[p]) + reference.text(new[p]) for p in (0, 0, 1, 1)]
+    for choice in by_ids.choices:  # the echoed prompt's tokens, then the new ones, each with its logprob
+        assert choice.logprobs.tokens == [reference.tokenizer.decode([t]) for t in ids[choice.index // 2] + new[choice.index // 2]]
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)}
+    assert streamed == {i: reference.text(new[i // 2]) for i in range(4)}
+    assert chunks[-1].usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert "prompt_token_ids[1] = 2147483648" in info.value.message
+    assert wait_until(lambda: sessions(tiny_services) == (0, 0))

@@ -16,6 +16,7 @@ from specsplit.orchestrator.api.openai_schema import (
     CompletionRequest,
     CompletionShape,
     RequestError,
+    completion_prompts,
     to_generate_request,
     validate,
 )
@@ -130,8 +131,35 @@ def test_missing_and_non_object_bodies():
         validate(ChatCompletionRequest, {"messages": []})
     with pytest.raises(RequestError, match="JSON object, got list"):
         validate(ChatCompletionRequest, [1])
-    with pytest.raises(RequestError, match="one prompt per request"):
-        to_generate_request(validate(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}), CONFIG, "r")
+
+
+def _prompts(prompt) -> list:
+    return completion_prompts(validate(CompletionRequest, {"model": "m", "prompt": prompt}))
+
+
+def test_completions_take_openais_four_prompt_shapes():
+    assert _prompts("a b") == ["a b"]
+    assert _prompts(["a", "b c"]) == ["a", "b c"]
+    assert _prompts([5, 6, 7]) == [[5, 6, 7]]
+    assert _prompts([[5, 6], [7]]) == [[5, 6], [7]]
+    msg = to_generate_request(validate(CompletionRequest, {"model": "m", "prompt": [[5, 6], [7]]}), CONFIG, "r")
+    assert list(msg.prompt_token_ids) == [5, 6] and not msg.prompt  # the first prompt; the server copies it for each
+    text = to_generate_request(validate(CompletionRequest, {"model": "m", "prompt": ["x", "y"]}), CONFIG, "r")
+    assert text.prompt == "x" and not text.prompt_token_ids
+
+
+@pytest.mark.parametrize("prompt, fragment", [
+    ([], "empty list"),
+    ([[1, 2], []], "prompt[1] is an empty list"),
+    ([1, -2], "prompt[1] = -2 is not a token id"),
+    ([[3], [4, 2**32]], "prompt[1][1] = 4294967296 is not a token id"),
+    ([1, "a"], "invalid value for prompt"),
+    ([True], "invalid value for prompt"),
+])
+def test_bad_prompt_shapes_are_refused_naming_the_prompt(prompt, fragment):
+    with pytest.raises(RequestError) as info:
+        _prompts(prompt)
+    assert info.value.status == 400 and info.value.param.startswith("prompt") and fragment in info.value.message
 
 
 def logprob(token: str, value: float, *top) -> pb.TokenLogprob:
