@@ -155,13 +155,18 @@ def test_coupled_tokens_survive_a_target_that_loses_every_session(forgetful_targ
         assert ids == target_only_tokens[request.sampling.seed], request
 
 
-def test_coupled_tokens_are_the_same_in_eight_concurrent_sessions(tiny_services, tiny_target_dir):
+@pytest.mark.parametrize("drafter", [DrafterKind.NGRAM, DrafterKind.MODEL])
+def test_coupled_tokens_are_the_same_in_eight_concurrent_sessions(tiny_services, tiny_target_dir, drafter):
+    """Eight sessions at once give each seed's tokens. With the model drafter the draft service, one compute thread
+    for every session, may be the slower side: its blocks then reach the target one at a time, and whether any
+    two share a forward depends on the machine; the n-gram drafter's blocks come at once, so they do."""
     seeds = range(20, 28)
-    alone = run_async(generate_on_each([tiny_services], tiny_target_dir, [coupled(s, 4) for s in seeds]))[0]
+    alone = run_async(generate_on_each([tiny_services], tiny_target_dir, [coupled(s, 4, drafter) for s in seeds]))[0]
     together = run_async(generate_on_each(
-        [tiny_services], tiny_target_dir, [coupled(s, 4, overlap=True) for s in seeds], concurrent=True))[0]
+        [tiny_services], tiny_target_dir, [coupled(s, 4, drafter, overlap=True) for s in seeds], concurrent=True))[0]
     assert [ids for ids, _ in together] == [ids for ids, _ in alone]
-    assert max(stats.mean_batch_size for _, stats in together) > 1  # they did share forwards
+    if drafter is DrafterKind.NGRAM:
+        assert max(stats.mean_batch_size for _, stats in together) > 1  # they did share forwards
 
 
 @pytest.fixture(scope="module")
