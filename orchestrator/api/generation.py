@@ -245,10 +245,12 @@ class Orchestrator:
         are not a prompt's n samples); ResourceExhausted when they are not all free to it."""
         return self.slots.hold(caller, count, what)
 
-    async def tokenize(self, prompt: str, chat: bool, messages: Sequence[dict] = (), tools: Sequence[dict] = ()) -> list[int]:
+    async def tokenize(self, prompt: str, chat: bool, messages: Sequence[dict] = (), tools: Sequence[dict] = (),
+                       add_special_tokens: bool | None = None, add_generation_prompt: bool = True) -> list[int]:
         """``encode`` on the tokenizer threads, off the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, self.encode, prompt, chat, messages, tools)
+        return await loop.run_in_executor(self._tokenize_pool, self.encode, prompt, chat, messages, tools,
+                                          add_special_tokens, add_generation_prompt)
 
     def compile_grammar(self, spec: GrammarSpec):
         """A request's grammar compiled for this tokenizer and the target's vocabulary (GrammarError if it
@@ -265,12 +267,15 @@ class Orchestrator:
         bound = self.config.grammar_timeout_s
         return await (asyncio.wait_for(compiling, bound) if bound else compiling)
 
-    def encode(self, prompt: str, chat: bool, messages: Sequence[dict] = (), tools: Sequence[dict] = ()) -> list[int]:
+    def encode(self, prompt: str, chat: bool, messages: Sequence[dict] = (), tools: Sequence[dict] = (),
+               add_special_tokens: bool | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a raw prompt, of a prompt as one user turn (``chat``), or of a conversation (turns as chat
         templates read them: ``role``, ``content`` and, where sent, ``tool_calls`` and ``tool_call_id``), with the
-        ``tools`` the template renders."""
+        ``tools`` the template renders. ``add_special_tokens``: the tokenizer's own special tokens (BOS, say) around
+        the text; unset, a raw prompt gets them and a conversation does not (its template writes its own).
+        ``add_generation_prompt``: the template's header of the assistant's turn after the turns."""
         if not (chat or messages):
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False))
         turns = list(messages) or [{"role": "user", "content": prompt}]
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
@@ -282,12 +287,15 @@ class Orchestrator:
             turns, tools = inline_tools(turns, tools, FORMATS[self.config.tool_call_parser]), ()
         from jinja2 import TemplateError
 
+        tokenize = not add_special_tokens
         try:
             ids = self.tokenizer.apply_chat_template(
-                turns, tools=list(tools) or None, add_generation_prompt=True, tokenize=True
+                turns, tools=list(tools) or None, add_generation_prompt=add_generation_prompt, tokenize=tokenize
             )
         except TemplateError as exc:  # templates refuse e.g. a role they do not know, or turns out of order
             raise errors.InvalidArgument(f"the model's chat template refused the messages: {exc}") from None
+        if not tokenize:  # the rendered text, the tokenizer's special tokens added as to a raw prompt
+            return list(self.tokenizer.encode(ids, add_special_tokens=True))
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def generate(

@@ -155,10 +155,47 @@ class CompletionRequest(_Common):
     best_of: int | None = None
 
 
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's ``/tokenize`` of a raw prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's ``/tokenize`` of a conversation, rendered by the chat template as a chat completion's is."""
+
+    model: str | None = None
+    messages: list[ChatTurn] = Field(min_length=1)
+    tools: list[Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``/detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize_message(req: TokenizeCompletionRequest | TokenizeChatRequest) -> pb.GenerateRequest:
+    """The prompt or conversation of a ``/tokenize`` request as a ``GenerateRequest`` holds it."""
+    if isinstance(req, TokenizeCompletionRequest):
+        return pb.GenerateRequest(prompt=req.prompt)
+    msg = pb.GenerateRequest(messages=[_chat_message(turn) for turn in req.messages])
+    if req.tools:
+        msg.tools = json.dumps(req.tools, ensure_ascii=False)
+    return msg
+
+
 _ALTERNATIVES = ("str", "list[str]", "list[TextPart]", "int", "float", "list[int]", "list[list[int]]")
 
 
-def validate(model_cls: type[_Common], body: Any) -> _Common:
+def validate(model_cls: type[_Strict], body: Any) -> Any:
     """Parse a JSON body; the first problem becomes a RequestError naming the parameter."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")

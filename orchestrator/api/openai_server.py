@@ -3,6 +3,7 @@
     POST /v1/chat/completions   messages through the tokenizer's chat template
     POST /v1/completions        raw prompts: text or token ids, one or a list
     GET  /v1/models             the served model names
+    POST /tokenize, /detokenize vLLM's: text or a conversation to token ids, and back
     GET  /health                200 once serving
 
 ``build_app(orchestrator, tokens)`` is the ASGI app, served by uvicorn in ``specsplit serve
@@ -55,14 +56,18 @@ from specsplit.orchestrator.api.openai_schema import (
     Choice,
     CompletionRequest,
     CompletionShape,
+    DetokenizeRequest,
     RequestError,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     completion_prompts,
     finish_reason,
     set_prompt,
     to_generate_request,
+    tokenize_message,
     validate,
 )
-from specsplit.orchestrator.api.requests import parse_request, sample_count
+from specsplit.orchestrator.api.requests import parse_request, sample_count, tokenized
 from specsplit.orchestrator.api.samples import generate_samples
 from specsplit.orchestrator.api.servicer import peer_status
 from specsplit.orchestrator.api.tool_parsers import FORMATS
@@ -143,6 +148,42 @@ class OpenAIApi:
         self._authorize(request)
         self._check_model(model_id)
         return JSONResponse(self._model(model_id))
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: a raw prompt or a conversation (rendered as a chat completion's) as token ids."""
+        try:
+            self._authorize(request)
+            check_json_content_type(request)
+            raw = parse_json(await read_body(request, self.limits))
+            chat = isinstance(raw, dict) and "messages" in raw
+            body = validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, raw)
+            if body.model is not None:
+                self._check_model(body.model)
+            generation_prompt = body.add_generation_prompt if chat else True
+            ids = await tokenized(tokenize_message(body), self.orch, body.add_special_tokens, generation_prompt)
+            return JSONResponse({
+                "count": len(ids), "max_model_len": self.orch.target.info.max_context, "tokens": ids,
+                "token_strs": self.orch.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+            })
+        except Exception as exc:  # noqa: BLE001 - every failure leaves as an OpenAI error
+            return self._error_response(exc, "tokenize", {})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: token ids of the target's vocabulary as text."""
+        try:
+            self._authorize(request)
+            check_json_content_type(request)
+            body = validate(DetokenizeRequest, parse_json(await read_body(request, self.limits)))
+            if body.model is not None:
+                self._check_model(body.model)
+            vocab = self.orch.target.info.vocab_size
+            bad = next((i for i, token in enumerate(body.tokens) if not 0 <= token < vocab), None)
+            if bad is not None:
+                raise RequestError(f"tokens[{bad}] = {body.tokens[bad]} is outside the model's vocabulary [0, {vocab})",
+                                   "tokens")
+            return JSONResponse({"prompt": self.orch.tokenizer.decode(body.tokens)})
+        except Exception as exc:  # noqa: BLE001 - every failure leaves as an OpenAI error
+            return self._error_response(exc, "detokenize", {})
 
     async def health(self) -> Response:
         return JSONResponse({"status": "ok"})
@@ -406,6 +447,8 @@ def build_app(orch: Orchestrator, tokens: Tokens | None = None, limits: HttpLimi
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"], openapi_extra=_request_body(TokenizeCompletionRequest))
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"], openapi_extra=_request_body(DetokenizeRequest))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = RequestError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code)

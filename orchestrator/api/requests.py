@@ -98,6 +98,16 @@ async def parse_request(msg: pb.GenerateRequest, orch: Orchestrator) -> tuple[Ge
     return request, prompt_ids
 
 
+async def tokenized(msg: pb.GenerateRequest, orch: Orchestrator, add_special_tokens: bool | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of a request's prompt or conversation (with its tools) as a generation reads them, checked
+    and sized as ``parse_request`` checks them (``/tokenize``); the options as ``Orchestrator.encode`` takes
+    them."""
+    messages = _messages(msg)
+    check_prompt_size(msg.prompt + msg.tools, _sized(msg.messages), orch.prompt_byte_limit)
+    return await orch.tokenize(msg.prompt, msg.chat, messages, _tools(msg), add_special_tokens, add_generation_prompt)
+
+
 def sample_count(msg: pb.GenerateRequest, max_n: int) -> int:
     """GenerateRequest.n checked against the server's --max-n (unset or 0: 1)."""
     n = msg.n if msg.HasField("n") and msg.n else 1

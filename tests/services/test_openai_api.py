@@ -499,3 +499,43 @@ def test_a_list_of_prompts_is_one_request_with_choices_prompt_major(api, referen
     assert chunks[-1].usage.prompt_tokens == len(ids[0]) + len(ids[1])
     assert "prompt_token_ids[1] = 2147483648" in info.value.message
     assert wait_until(lambda: sessions(tiny_services) == (0, 0))
+
+
+def _post(api, path: str, body: dict) -> tuple[int, dict]:
+    return raw(api, "POST", path, json.dumps(body).encode())
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(api, reference, gguf_tokenizer):
+    text = "The quick brown fox"
+    ids = list(gguf_tokenizer.encode(text))
+    status, plain = _post(api, "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert status == 200 and plain == {"count": len(ids), "max_model_len": 512, "tokens": ids,
+                                       "token_strs": gguf_tokenizer.convert_ids_to_tokens(ids)}
+    status, chat = _post(api, "/tokenize", {"messages": CONVERSATION})  # model is optional, as vLLM's
+    assert status == 200 and chat["tokens"] == reference.chat_ids(CONVERSATION) and chat["token_strs"] is None
+    with api.client() as client:  # what a chat completion of the same turns feeds the target
+        answer = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=1, temperature=0)
+    assert answer.usage.prompt_tokens == chat["count"]
+    _, bare = _post(api, "/tokenize", {"messages": CONVERSATION, "add_generation_prompt": False})
+    want = gguf_tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False)["input_ids"]
+    assert bare["tokens"] == list(want) and chat["tokens"][: bare["count"]] == bare["tokens"] < chat["tokens"]
+    _, special = _post(api, "/tokenize", {"messages": CONVERSATION, "add_special_tokens": True})
+    rendered = gguf_tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
+    assert special["tokens"] == list(gguf_tokenizer.encode(rendered, add_special_tokens=True))
+    status, back = _post(api, "/detokenize", {"model": MODEL, "tokens": chat["tokens"]})
+    assert status == 200 and back == {"prompt": gguf_tokenizer.decode(chat["tokens"])}
+
+    status, bad = _post(api, "/detokenize", {"tokens": [5, 60000]})
+    assert status == 400 and "tokens[1] = 60000 is outside the model's vocabulary" in bad["error"]["message"]
+    status, bad = _post(api, "/tokenize", {"model": "gpt-4o", "prompt": text})
+    assert status == 404 and bad["error"]["code"] == "model_not_found"
+    status, bad = _post(api, "/tokenize", {"prompt": 3})
+    assert status == 400 and bad["error"]["param"] == "prompt"
+    status, bad = _post(api, "/tokenize", {"messages": [{"role": "narrator", "content": "x"}]})
+    assert status == 400 and bad["error"]["param"].startswith("messages")
+    locked = http.client.HTTPConnection("127.0.0.1", int(api.token_url.split(":")[2].split("/")[0]), timeout=60)
+    try:
+        locked.request("POST", "/tokenize", body=json.dumps({"prompt": text}), headers={"content-type": "application/json"})
+        assert locked.getresponse().status == 401
+    finally:
+        locked.close()
