@@ -373,7 +373,8 @@ def print_summary(report: dict, out: Path) -> None:
                       f"verify flips {figures['verify_flips']}; differs at {figures['first_token_differing_from_first_kind']}")
     draft = report.get("draft_steps")
     if draft:
-        print(f"draft token {draft['draft_token_ms']} ms (by k); c = {draft['cost_ratio_c']}")
+        print(f"draft token {draft['draft_token_ms']} ms (by k; token by token "
+              f"{draft.get('draft_token_ms_token_by_token')}); c = {draft['cost_ratio_c']}")
     e2e = report.get("end_to_end")
     if e2e:
         print(f"target-only {e2e['target_only']['tokens_per_s']} tok/s (again at the end: "

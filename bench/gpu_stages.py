@@ -111,14 +111,15 @@ async def target_steps(address: str, prompt: list[int], sizes: Sizes, vocab: int
 
 
 # -- draft: step cost ------------------------------------------------------------------------------------
-async def draft_steps(address: str, prompt: list[int], sizes: Sizes, vocab: int, target_step_ms: float) -> dict:
-    """The model drafter's cost per drafted token at k = 1 and k = sizes.k, and c against the target step."""
-    client = draft_client(address)
+async def _draft_token_ms(client, prompt: list[int], sizes: Sizes, vocab: int, session_id: str,
+                          sampling: pb.SamplingParams) -> dict[int, float]:
+    """One model-drafter session's cost per drafted token at k = 1 and k = sizes.k (service compute time)."""
     stream = DraftStream.over(client.stub.Session())
     rng = random.Random(2)
     per_k: dict[int, list[float]] = {1: [], sizes.k: []}
     try:
-        await stream.open(pb.DraftOpen(session_id="gpu-check-draft", tokens=prompt, drafter=DrafterKind.MODEL.value))
+        await stream.open(pb.DraftOpen(session_id=session_id, tokens=prompt, drafter=DrafterKind.MODEL.value,
+                                       sampling=sampling))
         position = len(prompt)
         await stream.propose(position, [], 1)  # the prefill
         for rep in range(sizes.warmup + sizes.reps):
@@ -129,10 +130,23 @@ async def draft_steps(address: str, prompt: list[int], sizes: Sizes, vocab: int,
                     per_k[k].append(block.timing.compute_us / 1e3 / k)
     finally:
         await stream.close()
+    return {k: _ms(v) for k, v in per_k.items()}
+
+
+async def draft_steps(address: str, prompt: list[int], sizes: Sizes, vocab: int, target_step_ms: float) -> dict:
+    """The model drafter's cost per drafted token at k = 1 and k = sizes.k, and c against the target step: greedy
+    (under --compile cuda-graphs each block is one replay of a captured chain), and the same tokens drafted token by
+    token (a zero logit bias sends the request down the per-token loop over the same captured step)."""
+    client = draft_client(address)
+    try:
+        token_ms = await _draft_token_ms(client, prompt, sizes, vocab, "gpu-check-draft", pb.SamplingParams())
+        one_by_one = await _draft_token_ms(client, prompt, sizes, vocab, "gpu-check-draft-loop",
+                                           pb.SamplingParams(logit_bias={0: 0.0}))
+    finally:
         await client.close()
-    token_ms = {k: _ms(v) for k, v in per_k.items()}
     return {
         "draft_token_ms": {str(k): v for k, v in token_ms.items()},
+        "draft_token_ms_token_by_token": {str(k): v for k, v in one_by_one.items()},
         "cost_ratio_c": round(token_ms[sizes.k] / target_step_ms, 4) if target_step_ms else 0.0,
         "k": sizes.k,
     }

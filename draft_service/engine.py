@@ -12,7 +12,7 @@ from specsplit.draft_service.model_drafter import ModelDrafter
 from specsplit.draft_service.ngram import NgramConfig
 from specsplit.draft_service.recycling import SuccessorTable
 from specsplit.draft_service.registry import DRAFTERS, DraftRequestContext
-from specsplit.lmkit import errors, forward
+from specsplit.lmkit import chain_step, errors, forward
 from specsplit.lmkit.features import FeatureBlock
 from specsplit.lmkit.kinds import DrafterKind, DrafterTraits
 from specsplit.lmkit.kvcache import SessionCache, check_cache_layout, kv_bytes_per_token
@@ -112,7 +112,8 @@ class DraftEngine:
             if mode == "cuda-graphs":
                 on_cuda = next(drafting.parameters()).device.type == "cuda"
                 self._new_slot, context = forward.slots(drafting, limits.max_sessions, graph_context,
-                                                        limits.max_block + 1, batch=1, graphs=on_cuda)
+                                                        limits.max_block + 1, batch=1, graphs=on_cuda,
+                                                        chain=min(limits.max_block, chain_step.MAX_CHAIN))
                 self.max_context = min(self.max_context or context, context)
         abandon.watch([model, *derived.values()])  # a closed session's proposal stops at the next layer
 

@@ -100,9 +100,36 @@ def gumbel(seed: int, stream: Stream, position: int, token_ids: torch.Tensor) ->
         raise ValueError("token_ids must be a 1-D int64 tensor")
     if token_ids.numel() and int(token_ids.min()) < 0:
         raise ValueError("token_ids must be >= 0")
-    key = position_keys(seed, stream, [position])
-    u = _to_unit(_mix(key, token_ids.cpu().numpy().astype(np.uint64)))
-    return torch.from_numpy(-np.log(-np.log(u)))
+    keys = key_tensor(position_keys(seed, stream, [position]), token_ids.device)
+    return gumbel_rows(keys, token_ids)[0]
+
+
+def key_tensor(keys: np.ndarray, device=None) -> torch.Tensor:  # [n] uint64 -> [n] int64, the same 64 bits
+    """Position keys as a tensor the device computes noise from (``gumbel_rows``)."""
+    return torch.from_numpy(keys.view(np.int64)).to(device)
+
+
+def gumbel_rows(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:  # [n] int64, [m] int64 -> [n, m] float64
+    """The Gumbel noise of ``token_ids`` at each position of ``keys`` (``key_tensor``), computed where the tensors
+    are with tensor operations only (no host value read: a CUDA graph captures it). SplitMix64 in int64, whose
+    products wrap as uint64's do and whose right shifts are masked to be logical: the uniforms are bit for bit
+    those of ``uniforms``."""
+    z = keys[:, None] + (token_ids[None, :] + 1) * _signed(_GAMMA)
+    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
+    z = z ^ _shift_right(z, 31)
+    u = (_shift_right(z, 11).to(torch.float64) + 0.5) * 2.0**-53  # the top 53 bits, centred: in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def _signed(value: np.uint64) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    return int(value) - (1 << 64) if int(value) >= 1 << 63 else int(value)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 bits (torch's is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def _mix(keys: np.ndarray, index: np.ndarray) -> np.ndarray:  # broadcast uint64 -> uint64

@@ -2,8 +2,9 @@
 every drafter that runs a model (the model drafter and the self-drafts).
 
     kind = install(model, mode)        sets ``model`` up to run its steps as ``mode`` says; returns what runs them
-    new_cache, context = slots(model, sessions, context, width, batch, graphs)
-                                       the static step's KV slots (``--compile cuda-graphs``): each session's cache
+    new_cache, context = slots(model, sessions, context, width, batch, graphs, chain)
+                                       the static step's KV slots (``--compile cuda-graphs``): each session's cache;
+                                       ``chain``: a drafter's k-token chains in one replay each (``chain_step``)
 
 ``mode`` is ``--compile`` resolved for the device (``decoder_step.resolve_compile``), or ``stock``:
 
@@ -61,23 +62,27 @@ def install(model, mode: str, sharded: bool = False, alone: bool = False) -> str
            f"CPU model, not on {where})"
 
 
-def slots(model, sessions: int, context: int, width: int, batch: int, graphs: bool = True):
+def slots(model, sessions: int, context: int, width: int, batch: int, graphs: bool = True, chain: int = 0):
     """``--compile cuda-graphs``: the static step over ``sessions`` KV slots of ``context`` positions each (as
     far as the model reaches) for blocks of up to ``width`` tokens, ``batch`` sessions a replay, captured as CUDA
-    graphs (``graphs``; off, it runs eagerly: the CPU's tests); returns (a new session's cache, the context a
-    session may reach)."""
-    from specsplit.lmkit import graph_step
+    graphs (``graphs``; off, it runs eagerly: the CPU's tests); ``chain``: also a drafter's chains of up to this
+    many tokens, each in one replay (``chain_step``). Returns (a new session's cache, the context a session may
+    reach)."""
+    from specsplit.lmkit import chain_step, graph_step
 
     context = min(context, int(getattr(model.config, "max_position_embeddings", 0) or context))
     started = time.perf_counter()
     batch = min(batch, sessions)
     step = graph_step.GraphStep(model, slots=sessions, capacity=context + width, max_width=width, graphs=graphs,
                                 max_batch=batch)
+    if chain:
+        step.chains = chain_step.ChainStep(step, chain, graphs=graphs)
     free = graph_step.Slots(sessions)
     kv_bytes = sum(t.numel() * t.element_size() for t in (*step.keys, *step.values))
-    log.info("%s the step for widths %s x batches %s (%d graphs) in %.1f s; %d KV slots of %d positions (%.2f GB)",
+    chains = f" and chains of 1..{chain} tokens ({len(step.chains.graphs)} graphs)" if chain else ""
+    log.info("%s the step for widths %s x batches %s (%d graphs)%s in %.1f s; %d KV slots of %d positions (%.2f GB)",
              "captured" if graphs else "built", ",".join(map(str, step.widths)), ",".join(map(str, step.batches)),
-             len(step.graphs), time.perf_counter() - started, sessions, context, kv_bytes / 1e9)
+             len(step.graphs), chains, time.perf_counter() - started, sessions, context, kv_bytes / 1e9)
     return (lambda: graph_step.GraphSessionCache(model, step, free)), context
 
 

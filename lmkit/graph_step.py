@@ -112,14 +112,16 @@ class GraphStep:
             self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.step.layers]
             self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.step.layers]
             self.key_positions = torch.arange(capacity, device=self.device)
-            self.inputs = {(b, w): self._new_inputs(b, w) for b in self.batches for w in self.widths}
+            self.inputs = {(b, w): self.new_inputs(b, w) for b in self.batches for w in self.widths}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.chains = None  # a drafter's ``chain_step.ChainStep`` over these slots, where one is built
         if graphs:
             if self.device.type != "cuda":
                 raise ValueError(f"CUDA graphs need a CUDA model; this one is on {self.device}")
             self._capture()
 
-    def _new_inputs(self, batch: int, width: int) -> _Inputs:
+    def new_inputs(self, batch: int, width: int) -> _Inputs:
+        """Static inputs of one (batch, width) bucket, on the device."""
         long = dict(dtype=torch.long, device=self.device)
         positions = torch.arange(width, **long).repeat(batch, 1)
         return _Inputs(torch.zeros(batch, width, **long), positions, torch.full((batch,), self.scratch, **long))
@@ -132,17 +134,17 @@ class GraphStep:
         with torch.cuda.stream(stream):
             for inputs in self.inputs.values():  # warm-up runs: lazy initialisation stays out of the graphs
                 for _ in range(2):
-                    self._run(inputs)
+                    self.run(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = None
         for bucket in sorted(self.inputs, key=lambda bw: (bw[0] * bw[1], bw), reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._run(self.inputs[bucket])
+                self.run(self.inputs[bucket])
             pool = graph.pool()
             self.graphs[bucket] = graph
 
-    def _run(self, inputs: _Inputs) -> None:
+    def run(self, inputs: _Inputs) -> None:
         """The step over ``inputs``, writing ``inputs.logits``: only tensor operations, no host value read."""
         step = self.step
         batch, width = inputs.ids.shape
@@ -222,7 +224,7 @@ class GraphStep:
         if (batch, width) in self.graphs:
             self.graphs[(batch, width)].replay()
         else:
-            self._run(inputs)
+            self.run(inputs)
         return [inputs.logits[row, : len(tokens)] for row, (_, _, tokens) in enumerate(rows)]
 
     @torch.inference_mode()
@@ -290,6 +292,28 @@ class GraphSessionCache(SessionCache):
 
     def crop(self, length: int) -> None:
         self._forget_from(length)
+
+    @property
+    def chains(self):
+        """The step's ``chain_step.ChainStep`` (a model drafter's: its k-token chains in one replay), or None."""
+        return self._graph.chains
+
+    def draft_chain(self, context: Sequence[int], k: int, kind: str, seed: int = 0,
+                    temperature: float = 1.0) -> tuple[list[int], list[float], list[int]]:
+        """The k tokens after ``context`` chosen on the device in one replay of ``chains`` (greedy, or gumbel with
+        the COUPLED noise of ``seed``), each one's margin and runner-up; the cache then holds ``context`` and the
+        first k - 1 of them. A context more than one token past the cache is read first, but its last token."""
+        from specsplit.lmkit import chain_step
+
+        keep, feed = self.plan(context, [])
+        if len(feed) > 1:  # the chain starts from one fed token: the others are read first
+            self.apply(keep, feed[:-1], 1)
+            keep = len(context) - 1
+        self.start_step(keep, None)
+        keys = chain_step.coupled_keys(seed, len(context), k) if kind == chain_step.GUMBEL else None
+        tokens, margins, others = self._graph.chains.run(self.slot, keep, context[-1], k, kind, keys, temperature)
+        self.end_step([context[-1], *tokens[:-1]])
+        return tokens, margins, others
 
     def reset(self) -> None:
         self.tokens = []

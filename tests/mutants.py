@@ -44,8 +44,37 @@ PACKED_TESTS = (
 )
 
 DRAFT_TESTS = ("tests/unit/draft_service/test_draft_forward.py", "tests/services/test_drafters_e2e.py")
+CHAIN_TESTS = ("tests/unit/lmkit/test_chain_step.py", "tests/unit/draft_service/test_draft_forward.py")
 
 MUTANTS = (
+    Mutant(
+        "draft chain: each step fed at the chain's first position",
+        "lmkit/chain_step.py",
+        "            chain.step.positions.add_(1)\n",
+        "",
+        CHAIN_TESTS,
+    ),
+    Mutant(
+        "draft chain: the last drafted token taken as cached",
+        "lmkit/graph_step.py",
+        "self.end_step([context[-1], *tokens[:-1]])",
+        "self.end_step([context[-1], *tokens])",
+        CHAIN_TESTS,
+    ),
+    Mutant(
+        "draft chain: a context two tokens past the cache chained from its last token alone",
+        "lmkit/graph_step.py",
+        "            self.apply(keep, feed[:-1], 1)\n",
+        "            pass\n",
+        CHAIN_TESTS,
+    ),
+    Mutant(
+        "draft chain: coupled noise keyed one position early",
+        "lmkit/graph_step.py",
+        "chain_step.coupled_keys(seed, len(context), k)",
+        "chain_step.coupled_keys(seed, len(context) - 1, k)",
+        CHAIN_TESTS,
+    ),
     Mutant(
         "captured step: keys and values written one position off",
         "lmkit/graph_step.py",

@@ -45,7 +45,10 @@ def test_step_costs_are_measured_for_every_width(tiny_run):
     assert set(steps["verify_over_step"]) == {"1", "2", "5", "8", "16"}
     assert steps["verify_over_step"]["1"] == 1.0 and steps["decode_step_ms"] > 0
     assert all(v > 0 for v in steps["verify_ms"].values())
-    assert tiny_run[1]["draft_steps"]["cost_ratio_c"] > 0
+    draft = tiny_run[1]["draft_steps"]
+    assert draft["cost_ratio_c"] > 0
+    assert set(draft["draft_token_ms_token_by_token"]) == set(draft["draft_token_ms"]) == {"1", str(draft["k"])}
+    assert all(v > 0 for v in draft["draft_token_ms_token_by_token"].values())
 
 
 def test_the_oracle_drafter_controls_acceptance_and_output_stays_the_targets(tiny_run):

@@ -39,34 +39,51 @@ def drafting(ref: str, mode: str) -> dict:
 
 def rounds(drafter: ModelDrafter) -> list:
     """Five rounds: propose K, the target takes the first j of the block and its own next token (here: the draft's
-    token at j bumped, so something is always rejected), the drafter commits; what each round proposed."""
+    token at j bumped, so something is always rejected), the drafter commits; what each round proposed (tokens,
+    probabilities, second guess)."""
     seen, committed = [], len(PROMPT)
     for j in (0, 2, K, 1, 3):
         block = drafter.propose(K)
-        seen.append((block.tokens, None if block.probs is None else block.probs.clone()))
+        seen.append((block.tokens, None if block.probs is None else block.probs.clone(), block.second_guess))
         taken = [*block.tokens[:j], (block.tokens[j] + 1) % 49152 if j < K else 5]
         drafter.commit(committed, taken)
         committed += len(taken)
     return seen
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_every_forward_proposes_the_stock_forwards_tokens(tiny_target_dir, sampled):
-    sampling = SamplingParams(temperature=0.8, top_k=50, seed=3) if sampled else SamplingParams()
+MODES = {  # (sampling, draft probabilities sent, coupled)
+    "greedy": (SamplingParams(), False, False),
+    "sampled": (SamplingParams(temperature=0.8, top_k=50, seed=3), True, False),
+    "coupled": (SamplingParams(temperature=0.8, seed=3), False, True),
+    "coupled-hot": (SamplingParams(temperature=2.5, seed=11), False, True),
+    "coupled-top-k": (SamplingParams(temperature=1.2, top_k=40, seed=5), False, True),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_forward_proposes_the_stock_forwards_tokens(tiny_target_dir, mode):
+    """Greedy and coupled requests without top-k draft through the slot's chains (each block in one replay); the
+    others token by token; every forward proposes the same blocks and second guesses."""
+    sampling, sampled, coupled = MODES[mode]
     stock, fast = drafting(str(tiny_target_dir), forward.STOCK), drafting(str(tiny_target_dir), "off")
     new_slot, _ = forward.slots(fast["model"], sessions=2, context=96, width=K + 1, batch=1, graphs=False)
+    chained, _ = forward.slots(fast["model"], sessions=2, context=96, width=K + 1, batch=1, graphs=False, chain=K)
     for name in stock:
-        want = rounds(ModelDrafter(stock[name], PROMPT, sampling, sampled))
+        want = rounds(ModelDrafter(stock[name], PROMPT, sampling, sampled, coupled))
         caches = [("fast", SessionCache)]
         if name == "model":
-            caches.append(("slot", lambda m: new_slot()))
+            caches += [("slot", lambda m: new_slot()), ("chained slot", lambda m: chained())]
         for label, new_cache in caches:
-            got = rounds(ModelDrafter(fast[name], PROMPT, sampling, sampled, new_cache=new_cache))
-            assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want], (name, label)
+            drafter = ModelDrafter(fast[name], PROMPT, sampling, sampled, coupled, new_cache=new_cache)
+            if label == "chained slot":
+                assert (drafter._chain_kind(K) is not None) == (mode in ("greedy", "coupled", "coupled-hot"))
+            got = rounds(drafter)
+            assert [tokens for tokens, *_ in got] == [tokens for tokens, *_ in want], (name, label)
+            assert [guess for *_, guess in got] == [guess for *_, guess in want], (name, label)
             # int8 activations are rounded per token: a float32 difference in the forward's sums may cross a
             # rounding boundary, so its q moves by more than rounding; the tokens are the same
             atol = 1e-4 if name == "int8" else 1e-6
-            for (_, q), (_, p) in zip(got, want):
+            for (_, q, _), (_, p, _) in zip(got, want):
                 if p is not None:
                     torch.testing.assert_close(q, p, rtol=1e-4, atol=atol)
 
