@@ -57,27 +57,29 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """A request shape that refuses unknown fields and converts no types (the parameter named when it refuses)."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str
     arguments: str  # a JSON object's text, as the API returned it
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     id: str
     type: Literal["function"]
     function: FunctionCall
 
 
-class ChatTurn(_Strict):
+class ChatTurn(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted; chat templates of the supported models have no use for it
@@ -90,18 +92,18 @@ class ChatTurn(_Strict):
         return self.content or ""
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class Speculation(_Strict):
+class Speculation(Strict):
     """The ``speculation`` extra: ``{"enabled": false}`` decodes target-only, ``{"k": N}`` fixes the block size."""
 
     enabled: bool | None = None
     k: int | None = None
 
 
-class _Common(_Strict):
+class _Common(Strict):
     """Parameters both endpoints take; specsplit's extensions last."""
 
     model: str
@@ -155,7 +157,7 @@ class CompletionRequest(_Common):
     best_of: int | None = None
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(Strict):
     """vLLM's ``/tokenize`` of a raw prompt."""
 
     model: str | None = None
@@ -164,7 +166,7 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(Strict):
     """vLLM's ``/tokenize`` of a conversation, rendered by the chat template as a chat completion's is."""
 
     model: str | None = None
@@ -175,7 +177,7 @@ class TokenizeChatRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     """vLLM's ``/detokenize``."""
 
     model: str | None = None
@@ -195,7 +197,7 @@ def tokenize_message(req: TokenizeCompletionRequest | TokenizeChatRequest) -> pb
 _ALTERNATIVES = ("str", "list[str]", "list[TextPart]", "int", "float", "list[int]", "list[list[int]]")
 
 
-def validate(model_cls: type[_Strict], body: Any) -> Any:
+def validate(model_cls: type[Strict], body: Any) -> Any:
     """Parse a JSON body; the first problem becomes a RequestError naming the parameter."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   messages through the tokenizer's chat template
     POST /v1/completions        raw prompts: text or token ids, one or a list
+    POST /v1/responses          the Responses API, over the chat path (``responses_api``; stateless)
     GET  /v1/models             the served model names
     POST /tokenize, /detokenize vLLM's: text or a conversation to token ids, and back
     GET  /health                200 once serving
@@ -38,7 +39,7 @@ from specsplit.lmkit import errors
 from specsplit.lmkit.auth import Tokens
 from specsplit.lmkit.grpc_server import status_for
 from specsplit.lmkit.security import ServerTls
-from specsplit.orchestrator.api import metrics
+from specsplit.orchestrator.api import metrics, responses_api
 from specsplit.orchestrator.api.config import HttpLimits
 from specsplit.orchestrator.api.generation import DeadlineExceeded, Orchestrator
 from specsplit.orchestrator.api.http_guard import (
@@ -68,6 +69,7 @@ from specsplit.orchestrator.api.openai_schema import (
     validate,
 )
 from specsplit.orchestrator.api.requests import parse_request, sample_count, tokenized
+from specsplit.orchestrator.api.responses_api import ResponsesRequest
 from specsplit.orchestrator.api.samples import generate_samples
 from specsplit.orchestrator.api.servicer import peer_status
 from specsplit.orchestrator.api.tool_parsers import FORMATS
@@ -118,6 +120,12 @@ def error_for(exc: Exception) -> RequestError:
         code, message = grpc.StatusCode.INTERNAL, "internal error; see the orchestrator's log"
     status, error_type, error_code = _HTTP.get(code, (500, "server_error", None))
     return RequestError(message, None, status, error_type, error_code)
+
+
+def _sse_event(event: dict) -> bytes:
+    """A Responses stream event: its type on the ``event:`` line, the object on the ``data:`` line."""
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 def _sse(obj) -> bytes:
@@ -266,23 +274,31 @@ class OpenAIApi:
         return shape.whole(choices, stats)
 
     async def _stream(self, shape, n: int, first, events, include_usage: bool):
+        async for chunk in self._chunks(shape, n, first, events, include_usage):
+            yield _sse(chunk)
+        yield _sse("[DONE]")
+
+    @staticmethod
+    async def _chunks(shape, n: int, first, events, include_usage: bool):
+        """The stream's chunk objects (``shape``'s), the usage chunk last when asked; a failure after the status line
+        is sent becomes an error object in the stream."""
         code = "OK"
         stats: dict[int, object] = {}  # sample index -> its stats, once it has finished
         try:
             for opening in shape.opening(n):
-                yield _sse(opening)
+                yield opening
             index, event = first
             while True:
                 finish = finish_reason(event.finish.value) if event.finish is not None else None
                 if event.text or event.logprobs or finish:
                     chunk = shape.chunk(event.text, event.logprobs, finish, index)
                     if chunk is not None:  # None: text held back (it may begin a tool call)
-                        yield _sse(chunk)
+                        yield chunk
                 if finish:
                     stats[index] = event.stats
                 if len(stats) == n:
                     if include_usage:
-                        yield _sse(shape.usage_chunk([stats[i] for i in range(n)]))
+                        yield shape.usage_chunk([stats[i] for i in range(n)])
                     break
                 index, event = await anext(events)
         except asyncio.CancelledError:
@@ -293,11 +309,53 @@ class OpenAIApi:
             code = _CODE_OF_STATUS.get(error.status, "INTERNAL")
             if error.status >= 500:
                 log.warning("generation failed mid-stream: %s", exc)
-            yield _sse(error.body())
+            yield error.body()
         finally:
             await events.aclose()
             metrics.REQUESTS.inc(code=code)
-        yield _sse("[DONE]")
+
+    # -- the Responses API ------------------------------------------------------------------------------------
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``: the request as the chat completion it stands for (``responses_api``)."""
+        arrived = time.perf_counter()
+        response_id = f"resp_{secrets.token_hex(12)}"
+        request_id = _request_id(request, response_id)
+        headers = {} if request_id != response_id else {"x-request-id": request_id}
+        try:
+            self._authorize(request)
+            check_json_content_type(request)
+            body = validate(ResponsesRequest, parse_json(await read_body(request, self.limits)))
+            chat = validate(ChatCompletionRequest, responses_api.chat_body(body))
+            self._check_model(chat.model)
+            msg = to_generate_request(chat, self.orch.config, request_id, self.orch.sampling_defaults)
+            shape = _shape(ChatShape, chat, response_id, False, self.orch.config.tool_call_parser)
+            events = self._events([msg], 1, arrived, _caller(request))
+            view = responses_api.ResponseView(response_id, body)
+            if body.stream:
+                first = await _until_disconnected(request, anext(events))
+                return _ClosingStream(self._response_events(view, shape, first, events),
+                                      media_type="text/event-stream", headers=headers)
+            whole = await _until_disconnected(request, self._whole(shape, 1, events))
+            metrics.REQUESTS.inc(code="OK")
+            return JSONResponse(view.whole(whole), headers=headers)
+        except ClientGone:
+            metrics.REQUESTS.inc(code="CANCELLED")
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - every failure leaves as an OpenAI error
+            return self._error_response(exc, request_id, headers)
+
+    async def _response_events(self, view, shape, first, events):
+        """The Responses stream: ``event: TYPE`` and ``data: {event}`` per event, from the chat stream's chunks."""
+        for event in view.start():
+            yield _sse_event(event)
+        failed = False
+        async for chunk in self._chunks(shape, 1, first, events, include_usage=True):
+            for event in view.events(chunk):
+                failed = failed or event["type"] == "error"
+                yield _sse_event(event)
+        if not failed:
+            for event in view.finish():
+                yield _sse_event(event)
 
     # -- checks --------------------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -444,6 +502,7 @@ def build_app(orch: Orchestrator, tokens: Tokens | None = None, limits: HttpLimi
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"],
                       openapi_extra=_request_body(ChatCompletionRequest))
     app.add_api_route("/v1/completions", api.completions, methods=["POST"], openapi_extra=_request_body(CompletionRequest))
+    app.add_api_route("/v1/responses", api.responses, methods=["POST"], openapi_extra=_request_body(ResponsesRequest))
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
