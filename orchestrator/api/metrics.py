@@ -30,6 +30,14 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0
                    240.0, 480.0, 960.0)
 
 
+def exposition() -> tuple[bytes, str] | None:
+    """This process's metrics in Prometheus' text format and its content type, as ``--metrics-port`` serves them;
+    None under the ``ray`` backend, whose metrics Ray's agents export."""
+    if _backend != "prometheus":
+        return None
+    return prometheus_client.generate_latest(prometheus_client.REGISTRY), prometheus_client.CONTENT_TYPE_LATEST
+
+
 def use_backend(name: str) -> None:
     """Record through ``prometheus`` (this process's registry) or ``ray`` (Ray's metrics agent)."""
     global _backend

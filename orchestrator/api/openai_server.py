@@ -5,6 +5,7 @@
     POST /v1/responses          the Responses API, over the chat path (``responses_api``; stateless)
     GET  /v1/models             the served model names
     POST /tokenize, /detokenize vLLM's: text or a conversation to token ids, and back
+    GET  /metrics               Prometheus metrics, as --metrics-port serves them
     GET  /health                200 once serving
 
 ``build_app(orchestrator, tokens)`` is the ASGI app, served by uvicorn in ``specsplit serve
@@ -192,6 +193,19 @@ class OpenAIApi:
             return JSONResponse({"prompt": self.orch.tokenizer.decode(body.tokens)})
         except Exception as exc:  # noqa: BLE001 - every failure leaves as an OpenAI error
             return self._error_response(exc, "detokenize", {})
+
+    async def metrics(self, request: Request) -> Response:
+        """``GET /metrics``: the orchestrator's Prometheus metrics on the API port, as vLLM serves them (the same as
+        ``--metrics-port``); a Ray Serve replica's go through Ray's metrics agents instead."""
+        try:
+            self._authorize(request)
+            exposed = metrics.exposition()
+            if exposed is None:
+                raise RequestError("this replica's metrics are exported by Ray's metrics agents (docs/ray.md), not "
+                                   "served here", status=404, code="not_found")
+            return Response(exposed[0], media_type=exposed[1])
+        except Exception as exc:  # noqa: BLE001 - every failure leaves as an OpenAI error
+            return self._error_response(exc, "metrics", {})
 
     async def health(self) -> Response:
         return JSONResponse({"status": "ok"})
@@ -506,6 +520,7 @@ def build_app(orch: Orchestrator, tokens: Tokens | None = None, limits: HttpLimi
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"], openapi_extra=_request_body(TokenizeCompletionRequest))
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"], openapi_extra=_request_body(DetokenizeRequest))
 

@@ -539,3 +539,28 @@ def test_tokenize_and_detokenize_in_vllms_shapes(api, reference, gguf_tokenizer)
         assert locked.getresponse().status == 401
     finally:
         locked.close()
+
+
+def test_metrics_are_served_on_the_api_port_with_its_token(api):
+    def generated() -> float:
+        conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=60)
+        try:
+            conn.request("GET", "/metrics")
+            response = conn.getresponse()
+            assert response.status == 200 and response.getheader("content-type").startswith("text/plain")
+            text = response.read().decode()
+        finally:
+            conn.close()
+        line = next(line for line in text.splitlines() if line.startswith("specsplit_generation_tokens_total"))
+        return float(line.split()[-1])
+
+    before = generated()
+    with api.client() as client:
+        client.completions.create(model=MODEL, prompt="a b a b", max_tokens=5, temperature=0)
+    assert generated() == before + 5
+    locked = http.client.HTTPConnection("127.0.0.1", int(api.token_url.split(":")[2].split("/")[0]), timeout=60)
+    try:
+        locked.request("GET", "/metrics")
+        assert locked.getresponse().status == 401
+    finally:
+        locked.close()
