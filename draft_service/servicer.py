@@ -82,7 +82,8 @@ class DraftServicer(EngineServicer, pb_grpc.DraftServiceServicer):
             drafters=[k.value for k in e.drafters],
             drafter_info=[
                 pb.DrafterInfo(
-                    kind=t.kind.value, name=t.kind.name, has_probs=t.has_probs, needs_model=t.needs_model,
+                    kind=t.kind.value, name=t.kind.name, forward=e.forward_kinds.get(t.kind, ""),
+                    has_probs=t.has_probs, needs_model=t.needs_model,
                     free=t.free, needs_features=t.needs_features, feature_layers=list(t.feature_layers),
                     feature_width=t.feature_width, successors_k=t.successors_k,
                 )

@@ -60,6 +60,7 @@ class TargetServicer(EngineServicer, pb_grpc.TargetServiceServicer):
             max_block=e.limits.max_block,
             tp_degree=self.tp_degree,
             device=self.device,
+            forward=e.forward_kind,
             hidden_size=e.hidden_size,
             num_layers=e.num_layers,
             token_trees=e.verifies_trees,

@@ -44,8 +44,10 @@ def _configs(vocab: int) -> dict:
 FAMILIES = ("llama3", "qwen2.5", "qwen3", "mistral", "gemma3", "phi3", "mixtral")
 
 
-def save_family(path: Path, family: str, tokenizer, seed: int = 0) -> Path:
-    """A tiny ``family`` model saved as a Hugging Face folder (safetensors, config, tokenizer) at ``path``."""
+def save_family(path: Path, family: str, tokenizer, seed: int = 0, perturbed: float = 0.0) -> Path:
+    """A tiny ``family`` model saved as a Hugging Face folder (safetensors, config, tokenizer) at ``path``;
+    ``perturbed``: every weight moved by this much Gaussian noise (seeded apart), a draft that agrees with the model
+    of the same seed at most positions, not all."""
     from transformers import AutoModelForCausalLM
 
     config = _configs(len(tokenizer))[family]()
@@ -55,6 +57,10 @@ def save_family(path: Path, family: str, tokenizer, seed: int = 0) -> Path:
         for name, parameter in model.named_parameters():
             if name.endswith(".bias"):  # transformers starts them at zero, which would hide a dropped bias
                 parameter.normal_(0.0, 0.05)
+        if perturbed:
+            noise = torch.Generator().manual_seed(seed + 1)
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=noise) * perturbed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

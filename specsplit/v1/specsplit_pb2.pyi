@@ -194,11 +194,12 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "device", "tp_degree", "max_context", "max_block", "token_trees", "hidden_size", "num_layers", "drafters", "drafter_info", "max_request_bytes", "wire_version", "min_wire_version", "sampling_defaults")
+    __slots__ = ("model_id", "vocab_size", "vocab_fingerprint", "device", "forward", "tp_degree", "max_context", "max_block", "token_trees", "hidden_size", "num_layers", "drafters", "drafter_info", "max_request_bytes", "wire_version", "min_wire_version", "sampling_defaults")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +216,7 @@ class ModelInfo(_message.Message):
     vocab_size: int
     vocab_fingerprint: str
     device: str
+    forward: str
     tp_degree: int
     max_context: int
     max_block: int
@@ -227,7 +229,7 @@ class ModelInfo(_message.Message):
     wire_version: int
     min_wire_version: int
     sampling_defaults: SamplingDefaults
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., wire_version: _Optional[int] = ..., min_wire_version: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., forward: _Optional[str] = ..., tp_degree: _Optional[int] = ..., max_context: _Optional[int] = ..., max_block: _Optional[int] = ..., token_trees: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., drafter_info: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., wire_version: _Optional[int] = ..., min_wire_version: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
 
 class SamplingDefaults(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty")
@@ -242,9 +244,10 @@ class SamplingDefaults(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("kind", "name", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width", "successors_k")
+    __slots__ = ("kind", "name", "forward", "has_probs", "needs_model", "free", "needs_features", "feature_layers", "feature_width", "successors_k")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
     HAS_PROBS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_MODEL_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +257,7 @@ class DrafterInfo(_message.Message):
     SUCCESSORS_K_FIELD_NUMBER: _ClassVar[int]
     kind: DrafterKind
     name: str
+    forward: str
     has_probs: bool
     needs_model: bool
     free: bool
@@ -261,7 +265,7 @@ class DrafterInfo(_message.Message):
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     feature_width: int
     successors_k: int
-    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ..., free: _Optional[bool] = ..., needs_features: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ..., successors_k: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., name: _Optional[str] = ..., forward: _Optional[str] = ..., has_probs: _Optional[bool] = ..., needs_model: _Optional[bool] = ..., free: _Optional[bool] = ..., needs_features: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ..., successors_k: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,74 @@
+"""Each family people serve (``tests/families.py``), served: a target and a draft service of that family behind
+real gRPC and the orchestrator, greedy output equal to the target model's own ``generate``, target-only, with the
+model drafter (the target's weights perturbed: some drafts accepted, some rejected) and with n-gram drafts. Each
+service's ``Info`` says what runs its model's steps, and where that is not the decoder step, why (no silent
+fallback)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from specsplit.lmkit.kinds import DrafterKind
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from tests.conftest import Services, make_engines, run_async
+from tests.families import FAMILIES, save_family
+from tests.services.test_greedy_e2e import generate_all
+
+pytestmark = pytest.mark.services
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog and", "def fibonacci(n):\n    if n < 2:", "Once upon a time"]
+NEW_TOKENS = 16
+
+# What runs each family's steps on the CPU (``lmkit.forward``): the decoder step where its checks pass, else
+# transformers' forward over packed rows or its stock forward, each saying why.
+FORWARDS = {
+    "llama3": "the decoder step, eager", "qwen2.5": "the decoder step, eager",
+    "qwen3": "transformers' forward over packed rows (Qwen3ForCausalLM (qwen3) is not a Llama, Mistral or Qwen2 layout)",
+    "phi3": "transformers' forward over packed rows (Phi3ForCausalLM (phi3) is not a Llama, Mistral or Qwen2 layout)",
+    "mixtral": "transformers' forward over packed rows (MixtralForCausalLM (mixtral) is not a Llama, Mistral or "
+               "Qwen2 layout)",
+    "mistral": "transformers' stock forward (",
+    "gemma3": "transformers' stock forward (",
+}
+
+
+async def _infos(services) -> tuple[pb.ModelInfo, pb.ModelInfo]:
+    async with grpc.aio.insecure_channel(services.target_address) as target, \
+            grpc.aio.insecure_channel(services.draft_address) as draft:
+        return (await pb_grpc.TargetServiceStub(target).Info(pb.InfoRequest(), timeout=30),
+                await pb_grpc.DraftServiceStub(draft).Info(pb.InfoRequest(), timeout=30))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_served_family_gives_its_models_greedy_output(family, tmp_path, gguf_tokenizer, background_loop):
+    from transformers import AutoModelForCausalLM
+
+    target_dir = save_family(tmp_path / "target", family, gguf_tokenizer, seed=0)
+    draft_dir = save_family(tmp_path / "draft", family, gguf_tokenizer, seed=0, perturbed=0.005)
+    reference = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    prompts = [gguf_tokenizer.encode(p) for p in PROMPTS]
+    expected = []
+    for ids in prompts:
+        with torch.inference_mode():
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+        expected.append(out[0, len(ids):].tolist())
+    target, draft = make_engines(str(target_dir), str(draft_dir))
+    services = Services(background_loop, target, draft)
+    try:
+        target_info, draft_info = run_async(_infos(services))
+        assert target_info.forward.startswith(FORWARDS[family]), target_info.forward
+        (model,) = [d for d in draft_info.drafter_info if d.kind == DrafterKind.MODEL.value]
+        assert model.forward and (model.forward.startswith("the decoder step") or "(" in model.forward), model.forward
+        assert all(not d.forward for d in draft_info.drafter_info if not d.needs_model)
+        stats: list = []
+        for k, drafter in ((0, DrafterKind.NGRAM), (4, DrafterKind.MODEL), (4, DrafterKind.NGRAM)):
+            got = run_async(generate_all(services, str(target_dir), prompts, k, drafter, NEW_TOKENS, stats=stats))
+            assert got == expected, (family, k, drafter.name)
+        model_rounds = stats[len(prompts): 2 * len(prompts)]
+        drafted = sum(s.drafted_tokens for s in model_rounds)
+        assert 0 < sum(s.accepted_tokens for s in model_rounds) < drafted, family  # accepted and rejected
+    finally:
+        services.stop()
