@@ -73,15 +73,26 @@ class _Row:
     mask: torch.Tensor | None  # [width, start + width] bool, or None: every cached and fed position
 
 
-def supports(model) -> bool:
-    """Whether the packed forward can run ``model``: every layer full attention, attention dispatched by name."""
+def unsupported(model) -> str | None:
+    """Why the packed forward cannot run ``model`` (None: it can): it needs every layer full attention, a causal
+    model and attention dispatched by name."""
     config = model.config
+    name = f"{type(model).__name__} ({config.model_type})"
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    if any(kind != "full_attention" for kind in layer_types) or getattr(config, "sliding_window", None):
-        return False
-    if not getattr(config, "is_causal", True) or not getattr(model, "_can_set_attn_implementation", lambda: False)():
-        return False
-    return config._attn_implementation in ("sdpa", "eager", ATTENTION)
+    windowed = sorted({kind for kind in layer_types if kind != "full_attention"})
+    if windowed or getattr(config, "sliding_window", None):
+        return f"{name} has {', '.join(windowed) or 'sliding-window'} layers; packed rows run full attention only"
+    if not getattr(config, "is_causal", True):
+        return f"{name} is not causal"
+    if not getattr(model, "_can_set_attn_implementation", lambda: False)() or \
+            config._attn_implementation not in ("sdpa", "eager", ATTENTION):
+        return f"{name} runs attention {config._attn_implementation!r}, which cannot be swapped for packed rows"
+    return None
+
+
+def supports(model) -> bool:
+    """Whether the packed forward can run ``model`` (``unsupported`` says why not)."""
+    return unsupported(model) is None
 
 
 def install(model) -> bool:
@@ -127,7 +138,7 @@ def install_fast_forward(model, compile_mode: str = "off", pack: Callable[[objec
     the eager step in place and says why."""
     step = False  # whether the eager decoder step runs the packed forwards
     if not install(model):
-        kind = "transformers' stock forward (the model is not all full attention)"
+        kind = f"transformers' stock forward ({unsupported(model)})"
     elif reason := decoder_step.unsupported(model):
         kind = f"transformers' forward over packed rows ({reason})"
     else:

@@ -30,8 +30,8 @@ FORWARDS = {
     "phi3": "transformers' forward over packed rows (Phi3ForCausalLM (phi3) is not a Llama, Mistral or Qwen2 layout)",
     "mixtral": "transformers' forward over packed rows (MixtralForCausalLM (mixtral) is not a Llama, Mistral or "
                "Qwen2 layout)",
-    "mistral": "transformers' stock forward (",
-    "gemma3": "transformers' stock forward (",
+    "mistral": "transformers' stock forward (MistralForCausalLM (mistral) has sliding-window layers",
+    "gemma3": "transformers' stock forward (Gemma3ForCausalLM (gemma3_text) has sliding_attention layers",
 }
 
 
