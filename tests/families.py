@@ -44,10 +44,12 @@ def _configs(vocab: int) -> dict:
 FAMILIES = ("llama3", "qwen2.5", "qwen3", "mistral", "gemma3", "phi3", "mixtral")
 
 
-def save_family(path: Path, family: str, tokenizer, seed: int = 0, perturbed: float = 0.0) -> Path:
+def save_family(path: Path, family: str, tokenizer, seed: int = 0, perturbed: float = 0.0,
+                dtype: torch.dtype | None = None, max_shard_size: str = "50GB") -> Path:
     """A tiny ``family`` model saved as a Hugging Face folder (safetensors, config, tokenizer) at ``path``;
     ``perturbed``: every weight moved by this much Gaussian noise (seeded apart), a draft that agrees with the model
-    of the same seed at most positions, not all."""
+    of the same seed at most positions, not all. ``dtype`` and ``max_shard_size``: saved in that type, in shards of
+    at most that size with their index, as published checkpoints are."""
     from transformers import AutoModelForCausalLM
 
     config = _configs(len(tokenizer))[family]()
@@ -61,6 +63,8 @@ def save_family(path: Path, family: str, tokenizer, seed: int = 0, perturbed: fl
             noise = torch.Generator().manual_seed(seed + 1)
             for parameter in model.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=noise) * perturbed)
-    model.save_pretrained(path)
+    if dtype is not None:
+        model.to(dtype)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(path)
     return path

@@ -6,16 +6,20 @@ fallback)."""
 
 from __future__ import annotations
 
+import copy
+
 import grpc
 import pytest
 import torch
 
 from specsplit.lmkit.kinds import DrafterKind
+from specsplit.orchestrator.api.config import OrchestratorConfig
+from specsplit.orchestrator.api.generation import Orchestrator
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import Services, make_engines, run_async
 from tests.families import FAMILIES, save_family
-from tests.services.test_greedy_e2e import generate_all
+from tests.services.test_greedy_e2e import generate_all, generate_ids
 
 pytestmark = pytest.mark.services
 
@@ -70,5 +74,59 @@ def test_a_served_family_gives_its_models_greedy_output(family, tmp_path, gguf_t
         model_rounds = stats[len(prompts): 2 * len(prompts)]
         drafted = sum(s.drafted_tokens for s in model_rounds)
         assert 0 < sum(s.accepted_tokens for s in model_rounds) < drafted, family  # accepted and rejected
+    finally:
+        services.stop()
+
+
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_a_sharded_bf16_folder_is_served_with_its_own_chat_template(tmp_path, gguf_tokenizer, background_loop):
+    """As users have the files: bf16 weights in several safetensors shards with their index, and the chat template
+    of the folder's tokenizer_config.json (not the tokenizer's usual one), served in float32 on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = copy.deepcopy(gguf_tokenizer)
+    tokenizer.chat_template = TEMPLATE
+    folder = save_family(tmp_path / "qwen", "qwen2.5", tokenizer, dtype=torch.bfloat16, max_shard_size="2MB")
+    assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 1
+    assert AutoTokenizer.from_pretrained(folder).chat_template == TEMPLATE
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    target, draft = make_engines(str(folder), None)
+    services = Services(background_loop, target, draft)
+    try:
+        async def served() -> tuple[list[int], list[int]]:
+            orch = await Orchestrator.connect(OrchestratorConfig(services.target_address, services.draft_address,
+                                                                 str(folder)))
+            try:
+                encoded = orch.encode("Tell me a story.", chat=True)
+                return encoded, await generate_ids(orch, encoded, 4, DrafterKind.NGRAM, NEW_TOKENS)
+            finally:
+                await orch.close()
+
+        encoded, got = run_async(served())
+        assert encoded == ids  # the folder's template, as transformers renders it
+        assert got == want[0, len(ids):].tolist()
+        assert next(target.model.parameters()).dtype == torch.float32
+    finally:
+        services.stop()
+
+
+def test_a_draft_of_another_vocabulary_is_refused_across_families(tmp_path, gguf_tokenizer, background_loop):
+    other = copy.deepcopy(gguf_tokenizer)
+    other.add_tokens(["<family-only>"])
+    target_dir = save_family(tmp_path / "llama", "llama3", gguf_tokenizer)
+    draft_dir = save_family(tmp_path / "qwen", "qwen3", other)
+    target, draft = make_engines(str(target_dir), str(draft_dir))
+    services = Services(background_loop, target, draft)
+    try:
+        with pytest.raises(ValueError, match="vocabulary mismatch: target .* and draft .* do not share a tokenizer"):
+            run_async(Orchestrator.connect(OrchestratorConfig(services.target_address, services.draft_address,
+                                                              str(target_dir))))
     finally:
         services.stop()
