@@ -118,6 +118,16 @@ class _SessionLink:
             except PeerError as exc:
                 stream.abort()
                 tried.append(placed.replica)
+                if exc.code is grpc.StatusCode.UNIMPLEMENTED:
+                    # another build answers at the address, restarted since the check before the open (the channel
+                    # had not noticed yet): its Info says which, as FailedPrecondition
+                    placed.replica.failed_at = time.monotonic()
+                    try:
+                        await self._pool.recheck(placed.replica, timeout_s)
+                    except errors.FailedPrecondition:
+                        if not self._pool.untried(tried):
+                            raise
+                        continue
                 if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or not self._pool.untried(tried):
                     raise
                 log.info("the %s replica at %s has no room (%s); opening the session on another",

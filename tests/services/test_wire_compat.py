@@ -214,10 +214,15 @@ def test_an_orchestrator_refuses_a_service_that_states_no_version(background_loo
     assert "this orchestrator speaks wire version 2 and accepts targets of version 2 or later" in message
 
 
-def test_a_target_restarted_at_its_address_as_an_older_build_is_checked_again(background_loop, tiny_target_dir):
+@pytest.mark.parametrize("noticed", [True, False], ids=["channel-noticed", "channel-still-ready"])
+def test_a_target_restarted_at_its_address_as_an_older_build_is_checked_again(background_loop, tiny_target_dir,
+                                                                              noticed):
     """The orchestrator's target stops and a build that states no version starts at the same address: the next
     generation is refused by name (FAILED_PRECONDITION, both versions) before any session uses it, instead of
-    reading the timings the old build would not send; the current build back at the address serves again."""
+    reading the timings the old build would not send; the current build back at the address serves again. Where
+    the channel has not noticed the restart yet (still READY: a loaded machine), the open that the old build does
+    not implement makes the orchestrator ask again, with the same refusal."""
+
     import asyncio
 
     from specsplit.lmkit import errors
@@ -248,6 +253,10 @@ def test_a_target_restarted_at_its_address_as_an_older_build_is_checked_again(ba
         background_loop.run(server.stop(0))
         server, _ = background_loop.run(start_in_process(
             Unversioned(), pb_grpc.add_TargetServiceServicer_to_server, "specsplit.v1.TargetService", address))
+        if not noticed:  # the channel reconnects to the old build before the next open: READY, nothing failed
+            (replica,) = orch.target.replicas
+            background_loop.run(asyncio.wait_for(replica.channel.channel_ready(), 30))
+            assert not replica.may_have_restarted
         with pytest.raises(errors.FailedPrecondition) as refused:
             background_loop.run(generate())
         message = str(refused.value)
