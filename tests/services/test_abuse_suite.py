@@ -15,7 +15,7 @@ def test_the_abuse_suite_measures_health_and_memory_under_every_probe(tmp_path, 
     out = tmp_path / "abuse.json"
     run = subprocess.run(
         [sys.executable, "-m", "specsplit.cli", "bench", "--suite", "abuse", "--json", str(out),
-         "--model", str(tiny_target_dir), "--draft-model", str(tiny_draft_dir), "--abuse-s", "1",
+         "--model", str(tiny_target_dir), "--draft-model", str(tiny_draft_dir), "--abuse-s", "2",
          "--abuse-connections", "8", "--abuse-stalled-send-s", "1", "--abuse-health-every-s", "0.1"],
         capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
