@@ -71,7 +71,7 @@ from specsplit.orchestrator.api.openai_schema import (
 )
 from specsplit.orchestrator.api.requests import parse_request, sample_count, tokenized
 from specsplit.orchestrator.api.responses_api import ResponsesRequest
-from specsplit.orchestrator.api.samples import generate_samples
+from specsplit.orchestrator.api.samples import generate_samples, interleaved
 from specsplit.orchestrator.api.servicer import peer_status
 from specsplit.orchestrator.api.tool_parsers import FORMATS
 from specsplit.orchestrator.api.tool_shape import ToolChatShape
@@ -263,7 +263,9 @@ class OpenAIApi:
                     text = msg.prompt or self.orch.tokenizer.decode(prompt_ids)
                     samples = _echoed(samples, text, msg.return_logprobs)
                 streams.append(samples)
-            merged = streams[0] if len(streams) == 1 else _prompt_major(streams, n)
+            merged = streams[0] if len(streams) == 1 else interleaved(
+                [_offset(stream, p * n) for p, stream in enumerate(streams)],
+                [range(p * n, (p + 1) * n) for p in range(len(streams))])
             async with contextlib.aclosing(merged) as samples:
                 async for indexed in samples:
                     yield indexed
@@ -424,36 +426,11 @@ async def _echoed(events, prompt: str, logprobs: bool):
             yield index, event
 
 
-async def _prompt_major(streams, n: int):
-    """Several prompts' (sample index, event) streams at once, as events arrive: prompt p's sample i as index
-    p * n + i. The first stream to fail fails them all (its error is raised); closing this generator closes every
-    stream (each a prompt's generations)."""
-    arrivals: asyncio.Queue = asyncio.Queue()  # (index, event, error); unbounded: a put never blocks a cancel
-
-    async def pump(prompt: int, stream) -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for index, event in stream:
-                    arrivals.put_nowait((prompt * n + index, event, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the caller, who fails the request with it
-            arrivals.put_nowait((None, None, exc))
-
-    tasks = [asyncio.create_task(pump(prompt, stream)) for prompt, stream in enumerate(streams)]
-    finished: set[int] = set()
-    try:
-        while len(finished) < n * len(streams):
-            index, event, error = await arrivals.get()
-            if error is not None:
-                raise error
-            if event.finish is not None:
-                finished.add(index)
-            yield index, event
-    finally:
-        # A prompt whose samples all finished is closing its sessions: let it; cancel the others once.
-        for prompt, task in enumerate(tasks):
-            if not finished.issuperset(range(prompt * n, (prompt + 1) * n)):
-                task.cancel()
-        await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+async def _offset(stream, by: int):
+    """``stream``'s (index, event)s with the indices moved up by ``by`` (a prompt's samples among a list's)."""
+    async with contextlib.aclosing(stream):
+        async for index, event in stream:
+            yield by + index, event
 
 
 def _with_prompt(msg, prompt):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from specsplit.lmkit.draws import sample_seed
 from specsplit.orchestrator.api.generation import GenerationEvent, GenerationRequest, Orchestrator, PromptFork
@@ -38,24 +38,43 @@ async def generate_samples(
                 yield 0, event
         return
     source = asyncio.get_running_loop().create_future()
-    arrivals: asyncio.Queue = asyncio.Queue()  # (index, event, error); unbounded: a put never blocks a cancel
 
-    async def run(index: int) -> None:
+    async def sample(index: int):
         fork = PromptFork(source, leader=index == 0)
         try:
             generation = orch.generate(sample_request(request, index), prompt_ids, arrived, fork)
             async with contextlib.aclosing(generation) as events:
                 async for event in events:
-                    arrivals.put_nowait((index, event, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the caller, who fails the request with it
-            arrivals.put_nowait((index, None, exc))
+                    yield index, event
         finally:
             fork.opened("", "")  # a leader that never opened: the others open alone
 
-    tasks = [asyncio.create_task(run(index)) for index in range(n)]
+    async with contextlib.aclosing(interleaved([sample(i) for i in range(n)], [[i] for i in range(n)])) as events:
+        async for indexed in events:
+            yield indexed
+
+
+async def interleaved(
+    streams: Sequence[AsyncIterator[tuple[int, GenerationEvent]]], owned: Sequence[Sequence[int]]
+) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """Several streams of (index, event) run at once, their events passed on as they arrive, until every index has
+    had its finishing event; stream i yields the indices of ``owned[i]``. The first stream to fail fails them all
+    (its error is raised); closing this generator ends every stream whose indices have not all finished."""
+    arrivals: asyncio.Queue = asyncio.Queue()  # (index, event, error); unbounded: a put never blocks a cancel
+
+    async def pump(stream) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for index, event in stream:
+                    arrivals.put_nowait((index, event, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, who fails the request with it
+            arrivals.put_nowait((None, None, exc))
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
     finished: set[int] = set()
+    total = sum(len(indices) for indices in owned)
     try:
-        while len(finished) < n:
+        while len(finished) < total:
             index, event, error = await arrivals.get()
             if error is not None:
                 raise error
@@ -63,9 +82,9 @@ async def generate_samples(
                 finished.add(index)
             yield index, event
     finally:
-        # A finished sample's task is closing its sessions: let it. The others stop here, once: a second
+        # A stream whose indices all finished is closing its sessions: let it. The others stop here, once: a second
         # cancel (the caller's scope cancelled again while this waits) would cut their sessions' closes short.
-        for index, task in enumerate(tasks):
-            if index not in finished:
+        for indices, task in zip(owned, tasks):
+            if not finished.issuperset(indices):
                 task.cancel()
         await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
