@@ -7,6 +7,7 @@ sockets, port 0); tests drive them from their own loop through real channels.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -320,6 +321,25 @@ def public_api(tiny_services, tiny_target_dir, background_loop):
     yield f"127.0.0.1:{port}"
     background_loop.run(server.stop(0))
     background_loop.run(orch.close())
+
+
+@contextlib.contextmanager
+def openai_http(loop: BackgroundLoop, services: Services, tokenizer_dir, model: str):
+    """An orchestrator over ``services`` serving the OpenAI-compatible API on 127.0.0.1 as ``model``, in ``loop``,
+    for the ``with`` block: yields its base URL (``.../v1``)."""
+    from specsplit.orchestrator.api import openai_server
+    from specsplit.orchestrator.api.config import OrchestratorConfig
+    from specsplit.orchestrator.api.generation import Orchestrator
+
+    config = OrchestratorConfig(services.target_address, services.draft_address, str(tokenizer_dir),
+                                served_model_names=(model,))
+    orch = loop.run(Orchestrator.connect(config))
+    server = loop.run(openai_server.start_http_server(openai_server.build_app(orch), "127.0.0.1", 0))
+    try:
+        yield f"http://127.0.0.1:{server.port}/v1"
+    finally:
+        loop.run(server.stop())
+        loop.run(orch.close())
 
 
 def run_async(coro, timeout: float = 600.0):

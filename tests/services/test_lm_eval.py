@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from specsplit.lmkit import models
-from specsplit.orchestrator.api import openai_server
-from specsplit.orchestrator.api.config import OrchestratorConfig
-from specsplit.orchestrator.api.generation import Orchestrator
+from tests.conftest import openai_http
 
 pytestmark = pytest.mark.services
 
@@ -34,13 +32,8 @@ GEN_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def url(tiny_services, tiny_target_dir, background_loop):
-    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir),
-                                served_model_names=(MODEL,))
-    orch = background_loop.run(Orchestrator.connect(config))
-    server = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch), "127.0.0.1", 0))
-    yield f"http://127.0.0.1:{server.port}/v1"
-    background_loop.run(server.stop())
-    background_loop.run(orch.close())
+    with openai_http(background_loop, tiny_services, tiny_target_dir, MODEL) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

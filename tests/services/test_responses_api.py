@@ -17,9 +17,7 @@ import pytest
 import torch
 
 from specsplit.lmkit import models
-from specsplit.orchestrator.api import openai_server
-from specsplit.orchestrator.api.config import OrchestratorConfig
-from specsplit.orchestrator.api.generation import Orchestrator
+from tests.conftest import openai_http
 
 pytestmark = pytest.mark.services
 
@@ -36,14 +34,9 @@ ADD = {"type": "function", "name": "add", "description": "Add two numbers.", "pa
 
 @pytest.fixture(scope="module")
 def client(tiny_services, tiny_target_dir, background_loop):
-    config = OrchestratorConfig(tiny_services.target_address, tiny_services.draft_address, str(tiny_target_dir),
-                                served_model_names=(MODEL,))
-    orch = background_loop.run(Orchestrator.connect(config))
-    server = background_loop.run(openai_server.start_http_server(openai_server.build_app(orch), "127.0.0.1", 0))
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="-", max_retries=0) as http:
+    with openai_http(background_loop, tiny_services, tiny_target_dir, MODEL) as base, \
+            openai.OpenAI(base_url=base, api_key="-", max_retries=0) as http:
         yield http
-    background_loop.run(server.stop())
-    background_loop.run(orch.close())
 
 
 @pytest.fixture(scope="module")
