@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.lmkit import decoder_step, errors
+from specsplit.lmkit import chain_step, decoder_step, errors
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.transfer import to_host
 
@@ -303,8 +303,6 @@ class GraphSessionCache(SessionCache):
         """The k tokens after ``context`` chosen on the device in one replay of ``chains`` (greedy, or gumbel with
         the COUPLED noise of ``seed``), each one's margin and runner-up; the cache then holds ``context`` and the
         first k - 1 of them. A context more than one token past the cache is read first, but its last token."""
-        from specsplit.lmkit import chain_step
-
         keep, feed = self.plan(context, [])
         if len(feed) > 1:  # the chain starts from one fed token: the others are read first
             self.apply(keep, feed[:-1], 1)
