@@ -145,27 +145,27 @@ class ModelDrafter(SamplingDrafter):
                 parents.append(parent)
         return Proposal(tokens=tokens, parents=parents)
 
-    def _chain_kind(self, k: int) -> str | None:
-        """How the cache's chain step chooses this request's k tokens in one replay, or None: token by token."""
+    def _chain_draw(self, k: int) -> tuple[bool, chain_step.Draw | None]:
+        """Whether the cache's chain step drafts this request's k tokens in one replay, and how it draws them (None:
+        the argmax); else (False, None): token by token."""
         chains = getattr(self._cache, "chains", None)
         sampling = self._sampling
         if chains is None or not 1 <= k <= chains.max_length or sampling.penalizes:
-            return None
+            return False, None
         if sampling.greedy:
-            return chain_step.GREEDY
-        plain = sampling.top_k == 0 or sampling.top_k >= chains.vocab.numel()
-        return chain_step.GUMBEL if self._coupled and plain and sampling.top_p == 1.0 else None
+            return True, None
+        return True, chain_step.Draw(sampling.seed, sampling.temperature, sampling.top_k, sampling.top_p,
+                                     coupled=self._coupled, quantize=self._return_probs and not self._coupled)
 
     def _draft(self, k: int, runners_up: list | None) -> Proposal:
         """The chain; with ``runners_up`` (greedy, coupled), also the second choice at each position."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
-        kind = None if runners_up is not None else self._chain_kind(k)
-        if kind is not None:  # the k tokens in one replay, chosen on the device
-            drafted, sure, others = self._cache.draft_chain(self._tokens, k, kind, self._sampling.seed,
-                                                            self._sampling.temperature)
+        chained, draw = (False, None) if runners_up is not None else self._chain_draw(k)
+        if chained:  # the k tokens in one replay, chosen on the device
+            drafted, sure, others, probs = self._cache.draft_chain(self._tokens, k, draw)
             index = min(range(k), key=lambda i: sure[i])
-            return Proposal(tokens=drafted, second_guess=(index, others[index]))
+            return Proposal(tokens=drafted, probs=probs, second_guess=(index, others[index]))
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
         margins: list[tuple[float, int]] = []  # (how sure, runner-up) per drafted position

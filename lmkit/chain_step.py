@@ -3,19 +3,21 @@
 A model drafter proposes k tokens, each the next token after the last. Captured, a small draft's step costs about a
 millisecond on a GPU, and choosing each token on the host between steps (a copy to the host, Python, a copy back)
 adds a good part of that again per token. vLLM's V2 speculator, SGLang's EAGLE draft runner and TensorRT-LLM's
-ChainDrafter capture the whole drafting loop instead; so does this: one graph per chain length k runs k one-token
-steps over the session's KV slot, each choosing its token on the device and feeding it to the next step, and writes
-the k tokens, with each one's margin over its runner-up and that runner-up, to buffers the host reads once. How a
-token is chosen:
+ChainDrafter capture the whole drafting loop instead; so does this: one graph per chain length k and kind runs k
+one-token steps over the session's KV slot, each choosing its token on the device and feeding it to the next step,
+and writes the k tokens, with each one's margin over its runner-up and that runner-up (and, sampling, the q each
+was drawn from), to buffers the host reads once. How a token is chosen:
 
     greedy    the argmax of the logits
-    gumbel    coupled sampling: argmax(log q + G), q the softmax of the logits at the request's temperature and G
-              the COUPLED Gumbel noise of the token's position, computed on the device from the position's key
-              (``draws.gumbel_rows``)
+    sample    from q = ``sampling.static_probs`` of the logits (temperature, top-k, top-p: the request's, as tensors
+              the graph reads), by the noise of the token's position computed on the device from its key: coupled,
+              argmax(log q + G) with the COUPLED Gumbel noise (``draws.gumbel_rows``); else the inverse CDF of q
+              at the position's DRAFT uniform (``draws.uniform_rows``), q first rounded as it travels
+              (``probs_codec.quantize_unchecked``) when the draft sends its probabilities
 
-Each chooses what ``ModelDrafter``'s token-at-a-time loop chooses, by the same functions over the same values.
-Requests with top-k or top-p, penalties, biases or min_tokens, token-only or draft-probs sampling, and token trees
-draft token by token over the same slot. Off CUDA the chain runs eagerly: the tests' path.
+Each chooses what ``ModelDrafter``'s token-at-a-time loop chooses, by the same arithmetic over the same values.
+Requests with penalties, biases or min_tokens, and token trees, draft token by token over the same slot. Off CUDA
+the chain runs eagerly: the tests' path.
 """
 
 from __future__ import annotations
@@ -24,11 +26,36 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.lmkit import draws
+from specsplit.lmkit import draws, probs_codec, sampling
 
-GREEDY, GUMBEL = "greedy", "gumbel"
-KINDS = (GREEDY, GUMBEL)
+GREEDY, SAMPLE = "greedy", "sample"
+KINDS = (GREEDY, SAMPLE)
 MAX_CHAIN = 16  # the longest chain captured (a graph per length and kind); longer blocks draft token by token
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How a sampled chain draws (``ChainStep.run``): the request's seed and q's settings; ``coupled``: Gumbel-max
+    with the COUPLED noise, else the inverse CDF at the DRAFT uniforms; ``quantize``: q rounded as it travels."""
+
+    seed: int
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    coupled: bool = True
+    quantize: bool = False
+
+
+@dataclass
+class _Settings:
+    """A sampled chain's settings as tensors its graph reads (one set for every chain: they run one at a time)."""
+
+    temperature: torch.Tensor  # [] float32
+    top_k: torch.Tensor  # [] int64
+    top_p: torch.Tensor  # [] float64
+    coupled: torch.Tensor  # [] bool
+    quantize: torch.Tensor  # [] bool
+    probs: torch.Tensor  # [max_length, vocab] float32: row i, the q drawn from at the chain's i-th position
 
 
 @dataclass
@@ -36,29 +63,33 @@ class _Chain:
     """One chain graph's static inputs and outputs."""
 
     step: object  # the width-1 inputs of the static step (``GraphStep.new_inputs``); ids and positions advance
-    keys: torch.Tensor  # [k] int64: each drafted position's COUPLED key (gumbel)
-    temperature: torch.Tensor  # [] float32 (gumbel)
+    keys: torch.Tensor  # [k] int64: each drafted position's key (sample): COUPLED when coupled, else DRAFT
     tokens: torch.Tensor  # [k] long
     others: torch.Tensor  # [k] long: each position's runner-up
     margins: torch.Tensor  # [k] float32: each token's logit minus its runner-up's
 
 
 class ChainStep:
-    """``ChainStep(graph, max_length, graphs)``; ``run(slot, start, token, k, kind, keys, temperature)`` -> the k
-    tokens after ``token`` fed at ``start`` of ``slot``, with their margins and runners-up."""
+    """``ChainStep(graph, max_length, graphs)``; ``run(slot, start, token, k, draw)`` -> the k tokens after ``token``
+    fed at ``start`` of ``slot`` (greedy, or drawn as ``draw`` says), with their margins, runners-up and q."""
 
     def __init__(self, graph, max_length: int, graphs: bool = False) -> None:
         if not 1 <= max_length <= graph.capacity:
             raise ValueError(f"a chain holds 1 to {graph.capacity} tokens, got {max_length}")
         self.graph, self.max_length = graph, max_length
         device = graph.device
+        long = dict(dtype=torch.long, device=device)
         with torch.inference_mode():
             self.chains = {(kind, k): _Chain(
-                graph.new_inputs(1, 1), torch.zeros(k, dtype=torch.long, device=device),
-                torch.ones((), dtype=torch.float32, device=device), torch.zeros(k, dtype=torch.long, device=device),
-                torch.zeros(k, dtype=torch.long, device=device), torch.zeros(k, dtype=torch.float32, device=device),
+                graph.new_inputs(1, 1), torch.zeros(k, **long), torch.zeros(k, **long), torch.zeros(k, **long),
+                torch.zeros(k, dtype=torch.float32, device=device),
             ) for kind in KINDS for k in range(1, max_length + 1)}
             self.vocab = torch.arange(int(graph.step.embed.shape[0]), device=device)
+            self.settings = _Settings(
+                torch.ones((), dtype=torch.float32, device=device), torch.zeros((), **long),
+                torch.ones((), dtype=torch.float64, device=device), torch.ones((), dtype=torch.bool, device=device),
+                torch.zeros((), dtype=torch.bool, device=device),
+                torch.zeros(max_length, self.vocab.numel(), dtype=torch.float32, device=device))
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         if graphs:
             self._capture()
@@ -84,7 +115,12 @@ class ChainStep:
         for i in range(k):
             self.graph.run(chain.step)
             logits = chain.step.logits[0, 0].float()  # [vocab]
-            token = choose(kind, logits, chain.temperature, chain.keys[i : i + 1], self.vocab)
+            if kind == GREEDY:
+                token = logits.argmax()
+            else:
+                token, q = choose(logits[None], self.settings, chain.keys[i : i + 1], self.vocab)
+                token = token[0]
+                self.settings.probs[i] = q[0]
             top = torch.topk(logits, 2).indices
             other = torch.where(top[0] == token, top[1], top[0])
             chain.tokens[i] = token
@@ -94,47 +130,62 @@ class ChainStep:
             chain.step.positions.add_(1)
 
     @torch.inference_mode()
-    def run(self, slot: int, start: int, token: int, k: int, kind: str, keys: torch.Tensor | None = None,
-            temperature: float = 1.0) -> tuple[list[int], list[float], list[int]]:
+    def run(self, slot: int, start: int, token: int, k: int, draw: Draw | None = None
+            ) -> tuple[list[int], list[float], list[int], torch.Tensor | None]:
         """Feed ``token`` at ``start`` of ``slot`` (whose positions < start hold the session's keys and values) and
-        the k - 1 tokens chosen after it; returns the k chosen tokens, each one's margin and its runner-up. The slot
-        then holds positions up to start + k - 1. ``keys``: [k] the positions' COUPLED keys (gumbel)."""
+        the k - 1 tokens chosen after it: the argmax (``draw`` None) or drawn as ``draw`` says, the token at position
+        n with n's noise. Returns the k chosen tokens, each one's margin, its runner-up, and (``draw.quantize``) the
+        [k, vocab] q each was drawn from, on the device. The slot then holds positions up to start + k - 1."""
         if not 1 <= k <= self.max_length:
             raise ValueError(f"a chain of {k} tokens; this step chains 1 to {self.max_length}")
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if start + k > self.graph.capacity:
             raise ValueError(f"positions {start}..{start + k - 1} do not fit a slot of {self.graph.capacity}")
         if not 0 <= slot < self.graph.slots:
             raise ValueError(f"slot {slot} is not one of the {self.graph.slots} slots")
+        kind = GREEDY if draw is None else SAMPLE
         chain = self.chains[(kind, k)]
         chain.step.ids.fill_(token)
         chain.step.positions.fill_(start)
         chain.step.slots.fill_(slot)
-        if kind == GUMBEL:
-            if keys is None or keys.shape != (k,):
-                raise ValueError(f"a gumbel chain of {k} tokens needs {k} position keys")
-            chain.keys.copy_(keys, non_blocking=True)
-            chain.temperature.fill_(temperature)
+        if draw is not None:
+            if not draw.temperature > 0:
+                raise ValueError(f"a sampled chain needs a temperature > 0, got {draw.temperature}")
+            stream = draws.Stream.COUPLED if draw.coupled else draws.Stream.DRAFT
+            keys = draws.position_keys(draw.seed, stream, range(start + 1, start + 1 + k))
+            chain.keys.copy_(draws.key_tensor(keys), non_blocking=True)
+            settings = self.settings
+            settings.temperature.fill_(draw.temperature)
+            settings.top_k.fill_(draw.top_k)
+            settings.top_p.fill_(draw.top_p)
+            settings.coupled.fill_(draw.coupled)
+            settings.quantize.fill_(draw.quantize)
         if (kind, k) in self.graphs:
             self.graphs[(kind, k)].replay()
         else:
             self._run(chain, kind, k)
         ids = torch.cat([chain.tokens, chain.others]).tolist()  # the one wait for the device
-        return ids[:k], chain.margins.tolist(), ids[k:]
+        probs = self.settings.probs[:k].clone() if draw is not None and draw.quantize else None
+        return ids[:k], chain.margins.tolist(), ids[k:], probs
 
 
-def choose(kind: str, logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor,
-           vocab: torch.Tensor) -> torch.Tensor:
-    """The token a chain step chooses from its [vocab] float32 logits, as a 0-d long tensor, by tensor operations
-    only: the argmax (greedy), or argmax(log q + G) with q = softmax(logits / temperature) and G the Gumbel noise of
-    ``vocab`` (every token id) under the position's ``key`` [1] (gumbel): a sample from q (Gumbel-max)."""
-    if kind == GREEDY:
-        return logits.argmax()
-    q = torch.softmax((logits - logits.amax()) / temperature, dim=-1)
-    return (q.to(torch.float64).log() + draws.gumbel_rows(key, vocab)[0]).argmax()
+def choose(logits: torch.Tensor, settings: _Settings, keys: torch.Tensor,
+           vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a sampled chain step draws from [rows, vocab] float32 logits ([rows] long) and the q [rows, vocab]
+    each was drawn from, by tensor operations only: q = ``sampling.static_probs`` under ``settings``; coupled,
+    argmax(log q + G), G the Gumbel noise of ``vocab`` (every token id) under the row's COUPLED key (``keys``
+    [rows]; Gumbel-max: a sample from q); else the inverse CDF of q (rounded as it travels where
+    ``settings.quantize``) at the row's DRAFT uniform under its key."""
+    q = sampling.static_probs(logits, settings.temperature, settings.top_k, settings.top_p)
+    coupled = (q.to(torch.float64).log() + draws.gumbel_rows(keys, vocab)).argmax(dim=-1)
+    q = torch.where(settings.quantize, probs_codec.quantize_unchecked(q), q)
+    uniform = draws.uniform_rows(keys, torch.zeros(1, dtype=torch.long, device=keys.device))[:, 0]
+    return torch.where(settings.coupled, coupled, draws.inverse_cdf_index(q.to(torch.float64), uniform)), q
 
 
-def coupled_keys(seed: int, first: int, k: int) -> torch.Tensor:
-    """The COUPLED keys of positions first..first+k-1 (``ChainStep.run``'s ``keys``)."""
-    return draws.key_tensor(draws.position_keys(seed, draws.Stream.COUPLED, list(range(first, first + k))))
+def settings_of(draw: Draw, device=None) -> _Settings:
+    """``draw``'s settings as the tensors ``choose`` reads (probs: a row for one position)."""
+    vocab_row = torch.zeros(1, 1, dtype=torch.float32, device=device)
+    return _Settings(torch.tensor(float(draw.temperature), dtype=torch.float32, device=device),
+                     torch.tensor(draw.top_k, dtype=torch.long, device=device),
+                     torch.tensor(draw.top_p, dtype=torch.float64, device=device),
+                     torch.tensor(draw.coupled, device=device), torch.tensor(draw.quantize, device=device), vocab_row)

@@ -111,15 +111,20 @@ def key_tensor(keys: np.ndarray, device=None) -> torch.Tensor:  # [n] uint64 -> 
 
 def gumbel_rows(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:  # [n] int64, [m] int64 -> [n, m] float64
     """The Gumbel noise of ``token_ids`` at each position of ``keys`` (``key_tensor``), computed where the tensors
-    are with tensor operations only (no host value read: a CUDA graph captures it). SplitMix64 in int64, whose
-    products wrap as uint64's do and whose right shifts are masked to be logical: the uniforms are bit for bit
-    those of ``uniforms``."""
-    z = keys[:, None] + (token_ids[None, :] + 1) * _signed(_GAMMA)
+    are with tensor operations only (no host value read: a CUDA graph captures it), from the draws
+    ``uniform_rows`` gives."""
+    return -torch.log(-torch.log(uniform_rows(keys, token_ids)))
+
+
+def uniform_rows(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [n] int64, [m] int64 -> [n, m] float64
+    """Draws ``index`` at each position of ``keys`` (``key_tensor``), computed where the tensors are with tensor
+    operations only: bit for bit ``uniforms``' (SplitMix64 in int64, whose products wrap as uint64's do and whose
+    right shifts are masked to be logical)."""
+    z = keys[:, None] + (index[None, :] + 1) * _signed(_GAMMA)
     z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
     z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
     z = z ^ _shift_right(z, 31)
-    u = (_shift_right(z, 11).to(torch.float64) + 0.5) * 2.0**-53  # the top 53 bits, centred: in (0, 1)
-    return -torch.log(-torch.log(u))
+    return (_shift_right(z, 11).to(torch.float64) + 0.5) * 2.0**-53  # the top 53 bits, centred: in (0, 1)
 
 
 def _signed(value: np.uint64) -> int:
@@ -193,12 +198,20 @@ def inverse_cdf(
     fallback: torch.Tensor | None = None,  # [vocab] float64, used when probs has no mass
 ) -> int:
     """The token whose CDF cell holds ``uniform``: one sample; zero-probability tokens are never returned."""
-    cdf = torch.cumsum(probs, dim=0)
-    total = float(cdf[-1])
-    if fallback is not None and not total > 0.0:
+    if fallback is not None and not float(probs.sum()) > 0.0:
         return inverse_cdf(fallback, uniform)
+    return int(inverse_cdf_index(probs, torch.tensor(uniform, dtype=torch.float64, device=probs.device)))
+
+
+def inverse_cdf_index(
+    probs: torch.Tensor,  # [..., vocab] float64 >= 0, each row with a positive entry, need not be normalised
+    uniform: torch.Tensor,  # [...] float64 in (0, 1): a draw per row
+) -> torch.Tensor:  # [...] int64
+    """``inverse_cdf`` of each row by tensor operations only (no host value read: a CUDA graph captures it)."""
+    cdf = torch.cumsum(probs, dim=-1)
     # right=True finds the first token whose CDF exceeds the target, which skips tokens with p == 0.
-    token = int(torch.searchsorted(cdf, uniform * total, right=True))
-    if token >= probs.shape[0]:  # uniform * total rounded up onto the total: take the last token with mass
-        token = int(probs.nonzero()[-1])
-    return token
+    token = torch.searchsorted(cdf, (uniform * cdf[..., -1])[..., None], right=True)[..., 0]
+    # uniform * total rounded up onto the total: the last token with mass
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, ids, torch.zeros_like(ids)).amax(dim=-1)
+    return torch.where(token >= probs.shape[-1], last, token)

@@ -53,6 +53,12 @@ def quantize_probs(probs: torch.Tensor) -> torch.Tensor:  # probs: [k, vocab] ->
     return _renormalise(_round_fp16(probs))
 
 
+def quantize_unchecked(probs: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [..., vocab] float32
+    """``quantize_probs`` without its checks, which read values on the host: tensor operations only, for a step a
+    CUDA graph captures (``chain_step``). The caller vouches for the rows (softmax outputs)."""
+    return _renormalise(_scale_fp16(probs.to(torch.float32)))
+
+
 def encode_probs(probs: torch.Tensor) -> EncodedProbs:  # probs: [k, vocab]
     """Rounds ``probs`` to fp16 (as ``quantize_probs`` does) and packs the smaller of dense and sparse."""
     scaled = _round_fp16(probs).cpu()
@@ -99,6 +105,10 @@ def _round_fp16(probs: torch.Tensor) -> torch.Tensor:  # [k, vocab] -> [k, vocab
     probs = probs.to(torch.float32)
     if probs.numel() == 0:
         return probs.to(torch.float16)
+    return _scale_fp16(probs)
+
+
+def _scale_fp16(probs: torch.Tensor) -> torch.Tensor:  # float32 [..., vocab] -> float16, row max exactly 1
     # x / max(x) is exactly 1.0 at the argmax, so every row keeps at least its top token.
     return (probs / probs.amax(dim=-1, keepdim=True)).to(torch.float16)
 

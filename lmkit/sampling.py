@@ -147,6 +147,29 @@ def logits_to_probs(
     return torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
 
 
+def static_probs(
+    logits: torch.Tensor,  # [..., vocab] float32; -inf marks banned tokens
+    temperature: torch.Tensor,  # [] float32 > 0
+    top_k: torch.Tensor,  # [] int64; 0 or >= vocab: no top-k
+    top_p: torch.Tensor,  # [] float64 in (0, 1]
+) -> torch.Tensor:  # [..., vocab] float32
+    """``logits_to_probs`` with the settings as tensors, by tensor operations of fixed shapes only (no
+    host value read, no branch on a value): what a CUDA graph captures once for every request (``chain_step``).
+    Equal to ``logits_to_probs``: its cuts are those of the one sort of the whole row this takes, by the same sums
+    (top-p alone over the whole row's softmax, top-k then top-p over the softmax of the k kept)."""
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    vocab = scaled.shape[-1]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    truncating = (top_k > 0) & (top_k < vocab)
+    in_k = (torch.arange(vocab, device=scaled.device) < top_k) | ~truncating
+    by_k = torch.softmax(sorted_logits.masked_fill(~in_k, -math.inf), dim=-1)
+    whole = torch.softmax(scaled, dim=-1).gather(-1, order)
+    mass = _mass_before(torch.where(truncating, by_k, whole))
+    keep_sorted = in_k & ((top_p >= 1.0) | (mass < top_p))
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
+
+
 def rows_when_reached(
     logits: torch.Tensor,  # [rows, vocab]
     params: SamplingParams,

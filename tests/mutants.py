@@ -69,10 +69,24 @@ MUTANTS = (
         CHAIN_TESTS,
     ),
     Mutant(
-        "draft chain: coupled noise keyed one position early",
-        "lmkit/graph_step.py",
-        "chain_step.coupled_keys(seed, len(context), k)",
-        "chain_step.coupled_keys(seed, len(context) - 1, k)",
+        "draft chain: q not rounded as it travels before the inverse CDF draws from it",
+        "lmkit/chain_step.py",
+        "    q = torch.where(settings.quantize, probs_codec.quantize_unchecked(q), q)\n",
+        "",
+        CHAIN_TESTS,
+    ),
+    Mutant(
+        "draft chain: the top-p cut keeps the token whose mass before it reaches top_p",
+        "lmkit/sampling.py",
+        "(mass < top_p)",
+        "(mass <= top_p)",
+        (*CHAIN_TESTS, "tests/unit/lmkit/test_sampling.py"),
+    ),
+    Mutant(
+        "draft chain: each position's noise keyed one position early",
+        "lmkit/chain_step.py",
+        "range(start + 1, start + 1 + k)",
+        "range(start, start + k)",
         CHAIN_TESTS,
     ),
     Mutant(

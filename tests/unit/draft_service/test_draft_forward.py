@@ -57,13 +57,16 @@ MODES = {  # (sampling, draft probabilities sent, coupled)
     "coupled": (SamplingParams(temperature=0.8, seed=3), False, True),
     "coupled-hot": (SamplingParams(temperature=2.5, seed=11), False, True),
     "coupled-top-k": (SamplingParams(temperature=1.2, top_k=40, seed=5), False, True),
+    "coupled-top-p": (SamplingParams(temperature=0.9, top_p=0.9, seed=6), False, True),
+    "token-only": (SamplingParams(temperature=1.1, top_p=0.85, seed=7), False, False),
+    "penalized": (SamplingParams(temperature=0.8, frequency_penalty=0.5, seed=8), True, False),
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_forward_proposes_the_stock_forwards_tokens(tiny_target_dir, mode):
-    """Greedy and coupled requests without top-k draft through the slot's chains (each block in one replay); the
-    others token by token; every forward proposes the same blocks and second guesses."""
+    """Requests without penalties draft through the slot's chains (each block in one replay, every token chosen on
+    the device); penalized ones token by token; every forward proposes the same blocks, second guesses and q."""
     sampling, sampled, coupled = MODES[mode]
     stock, fast = drafting(str(tiny_target_dir), forward.STOCK), drafting(str(tiny_target_dir), "off")
     new_slot, _ = forward.slots(fast["model"], sessions=2, context=96, width=K + 1, batch=1, graphs=False)
@@ -76,16 +79,17 @@ def test_every_forward_proposes_the_stock_forwards_tokens(tiny_target_dir, mode)
         for label, new_cache in caches:
             drafter = ModelDrafter(fast[name], PROMPT, sampling, sampled, coupled, new_cache=new_cache)
             if label == "chained slot":
-                assert (drafter._chain_kind(K) is not None) == (mode in ("greedy", "coupled", "coupled-hot"))
+                assert drafter._chain_draw(K)[0] == (mode != "penalized")
             got = rounds(drafter)
             assert [tokens for tokens, *_ in got] == [tokens for tokens, *_ in want], (name, label)
             assert [guess for *_, guess in got] == [guess for *_, guess in want], (name, label)
             # int8 activations are rounded per token: a float32 difference in the forward's sums may cross a
-            # rounding boundary, so its q moves by more than rounding; the tokens are the same
+            # rounding boundary, so its q moves by more than rounding; the tokens are the same. q travels rounded
+            # through fp16: a float32 difference may move a probability across a boundary, one fp16 step (2**-10)
             atol = 1e-4 if name == "int8" else 1e-6
             for (_, q, _), (_, p, _) in zip(got, want):
                 if p is not None:
-                    torch.testing.assert_close(q, p, rtol=1e-4, atol=atol)
+                    torch.testing.assert_close(q, p, rtol=1e-3, atol=atol)
 
 
 def test_the_engine_sets_up_each_drafting_model_and_a_closed_session_frees_its_slot(tiny_target_dir):

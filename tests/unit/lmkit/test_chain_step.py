@@ -1,5 +1,6 @@
 """A drafter's chain of k tokens in one replay (``chain_step``, uncaptured on the CPU) chooses what k single steps of
-the same static step choose, leaves the slot as they would, and refuses what it cannot run."""
+the same static step choose (greedy, and every sampling mode by the host's functions), leaves the slot as they would,
+and refuses what it cannot run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 from specsplit.lmkit import chain_step, draws, graph_step
+from specsplit.lmkit.probs_codec import quantize_probs
+from specsplit.lmkit.sampling import SamplingParams, logits_to_probs
 
 pytestmark = pytest.mark.unit
 
@@ -28,40 +31,65 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(17, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _one_by_one(graph, slot: int, context: list[int], k: int, kind: str, seed: int, temperature: float):
-    """The chain's tokens, margins and runners-up chosen on the host, a step of the same static step a token."""
-    tokens, margins, others = [], [], []
-    temperature_t = torch.tensor(temperature)
-    for i in range(k):
+def _host_choice(logits: torch.Tensor, draw: chain_step.Draw | None, position: int) -> tuple[int, torch.Tensor | None]:
+    """The token the model drafter's token-at-a-time loop chooses at ``position`` from [vocab] logits, by the host's
+    functions: the argmax; coupled, draws.gumbel_max over q's support; else draws.inverse_cdf of q (rounded as it
+    travels when quantized) at the DRAFT uniform."""
+    if draw is None:
+        return int(logits.argmax()), None
+    q = logits_to_probs(logits[None], SamplingParams(temperature=draw.temperature, top_k=draw.top_k, top_p=draw.top_p))
+    if draw.coupled:
+        return draws.gumbel_max(q[0], lambda ids: draws.gumbel(draw.seed, draws.Stream.COUPLED, position, ids)), q[0]
+    if draw.quantize:
+        q = quantize_probs(q)
+    u = float(draws.uniforms(draw.seed, draws.Stream.DRAFT, [position], 1)[0, 0])
+    return draws.inverse_cdf(q[0].to(torch.float64), u), q[0]
+
+
+def _one_by_one(graph, slot: int, context: list[int], k: int, draw: chain_step.Draw | None):
+    """The chain's tokens, margins, runners-up and q chosen on the host, a step of the same static step a token."""
+    tokens, margins, others, rows = [], [], [], []
+    for _ in range(k):
         fed = [*context, *tokens]
         logits = graph.forward(slot, len(fed) - 1, fed[-1:])[-1].float()
-        key = chain_step.coupled_keys(seed, len(fed), 1)
-        token = int(chain_step.choose(kind, logits, temperature_t, key, torch.arange(VOCAB)))
-        if kind == chain_step.GUMBEL:  # the host's coupled draft token: draws.gumbel_max over q's support
-            q = torch.softmax((logits - logits.amax()) / temperature, dim=-1)
-            assert token == draws.gumbel_max(q, lambda ids: draws.gumbel(seed, draws.Stream.COUPLED, len(fed), ids))
+        token, q = _host_choice(logits, draw, len(fed))
         top = torch.topk(logits, 2).indices.tolist()
         other = top[1] if top[0] == token else top[0]
         tokens.append(token)
         others.append(other)
         margins.append(float(logits[token] - logits[other]))
-    return tokens, margins, others
+        rows.append(q)
+    return tokens, margins, others, torch.stack(rows) if draw is not None and draw.quantize else None
 
 
-@pytest.mark.parametrize("kind, seed, temperature", [
-    (chain_step.GREEDY, 0, 1.0), (chain_step.GUMBEL, 1, 0.7), (chain_step.GUMBEL, 2, 1.5), (chain_step.GUMBEL, 3, 4.0),
-])
-def test_a_chain_chooses_what_single_steps_choose_and_leaves_their_cache(step, kind, seed, temperature):
-    prompt = _prompt(20, seed)
+DRAWS = {
+    "greedy": None,
+    "coupled": chain_step.Draw(1, 0.7),
+    "coupled-hot": chain_step.Draw(2, 4.0),
+    "coupled-top-k": chain_step.Draw(3, 1.5, top_k=40),
+    "coupled-top-p": chain_step.Draw(4, 1.0, top_p=0.9),
+    "token-only": chain_step.Draw(5, 1.2, top_p=0.8, coupled=False),
+    "token-only-cold": chain_step.Draw(6, 0.3, coupled=False),
+    "draft-probs": chain_step.Draw(7, 0.9, top_k=50, top_p=0.95, coupled=False, quantize=True),
+}
+
+
+@pytest.mark.parametrize("name", DRAWS)
+def test_a_chain_chooses_what_single_steps_choose_and_leaves_their_cache(step, name):
+    draw = DRAWS[name]
+    prompt = _prompt(20, 0 if draw is None else draw.seed)
     step.clear(0)
     step.clear(1)
     step.forward(0, 0, prompt[:-1])
     step.forward(1, 0, prompt[:-1])
     for k in (1, 3, MAX_CHAIN):
-        keys = chain_step.coupled_keys(seed, len(prompt), k) if kind == chain_step.GUMBEL else None
-        chained = step.chains.run(0, len(prompt) - 1, prompt[-1], k, kind, keys, temperature)
-        single = _one_by_one(step, 1, prompt, k, kind, seed, temperature)
-        assert chained == single, (kind, k)
+        *chained, probs = step.chains.run(0, len(prompt) - 1, prompt[-1], k, draw)
+        *single, rows = _one_by_one(step, 1, prompt, k, draw)
+        assert chained == single, (name, k)
+        if rows is None:
+            assert probs is None
+        else:  # the q sent with the tokens: the host's, rounded as it travels
+            assert torch.equal(probs, rows)
         # both slots now hold the prompt and the first k - 1 tokens: the next step reads the same keys and values
         following = [*prompt, *chained[0]]
         torch.testing.assert_close(step.forward(0, len(following) - 1, following[-1:]),
@@ -69,24 +97,25 @@ def test_a_chain_chooses_what_single_steps_choose_and_leaves_their_cache(step, k
         prompt = following
 
 
-def test_a_gumbel_chain_depends_on_its_seed_and_a_greedy_one_does_not(step):
+@pytest.mark.parametrize("coupled", [True, False])
+def test_a_sampled_chain_depends_on_its_seed_and_a_greedy_one_does_not(step, coupled):
     prompt = _prompt(12, 9)
     step.forward(0, 0, prompt[:-1])
-    runs = {seed: step.chains.run(0, len(prompt) - 1, prompt[-1], MAX_CHAIN, chain_step.GUMBEL,
-                                  chain_step.coupled_keys(seed, len(prompt), MAX_CHAIN), 3.0)[0] for seed in range(4)}
+
+    def run(draw):
+        return step.chains.run(0, len(prompt) - 1, prompt[-1], MAX_CHAIN, draw)[0]
+
+    runs = {seed: run(chain_step.Draw(seed, 3.0, coupled=coupled)) for seed in range(4)}
     assert len({tuple(tokens) for tokens in runs.values()}) > 1
-    again = step.chains.run(0, len(prompt) - 1, prompt[-1], MAX_CHAIN, chain_step.GUMBEL,
-                            chain_step.coupled_keys(0, len(prompt), MAX_CHAIN), 3.0)[0]
-    assert again == runs[0]
+    assert run(chain_step.Draw(0, 3.0, coupled=coupled)) == runs[0]
+    assert run(None) == run(None)
 
 
 def test_what_a_chain_cannot_run_is_refused(step):
     with pytest.raises(ValueError, match="chains 1 to 6"):
         step.chains.run(0, 0, 5, MAX_CHAIN + 1, chain_step.GREEDY)
-    with pytest.raises(ValueError, match="kind must be one of"):
-        step.chains.run(0, 0, 5, 2, "beam")
-    with pytest.raises(ValueError, match="needs 2 position keys"):
-        step.chains.run(0, 0, 5, 2, chain_step.GUMBEL)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        step.chains.run(0, 0, 5, 2, chain_step.Draw(1, 0.0))
     with pytest.raises(ValueError, match="do not fit a slot"):
         step.chains.run(0, 94, 5, 3, chain_step.GREEDY)
     with pytest.raises(ValueError, match="slot 2 is not one of the 2 slots"):
@@ -106,7 +135,8 @@ def test_a_session_cache_drafts_its_chains_through_rejected_and_accepted_blocks(
     new_cache, _ = forward.slots(model, sessions=1, context=96, width=8, batch=1, graphs=False, chain=4)
     cache, context = new_cache(), _prompt(15, 4)
     for taken in (0, 2, 4, 4, 1):
-        tokens, margins, others = cache.draft_chain(context, 4, chain_step.GREEDY)
+        tokens, margins, others, probs = cache.draft_chain(context, 4)
+        assert probs is None
         assert cache.tokens == [*context, *tokens[:-1]]
         reference, fed = SessionCache(model), list(context)
         for token, margin, other in zip(tokens, margins, others):

@@ -15,6 +15,7 @@ from specsplit.lmkit.sampling import (
     logits_to_probs,
     row_argmax,
     rows_when_reached,
+    static_probs,
 )
 
 pytestmark = pytest.mark.unit
@@ -273,6 +274,28 @@ def test_top_k_from_candidates_equals_the_full_sort(top_k, top_p, scale):
     assert torch.equal(fast, sampling._sorted_truncation_mask(scaled, top_k, top_p))
     if top_p == 1.0:
         assert fast.sum(dim=-1).tolist() == [top_k] * 8
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 3, 50, 4999, 5000, 6000])
+@pytest.mark.parametrize("top_p", [1.0, 1e-9, 0.3, 0.5, 0.9, 0.999])
+def test_static_probs_equal_logits_to_probs_bit_for_bit(top_k, top_p):
+    """The settings as tensors, no branch on a value (a captured chain's q): the same bits as logits_to_probs, on
+    rows of ties across the k-th place and the top-p cut, banned tokens, flat and peaked rows."""
+    logits = torch.randn(8, 5000, generator=torch.Generator().manual_seed(top_k + int(top_p * 100))) * 3
+    logits[1] *= 0.1  # flat: a wide nucleus
+    logits[2] = (logits[2] * 4).round()  # many exact ties, some straddling the k-th place or the top-p cut
+    logits[3, 1:200] = logits[3, 0]  # ties at the top
+    logits[4, :] = 1.0  # a row of ties
+    logits[5, 10:] = -math.inf  # banned tokens: fewer allowed than the wider k
+    logits[6, :4990] = -math.inf
+    logits[7] = -math.inf
+    logits[7, [3, 9, 4000, 4001]] = 2.0  # four tokens of exactly 1/4: top-p 0.5 cuts where the mass before is 0.5
+    for temperature in (0.7, 1.9):
+        want = logits_to_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+        for row, expected in zip(logits, want):
+            got = static_probs(row, torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p,
+                               dtype=torch.float64))
+            assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("rows,vocab", [(2, 64), (5, 49152), (9, 128 * 3), (3, 100), (1, 49152)])
