@@ -46,7 +46,8 @@ REQUIRED = (
 CARRY_HINT = ("fetch the wheels here with `bash bench/gpu_wheels.sh` and pass carry=[\".gpu-wheels\"] to the device "
               "tool's run (docs/performance.md, section 'On a GPU')")
 JSON_NAME, PNG_NAME = "gpu_check.json", "gpu_check.png"
-# --stages: device (copy bandwidth, host syncs), step_kinds (the target's forward in-process, each way),
+# --stages: device (copy bandwidth, host syncs), step_kinds (the target's forward in-process, each way, and the
+# static step's cost against the context a session holds),
 # services (the rest, through the real services: steps, batching, greedy equality, end to end)
 STAGE_GROUPS = ("device", "step_kinds", "services")
 
@@ -169,6 +170,7 @@ class Check:
                 self.report["skipped"].append("device (copy bandwidth and host-sync audit need CUDA)")
             if "step_kinds" in self.args.stages:
                 self.stage("step_kinds", self.step_kinds_stage)
+                self.stage("static_contexts", self.static_contexts_stage)
             if "services" in self.args.stages:
                 self.services_stages()
         self.report["goals"] = goals(self.report)
@@ -207,6 +209,21 @@ class Check:
             # compiling takes minutes on the CPU: the tiny run (the tests') times the two eager kinds
             kinds = gpu_stages.STEP_KINDS if self.real else ("stock", "eager", "cuda-graphs")
             return gpu_stages.step_kinds(model, self.sizes, self.pair.vocab, kinds)
+        finally:
+            del model
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+    def static_contexts_stage(self) -> dict:
+        """The static step's cost against the positions a session holds (gpu_stages.static_contexts)."""
+        import torch
+
+        from specsplit.bench import gpu_stages
+        from specsplit.lmkit import models
+
+        model = models.load_model(models.ModelSpec(str(self.target_dir), self.device, "auto"))
+        try:
+            return gpu_stages.static_contexts(model, self.sizes, self.pair.vocab)
         finally:
             del model
             if self.device.startswith("cuda"):
@@ -371,6 +388,12 @@ def print_summary(report: dict, out: Path) -> None:
                 print(f"step {kind} (set up in {figures['setup_s']} s): verify ms by width {figures['verify_ms']}; "
                       f"x stock {figures.get('step_speedup_vs_stock')}; margin/std {figures['argmax_margin_over_std']}; "
                       f"verify flips {figures['verify_flips']}; differs at {figures['first_token_differing_from_first_kind']}")
+    contexts = report.get("static_contexts")
+    if contexts:
+        for row in contexts["contexts"]:
+            print(f"static step at {row['context']} positions (span {row['span_blocks']} blocks): verify ms "
+                  f"{row['verify_ms']}; reading every block {row['verify_ms_full_span']} "
+                  f"(t(1) x{row['full_span_over_held']})")
     draft = report.get("draft_steps")
     if draft:
         print(f"draft token {draft['draft_token_ms']} ms (by k; token by token "

@@ -49,14 +49,16 @@ class Sizes:
     k_sweep: tuple[int, ...]  # more k at alpha 0.8
     equality_prompts: int
     equality_tokens: int
+    contexts: tuple[int, ...]  # positions a session holds when the static step is timed at them
 
 
 REAL_SIZES = Sizes(prompt_len=512, warmup=3, reps=10, widths=tuple(range(1, 17)),
                    batch_levels=(1, 2, 4, 8, 16, 32, 64), batch_rounds=8, prompts=4, new_tokens=128, k=4,
-                   alphas=(0.5, 0.7, 0.8, 0.9, 1.0), k_sweep=(2, 8), equality_prompts=8, equality_tokens=64)
+                   alphas=(0.5, 0.7, 0.8, 0.9, 1.0), k_sweep=(2, 8), equality_prompts=8, equality_tokens=64,
+                   contexts=(512, 4096, 16384))
 TINY_SIZES = Sizes(prompt_len=16, warmup=1, reps=2, widths=(1, 2, 5, 8, 16), batch_levels=(1, 2, 4),
                    batch_rounds=3, prompts=2, new_tokens=24, k=4, alphas=(0.8, 1.0), k_sweep=(),
-                   equality_prompts=4, equality_tokens=16)
+                   equality_prompts=4, equality_tokens=16, contexts=(16, 64))
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -437,6 +439,57 @@ def step_kinds(model, sizes: Sizes, vocab: int, kinds: tuple[str, ...] = STEP_KI
             if "verify_ms" in out.get(kind, {}):
                 out[kind]["step_speedup_vs_stock"] = {w: round(out["stock"]["verify_ms"][w] / ms, 3)
                                                       for w, ms in out[kind]["verify_ms"].items()}
+    return out
+
+
+def static_contexts(model, sizes: Sizes, vocab: int, block_size: int = 16) -> dict:
+    """The static step (``lmkit.graph_step``, captured on CUDA) for one session holding each of ``sizes.contexts``
+    positions, in a step whose sessions may hold the longest: ms per verify of w tokens reading the span of blocks
+    the session holds, and the same step forced to read every block a session may hold (what a step over
+    fixed-capacity slots reads), so t(1) against the context shows whether the cost follows the tokens held."""
+    import torch
+
+    from specsplit.lmkit import graph_step
+
+    device = next(model.parameters()).device
+    widths = [w for w in (1, 4, 16) if w <= max(sizes.widths)]
+    longest = max(sizes.contexts)
+    began = time.perf_counter()
+    step = graph_step.GraphStep(model, slots=1, capacity=longest + max(widths), max_width=max(widths),
+                                graphs=device.type == "cuda", block_size=block_size,
+                                min_read=min(512, min(sizes.contexts)))
+    out: dict = {"setup_s": round(time.perf_counter() - began, 1), "block_size": block_size,
+                 "spans_blocks": list(step.spans), "graphs": len(step.graphs),
+                 "kv_gb": round(sum(t.numel() * t.element_size() for t in (*step.keys, *step.values)) / 1e9, 3),
+                 "contexts": []}
+    prompt = random_prompts(1, longest, vocab, seed=7)[0]
+    block = random_prompts(1, max(widths), vocab, seed=8)[0]
+
+    def timed(context: int, width: int) -> float:
+        for _ in range(sizes.warmup):
+            float(step.forward(0, context, block[:width])[-1, 0])
+        samples = []
+        for _ in range(sizes.reps):
+            start = time.perf_counter()
+            float(step.forward(0, context, block[:width])[-1, 0])  # a value on the host: the device is done
+            samples.append((time.perf_counter() - start) * 1e3)
+        return _ms(samples)
+
+    filled = 0
+    for context in sizes.contexts:
+        for first in range(filled, context, max(widths)):
+            step.forward(0, first, prompt[first : min(first + max(widths), context)])
+        filled = context
+        row = {"context": context, "span_blocks": step.span_for(context + max(widths)),
+               "verify_ms": {str(w): timed(context, w) for w in widths}}
+        step.span_for = lambda end: step.spans[-1]  # every block a session may hold, as fixed slots read
+        row["verify_ms_full_span"] = {str(w): timed(context, w) for w in widths}
+        del step.span_for
+        row["full_span_over_held"] = round(row["verify_ms_full_span"]["1"] / row["verify_ms"]["1"], 3)
+        out["contexts"].append(row)
+    del step
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 

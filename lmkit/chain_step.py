@@ -4,9 +4,9 @@ A model drafter proposes k tokens, each the next token after the last. Captured,
 millisecond on a GPU, and choosing each token on the host between steps (a copy to the host, Python, a copy back)
 adds a good part of that again per token. vLLM's V2 speculator, SGLang's EAGLE draft runner and TensorRT-LLM's
 ChainDrafter capture the whole drafting loop instead; so does this: one graph per chain length k and kind runs k
-one-token steps over the session's KV slot, each choosing its token on the device and feeding it to the next step,
-and writes the k tokens, with each one's margin over its runner-up and that runner-up (and, sampling, the q each
-was drawn from), to buffers the host reads once. How a token is chosen:
+one-token steps over the session's KV blocks (reading the whole span a slot may hold), each choosing its token on
+the device and feeding it to the next step, and writes the k tokens, with each one's margin over its runner-up and
+that runner-up (and, sampling, the q each was drawn from), to buffers the host reads once. How a token is chosen:
 
     greedy    the argmax of the logits
     sample    from q = ``sampling.static_probs`` of the logits (temperature, top-k, top-p: the request's, as tensors
@@ -113,7 +113,7 @@ class ChainStep:
     def _run(self, chain: _Chain, kind: str, k: int) -> None:
         """k steps, each feeding the token the last one chose: tensor operations only."""
         for i in range(k):
-            self.graph.run(chain.step)
+            self.graph.run(chain.step, self.graph.spans[-1])
             logits = chain.step.logits[0, 0].float()  # [vocab]
             if kind == GREEDY:
                 token = logits.argmax()
@@ -144,6 +144,7 @@ class ChainStep:
             raise ValueError(f"slot {slot} is not one of the {self.graph.slots} slots")
         kind = GREEDY if draw is None else SAMPLE
         chain = self.chains[(kind, k)]
+        self.graph.hold(slot, start + k)
         chain.step.ids.fill_(token)
         chain.step.positions.fill_(start)
         chain.step.slots.fill_(slot)

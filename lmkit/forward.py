@@ -62,27 +62,33 @@ def install(model, mode: str, sharded: bool = False, alone: bool = False) -> str
            f"CPU model, not on {where})"
 
 
-def slots(model, sessions: int, context: int, width: int, batch: int, graphs: bool = True, chain: int = 0):
-    """``--compile cuda-graphs``: the static step over ``sessions`` KV slots of ``context`` positions each (as
-    far as the model reaches) for blocks of up to ``width`` tokens, ``batch`` sessions a replay, captured as CUDA
-    graphs (``graphs``; off, it runs eagerly: the CPU's tests); ``chain``: also a drafter's chains of up to this
-    many tokens, each in one replay (``chain_step``). Returns (a new session's cache, the context a session may
-    reach)."""
+def slots(model, sessions: int, context: int, width: int, batch: int, graphs: bool = True, chain: int = 0,
+          kv_tokens: int = 0, block_size: int = 16):
+    """``--compile cuda-graphs``: the static step for ``sessions`` sessions of up to ``context`` positions each (as
+    far as the model reaches), their keys and values in blocks of ``block_size`` positions taken as they grow, for
+    blocks of up to ``width`` tokens, ``batch`` sessions a replay, captured as CUDA graphs (``graphs``; off, it runs
+    eagerly: the CPU's tests). The pool holds ``kv_tokens`` positions (the KV budget every session's reservation
+    fits, plus a block a session for rounding) or, 0, every session at its full context. ``chain``: also a
+    drafter's chains of up to this many tokens, each in one replay (``chain_step``). Returns (a new session's
+    cache, the context a session may reach)."""
     from specsplit.lmkit import chain_step, graph_step
 
     context = min(context, int(getattr(model.config, "max_position_embeddings", 0) or context))
     started = time.perf_counter()
     batch = min(batch, sessions)
+    blocks = -(-kv_tokens // block_size) + sessions if kv_tokens else None
     step = graph_step.GraphStep(model, slots=sessions, capacity=context + width, max_width=width, graphs=graphs,
-                                max_batch=batch)
+                                max_batch=batch, block_size=block_size, blocks=blocks)
     if chain:
         step.chains = chain_step.ChainStep(step, chain, graphs=graphs)
     free = graph_step.Slots(sessions)
     kv_bytes = sum(t.numel() * t.element_size() for t in (*step.keys, *step.values))
     chains = f" and chains of 1..{chain} tokens ({len(step.chains.graphs)} graphs)" if chain else ""
-    log.info("%s the step for widths %s x batches %s (%d graphs)%s in %.1f s; %d KV slots of %d positions (%.2f GB)",
-             "captured" if graphs else "built", ",".join(map(str, step.widths)), ",".join(map(str, step.batches)),
-             len(step.graphs), chains, time.perf_counter() - started, sessions, context, kv_bytes / 1e9)
+    log.info("%s the step for widths %s x batches %s x spans %s blocks (%d graphs)%s in %.1f s; %d sessions of up "
+             "to %d positions in %d KV blocks of %d (%.2f GB)", "captured" if graphs else "built",
+             ",".join(map(str, step.widths)), ",".join(map(str, step.batches)), ",".join(map(str, step.spans)),
+             len(step.graphs), chains, time.perf_counter() - started, sessions, context, step.blocks.count,
+             block_size, kv_bytes / 1e9)
     return (lambda: graph_step.GraphSessionCache(model, step, free)), context
 
 
@@ -103,8 +109,9 @@ def add_flags(parser, service: str, graph_context: int) -> None:
     )
     parser.add_argument(
         "--graph-context", type=int, default=graph_context,
-        help="with --compile cuda-graphs: positions each session's KV slot holds (prompt + output; capped at the "
-             "model's context); --max-sessions slots are allocated at start-up",
+        help="with --compile cuda-graphs: positions a session may hold (prompt + output; capped at the model's "
+             "context); its keys and values take blocks of 16 positions as it grows, from a pool allocated at "
+             "start-up: --kv-budget-bytes of them on the target where set, else every session at this context",
     )
     parser.add_argument(
         "--compile-cache-dir", default=str(Path.home() / ".cache" / "specsplit" / "inductor"),

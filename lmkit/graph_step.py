@@ -1,4 +1,4 @@
-"""The decoder step over fixed-capacity KV slots, every shape static: replayable as CUDA graphs.
+"""The decoder step over KV in fixed-size blocks, every shape static: replayable as CUDA graphs.
 
 An eager step on a GPU is a launch per op (a few hundred for a Llama layer stack), each paid from Python
 every step, so an 8B decode costs several times its memory floor (docs/performance.md, "On a GPU").
@@ -6,22 +6,30 @@ gpt-fast, vLLM and SGLang capture the step once per shape as a CUDA graph and re
 the same kernels on the same addresses, so everything that changes between steps must be data in tensors
 the graph reads, never a Python value or a new allocation:
 
-    keys/values   one buffer per layer for every slot: [kv_heads, (slots + 1) * capacity, head_dim], allocated
-                  once; a session's slot is a range of ``capacity`` positions (``Slots`` hands them out); the
-                  last slot is scratch, written and read by the padding rows of a batch
+    keys/values   one pool per layer: [kv_heads, (blocks + 1) * block_size, head_dim], allocated once; a session
+                  holds the blocks its tokens fill (``Blocks`` hands them out as it grows and takes them back when
+                  it ends), so memory follows the tokens held, not sessions x the longest context; the last block
+                  is scratch, where positions no block was taken for (a row's padding) are written
+    tables        which block holds each block-sized span of a session's positions: [slots + 1, max_blocks], a
+                  row per session (its slot), entries past what it holds pointing at the scratch block; a graph
+                  reads the rows of its batch
     inputs        ids and positions [batch, width] and each row's slot [batch]; where a fed token's keys and
-                  values go (slot * capacity + position) and which a row reads are computed inside the step
+                  values go (its block, then its offset) and which a row reads are computed inside the step
     mask          computed inside the step: key position p is visible to a fed token at position q when p <= q
     output        logits [batch, width, vocab] of every fed token, in a buffer the graph owns
 
-One graph per (batch, width) bucket: batches 1, 2, 4, ... up to ``max_batch`` sessions, widths 1, 2, 4, 8, 16,
-... up to ``max_width`` tokens. Rows (sessions) of a step replay the smallest bucket that holds them: each row
-padded to the bucket's width with copies of its last token, whose keys and values land at positions past the
-row's block, which no query of this step sees (the mask) and the next step overwrites before reading; missing
-rows run in the scratch slot. More sessions than ``max_batch`` replay in groups. A prompt longer than the
-widest bucket is fed in chunks of it (chunked prefill). The arithmetic is ``decoder_step``'s (the same
-functions over the model's own weights), so in float32 the logits equal the stock forward's to rounding; on
-the CPU the step runs eagerly, which is how the tests check it.
+One graph per (batch, width, span) bucket: batches 1, 2, 4, ... up to ``max_batch`` sessions, widths 1, 2, 4, 8,
+16, ... up to ``max_width`` tokens, spans (the blocks each row reads) from ``min_read`` positions doubling up to a
+session's capacity. A step replays the smallest bucket that holds its rows and the longest of their contexts, so
+a short session reads a short span whatever the capacity, and a step's cost follows the tokens held. Rows are
+padded to the bucket's width with copies of their last token, whose keys and values land past the row's block
+(in the scratch block where the row holds no block there), which no query of this step sees (the mask) and the
+next step overwrites before reading; missing rows run with the scratch slot, whose table points at the scratch
+block. More sessions than ``max_batch`` replay in groups; a prompt longer than the widest bucket is fed in chunks
+of it (chunked prefill). The arithmetic is ``decoder_step``'s (the same functions over the model's own weights),
+so in float32 the logits equal the stock forward's to rounding; on the CPU the step runs eagerly, which is how
+the tests check it. Attention is SDPA over the gathered blocks (a paged attention kernel, FlashAttention's or
+FlashInfer's, is not used yet), so a step reads its span of blocks, not exactly its tokens.
 
 Chains only: token trees (a non-causal mask) are not captured here. ``GraphSessionCache`` is a session's cache
 in a slot (what the target engine holds per session under ``serve-target --compile cuda-graphs``);
@@ -71,6 +79,28 @@ class Slots:
         self._free.sort(reverse=True)
 
 
+class Blocks:
+    """Which KV blocks are free; ``take(n)`` hands out n (lowest first), ``release`` takes them back."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._free = list(range(count - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise errors.ResourceExhausted(f"{n} more KV blocks wanted, {len(self._free)} of {self.count} free; "
+                                           "retry when a session ends")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, blocks: Sequence[int]) -> None:
+        self._free.extend(blocks)
+        self._free.sort(reverse=True)
+
+
 @dataclass
 class _Inputs:
     """One bucket's static inputs and output (their addresses are what its graph reads and writes)."""
@@ -85,17 +115,23 @@ Row = tuple[int, int, Sequence[int]]  # (slot, start position, tokens fed at sta
 
 
 class GraphStep:
-    """``GraphStep(model, slots, capacity, max_width, graphs, max_batch=...)``; ``forward(slot, start, tokens)``
-    -> logits of one session; ``forward_rows(rows)`` -> each row's logits, the rows replayed together.
+    """``GraphStep(model, slots, capacity, max_width, graphs, max_batch=..., block_size=..., blocks=...)``;
+    ``forward(slot, start, tokens)`` -> logits of one session; ``forward_rows(rows)`` -> each row's logits, the rows
+    replayed together.
 
-    ``graphs``: capture each bucket as a CUDA graph (a CUDA model only); off, the same static step runs
-    eagerly (any device). ``compile_fn`` (``decoder_step.compiler``) compiles the per-token functions, whose
-    kernels the graphs then capture."""
+    ``slots``: the sessions held at once; ``capacity``: the most positions one holds (its block table's reach);
+    ``blocks``: the KV pool, in blocks of ``block_size`` positions (default: every slot at capacity); ``min_read``:
+    the shortest span of positions a step reads. ``graphs``: capture each bucket as a CUDA graph (a CUDA model
+    only); off, the same static step runs eagerly (any device). ``compile_fn`` (``decoder_step.compiler``) compiles
+    the per-token functions, whose kernels the graphs then capture."""
 
     def __init__(self, model, slots: int, capacity: int, max_width: int = 16, graphs: bool = False,
-                 compile_fn=None, max_batch: int = 1) -> None:
+                 compile_fn=None, max_batch: int = 1, block_size: int = 16, blocks: int | None = None,
+                 min_read: int = 512) -> None:
         if capacity < max_width:
             raise ValueError(f"capacity {capacity} must hold at least one block of max_width {max_width}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         # the weights and per-token functions (``compile_fn``: compiled first, then captured with the rest)
         self.step = decoder_step.DecoderStep(model, compile_fn)
         config = model.config
@@ -103,17 +139,29 @@ class GraphStep:
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(first.head_dim)
         self.capacity, self.slots, self.max_width, self.max_batch = capacity, slots, max_width, max_batch
+        self.block_size = block_size
+        self.max_blocks = -(-capacity // block_size)  # a table's entries
+        self.blocks = Blocks(slots * self.max_blocks if blocks is None else blocks)
+        if self.blocks.count < 1:
+            raise ValueError(f"a KV pool of {self.blocks.count} blocks holds nothing")
         self.scratch = slots  # the slot padding rows run in
+        self.scratch_block = self.blocks.count
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # each slot's blocks, in position order
         weight = self.step.embed
         self.device, self.dtype = weight.device, weight.dtype
         self.widths, self.batches = buckets(max_width), buckets(max_batch)
+        first_span = min(self.max_blocks, max(1, -(-min_read // block_size)))
+        self.spans = tuple(span for span in buckets(self.max_blocks) if span >= first_span)
         with torch.inference_mode():
-            shape = (self.kv_heads, (slots + 1) * capacity, self.head_dim)
+            shape = (self.kv_heads, (self.blocks.count + 1) * block_size, self.head_dim)
             self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.step.layers]
             self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.step.layers]
-            self.key_positions = torch.arange(capacity, device=self.device)
-            self.inputs = {(b, w): self.new_inputs(b, w) for b in self.batches for w in self.widths}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+            self.tables = torch.full((slots + 1, self.max_blocks), self.scratch_block, dtype=torch.long,
+                                     device=self.device)
+            self.offsets = torch.arange(block_size, device=self.device)
+            self.inputs = {(b, w, n): self.new_inputs(b, w) for b in self.batches for w in self.widths
+                           for n in self.spans}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.chains = None  # a drafter's ``chain_step.ChainStep`` over these slots, where one is built
         if graphs:
             if self.device.type != "cuda":
@@ -132,34 +180,37 @@ class GraphStep:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for inputs in self.inputs.values():  # warm-up runs: lazy initialisation stays out of the graphs
+            for (_, _, span), inputs in self.inputs.items():  # warm-up runs: lazy initialisation stays out
                 for _ in range(2):
-                    self.run(inputs)
+                    self.run(inputs, span)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = None
-        for bucket in sorted(self.inputs, key=lambda bw: (bw[0] * bw[1], bw), reverse=True):
+        for bucket in sorted(self.inputs, key=lambda bws: (bws[0] * bws[1] * bws[2], bws), reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.run(self.inputs[bucket])
+                self.run(self.inputs[bucket], bucket[2])
             pool = graph.pool()
             self.graphs[bucket] = graph
 
-    def run(self, inputs: _Inputs) -> None:
-        """The step over ``inputs``, writing ``inputs.logits``: only tensor operations, no host value read."""
-        step = self.step
+    def run(self, inputs: _Inputs, span: int) -> None:
+        """The step over ``inputs``, each row reading the first ``span`` blocks of its table, writing
+        ``inputs.logits``: only tensor operations, no host value read."""
+        step, size = self.step, self.block_size
         batch, width = inputs.ids.shape
         hidden = F.embedding(inputs.ids, step.embed)  # [b, w, hidden]
         cos, sin = decoder_step.rotary(step.inv_freq, step.rope_scaling, inputs.positions, hidden.dtype)
-        visible = (self.key_positions <= inputs.positions[:, :, None])[:, None]  # [b, 1, w, capacity]
-        base = inputs.slots[:, None] * self.capacity  # [b, 1]
-        write_index = (base + inputs.positions).reshape(-1)  # [b * w]
-        read_index = (base + self.key_positions).reshape(-1)  # [b * capacity]
+        tables = self.tables.index_select(0, inputs.slots)  # [b, max_blocks]
+        written = tables.gather(1, torch.div(inputs.positions, size, rounding_mode="floor"))  # [b, w] blocks
+        write_index = (written * size + inputs.positions % size).reshape(-1)  # [b * w]
+        read_index = (tables[:, :span, None] * size + self.offsets).reshape(-1)  # [b * span * size]
+        key_positions = torch.arange(span * size, device=self.device)
+        visible = (key_positions <= inputs.positions[:, :, None])[:, None]  # [b, 1, w, span * size]
+        rows = (self.kv_heads, batch, span * size, self.head_dim)
         for layer in step.layers:
             q, k, v = step.attention_inputs(hidden, *layer.inputs, cos, sin, self.head_dim)
             keys, values = self.keys[layer.index], self.values[layer.index]
             keys.index_copy_(1, write_index, k.transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim))
             values.index_copy_(1, write_index, v.transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim))
-            rows = (self.kv_heads, batch, self.capacity, self.head_dim)
             attended = F.scaled_dot_product_attention(
                 q,
                 keys.index_select(1, read_index).view(rows).transpose(0, 1),
@@ -172,6 +223,22 @@ class GraphStep:
             inputs.logits = logits
         else:
             inputs.logits.copy_(logits)
+
+    def span_for(self, end: int) -> int:
+        """The span bucket (in blocks) that reads positions 0..end-1."""
+        need = -(-end // self.block_size)
+        return next(span for span in self.spans if span >= need)
+
+    @torch.inference_mode()
+    def hold(self, slot: int, end: int) -> None:
+        """Blocks for positions 0..end-1 of ``slot``, taken from the pool where it holds fewer (``Blocks.take``
+        raises ResourceExhausted when the pool is short)."""
+        held = self.held[slot]
+        need = -(-end // self.block_size) - len(held)
+        if need > 0:
+            taken = self.blocks.take(need)
+            self.tables[slot, len(held) : len(held) + need] = torch.tensor(taken, dtype=torch.long)
+            held += taken
 
     @torch.inference_mode()
     def forward(self, slot: int, start: int, tokens: Sequence[int]) -> torch.Tensor:
@@ -211,7 +278,10 @@ class GraphStep:
             if start + width > self.capacity:
                 raise ValueError(f"positions {start}..{start + len(tokens) - 1} (a block of {width} with its padding) "
                                  f"do not fit a slot of {self.capacity}")
-        inputs = self.inputs[(batch, width)]
+        for slot, start, tokens in rows:
+            self.hold(slot, start + len(tokens))
+        span = self.span_for(max(start + len(tokens) for _, start, tokens in rows))
+        inputs = self.inputs[(batch, width, span)]
         ids = torch.zeros(batch, width, dtype=torch.long)
         starts = torch.zeros(batch, 1, dtype=torch.long)
         slots = torch.full((batch,), self.scratch, dtype=torch.long)
@@ -221,31 +291,46 @@ class GraphStep:
         inputs.ids.copy_(ids, non_blocking=True)
         inputs.positions.copy_(starts + torch.arange(width), non_blocking=True)
         inputs.slots.copy_(slots, non_blocking=True)
-        if (batch, width) in self.graphs:
-            self.graphs[(batch, width)].replay()
+        if (batch, width, span) in self.graphs:
+            self.graphs[(batch, width, span)].replay()
         else:
-            self.run(inputs)
+            self.run(inputs, span)
         return [inputs.logits[row, : len(tokens)] for row, (_, _, tokens) in enumerate(rows)]
+
+    def _positions(self, blocks: Sequence[int], length: int) -> torch.Tensor:
+        """The pool indices of positions 0..length-1 held in ``blocks``."""
+        index = (torch.tensor(blocks, dtype=torch.long)[:, None] * self.block_size + torch.arange(self.block_size))
+        return index.reshape(-1)[:length].to(self.device)
 
     @torch.inference_mode()
     def clear(self, slot: int) -> None:
-        """Zero every position of ``slot``: a step reads a slot's whole capacity and masks the positions past its
-        row, and a masked non-finite value still reaches the sum (0 * NaN = NaN), so nothing a session left in a
-        slot may reach the next session there."""
-        span = slice(slot * self.capacity, (slot + 1) * self.capacity)
-        for buffers in (self.keys, self.values):
-            for layer in buffers:
-                layer[:, span] = 0
+        """Give back ``slot``'s blocks, zeroed: a step reads whole blocks and masks the positions past its row, and
+        a masked non-finite value still reaches the sum (0 * NaN = NaN), so nothing a session left in a block may
+        reach the next session to hold it."""
+        held = self.held[slot]
+        if held:
+            index = self._positions(held, len(held) * self.block_size)
+            for buffers in (self.keys, self.values):
+                for layer in buffers:
+                    layer.index_fill_(1, index, 0)
+            self.tables[slot] = self.scratch_block
+            self.blocks.release(held)
+            self.held[slot] = []
 
     @torch.inference_mode()
     def copy(self, source: int, target: int, length: int) -> None:
         """Positions 0..length-1 of slot ``source`` into slot ``target`` (a fork's shared prompt)."""
         if length:
-            src = slice(source * self.capacity, source * self.capacity + length)
-            dst = slice(target * self.capacity, target * self.capacity + length)
+            self.hold(target, length)
+            src = self._positions(self.held[source], length)
+            dst = self._positions(self.held[target], length)
             for buffers in (self.keys, self.values):
                 for layer in buffers:
-                    layer[:, dst] = layer[:, src]
+                    layer.index_copy_(1, dst, layer.index_select(1, src))
+
+    def held_positions(self) -> int:
+        """Positions the pool's taken blocks hold."""
+        return (self.blocks.count - self.blocks.free) * self.block_size
 
 
 class GraphSessionCache(SessionCache):

@@ -45,7 +45,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
     parser.add_argument("--kv-budget-bytes", type=int, default=0,
                         help="KV-cache bytes per device every live session may reserve together (each reserves its "
-                             "prompt + most new tokens + one block at its open); 0: no budget, --max-sessions alone")
+                             "prompt + most new tokens + one block at its open; under --compile cuda-graphs it also sizes the KV pool); "
+                             "0: no budget, --max-sessions alone")
     parser.add_argument("--prefill-chunk", type=prefill_chunk_flag, default=DEFAULT_PREFILL_CHUNK,
                         help="a prompt longer than this many tokens is computed this many a step, beside other "
                              "sessions' verification rows, so their rounds go on while it prefills (at least one "
@@ -104,7 +105,7 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
     if mode == "cuda-graphs":
         log.info("capturing the decoder step as CUDA graphs: health stays NOT_SERVING until done")
         new_cache, context = forward.slots(model, limits.max_sessions, args.graph_context, limits.max_block + 1,
-                                           args.max_batch)
+                                           args.max_batch, kv_tokens=limits.kv_budget_tokens)
     engine = TargetEngine(
         model,
         model_id=args.model,

@@ -48,6 +48,20 @@ CHAIN_TESTS = ("tests/unit/lmkit/test_chain_step.py", "tests/unit/draft_service/
 
 MUTANTS = (
     Mutant(
+        "paged step: a token's keys and values written at its position, not in its block",
+        "lmkit/graph_step.py",
+        "write_index = (written * size + inputs.positions % size).reshape(-1)",
+        "write_index = (inputs.positions + 0 * written).reshape(-1)",
+        GRAPH_TESTS,
+    ),
+    Mutant(
+        "paged step: a step reads the shortest span whatever its rows hold",
+        "lmkit/graph_step.py",
+        "return next(span for span in self.spans if span >= need)",
+        "return self.spans[0]",
+        GRAPH_TESTS,
+    ),
+    Mutant(
         "draft chain: each step fed at the chain's first position",
         "lmkit/chain_step.py",
         "            chain.step.positions.add_(1)\n",

@@ -49,6 +49,11 @@ def test_step_costs_are_measured_for_every_width(tiny_run):
     assert draft["cost_ratio_c"] > 0
     assert set(draft["draft_token_ms_token_by_token"]) == set(draft["draft_token_ms"]) == {"1", str(draft["k"])}
     assert all(v > 0 for v in draft["draft_token_ms_token_by_token"].values())
+    contexts = tiny_run[1]["static_contexts"]  # the static step at each context, spans as held
+    assert [row["context"] for row in contexts["contexts"]] == [16, 64]
+    assert [row["span_blocks"] for row in contexts["contexts"]] == [2, 5] and contexts["spans_blocks"][-1] == 5
+    assert all(ms > 0 for row in contexts["contexts"] for ms in (*row["verify_ms"].values(),
+                                                                  *row["verify_ms_full_span"].values()))
 
 
 def test_the_oracle_drafter_controls_acceptance_and_output_stays_the_targets(tiny_run):

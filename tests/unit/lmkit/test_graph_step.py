@@ -2,7 +2,8 @@
 
 Chunked prefills, decodes and verify blocks of two sessions in two slots, interleaved, with a rejected
 block rolled back by feeding from an earlier position; each step's logits against transformers' forward
-over the whole sequence.
+over the whole sequence. The KV lives in blocks of 4 positions here, so every session spans several, taken as
+it grows from a pool that may hold fewer than every slot at capacity.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from specsplit.lmkit import graph_step
 pytestmark = pytest.mark.unit
 
 VOCAB = 49152
+PAGED = dict(block_size=4, min_read=8)  # blocks of 4 positions; spans of 2, 4, 8, ... blocks
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def test_buckets_are_powers_of_two_up_to_the_widest_block():
 
 
 def test_prefill_decode_verify_and_rollback_in_two_slots_equal_the_stock_forward(model):
-    step = graph_step.GraphStep(model, slots=2, capacity=64, max_width=8)
+    step = graph_step.GraphStep(model, slots=2, capacity=64, max_width=8, **PAGED)
     a, b = _ids(37, 1), _ids(5, 2)  # a: prefilled in chunks of 8 (the last one padded), b: one padded bucket
     checks = []
 
@@ -71,7 +73,7 @@ def test_sessions_replayed_together_get_their_solo_logits_in_batch_buckets_and_g
     """Rows of different widths and positions in one replay (batch bucket 4 for 3 rows: one scratch row), then
     five rows with max_batch 4 (two groups): each row's logits are its stock forward's, and the scratch row
     and the padding leave every session's keys intact for its next step."""
-    step = graph_step.GraphStep(model, slots=5, capacity=48, max_width=8, max_batch=4)
+    step = graph_step.GraphStep(model, slots=5, capacity=48, max_width=8, max_batch=4, **PAGED)
     sequences = [_ids(n, 10 + slot) for slot, n in enumerate((9, 3, 14, 6, 1))]
     for slot, sequence in enumerate(sequences):  # prompts, alone
         step.forward(slot, 0, sequence)
@@ -95,13 +97,13 @@ def test_sessions_replayed_together_get_their_solo_logits_in_batch_buckets_and_g
 
 
 def test_a_block_past_the_slot_and_a_bad_slot_are_refused(model):
-    step = graph_step.GraphStep(model, slots=1, capacity=16, max_width=4)
+    step = graph_step.GraphStep(model, slots=1, capacity=16, max_width=4, **PAGED)
     with pytest.raises(ValueError, match="do not fit a slot of 16"):
         step.forward(0, 14, [1, 2, 3])  # bucket 4 at 14..17
     with pytest.raises(ValueError, match="slot 1 is not one of the 1 slots"):
         step.forward(1, 0, [1])
     with pytest.raises(ValueError, match="must hold at least one block"):
-        graph_step.GraphStep(model, slots=1, capacity=2, max_width=4)
+        graph_step.GraphStep(model, slots=1, capacity=2, max_width=4, **PAGED)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
         graph_step.GraphStep(model, slots=1, capacity=16, max_width=4, graphs=True)
 
@@ -123,19 +125,22 @@ def test_a_released_slot_holds_nothing_of_its_last_session(model):
     """A step reads its slot's whole capacity and masks what lies past the row; a masked NaN would still reach the
     sum (0 * NaN). A session leaves non-finite keys and values past its tokens; the next session in that slot gets
     finite logits equal to the stock forward's."""
-    step = graph_step.GraphStep(model, slots=2, capacity=16, max_width=4)
+    step = graph_step.GraphStep(model, slots=2, capacity=16, max_width=4, **PAGED)
     slots = graph_step.Slots(2)
     first = graph_step.GraphSessionCache(model, step, slots)
     first.apply(0, [5, 6, 7], 3)
+    block = step.held[first.slot][0]
     with torch.inference_mode():
         for buffers in (step.keys, step.values):
             for layer in buffers:
-                layer[:, first.slot * step.capacity + 15] = float("nan")
+                layer[:, block * step.block_size + 3] = float("nan")  # past its three tokens, in its block
     slot = first.slot
     first.release()
+    assert step.blocks.free == step.blocks.count
     second = graph_step.GraphSessionCache(model, step, slots)
-    assert second.slot == slot
+    assert second.slot == slot and step.held[slot] == [] 
     got = second.apply(0, [5, 6, 7], 3)
+    assert step.held[slot] == [block]
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, _stock(model, [5, 6, 7], 0), rtol=1e-4, atol=1e-4)
 
@@ -143,7 +148,7 @@ def test_a_released_slot_holds_nothing_of_its_last_session(model):
 def test_two_groups_in_one_bucket_keep_their_own_logits(model):
     """Four rows of one width with max_batch 2: two groups replay the same (2, 4) bucket, whose output buffer the
     second overwrites; each row still gets its own stock logits."""
-    step = graph_step.GraphStep(model, slots=4, capacity=32, max_width=4, max_batch=2)
+    step = graph_step.GraphStep(model, slots=4, capacity=32, max_width=4, max_batch=2, **PAGED)
     sequences = [_ids(5 + slot, 200 + slot) for slot in range(4)]
     for slot, sequence in enumerate(sequences):
         step.forward(slot, 0, sequence)
@@ -160,7 +165,7 @@ def test_two_groups_in_one_bucket_keep_their_own_logits(model):
 def test_after_a_rollback_the_next_block_is_fed_from_the_kept_position(model):
     """A session's cache keeps 2 of a 4-token block (crop), then is fed 3 other tokens: its logits are the stock
     forward's over the kept context and the new tokens, not over the rejected ones."""
-    step = graph_step.GraphStep(model, slots=1, capacity=32, max_width=4)
+    step = graph_step.GraphStep(model, slots=1, capacity=32, max_width=4, **PAGED)
     slots = graph_step.Slots(1)
     cache = graph_step.GraphSessionCache(model, step, slots)
     prompt, block, after = _ids(6, 400), _ids(4, 401), _ids(3, 402)
@@ -169,3 +174,47 @@ def test_after_a_rollback_the_next_block_is_fed_from_the_kept_position(model):
     got = cache.apply(keep, after, len(after))
     torch.testing.assert_close(got, _stock(model, prompt + block[:2] + after, keep), rtol=1e-4, atol=1e-4)
     assert cache.tokens == prompt + block[:2] + after
+
+
+def test_sessions_take_blocks_as_they_grow_and_a_step_reads_the_span_its_rows_hold(model):
+    """Blocks of 4 in a pool of 12 for slots of capacity 64 (16 blocks each): a session holds the blocks its tokens
+    fill, a step replays the span bucket of its longest row (a 5-token session reads 2 blocks, not 16), a pool too
+    short refuses with what to do, and a released session's blocks serve the next."""
+    from specsplit.lmkit import errors
+
+    step = graph_step.GraphStep(model, slots=2, capacity=64, max_width=8, blocks=12, **PAGED)
+    assert step.spans == (2, 4, 8, 16)
+    slots = graph_step.Slots(2)
+    a, b = graph_step.GraphSessionCache(model, step, slots), graph_step.GraphSessionCache(model, step, slots)
+    read = []
+    run = step.run
+    step.run = lambda inputs, span: (read.append(span), run(inputs, span))
+    short, long = _ids(5, 20), _ids(30, 21)
+    torch.testing.assert_close(a.apply(0, short, 5), _stock(model, short, 0), rtol=1e-4, atol=1e-4)
+    assert len(step.held[a.slot]) == 2 and read == [2]
+    torch.testing.assert_close(b.apply(0, long, 30), _stock(model, long, 0), rtol=1e-4, atol=1e-4)
+    assert len(step.held[b.slot]) == 8 and read[1:] == [2, 4, 8, 8]  # chunks of 8: 0..7, ..15, ..23, ..29
+    assert step.held_positions() == 40
+    long_more = long + _ids(8, 22)  # 38 positions: a tenth block
+    torch.testing.assert_close(b.apply(30, long_more[30:], 8), _stock(model, long_more, 30), rtol=1e-4, atol=1e-4)
+    assert len(step.held[b.slot]) == 10 and step.blocks.free == 0
+    with pytest.raises(errors.ResourceExhausted, match="1 more KV blocks wanted, 0 of 12 free"):
+        a.apply(5, _ids(4, 23), 1)  # position 8: a third block for a
+    b.release()
+    assert step.blocks.free == 10
+    grown = short + _ids(4, 23)
+    torch.testing.assert_close(a.apply(5, grown[5:], 4), _stock(model, grown, 5), rtol=1e-4, atol=1e-4)
+    assert len(step.held[a.slot]) == 3
+
+
+def test_a_fork_copies_the_prompt_into_blocks_of_its_own(model):
+    step = graph_step.GraphStep(model, slots=2, capacity=32, max_width=4, **PAGED)
+    slots = graph_step.Slots(2)
+    source, fork = graph_step.GraphSessionCache(model, step, slots), graph_step.GraphSessionCache(model, step, slots)
+    prompt = _ids(10, 30)
+    source.apply(0, prompt, 1)
+    fork.copy_prefix(source, 9)
+    assert len(step.held[fork.slot]) == 3 and not set(step.held[fork.slot]) & set(step.held[source.slot])
+    source.release()  # the fork's keys and values are its own
+    more = prompt + _ids(3, 31)
+    torch.testing.assert_close(fork.apply(9, more[9:], 4), _stock(model, more, 9), rtol=1e-4, atol=1e-4)

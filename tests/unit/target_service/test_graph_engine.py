@@ -129,3 +129,45 @@ def test_the_flag_is_refused_where_nothing_can_be_captured():
     with pytest.raises(ValueError, match="--graph-context must be >= 2"):
         server.compile_mode(args(device="cuda", graph_context=1))
     assert server.compile_mode(args(device="cuda:1")) == "cuda-graphs"
+
+
+def test_a_kv_budget_sizes_the_block_pool_and_every_reservation_fits_it(tiny_target_dir, tiny_reference):
+    """--kv-budget-bytes under cuda-graphs: a pool of the budget's blocks (plus one a session for rounding), far
+    fewer than three sessions at the full context; three sessions each decoding to the end of their reservation,
+    with blocks half wrong, never find the pool short, and give the model's own tokens; a fourth session past the
+    budget is refused at its open, and a closed session's blocks serve the next."""
+    from specsplit.lmkit import forward
+
+    model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
+    prompts, expected = tiny_reference
+    reserves = [len(p) + 22 for p in prompts[:SLOTS]]  # 21 new tokens of the 24 known each
+    budget = sum(reserves)
+    new_cache, context = forward.slots(model, SLOTS + 1, 512, MAX_BLOCK + 1, 2, graphs=False, kv_tokens=budget,
+                                       block_size=8)
+    limits = SessionLimits(max_block=MAX_BLOCK, max_sessions=SLOTS + 1, kv_budget_tokens=budget)
+    budgeted = TargetEngine(model, model_id="tiny", vocab_fingerprint="", limits=limits, new_cache=new_cache,
+                            compile_mode="cuda-graphs", max_context=context)
+    sessions = [budgeted.open(f"s{i}", p, GREEDY, VerificationMode.GREEDY, reserve_tokens=reserve)
+                for i, (p, reserve) in enumerate(zip(prompts, reserves))]
+    pool = sessions[0].cache._graph.blocks
+    assert pool.count == -(-budget // 8) + SLOTS + 1 < (SLOTS + 1) * (512 + MAX_BLOCK + 1) // 8
+    with pytest.raises(errors.ResourceExhausted, match="budget"):
+        budgeted.open("past-the-budget", prompts[0], GREEDY, VerificationMode.GREEDY, reserve_tokens=reserves[0])
+    for step in range(12):
+        for i, session in enumerate(sessions):
+            out = session.tokens[len(prompts[i]):]
+            room = reserves[i] - len(session.tokens) - 1
+            if room < 0:
+                continue
+            truth = expected[i][len(out):len(out) + min(3, room)]
+            block = [truth[0], (truth[1] + 1) % 49152, *truth[2:]] if step % 2 and len(truth) > 1 else truth
+            budgeted.verify(session, len(session.tokens), block, None)
+    for i, session in enumerate(sessions):
+        out = session.tokens[len(prompts[i]):]
+        assert out == expected[i][: len(out)] and len(session.tokens) >= reserves[i] - 1
+    held = pool.count - pool.free
+    budgeted.close("s0")
+    assert pool.count - pool.free < held
+    again = budgeted.open("again", prompts[0], GREEDY, VerificationMode.GREEDY, reserve_tokens=reserves[0])
+    budgeted.verify(again, len(again.tokens), expected[0][:3], None)
+    assert again.tokens[len(prompts[0]):] == expected[0][:4]
