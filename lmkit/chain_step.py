@@ -128,6 +128,7 @@ class ChainStep:
             chain.margins[i] = logits[token] - logits[other]
             chain.step.ids.copy_(token.view(1, 1))
             chain.step.positions.add_(1)
+            chain.step.rope.add_(1)
 
     @torch.inference_mode()
     def run(self, slot: int, start: int, token: int, k: int, draw: Draw | None = None
@@ -147,6 +148,7 @@ class ChainStep:
         self.graph.hold(slot, start + k)
         chain.step.ids.fill_(token)
         chain.step.positions.fill_(start)
+        chain.step.rope.fill_(start)
         chain.step.slots.fill_(slot)
         if draw is not None:
             if not draw.temperature > 0:

@@ -13,8 +13,9 @@ every drafter that runs a model (the model drafter and the self-drafts).
                   linears on the CPU, where the model's layout allows; transformers' forward over packed rows
                   where only the attention allows; the stock forward where neither (a sliding window)
     inductor      the same, the decoder step compiled by ``torch.compile`` (plain linears)
-    cuda-graphs   the static decoder step over KV slots allocated at start, captured per (batch, width) bucket
-                  (``lmkit.graph_step``): a session's cache is a slot (``slots``), chains only
+    cuda-graphs   the static decoder step over KV blocks from a pool allocated at start, captured per (batch,
+                  width, span) bucket (``lmkit.graph_step``): a session's cache is a slot (``slots``), chains and
+                  token trees, no hidden features
 
 A ``SessionCache`` built over an installed model runs the packed forward (``kvcache``); over the stock model, the
 stock one. The packed forward and the decoder step are per model object: a self-draft view installs its own.
@@ -104,7 +105,7 @@ def add_flags(parser, service: str, graph_context: int) -> None:
         "--compile", default="auto", choices=decoder_step.COMPILE_MODES,
         help=f"compile the {service}'s decoder step: off (eager), inductor (torch.compile, at start-up, health "
              "NOT_SERVING until done), cuda-graphs (a static step captured once per block width and batch over KV "
-             "slots allocated at start-up: CUDA only, chains only, no hidden features for EAGLE/Medusa), auto (what "
+             "blocks allocated at start-up: CUDA only, chains and trees, no hidden features for EAGLE/Medusa), auto (what "
              "measured faster on the device: off on the CPU and, for now, on CUDA)",
     )
     parser.add_argument(

@@ -14,8 +14,12 @@ the graph reads, never a Python value or a new allocation:
                   row per session (its slot), entries past what it holds pointing at the scratch block; a graph
                   reads the rows of its batch
     inputs        ids and positions [batch, width] and each row's slot [batch]; where a fed token's keys and
-                  values go (its block, then its offset) and which a row reads are computed inside the step
-    mask          computed inside the step: key position p is visible to a fed token at position q when p <= q
+                  values go (its block, then its offset) and which a row reads are computed inside the step; the
+                  rotary positions [batch, width] (a token tree's node at its depth, not its place in the block)
+                  and which fed tokens each fed token sees [batch, width, width] (a chain: those up to it; a tree:
+                  the fed context before it and its ancestors)
+    mask          computed inside the step: a fed token sees every position before its row's block and the fed
+                  tokens its row of the block mask names
     output        logits [batch, width, vocab] of every fed token, in a buffer the graph owns
 
 One graph per (batch, width, span) bucket: batches 1, 2, 4, ... up to ``max_batch`` sessions, widths 1, 2, 4, 8,
@@ -31,7 +35,9 @@ so in float32 the logits equal the stock forward's to rounding; on the CPU the s
 the tests check it. Attention is SDPA over the gathered blocks (a paged attention kernel, FlashAttention's or
 FlashInfer's, is not used yet), so a step reads its span of blocks, not exactly its tokens.
 
-Chains only: token trees (a non-causal mask) are not captured here. ``GraphSessionCache`` is a session's cache
+Token trees replay the same graphs as chains (the block mask and rotary positions are inputs); after the verdict
+the accepted path's keys and values move to consecutive positions (``keep_path``). ``GraphSessionCache`` is a
+session's cache
 in a slot (what the target engine holds per session under ``serve-target --compile cuda-graphs``);
 ``forward_steps`` runs several sessions' steps in one replay (the engine's batched verify).
 """
@@ -44,7 +50,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.lmkit import chain_step, decoder_step, errors
+from specsplit.lmkit import chain_step, decoder_step, errors, token_tree
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.transfer import to_host
 
@@ -108,10 +114,27 @@ class _Inputs:
     ids: torch.Tensor  # [batch, width] long
     positions: torch.Tensor  # [batch, width] long
     slots: torch.Tensor  # [batch] long: each row's slot (padding rows: the scratch slot)
+    rope: torch.Tensor  # [batch, width] long: each fed token's rotary position
+    sees: torch.Tensor  # [batch, width, width] bool: which of its row's fed tokens each fed token attends to
     logits: torch.Tensor | None = None  # [batch, width, vocab], the step's output
 
 
-Row = tuple[int, int, Sequence[int]]  # (slot, start position, tokens fed at start..)
+# (slot, start position, tokens fed at start.., and optionally the parents of the last len(parents) of them: a token
+# tree after the fed context, ``lmkit.token_tree``)
+Row = tuple
+
+
+def row_layout(start: int, count: int, width: int, parents: Sequence[int] | None) -> tuple[list[int], torch.Tensor]:
+    """A row's rotary positions [width] and block mask [width, width] for ``count`` fed tokens padded to ``width``:
+    a chain causal; with ``parents``, the last len(parents) fed tokens a tree whose node i sits at the position
+    after the fed context plus its depth and sees the fed context and its ancestors (``token_tree.step_layout``)."""
+    rope = list(range(start, start + width))
+    sees = torch.ones(width, width, dtype=torch.bool).tril()
+    if parents:
+        tail = count - len(parents)
+        rope[tail:count] = [start + tail + depth for depth in token_tree.depths(parents)]
+        sees[tail:count, tail:count] = token_tree.ancestor_mask(parents)
+    return rope, sees
 
 
 class GraphStep:
@@ -172,7 +195,9 @@ class GraphStep:
         """Static inputs of one (batch, width) bucket, on the device."""
         long = dict(dtype=torch.long, device=self.device)
         positions = torch.arange(width, **long).repeat(batch, 1)
-        return _Inputs(torch.zeros(batch, width, **long), positions, torch.full((batch,), self.scratch, **long))
+        sees = torch.ones(width, width, dtype=torch.bool, device=self.device).tril().repeat(batch, 1, 1)
+        return _Inputs(torch.zeros(batch, width, **long), positions, torch.full((batch,), self.scratch, **long),
+                       positions.clone(), sees)
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -198,13 +223,15 @@ class GraphStep:
         step, size = self.step, self.block_size
         batch, width = inputs.ids.shape
         hidden = F.embedding(inputs.ids, step.embed)  # [b, w, hidden]
-        cos, sin = decoder_step.rotary(step.inv_freq, step.rope_scaling, inputs.positions, hidden.dtype)
+        cos, sin = decoder_step.rotary(step.inv_freq, step.rope_scaling, inputs.rope, hidden.dtype)
         tables = self.tables.index_select(0, inputs.slots)  # [b, max_blocks]
         written = tables.gather(1, torch.div(inputs.positions, size, rounding_mode="floor"))  # [b, w] blocks
         write_index = (written * size + inputs.positions % size).reshape(-1)  # [b * w]
         read_index = (tables[:, :span, None] * size + self.offsets).reshape(-1)  # [b * span * size]
-        key_positions = torch.arange(span * size, device=self.device)
-        visible = (key_positions <= inputs.positions[:, :, None])[:, None]  # [b, 1, w, span * size]
+        # a key before the row's block is seen by every fed token; one in the block as the block mask says
+        offset = torch.arange(span * size, device=self.device) - inputs.positions[:, :1]  # [b, span * size]
+        in_block = inputs.sees.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, -1))
+        visible = ((offset < 0)[:, None, :] | ((offset < width)[:, None, :] & in_block))[:, None]  # [b, 1, w, s]
         rows = (self.kv_heads, batch, span * size, self.head_dim)
         for layer in step.layers:
             q, k, v = step.attention_inputs(hidden, *layer.inputs, cos, sin, self.head_dim)
@@ -241,28 +268,37 @@ class GraphStep:
             held += taken
 
     @torch.inference_mode()
-    def forward(self, slot: int, start: int, tokens: Sequence[int]) -> torch.Tensor:
+    def forward(self, slot: int, start: int, tokens: Sequence[int], parents: Sequence[int] | None = None
+                ) -> torch.Tensor:
         """Feed ``tokens`` at positions start.. of ``slot`` (whose positions < start hold this session's keys and
-        values); returns their logits [len(tokens), vocab] on the device, valid until the next call."""
+        values), the last len(parents) of them a token tree where ``parents`` is given; returns their logits
+        [len(tokens), vocab] on the device, valid until the next call."""
         if len(tokens) <= self.max_width:
-            return self.forward_rows([(slot, start, tokens)])[0]
-        # chunked: each chunk's logits are copied out before the next replay overwrites its bucket's output
-        return torch.cat([self.forward_rows([(slot, start + first, tokens[first : first + self.max_width])])[0].clone()
-                          for first in range(0, len(tokens), self.max_width)])
+            return self.forward_rows([(slot, start, tokens, parents)])[0]
+        if parents and len(parents) > self.max_width:
+            raise ValueError(f"a tree of {len(parents)} nodes is wider than max_width {self.max_width}")
+        # chunked: each chunk's logits are copied out before the next replay overwrites its bucket's output; a
+        # tree and the fed context just before it go last, in one row
+        last = len(tokens) - self.max_width
+        chunks = [self.forward_rows([(slot, start + first, tokens[first : min(first + self.max_width, last)])])[0]
+                  .clone() for first in range(0, last, self.max_width)]
+        return torch.cat([*chunks, self.forward_rows([(slot, start + last, tokens[last:], parents)])[0]])
 
     @torch.inference_mode()
     def forward_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Each row's step (its tokens, at most ``max_width``, fed at start.. of its slot), replayed together
         ``max_batch`` rows at a time; returns each row's logits [len(tokens), vocab] on the device, valid until
         the next call."""
-        for slot, _, tokens in rows:
+        for slot, _, tokens, *parents in rows:
+            if parents and parents[0] and len(parents[0]) > len(tokens):
+                raise ValueError(f"a tree of {len(parents[0])} nodes in a row of {len(tokens)} tokens")
             if not 0 <= slot < self.slots:
                 raise ValueError(f"slot {slot} is not one of the {self.slots} slots")
             if not tokens:
                 raise ValueError("feed at least one token")
             if len(tokens) > self.max_width:
                 raise ValueError(f"a row of {len(tokens)} tokens is wider than max_width {self.max_width}")
-        if len({slot for slot, _, _ in rows}) != len(rows):
+        if len({row[0] for row in rows}) != len(rows):
             raise ValueError("a step feeds each slot at most once")
         groups = [rows[i : i + self.max_batch] for i in range(0, len(rows), self.max_batch)]
         out: list[torch.Tensor] = []
@@ -272,30 +308,37 @@ class GraphStep:
         return out
 
     def _replay(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        rows = [(slot, start, tokens, extra[0] if extra else None) for slot, start, tokens, *extra in rows]
         batch = next(b for b in self.batches if b >= len(rows))
-        width = next(w for w in self.widths if w >= max(len(tokens) for _, _, tokens in rows))
-        for _, start, tokens in rows:
+        width = next(w for w in self.widths if w >= max(len(tokens) for _, _, tokens, _ in rows))
+        for _, start, tokens, _ in rows:
             if start + width > self.capacity:
                 raise ValueError(f"positions {start}..{start + len(tokens) - 1} (a block of {width} with its padding) "
                                  f"do not fit a slot of {self.capacity}")
-        for slot, start, tokens in rows:
+        for slot, start, tokens, _ in rows:
             self.hold(slot, start + len(tokens))
-        span = self.span_for(max(start + len(tokens) for _, start, tokens in rows))
+        span = self.span_for(max(start + len(tokens) for _, start, tokens, _ in rows))
         inputs = self.inputs[(batch, width, span)]
         ids = torch.zeros(batch, width, dtype=torch.long)
         starts = torch.zeros(batch, 1, dtype=torch.long)
         slots = torch.full((batch,), self.scratch, dtype=torch.long)
-        for row, (slot, start, tokens) in enumerate(rows):
+        rope = torch.arange(width).repeat(batch, 1)
+        sees = torch.ones(width, width, dtype=torch.bool).tril().repeat(batch, 1, 1)
+        for row, (slot, start, tokens, parents) in enumerate(rows):
             ids[row] = torch.tensor([*tokens, *[tokens[-1]] * (width - len(tokens))])
             starts[row, 0], slots[row] = start, slot
+            positions, mask = row_layout(start, len(tokens), width, parents)
+            rope[row], sees[row] = torch.tensor(positions), mask
         inputs.ids.copy_(ids, non_blocking=True)
         inputs.positions.copy_(starts + torch.arange(width), non_blocking=True)
         inputs.slots.copy_(slots, non_blocking=True)
+        inputs.rope.copy_(rope, non_blocking=True)
+        inputs.sees.copy_(sees, non_blocking=True)
         if (batch, width, span) in self.graphs:
             self.graphs[(batch, width, span)].replay()
         else:
             self.run(inputs, span)
-        return [inputs.logits[row, : len(tokens)] for row, (_, _, tokens) in enumerate(rows)]
+        return [inputs.logits[row, : len(tokens)] for row, (_, _, tokens, _) in enumerate(rows)]
 
     def _positions(self, blocks: Sequence[int], length: int) -> torch.Tensor:
         """The pool indices of positions 0..length-1 held in ``blocks``."""
@@ -328,16 +371,29 @@ class GraphStep:
                 for layer in buffers:
                     layer.index_copy_(1, dst, layer.index_select(1, src))
 
+    @torch.inference_mode()
+    def keep_path(self, slot: int, start: int, offsets: Sequence[int]) -> None:
+        """Positions start + offsets[0], start + offsets[1], ... of ``slot`` moved to start, start + 1, ...: a
+        token tree's accepted path (offsets ascend, so entries only move towards ``start``)."""
+        if list(offsets) != list(range(len(offsets))):
+            held = self.held[slot]
+            index = self._positions(held, len(held) * self.block_size)
+            src = index[torch.tensor([start + o for o in offsets], device=self.device)]
+            dst = index[start : start + len(offsets)]
+            for buffers in (self.keys, self.values):
+                for layer in buffers:
+                    layer.index_copy_(1, dst, layer.index_select(1, src))  # a copy: sources and targets may overlap
+
     def held_positions(self) -> int:
         """Positions the pool's taken blocks hold."""
         return (self.blocks.count - self.blocks.free) * self.block_size
 
 
 class GraphSessionCache(SessionCache):
-    """A session's cache in one slot of a shared ``GraphStep``: chains only, no hidden features.
+    """A session's cache in one slot of a shared ``GraphStep``: chains and token trees, no hidden features.
 
     Cropping only forgets tokens: the slot's stale positions are overwritten by the next step before any
-    query reads them."""
+    query reads them; after a tree, the accepted path's positions move together (``keep_path``)."""
 
     gives_features = False
 
@@ -349,21 +405,19 @@ class GraphSessionCache(SessionCache):
 
     @property
     def supports_trees(self) -> bool:
-        return False
+        return True
 
     @torch.inference_mode()
     def apply(
         self, keep: int, feed: Sequence[int], n_logits: int, parents: Sequence[int] | None = None
     ) -> torch.Tensor:
         self.start_step(keep, parents)
-        logits = to_host(self._graph.forward(self.slot, keep, feed)[-n_logits:])
+        logits = to_host(self._graph.forward(self.slot, keep, feed, parents)[-n_logits:])
         self.end_step(feed)
         return logits
 
     def start_step(self, keep: int, parents: Sequence[int] | None) -> None:
         """Before a step: what the step cannot run refused, saying so; the cache cropped to ``keep``."""
-        if parents is not None:
-            raise ValueError("the CUDA-graph step verifies chains only, not token trees")
         if self.feature_layers:
             raise ValueError("the CUDA-graph step returns no hidden features")
         if self.slot is None:
@@ -377,6 +431,12 @@ class GraphSessionCache(SessionCache):
 
     def crop(self, length: int) -> None:
         self._forget_from(length)
+
+    def keep_path(self, length: int, path: Sequence[int]) -> None:
+        nodes = self._tokens[length:]
+        self._graph.keep_path(self.slot, length, path)
+        self._forget_from(length)
+        self._tokens.extend(nodes[i] for i in path)
 
     @property
     def chains(self):
@@ -433,7 +493,7 @@ def forward_steps(steps: Sequence) -> list[torch.Tensor]:
         if not cache.runs_like(caches[0]):
             raise ValueError("a batched step runs slots of one CUDA-graph step")
         cache.start_step(step.keep, step.parents)
-    logits = graph.forward_rows([(cache.slot, step.keep, step.feed) for step, cache in zip(steps, caches)])
+    logits = graph.forward_rows([(cache.slot, step.keep, step.feed, step.parents) for step, cache in zip(steps, caches)])
     host = to_host(torch.cat([rows[-step.n_logits :] for rows, step in zip(logits, steps)]))  # one wait
     out = list(host.split([step.n_logits for step in steps]))
     for step, cache in zip(steps, caches):

@@ -186,6 +186,7 @@ class TargetEngine:
         self.batch_invariant = batch_invariant
         # A CUDA-graph target's sessions replay together in its batch buckets (lmkit.graph_step).
         own_caches = new_cache is None or compile_mode == "cuda-graphs"
+        self._static_step = compile_mode == "cuda-graphs"  # lmkit.graph_step's caches: chains and trees
         self.can_batch = not batch_invariant and own_caches and rows_share_rope(model)
         self.forward_passes = 0  # verifying forwards run; rounds / forward_passes is the mean batch size
         self.forward_cost = LinearCost()  # verifying forwards' seconds over their (padded) tokens
@@ -663,8 +664,9 @@ class TargetEngine:
 
     @property
     def verifies_trees(self) -> bool:
-        """Token-tree blocks are verified (``ModelInfo.token_trees``): the packed forward runs the model."""
-        return packed_rows.installed(self.model)
+        """Token-tree blocks are verified (``ModelInfo.token_trees``): the packed forward or the static step runs
+        the model."""
+        return self._static_step or packed_rows.installed(self.model)
 
     def _check_tree(self, session, draft_tokens, parents) -> None:
         if not session.cache.supports_trees:

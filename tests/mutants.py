@@ -62,6 +62,20 @@ MUTANTS = (
         GRAPH_TESTS,
     ),
     Mutant(
+        "static step: a tree node's rotary position its place in the block, not its depth",
+        "lmkit/graph_step.py",
+        "        rope[tail:count] = [start + tail + depth for depth in token_tree.depths(parents)]\n",
+        "",
+        GRAPH_TESTS,
+    ),
+    Mutant(
+        "static step: a tree's accepted path left where its nodes were",
+        "lmkit/graph_step.py",
+        "        self._graph.keep_path(self.slot, length, path)\n",
+        "",
+        GRAPH_TESTS,
+    ),
+    Mutant(
         "draft chain: each step fed at the chain's first position",
         "lmkit/chain_step.py",
         "            chain.step.positions.add_(1)\n",

@@ -142,7 +142,7 @@ def test_a_layout_it_does_not_run_is_named_and_left_to_transformers():
 def test_auto_resolves_to_the_measured_mode_and_unknown_modes_are_refused():
     assert decoder_step.resolve_compile("auto", "cpu") == "off"
     assert decoder_step.resolve_compile("inductor", "cpu") == "inductor"
-    assert decoder_step.resolve_compile("auto", "cuda") == "off"  # cuda-graphs: chains only
+    assert decoder_step.resolve_compile("auto", "cuda") == "off"  # cuda-graphs: not measured served yet
     with pytest.raises(ValueError, match="off, auto, inductor, cuda-graphs"):
         decoder_step.resolve_compile("tensorrt", "cpu")
     with pytest.raises(ValueError, match="needs --device cuda"):

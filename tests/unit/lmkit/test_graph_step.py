@@ -218,3 +218,49 @@ def test_a_fork_copies_the_prompt_into_blocks_of_its_own(model):
     source.release()  # the fork's keys and values are its own
     more = prompt + _ids(3, 31)
     torch.testing.assert_close(fork.apply(9, more[9:], 4), _stock(model, more, 9), rtol=1e-4, atol=1e-4)
+
+
+def test_a_token_tree_gives_each_node_its_root_paths_logits_and_the_kept_path_reads_as_a_chain(model):
+    """A tree fed after two context tokens (padded to the width-8 bucket, a row beside a chain row): each node's
+    logits are the stock forward's over the context and the node's root path; after ``keep_path`` keeps a branch
+    whose nodes are not consecutive, the next step's logits are the stock forward's over the context and that
+    branch. A tree longer than the widest bucket's room goes after its context's chunks."""
+    step = graph_step.GraphStep(model, slots=2, capacity=64, max_width=8, max_batch=2, **PAGED)
+    slots = graph_step.Slots(2)
+    tree_cache = graph_step.GraphSessionCache(model, step, slots)
+    chain_cache = graph_step.GraphSessionCache(model, step, slots)
+    prompt, other = _ids(11, 40), _ids(6, 41)
+    tree_cache.apply(0, prompt[:-2], 1)
+    chain_cache.apply(0, other, 1)
+    nodes, parents = _ids(5, 42), [-1, 0, 0, 2, -1]  # 0 -> {1, 2 -> 3}; 4 a second root
+    paths = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 2, 3], 4: [4]}
+    from specsplit.target_service.batched_forward import Step
+
+    more = _ids(3, 43)
+    logits = graph_step.forward_steps([
+        Step(tree_cache, len(prompt) - 2, [*prompt[-2:], *nodes], len(nodes) + 2, tuple(parents)),
+        Step(chain_cache, len(other), more, len(more)),
+    ])
+    torch.testing.assert_close(logits[1], _stock(model, other + more, len(other)), rtol=1e-4, atol=1e-4)
+    rows = logits[0]
+    torch.testing.assert_close(rows[:2], _stock(model, prompt, len(prompt) - 2), rtol=1e-4, atol=1e-4)
+    for node, path in paths.items():
+        want = _stock(model, prompt + [nodes[i] for i in path], len(prompt) + len(path) - 1)[0]
+        torch.testing.assert_close(rows[2 + node], want, rtol=1e-4, atol=1e-4)
+    tree_cache.keep_path(len(prompt), [0, 2, 3])
+    kept = prompt + [nodes[0], nodes[2], nodes[3]]
+    assert tree_cache.tokens == kept
+    after = _ids(2, 44)
+    got = tree_cache.apply(len(kept), after, 2)
+    torch.testing.assert_close(got, _stock(model, kept + after, len(kept)), rtol=1e-4, atol=1e-4)
+    # a context of 9 tokens and a tree of 3: the context's first 4 in a chunk, the rest with the tree in one row
+    context = kept + after
+    fresh = graph_step.GraphSessionCache(model, step, graph_step.Slots(1))
+    fresh.slot = tree_cache.slot  # reuse the released row's table
+    tree_cache.release()
+    fresh.slot = slots.take()
+    got = fresh.apply(0, [*context, *nodes[:3]], 4, [-1, 0, 0])
+    torch.testing.assert_close(got[0], _stock(model, context, len(context) - 1)[0], rtol=1e-4, atol=1e-4)
+    for node, path in {0: [0], 1: [0, 1], 2: [0, 2]}.items():
+        want = _stock(model, context + [nodes[i] for i in path], len(context) + len(path) - 1)[0]
+        torch.testing.assert_close(got[1 + node], want, rtol=1e-4, atol=1e-4)

@@ -2,8 +2,8 @@
 
 Greedy output equals the model's own with target-only steps and with draft blocks half of whose tokens
 are wrong (so blocks are rejected and slots rolled back), sessions interleaved in their slots, forks
-sharing a prompt; what the step does not do (trees, hidden features, more sessions than slots, a context
-past the slot) is refused with a message that says what to do.
+sharing a prompt, token trees alone and verified together with chains; what the step does not do (hidden
+features, more sessions than slots, a context past the slot) is refused with a message that says what to do.
 """
 
 from __future__ import annotations
@@ -96,12 +96,51 @@ def test_forks_copy_the_prompt_between_slots_and_decode_as_alone(engine, tiny_re
     engine.close("fork")
 
 
+def _tree(truth: list[int]) -> tuple[list[int], list[int]]:
+    """A tree whose true path is nodes 1 and 3 (a wrong sibling before each of its tokens)."""
+    wrong = [(t + 1) % 49152 for t in truth]
+    return [wrong[0], truth[0], wrong[1], truth[1]], [-1, -1, 1, 1]
+
+
+def test_token_trees_verify_alone_and_with_chains_and_decode_as_the_model(engine, tiny_reference):
+    """Trees replay the chains' graphs (the block mask and rotary positions are inputs): each round's tree holds the
+    true continuation on a branch whose nodes are not consecutive, so its keys and values move (keep_path) before
+    the next round reads them; alone (verify) and beside a chain session (verify_batch), the output is the model's."""
+    from specsplit.target_service.engine import VerifyItem
+
+    prompts, expected = tiny_reference
+    assert engine.verifies_trees  # ModelInfo.token_trees
+    sessions = [engine.open(f"t{i}", p, GREEDY, VerificationMode.GREEDY) for i, p in enumerate(prompts[:2])]
+    try:
+        for step in range(6):
+            items = []
+            for i, session in enumerate(sessions):
+                out = session.tokens[len(prompts[i]):]
+                truth = expected[i][len(out):len(out) + 3]
+                if i == 0 or step % 2:
+                    tokens, parents = _tree(truth)
+                else:
+                    tokens, parents = truth[:2], None
+                items.append(VerifyItem(session, len(session.tokens), tokens, None, parents=parents))
+            if step < 2:  # alone
+                outcomes = [engine.verify(item.session, item.position, item.draft_tokens, None, parents=item.parents)
+                            for item in items]
+            else:
+                outcomes = engine.verify_batch(items)
+            for outcome in outcomes:
+                assert not isinstance(outcome, Exception), outcome
+            assert outcomes[0].accepted == 2
+        for i, session in enumerate(sessions):
+            out = session.tokens[len(prompts[i]):]
+            assert out == expected[i][: len(out)] and len(out) >= 12
+    finally:
+        for i in range(len(sessions)):
+            engine.close(f"t{i}")
+
+
 def test_what_the_step_does_not_do_is_refused_with_what_to_do(engine, tiny_reference):
     prompts, _ = tiny_reference
-    assert not engine.verifies_trees  # ModelInfo.token_trees: false
     session = engine.open("chain", prompts[0], GREEDY, VerificationMode.GREEDY)
-    with pytest.raises(errors.InvalidArgument, match="does not verify token trees"):
-        engine.verify(session, len(session.tokens), [5, 6], None, parents=[-1, -1])
     with pytest.raises(errors.InvalidArgument, match="returns no hidden features.*--compile off"):
         engine.open("eagle", prompts[0], GREEDY, VerificationMode.GREEDY, feature_layers=[2])
     others = [engine.open(f"o{i}", prompts[0], GREEDY, VerificationMode.GREEDY) for i in range(SLOTS - 1)]
