@@ -465,26 +465,36 @@ def static_contexts(model, sizes: Sizes, vocab: int, block_size: int = 16) -> di
     prompt = random_prompts(1, longest, vocab, seed=7)[0]
     block = random_prompts(1, max(widths), vocab, seed=8)[0]
 
-    def timed(context: int, width: int) -> float:
-        for _ in range(sizes.warmup):
-            float(step.forward(0, context, block[:width])[-1, 0])
-        samples = []
-        for _ in range(sizes.reps):
+    def once(context: int, width: int, full: bool) -> float:
+        if full:  # every block a session may hold, as fixed slots read
+            step.span_for = lambda end: step.spans[-1]
+        try:
             start = time.perf_counter()
             float(step.forward(0, context, block[:width])[-1, 0])  # a value on the host: the device is done
-            samples.append((time.perf_counter() - start) * 1e3)
-        return _ms(samples)
+            return (time.perf_counter() - start) * 1e3
+        finally:
+            step.__dict__.pop("span_for", None)
+
+    def timed(context: int, width: int) -> tuple[float, float]:
+        """(reading the span held, reading every block): the two measured in turn, rep by rep."""
+        for _ in range(sizes.warmup):
+            once(context, width, False)
+            once(context, width, True)
+        held, full = [], []
+        for _ in range(sizes.reps):
+            held.append(once(context, width, False))
+            full.append(once(context, width, True))
+        return _ms(held), _ms(full)
 
     filled = 0
     for context in sizes.contexts:
         for first in range(filled, context, max(widths)):
             step.forward(0, first, prompt[first : min(first + max(widths), context)])
         filled = context
+        times = {str(w): timed(context, w) for w in widths}
         row = {"context": context, "span_blocks": step.span_for(context + max(widths)),
-               "verify_ms": {str(w): timed(context, w) for w in widths}}
-        step.span_for = lambda end: step.spans[-1]  # every block a session may hold, as fixed slots read
-        row["verify_ms_full_span"] = {str(w): timed(context, w) for w in widths}
-        del step.span_for
+               "verify_ms": {w: t[0] for w, t in times.items()},
+               "verify_ms_full_span": {w: t[1] for w, t in times.items()}}
         row["full_span_over_held"] = round(row["verify_ms_full_span"]["1"] / row["verify_ms"]["1"], 3)
         out["contexts"].append(row)
     del step

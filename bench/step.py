@@ -36,7 +36,7 @@ from specsplit.lmkit.kv_buffer import KVBuffer
 from specsplit.lmkit.packed_linear import PackedLinear, pack_linears, packs
 
 MODES = ("transformers", "step", "inductor")
-PARTS = ("forward", "decision", "cache", "engine", "linears", "bound", "draft")  # --step-parts, in running order
+PARTS = ("forward", "decision", "cache", "engine", "linears", "bound", "draft", "static")  # --step-parts, in running order
 CONTEXT = 64
 
 
@@ -52,7 +52,9 @@ def add_flags(parser) -> None:
                              "projection packed and plain, by weight shape and row count), bound (--model's eager "
                              "step by width against the memory bound: weights read / one thread's read rate), draft "
                              "(the model drafter's proposal of 1 and of k tokens with --model, its layer-skip and its "
-                             "int8 self-drafts, on transformers' stock forward and on the fast one)")
+                             "int8 self-drafts, on transformers' stock forward and on the fast one), static (--model's static "
+                             "step, what --compile cuda-graphs captures, uncaptured: a verify at 512, 2,048 and 8,192 "
+                             "held positions reading the span of blocks held against reading every block)")
     parser.add_argument("--step-draft-k", type=int, default=4, help="--suite step: the draft block measured beside 1")
 
 
@@ -407,6 +409,21 @@ def measure_draft(ref: str, k: int, repeats: int = 3, n: int = 5) -> dict:
             "cells": cells, "mismatches": mismatch}
 
 
+STATIC_CONTEXTS = (512, 2048, 8192)
+
+
+def measure_static(ref: str, repeats: int) -> dict:
+    """--model's static step (``lmkit.graph_step``, uncaptured here) at each of ``STATIC_CONTEXTS`` held positions:
+    ``gpu_stages.static_contexts``, the GPU check's stage, on this CPU."""
+    from dataclasses import replace
+
+    from specsplit.bench import gpu_stages
+
+    model = models.load_model(models.ModelSpec(ref))
+    sizes = replace(gpu_stages.TINY_SIZES, widths=(1, 4, 16), contexts=STATIC_CONTEXTS, warmup=1, reps=repeats)
+    return {"model": ref, **gpu_stages.static_contexts(model, sizes, int(model.config.vocab_size))}
+
+
 def run(args) -> int:
     from specsplit.bench.overhead import tiny_model
 
@@ -435,10 +452,11 @@ def run(args) -> int:
         linears = measure_linears() if "linears" in parts else []
         bound = measure_bound(args.model, widths) if "bound" in parts else None
         draft = measure_draft(args.model, args.step_draft_k, args.step_repeats) if "draft" in parts else None
+        static = measure_static(args.model, max(args.step_repeats, 3)) if "static" in parts else None
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
         "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache, "engine": engine,
-        "linears": linears, "bound": bound, "draft": draft, "machine": runs.machine(),
+        "linears": linears, "bound": bound, "draft": draft, "static": static, "machine": runs.machine(),
         "duration_s": round(time.time() - started, 1),
     }
     path = runs.write(out, args.json)
@@ -476,6 +494,12 @@ def run(args) -> int:
             print(f"  {row['drafter']:>10}, {row['tokens']} token(s): stock {row['stock_ms']} ms, fast {row['fast_ms']} ms "
                   f"(x{row['speedup']}; {draft['what'][row['drafter']]})")
         print(f"  mismatches: {draft['mismatches'] or 'none'}")
+    if static:
+        print(f"the static step of {static['model']} (uncaptured; spans {static['spans_blocks']} blocks of "
+              f"{static['block_size']}):")
+        for row in static["contexts"]:
+            print(f"  {row['context']} positions held, span {row['span_blocks']}: verify ms {row['verify_ms']}; "
+                  f"reading every block {row['verify_ms_full_span']} (t(1) x{row['full_span_over_held']})")
     print(f"-> {path}" + (f", {png}" if png else ""))
     return 0 if not any(r["mismatches"] for r in out["results"]) and not (draft or {}).get("mismatches") else 1
 

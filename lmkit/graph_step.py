@@ -24,8 +24,9 @@ the graph reads, never a Python value or a new allocation:
 
 One graph per (batch, width, span) bucket: batches 1, 2, 4, ... up to ``max_batch`` sessions, widths 1, 2, 4, 8,
 16, ... up to ``max_width`` tokens, spans (the blocks each row reads) from ``min_read`` positions doubling up to a
-session's capacity. A step replays the smallest bucket that holds its rows and the longest of their contexts, so
-a short session reads a short span whatever the capacity, and a step's cost follows the tokens held. Rows are
+session's capacity; the graphs of one (batch, width) share its inputs and output buffer, so the spans add graphs,
+not memory. A step replays the smallest bucket that holds its rows and the longest of their contexts, so a short
+session reads a short span whatever the capacity, and a step's cost follows the tokens held. Rows are
 padded to the bucket's width with copies of their last token, whose keys and values land past the row's block
 (in the scratch block where the row holds no block there), which no query of this step sees (the mask) and the
 next step overwrites before reading; missing rows run with the scratch slot, whose table points at the scratch
@@ -182,8 +183,8 @@ class GraphStep:
             self.tables = torch.full((slots + 1, self.max_blocks), self.scratch_block, dtype=torch.long,
                                      device=self.device)
             self.offsets = torch.arange(block_size, device=self.device)
-            self.inputs = {(b, w, n): self.new_inputs(b, w) for b in self.batches for w in self.widths
-                           for n in self.spans}
+            # one set of inputs and outputs per (batch, width), which the graphs of every span read and write
+            self.inputs = {(b, w): self.new_inputs(b, w) for b in self.batches for w in self.widths}
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.chains = None  # a drafter's ``chain_step.ChainStep`` over these slots, where one is built
         if graphs:
@@ -205,15 +206,17 @@ class GraphStep:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for (_, _, span), inputs in self.inputs.items():  # warm-up runs: lazy initialisation stays out
-                for _ in range(2):
-                    self.run(inputs, span)
+            for inputs in self.inputs.values():  # warm-up runs: lazy initialisation stays out of the graphs
+                for span in self.spans:
+                    for _ in range(2):
+                        self.run(inputs, span)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = None
-        for bucket in sorted(self.inputs, key=lambda bws: (bws[0] * bws[1] * bws[2], bws), reverse=True):
+        buckets = [(b, w, n) for b, w in self.inputs for n in self.spans]
+        for bucket in sorted(buckets, key=lambda bws: (bws[0] * bws[1] * bws[2], bws), reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.run(self.inputs[bucket], bucket[2])
+                self.run(self.inputs[bucket[:2]], bucket[2])
             pool = graph.pool()
             self.graphs[bucket] = graph
 
@@ -318,7 +321,7 @@ class GraphStep:
         for slot, start, tokens, _ in rows:
             self.hold(slot, start + len(tokens))
         span = self.span_for(max(start + len(tokens) for _, start, tokens, _ in rows))
-        inputs = self.inputs[(batch, width, span)]
+        inputs = self.inputs[(batch, width)]
         ids = torch.zeros(batch, width, dtype=torch.long)
         starts = torch.zeros(batch, 1, dtype=torch.long)
         slots = torch.full((batch,), self.scratch, dtype=torch.long)
