@@ -24,17 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specsplit.lmkit.features import eagle3_layers
+
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 LEGACY_WEIGHTS = "pytorch_model.bin"
 BUNDLED_DIR = Path(__file__).resolve().parent / "heads"
 # Heads shipped with specsplit, by the target reference they were trained for.
 BUNDLED = {"smollm2-135m": BUNDLED_DIR / "eagle3-smollm2-135m"}
-
-
-def eagle3_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low, middle and high feature layers of a target with ``num_layers`` decoder layers."""
-    return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 0))
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,8 @@ def resolve_compile(mode: str, device_type: str) -> str:
     On the CPU the compiled step runs plain linears, which lose to the eager step's oneDNN-packed ones for a
     real model (SmolLM2: 0.65-0.91x at widths above 1; only a near-zero model gains, docs/performance.md),
     so ``off``. On CUDA ``cuda-graphs`` (``lmkit.graph_step``) runs one session's step 2.4x faster than the
-    stock forward (H200, 8B shape, in-process), but without hidden features for EAGLE and Medusa, and its served
-    figures with sessions batched, trees and the captured draft are not measured yet: until they are, ``off``
-    there as well."""
+    stock forward (H200, 8B shape, in-process), but its served figures with sessions batched, trees, features and
+    the captured draft are not measured yet: until they are, ``off`` there as well."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
     if mode == "cuda-graphs" and device_type != "cuda":

@@ -25,6 +25,36 @@ _FP16 = np.dtype("<f2")
 MAX_FEATURE_BYTES = 16 * 1024 * 1024
 
 
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high feature layers of a target with ``num_layers`` decoder layers."""
+    return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 0))
+
+
+def common_layers(num_layers: int) -> tuple[int, ...]:
+    """The hidden states feature drafters read by default: EAGLE-3's three layers and the final norm's output
+    (index ``num_layers``; Medusa's heads and EAGLE-1/2 read it)."""
+    return tuple(sorted({*eagle3_layers(num_layers), num_layers}))
+
+
+def parse_layers(value: str, num_layers: int) -> tuple[int, ...]:
+    """A --graph-feature-layers value: ``auto`` (``common_layers``), ``none``, or comma-separated indices in
+    [0, num_layers]."""
+    value = value.strip().lower()
+    if value == "auto":
+        return common_layers(num_layers)
+    if value in ("", "none"):
+        return ()
+    try:
+        layers = tuple(sorted({int(part) for part in value.split(",") if part.strip()}))
+    except ValueError:
+        raise ValueError(f"--graph-feature-layers takes auto, none or comma-separated layer indices, got {value!r}") \
+            from None
+    if any(not 0 <= i <= num_layers for i in layers):
+        raise ValueError(f"--graph-feature-layers {list(layers)}: this model's hidden states are 0 (the embeddings) "
+                         f"to {num_layers} (the final norm's output)")
+    return layers
+
+
 @dataclass(frozen=True)
 class FeatureBlock:
     """The target's hidden features of positions [position, position + rows)."""

@@ -15,7 +15,7 @@ every drafter that runs a model (the model drafter and the self-drafts).
     inductor      the same, the decoder step compiled by ``torch.compile`` (plain linears)
     cuda-graphs   the static decoder step over KV blocks from a pool allocated at start, captured per (batch,
                   width, span) bucket (``lmkit.graph_step``): a session's cache is a slot (``slots``), chains and
-                  token trees, no hidden features
+                  token trees, the hidden states of the layers the step keeps
 
 A ``SessionCache`` built over an installed model runs the packed forward (``kvcache``); over the stock model, the
 stock one. The packed forward and the decoder step are per model object: a self-draft view installs its own.
@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Sequence
 
 from specsplit.lmkit import decoder_step, packed_rows
 from specsplit.lmkit.packed_linear import pack_linears
@@ -64,14 +65,15 @@ def install(model, mode: str, sharded: bool = False, alone: bool = False) -> str
 
 
 def slots(model, sessions: int, context: int, width: int, batch: int, graphs: bool = True, chain: int = 0,
-          kv_tokens: int = 0, block_size: int = 16):
+          kv_tokens: int = 0, block_size: int = 16, feature_layers: Sequence[int] = ()):
     """``--compile cuda-graphs``: the static step for ``sessions`` sessions of up to ``context`` positions each (as
     far as the model reaches), their keys and values in blocks of ``block_size`` positions taken as they grow, for
     blocks of up to ``width`` tokens, ``batch`` sessions a replay, captured as CUDA graphs (``graphs``; off, it runs
     eagerly: the CPU's tests). The pool holds ``kv_tokens`` positions (the KV budget every session's reservation
     fits, plus a block a session for rounding) or, 0, every session at its full context. ``chain``: also a
-    drafter's chains of up to this many tokens, each in one replay (``chain_step``). Returns (a new session's
-    cache, the context a session may reach)."""
+    drafter's chains of up to this many tokens, each in one replay (``chain_step``). ``feature_layers``: the hidden
+    states every replay keeps for feature drafters. Returns (a new session's cache, the context a session may
+    reach)."""
     from specsplit.lmkit import chain_step, graph_step
 
     context = min(context, int(getattr(model.config, "max_position_embeddings", 0) or context))
@@ -79,7 +81,7 @@ def slots(model, sessions: int, context: int, width: int, batch: int, graphs: bo
     batch = min(batch, sessions)
     blocks = -(-kv_tokens // block_size) + sessions if kv_tokens else None
     step = graph_step.GraphStep(model, slots=sessions, capacity=context + width, max_width=width, graphs=graphs,
-                                max_batch=batch, block_size=block_size, blocks=blocks)
+                                max_batch=batch, block_size=block_size, blocks=blocks, feature_layers=feature_layers)
     if chain:
         step.chains = chain_step.ChainStep(step, chain, graphs=graphs)
     free = graph_step.Slots(sessions)
@@ -90,6 +92,8 @@ def slots(model, sessions: int, context: int, width: int, batch: int, graphs: bo
              ",".join(map(str, step.widths)), ",".join(map(str, step.batches)), ",".join(map(str, step.spans)),
              len(step.graphs), chains, time.perf_counter() - started, sessions, context, step.blocks.count,
              block_size, kv_bytes / 1e9)
+    if step.feature_layers:
+        log.info("every replay keeps the hidden states of layers %s for feature drafters", list(step.feature_layers))
     return (lambda: graph_step.GraphSessionCache(model, step, free)), context
 
 
@@ -105,7 +109,7 @@ def add_flags(parser, service: str, graph_context: int) -> None:
         "--compile", default="auto", choices=decoder_step.COMPILE_MODES,
         help=f"compile the {service}'s decoder step: off (eager), inductor (torch.compile, at start-up, health "
              "NOT_SERVING until done), cuda-graphs (a static step captured once per block width and batch over KV "
-             "blocks allocated at start-up: CUDA only, chains and trees, no hidden features for EAGLE/Medusa), auto (what "
+             "blocks allocated at start-up: CUDA only, chains and trees, the target's --graph-feature-layers for EAGLE/Medusa), auto (what "
              "measured faster on the device: off on the CPU and, for now, on CUDA)",
     )
     parser.add_argument(

@@ -20,7 +20,10 @@ the graph reads, never a Python value or a new allocation:
                   the fed context before it and its ancestors)
     mask          computed inside the step: a fed token sees every position before its row's block and the fed
                   tokens its row of the block mask names
-    output        logits [batch, width, vocab] of every fed token, in a buffer the graph owns
+    output        logits [batch, width, vocab] of every fed token, in a buffer the graph owns; with
+                  ``feature_layers``, also the hidden states entering those layers (0 = the embeddings; the number
+                  of layers = the final norm's output) [batch, width, layers, hidden], which feature drafters
+                  (EAGLE, Medusa) read: a fixed set chosen at start-up, so every replay writes the same buffers
 
 One graph per (batch, width, span) bucket: batches 1, 2, 4, ... up to ``max_batch`` sessions, widths 1, 2, 4, 8,
 16, ... up to ``max_width`` tokens, spans (the blocks each row reads) from ``min_read`` positions doubling up to a
@@ -36,7 +39,7 @@ so in float32 the logits equal the stock forward's to rounding; on the CPU the s
 the tests check it. Attention is SDPA over the gathered blocks (a paged attention kernel, FlashAttention's or
 FlashInfer's, is not used yet), so a step reads its span of blocks, not exactly its tokens.
 
-Token trees replay the same graphs as chains (the block mask and rotary positions are inputs); after the verdict
+Token trees and feature sessions replay the same graphs as chains (the block mask and rotary positions are inputs); after the verdict
 the accepted path's keys and values move to consecutive positions (``keep_path``). ``GraphSessionCache`` is a
 session's cache
 in a slot (what the target engine holds per session under ``serve-target --compile cuda-graphs``);
@@ -118,6 +121,7 @@ class _Inputs:
     rope: torch.Tensor  # [batch, width] long: each fed token's rotary position
     sees: torch.Tensor  # [batch, width, width] bool: which of its row's fed tokens each fed token attends to
     logits: torch.Tensor | None = None  # [batch, width, vocab], the step's output
+    features: torch.Tensor | None = None  # [batch, width, len(feature_layers), hidden]: the hidden states kept
 
 
 # (slot, start position, tokens fed at start.., and optionally the parents of the last len(parents) of them: a token
@@ -147,11 +151,12 @@ class GraphStep:
     ``blocks``: the KV pool, in blocks of ``block_size`` positions (default: every slot at capacity); ``min_read``:
     the shortest span of positions a step reads. ``graphs``: capture each bucket as a CUDA graph (a CUDA model
     only); off, the same static step runs eagerly (any device). ``compile_fn`` (``decoder_step.compiler``) compiles
-    the per-token functions, whose kernels the graphs then capture."""
+    the per-token functions, whose kernels the graphs then capture. ``feature_layers``: the hidden states every
+    replay also writes out, for feature drafters (none: the step gives no features)."""
 
     def __init__(self, model, slots: int, capacity: int, max_width: int = 16, graphs: bool = False,
                  compile_fn=None, max_batch: int = 1, block_size: int = 16, blocks: int | None = None,
-                 min_read: int = 512) -> None:
+                 min_read: int = 512, feature_layers: Sequence[int] = ()) -> None:
         if capacity < max_width:
             raise ValueError(f"capacity {capacity} must hold at least one block of max_width {max_width}")
         if block_size < 1:
@@ -161,6 +166,9 @@ class GraphStep:
         config = model.config
         first = model.model.layers[0].self_attn
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self.feature_layers = tuple(sorted(set(feature_layers)))
+        if any(not 0 <= i <= self.step.num_layers for i in self.feature_layers):
+            raise ValueError(f"feature layers {list(self.feature_layers)} must be in [0, {self.step.num_layers}]")
         self.head_dim = int(first.head_dim)
         self.capacity, self.slots, self.max_width, self.max_batch = capacity, slots, max_width, max_batch
         self.block_size = block_size
@@ -236,7 +244,10 @@ class GraphStep:
         in_block = inputs.sees.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, -1))
         visible = ((offset < 0)[:, None, :] | ((offset < width)[:, None, :] & in_block))[:, None]  # [b, 1, w, s]
         rows = (self.kv_heads, batch, span * size, self.head_dim)
+        kept = dict.fromkeys(self.feature_layers)  # hidden states entering these layers
         for layer in step.layers:
+            if layer.index in kept:
+                kept[layer.index] = hidden
             q, k, v = step.attention_inputs(hidden, *layer.inputs, cos, sin, self.head_dim)
             keys, values = self.keys[layer.index], self.values[layer.index]
             keys.index_copy_(1, write_index, k.transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim))
@@ -248,11 +259,20 @@ class GraphStep:
                 attn_mask=visible, scale=layer.scaling, enable_gqa=q.shape[1] != k.shape[1],
             )  # [b, heads, w, head_dim]
             hidden = step.attention_outputs(hidden, attended.transpose(1, 2), *layer.outputs)
-        logits = step.lm_head(decoder_step.rms_norm(hidden, *step.norm))
+        normed = decoder_step.rms_norm(hidden, *step.norm)
+        if step.num_layers in kept:  # the final hidden state, after the norm (what the LM head reads)
+            kept[step.num_layers] = normed
+        logits = step.lm_head(normed)
         if inputs.logits is None:
             inputs.logits = logits
         else:
             inputs.logits.copy_(logits)
+        if kept:
+            features = torch.stack([kept[i] for i in self.feature_layers], dim=2)  # [b, w, layers, hidden]
+            if inputs.features is None:
+                inputs.features = features
+            else:
+                inputs.features.copy_(features)
 
     def span_for(self, end: int) -> int:
         """The span bucket (in blocks) that reads positions 0..end-1."""
@@ -276,22 +296,40 @@ class GraphStep:
         """Feed ``tokens`` at positions start.. of ``slot`` (whose positions < start hold this session's keys and
         values), the last len(parents) of them a token tree where ``parents`` is given; returns their logits
         [len(tokens), vocab] on the device, valid until the next call."""
+        return self.forward_with_features(slot, start, tokens, parents)[0]
+
+    @torch.inference_mode()
+    def forward_with_features(self, slot: int, start: int, tokens: Sequence[int],
+                              parents: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``, and the fed tokens' hidden states [len(tokens), len(feature_layers), hidden] (None when the
+        step keeps none)."""
         if len(tokens) <= self.max_width:
-            return self.forward_rows([(slot, start, tokens, parents)])[0]
+            return self.forward_rows_with_features([(slot, start, tokens, parents)])[0]
         if parents and len(parents) > self.max_width:
             raise ValueError(f"a tree of {len(parents)} nodes is wider than max_width {self.max_width}")
-        # chunked: each chunk's logits are copied out before the next replay overwrites its bucket's output; a
+        # chunked: each chunk's outputs are copied out before the next replay overwrites its bucket's buffers; a
         # tree and the fed context just before it go last, in one row
         last = len(tokens) - self.max_width
-        chunks = [self.forward_rows([(slot, start + first, tokens[first : min(first + self.max_width, last)])])[0]
-                  .clone() for first in range(0, last, self.max_width)]
-        return torch.cat([*chunks, self.forward_rows([(slot, start + last, tokens[last:], parents)])[0]])
+        parts = []
+        for first in range(0, last, self.max_width):
+            logits, kept = self.forward_rows_with_features([(slot, start + first,
+                                                             tokens[first : min(first + self.max_width, last)])])[0]
+            parts.append((logits.clone(), None if kept is None else kept.clone()))
+        parts.append(self.forward_rows_with_features([(slot, start + last, tokens[last:], parents)])[0])
+        logits = torch.cat([logits for logits, _ in parts])
+        return logits, None if parts[0][1] is None else torch.cat([kept for _, kept in parts])
 
     @torch.inference_mode()
     def forward_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Each row's step (its tokens, at most ``max_width``, fed at start.. of its slot), replayed together
         ``max_batch`` rows at a time; returns each row's logits [len(tokens), vocab] on the device, valid until
         the next call."""
+        return [logits for logits, _ in self.forward_rows_with_features(rows)]
+
+    @torch.inference_mode()
+    def forward_rows_with_features(self, rows: Sequence[Row]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``forward_rows``, and each row's hidden states [len(tokens), len(feature_layers), hidden] (None when the
+        step keeps none), valid until the next call."""
         for slot, _, tokens, *parents in rows:
             if parents and parents[0] and len(parents[0]) > len(tokens):
                 raise ValueError(f"a tree of {len(parents[0])} nodes in a row of {len(tokens)} tokens")
@@ -304,10 +342,12 @@ class GraphStep:
         if len({row[0] for row in rows}) != len(rows):
             raise ValueError("a step feeds each slot at most once")
         groups = [rows[i : i + self.max_batch] for i in range(0, len(rows), self.max_batch)]
-        out: list[torch.Tensor] = []
+        out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for group in groups:  # a later group's replay may overwrite an earlier one's output: copies, then
-            logits = self._replay(group)
-            out += [t.clone() for t in logits] if len(groups) > 1 else logits
+            outputs = self._replay(group)
+            if len(groups) > 1:
+                outputs = [(logits.clone(), None if kept is None else kept.clone()) for logits, kept in outputs]
+            out += outputs
         return out
 
     def _replay(self, rows: Sequence[Row]) -> list[torch.Tensor]:
@@ -341,7 +381,8 @@ class GraphStep:
             self.graphs[(batch, width, span)].replay()
         else:
             self.run(inputs, span)
-        return [inputs.logits[row, : len(tokens)] for row, (_, _, tokens, _) in enumerate(rows)]
+        return [(inputs.logits[row, : len(tokens)], None if inputs.features is None else inputs.features[row, : len(tokens)])
+                for row, (_, _, tokens, _) in enumerate(rows)]
 
     def _positions(self, blocks: Sequence[int], length: int) -> torch.Tensor:
         """The pool indices of positions 0..length-1 held in ``blocks``."""
@@ -393,12 +434,11 @@ class GraphStep:
 
 
 class GraphSessionCache(SessionCache):
-    """A session's cache in one slot of a shared ``GraphStep``: chains and token trees, no hidden features.
+    """A session's cache in one slot of a shared ``GraphStep``: chains and token trees, and the hidden features of
+    the layers the step keeps (``GraphStep.feature_layers``).
 
     Cropping only forgets tokens: the slot's stale positions are overwritten by the next step before any
     query reads them; after a tree, the accepted path's positions move together (``keep_path``)."""
-
-    gives_features = False
 
     def __init__(self, model, graph: GraphStep, slots: Slots) -> None:
         super().__init__(model)
@@ -410,19 +450,42 @@ class GraphSessionCache(SessionCache):
     def supports_trees(self) -> bool:
         return True
 
+    @property
+    def gives_features(self) -> bool:
+        return bool(self._graph.feature_layers)
+
+    def gives_layers(self, layers: Sequence[int]) -> bool:
+        return set(layers) <= set(self._graph.feature_layers)
+
+    @property
+    def feature_layers_given(self) -> tuple[int, ...]:
+        return self._graph.feature_layers
+
     @torch.inference_mode()
     def apply(
         self, keep: int, feed: Sequence[int], n_logits: int, parents: Sequence[int] | None = None
     ) -> torch.Tensor:
         self.start_step(keep, parents)
-        logits = to_host(self._graph.forward(self.slot, keep, feed, parents)[-n_logits:])
+        logits, kept = self._graph.forward_with_features(self.slot, keep, feed, parents)
+        logits = to_host(logits[-n_logits:])
+        self.keep_step_features(kept, keep)
         self.end_step(feed)
         return logits
 
+    def keep_step_features(self, kept: torch.Tensor | None, keep: int) -> None:
+        """The session's feature layers of a step's fed positions (``kept``: [fed, the step's layers, hidden]),
+        concatenated per position as the packed forward gives them: [fed, len(feature_layers) * hidden] float32 on
+        the host, from position ``keep``."""
+        if self.feature_layers and kept is not None:
+            index = [self._graph.feature_layers.index(i) for i in self.feature_layers]
+            self.features = to_host(kept[:, index].flatten(1).float())
+            self.features_from = keep
+
     def start_step(self, keep: int, parents: Sequence[int] | None) -> None:
         """Before a step: what the step cannot run refused, saying so; the cache cropped to ``keep``."""
-        if self.feature_layers:
-            raise ValueError("the CUDA-graph step returns no hidden features")
+        if not self.gives_layers(self.feature_layers):
+            raise ValueError(f"the CUDA-graph step keeps the hidden states of layers {list(self._graph.feature_layers)}"
+                             f", not all of {list(self.feature_layers)}")
         if self.slot is None:
             raise ValueError("this session's cache was released")
         self.crop(keep)
@@ -496,9 +559,11 @@ def forward_steps(steps: Sequence) -> list[torch.Tensor]:
         if not cache.runs_like(caches[0]):
             raise ValueError("a batched step runs slots of one CUDA-graph step")
         cache.start_step(step.keep, step.parents)
-    logits = graph.forward_rows([(cache.slot, step.keep, step.feed, step.parents) for step, cache in zip(steps, caches)])
-    host = to_host(torch.cat([rows[-step.n_logits :] for rows, step in zip(logits, steps)]))  # one wait
+    outputs = graph.forward_rows_with_features([(cache.slot, step.keep, step.feed, step.parents)
+                                                for step, cache in zip(steps, caches)])
+    host = to_host(torch.cat([rows[-step.n_logits :] for (rows, _), step in zip(outputs, steps)]))  # one wait
     out = list(host.split([step.n_logits for step in steps]))
-    for step, cache in zip(steps, caches):
+    for step, cache, (_, kept) in zip(steps, caches, outputs):
+        cache.keep_step_features(kept, step.keep)
         cache.end_step(step.feed)
     return out

@@ -125,6 +125,10 @@ class SessionCache:
 
     gives_features = True  # keeps the hidden states of ``feature_layers`` (EAGLE, Medusa)
 
+    def gives_layers(self, layers: Sequence[int]) -> bool:
+        """Whether this cache keeps the hidden states of every one of ``layers``."""
+        return self.gives_features or not layers
+
     @property
     def supports_trees(self) -> bool:
         """Token-tree blocks need the packed-rows forward (a tree mask, positions by depth)."""

@@ -230,11 +230,17 @@ class TargetEngine:
                                 top_logprobs=top_logprobs, reserved=reserve, successors_k=successors_k,
                                 prompt_logprobs=prompt_logprobs)
         session.cache.feature_layers = tuple(feature_layers)
-        if feature_layers and not session.cache.gives_features:
+        if feature_layers and not session.cache.gives_layers(feature_layers):
+            given = getattr(session.cache, "feature_layers_given", ())
             session.cache.release()
+            if given:
+                raise errors.InvalidArgument(
+                    f"this target ({self.forward_kind}) keeps the hidden states of layers {list(given)}, not all of "
+                    f"{list(feature_layers)} that this feature drafter reads; serve it with --graph-feature-layers "
+                    "naming them")
             raise errors.InvalidArgument(
                 f"this target ({self.forward_kind}) returns no hidden features, which a feature drafter (EAGLE, "
-                "Medusa) needs; serve it with --compile off or inductor for such drafters")
+                "Medusa) needs; serve it with --compile off or inductor, or --graph-feature-layers, for such drafters")
         try:
             self.sessions.add(session_id, session, caller, reserve)
         except errors.SpecsplitError:

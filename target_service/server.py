@@ -21,6 +21,7 @@ from specsplit.lmkit.grpc_server import (
     session_limits,
     start_in_process,
 )
+from specsplit.lmkit.features import parse_layers
 from specsplit.lmkit.kvcache import kv_bytes_per_token
 from specsplit.lmkit.sessions import DEFAULT_PREFILL_CHUNK, check_prefill_chunk, prefill_chunk_flag
 from specsplit.target_service import ranks, tp
@@ -62,6 +63,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun; gloo on CPU, NCCL on GPU)")
     parser.add_argument("--tp-timeout-s", type=float, default=60.0, help="a collective stuck this long fails the group")
     forward.add_flags(parser, "target", graph_context=4096)
+    parser.add_argument("--graph-feature-layers", default="auto",
+                        help="with --compile cuda-graphs: the hidden states every replay keeps for feature drafters "
+                             "(EAGLE, Medusa), comma-separated (0 = the embeddings, the layer count = the final "
+                             "norm's output); auto: EAGLE-3's three layers and the final output; none: no features")
     add_common_flags(parser, DEFAULT_PORT)
     return parser
 
@@ -105,7 +110,9 @@ def load_engine(args, leader_hook=None) -> tuple[TargetEngine, tp.Leader | None]
     if mode == "cuda-graphs":
         log.info("capturing the decoder step as CUDA graphs: health stays NOT_SERVING until done")
         new_cache, context = forward.slots(model, limits.max_sessions, args.graph_context, limits.max_block + 1,
-                                           args.max_batch, kv_tokens=limits.kv_budget_tokens)
+                                           args.max_batch, kv_tokens=limits.kv_budget_tokens,
+                                           feature_layers=parse_layers(args.graph_feature_layers,
+                                                                       int(model.config.num_hidden_layers)))
     engine = TargetEngine(
         model,
         model_id=args.model,

@@ -76,6 +76,14 @@ MUTANTS = (
         GRAPH_TESTS,
     ),
     Mutant(
+        "static step: a feature layer's hidden state taken after the layer, not entering it",
+        "lmkit/graph_step.py",
+        "            hidden = step.attention_outputs(hidden, attended.transpose(1, 2), *layer.outputs)\n",
+        "            hidden = step.attention_outputs(hidden, attended.transpose(1, 2), *layer.outputs)\n"
+        "            if layer.index in kept:\n                kept[layer.index] = hidden\n",
+        GRAPH_TESTS,
+    ),
+    Mutant(
         "draft chain: each step fed at the chain's first position",
         "lmkit/chain_step.py",
         "            chain.step.positions.add_(1)\n",

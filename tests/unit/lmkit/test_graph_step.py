@@ -264,3 +264,28 @@ def test_a_token_tree_gives_each_node_its_root_paths_logits_and_the_kept_path_re
     for node, path in {0: [0], 1: [0, 1], 2: [0, 2]}.items():
         want = _stock(model, context + [nodes[i] for i in path], len(context) + len(path) - 1)[0]
         torch.testing.assert_close(got[1 + node], want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_step_keeps_the_hidden_states_of_its_feature_layers_for_every_fed_token(model):
+    """``feature_layers`` (0 = the embeddings, the layer count = the final norm's output): a chunked prefill and a
+    batched step beside a row without features each give transformers' hidden states of every fed token."""
+    layers = int(model.config.num_hidden_layers)
+    step = graph_step.GraphStep(model, slots=2, capacity=64, max_width=4, max_batch=2, feature_layers=(layers, 0, 1),
+                                **PAGED)
+    assert step.feature_layers == (0, 1, layers)
+    prompt, other = _ids(10, 50), _ids(3, 51)
+
+    def hidden(sequence, first):
+        with torch.no_grad():
+            states = model(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        return torch.stack([states[i][0, first:] for i in step.feature_layers], dim=1)
+
+    logits, kept = step.forward_with_features(0, 0, prompt)  # chunks of 4, 4, 2
+    torch.testing.assert_close(kept, hidden(prompt, 0), rtol=1e-4, atol=1e-4)
+    step.forward(1, 0, other)
+    more = _ids(3, 52)
+    (_, first), (_, second) = step.forward_rows_with_features([(0, 10, more), (1, 3, more[:1])])
+    torch.testing.assert_close(first, hidden(prompt + more, 10), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second, hidden(other + more[:1], 3), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"feature layers \[0, 9\] must be in \[0, 2\]"):
+        graph_step.GraphStep(model, slots=1, capacity=16, max_width=4, feature_layers=(0, 9))

@@ -2,8 +2,9 @@
 
 Greedy output equals the model's own with target-only steps and with draft blocks half of whose tokens
 are wrong (so blocks are rejected and slots rolled back), sessions interleaved in their slots, forks
-sharing a prompt, token trees alone and verified together with chains; what the step does not do (hidden
-features, more sessions than slots, a context past the slot) is refused with a message that says what to do.
+sharing a prompt, token trees alone and verified together with chains, a feature drafter's hidden states as the
+fast forward gives them; what the step does not do (layers it does not keep, more sessions than slots, a context
+past the slot) is refused with a message that says what to do.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from specsplit.lmkit import errors, graph_step, models
 from specsplit.lmkit.kinds import VerificationMode
@@ -141,7 +143,7 @@ def test_token_trees_verify_alone_and_with_chains_and_decode_as_the_model(engine
 def test_what_the_step_does_not_do_is_refused_with_what_to_do(engine, tiny_reference):
     prompts, _ = tiny_reference
     session = engine.open("chain", prompts[0], GREEDY, VerificationMode.GREEDY)
-    with pytest.raises(errors.InvalidArgument, match="returns no hidden features.*--compile off"):
+    with pytest.raises(errors.InvalidArgument, match="returns no hidden features.*--graph-feature-layers"):
         engine.open("eagle", prompts[0], GREEDY, VerificationMode.GREEDY, feature_layers=[2])
     others = [engine.open(f"o{i}", prompts[0], GREEDY, VerificationMode.GREEDY) for i in range(SLOTS - 1)]
     with pytest.raises(errors.ResourceExhausted, match="KV slots is held"):
@@ -210,3 +212,45 @@ def test_a_kv_budget_sizes_the_block_pool_and_every_reservation_fits_it(tiny_tar
     again = budgeted.open("again", prompts[0], GREEDY, VerificationMode.GREEDY, reserve_tokens=reserves[0])
     budgeted.verify(again, len(again.tokens), expected[0][:3], None)
     assert again.tokens[len(prompts[0]):] == expected[0][:4]
+
+
+def test_feature_sessions_get_the_fast_forwards_features_of_their_committed_positions(tiny_target_dir, tiny_reference):
+    """A step keeping layers 0 and 2 (the embeddings, the final output): sessions reading [2] (Medusa's) and [0, 2]
+    verify chains with rejected tokens and a tree, together, and each verdict's features equal the fast forward's
+    for the same session; a session reading a layer the step does not keep is refused naming the layers it
+    keeps."""
+    from specsplit.lmkit import forward
+    from specsplit.target_service.engine import VerifyItem
+
+    prompts, expected = tiny_reference
+    fast_model, graph_model = (models.load_model(models.ModelSpec(str(tiny_target_dir))) for _ in range(2))
+    new_cache, context = forward.slots(graph_model, 3, 96, MAX_BLOCK + 1, 2, graphs=False, feature_layers=(0, 2))
+    limits = SessionLimits(max_block=MAX_BLOCK)
+    graph = TargetEngine(graph_model, model_id="tiny", vocab_fingerprint="", limits=limits, new_cache=new_cache,
+                         compile_mode="cuda-graphs", max_context=context)
+    fast = TargetEngine(fast_model, model_id="tiny", vocab_fingerprint="", limits=limits)
+    layer_sets = ([2], [0, 2])
+    for engine in (graph, fast):
+        for i, layers in enumerate(layer_sets):
+            engine.open(f"f{i}", prompts[i], GREEDY, VerificationMode.GREEDY, feature_layers=layers)
+    verdicts = {id(graph): [], id(fast): []}
+    for step in range(4):
+        for engine in (graph, fast):
+            items = []
+            for i in range(len(layer_sets)):
+                session = engine.sessions.find(f"f{i}", "")
+                out = session.tokens[len(prompts[i]):]
+                truth = expected[i][len(out):len(out) + 2]
+                if step == 2 and i == 0:
+                    tokens, parents = _tree(truth)
+                else:
+                    tokens, parents = [truth[0], (truth[1] + 1) % 49152] if step % 2 else truth, None
+                items.append(VerifyItem(session, len(session.tokens), tokens, None, parents=parents))
+            verdicts[id(engine)] += engine.verify_batch(items)
+    for got, want in zip(verdicts[id(graph)], verdicts[id(fast)]):
+        assert not isinstance(got, Exception), got
+        assert got.accepted == want.accepted and got.next_token == want.next_token
+        assert got.features.position == want.features.position
+        torch.testing.assert_close(got.features.values, want.features.values, rtol=1e-4, atol=1e-4)
+    with pytest.raises(errors.InvalidArgument, match=r"keeps the hidden states of layers \[0, 2\], not all of \[1, 2\]"):
+        graph.open("eagle-3", prompts[0], GREEDY, VerificationMode.GREEDY, feature_layers=[1, 2])
