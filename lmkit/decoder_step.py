@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from specsplit.lmkit.packed_linear import PackedLinear
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 COMPILE_MODES = ("off", "auto", "inductor", "cuda-graphs")  # serve-target --compile
 
 
@@ -89,18 +89,33 @@ def linear(module) -> Linear:
     return lambda x: F.linear(x, weight, bias)
 
 
+Projections = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # [..., in] -> several [..., out_i]
+
+
+def separate(*projections: Linear) -> Projections:
+    """Several projections of one input, each its own module (Llama's q, k, v; gate, up)."""
+    return lambda x: tuple(projection(x) for projection in projections)
+
+
+def fused(projection: Linear, sizes: Sequence[int]) -> Projections:
+    """Several projections computed as one and split (Phi-3's qkv_proj and gate_up_proj)."""
+    return lambda x: projection(x).split(list(sizes), dim=-1)
+
+
 def attention_inputs(
     hidden: torch.Tensor,  # [1, T, hidden]
-    norm: torch.Tensor, eps: float, q_proj: Linear, k_proj: Linear, v_proj: Linear,
+    norm: torch.Tensor, eps: float, qkv: Projections,
+    qk_norms: tuple | None,  # (q weight, eps, k weight, eps): Qwen3's RMS norms of each head's q and k; None: none
     cos: torch.Tensor, sin: torch.Tensor,  # [1, T, head_dim]
     head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries [1, heads, T, head_dim], keys and values [1, kv_heads, T, head_dim], rotary applied."""
     x = rms_norm(hidden, norm, eps)
     shape = (*hidden.shape[:-1], -1, head_dim)
-    q = q_proj(x).view(shape).transpose(1, 2)
-    k = k_proj(x).view(shape).transpose(1, 2)
-    v = v_proj(x).view(shape).transpose(1, 2)
+    q, k, v = (projected.view(shape) for projected in qkv(x))
+    if qk_norms is not None:
+        q, k = rms_norm(q, *qk_norms[:2]), rms_norm(k, *qk_norms[2:])
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin), v
 
@@ -108,13 +123,13 @@ def attention_inputs(
 def attention_outputs(
     residual: torch.Tensor,  # [1, T, hidden]
     attended: torch.Tensor,  # [1, T, heads, head_dim]
-    o_proj: Linear, norm: torch.Tensor, eps: float, gate_proj: Linear, up_proj: Linear, down_proj: Linear,
+    o_proj: Linear, norm: torch.Tensor, eps: float, gate_up: Projections, down_proj: Linear,
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The layer's output [1, T, hidden]: o projection and residual, then the MLP and residual."""
     hidden = residual + o_proj(attended.reshape(*residual.shape[:-1], -1).contiguous())
-    x = rms_norm(hidden, norm, eps)
-    return hidden + down_proj(act(gate_proj(x)) * up_proj(x))
+    gate, up = gate_up(rms_norm(hidden, norm, eps))
+    return hidden + down_proj(act(gate) * up)
 
 
 @dataclass(frozen=True)
@@ -122,8 +137,8 @@ class _Layer:
     """One decoder layer's weights (the model's own tensors) and settings."""
 
     index: int
-    inputs: tuple  # attention_inputs' weight arguments: norm, eps, q_proj, k_proj, v_proj
-    outputs: tuple  # attention_outputs' weight arguments: o_proj, norm, eps, gate_proj, up_proj, down_proj, act
+    inputs: tuple  # attention_inputs' weight arguments: norm, eps, qkv, qk_norms
+    outputs: tuple  # attention_outputs' weight arguments: o_proj, norm, eps, gate_up, down_proj, act
     scaling: float
 
 
@@ -131,11 +146,13 @@ def unsupported(model) -> str | None:
     """Why ``DecoderStep`` cannot run ``model`` (None: it can)."""
     config = model.config
     if config.model_type not in SUPPORTED_TYPES:
-        return f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral or Qwen2 layout"
-    if (getattr(config, "sliding_window", None) and config.model_type != "qwen2") or getattr(
+        return f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral, Qwen2, Qwen3 or Phi-3 layout"
+    if (getattr(config, "sliding_window", None) and config.model_type not in ("qwen2", "qwen3")) or getattr(
         config, "use_sliding_window", False
-    ):
+    ) or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "it uses sliding-window attention"
+    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return "its rotary embedding turns part of each head (partial_rotary_factor)"
     rotary_emb = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rotary_emb is None or getattr(rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
         return "its rotary embedding depends on the forward's positions (dynamic or longrope)"
@@ -144,9 +161,11 @@ def unsupported(model) -> str | None:
     if not isinstance(getattr(getattr(model.model, "norm", None), "weight", None), torch.Tensor):
         return "its final norm is not an RMS norm with a weight (an exit adapter before it, say)"
     projections = [getattr(part, name) for layer in model.model.layers for part, names in
-                   ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, ("gate_proj", "up_proj",
-                                                                                         "down_proj")))
+                   ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")),
+                    (getattr(layer, "mlp", None), ("gate_proj", "up_proj", "gate_up_proj", "down_proj")))
                    for name in names if hasattr(part, name)]
+    if any(not hasattr(layer, "mlp") or not hasattr(layer.mlp, "down_proj") for layer in model.model.layers):
+        return "its layers' feed-forward is not a gated MLP (routed experts, say)"
     odd = {type(m).__name__ for m in projections if type(m) not in (torch.nn.Linear, PackedLinear)}
     if odd:
         return f"its projections are {', '.join(sorted(odd))} (the step runs nn.Linear ones)"
@@ -178,11 +197,25 @@ class DecoderStep:
     @staticmethod
     def _layer(index: int, layer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        inputs = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
-                  linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj))
+        if hasattr(attn, "qkv_proj"):  # Phi-3: one projection, split as its forward splits it
+            q_size = attn.config.num_attention_heads * attn.head_dim
+            kv_size = attn.num_key_value_heads * attn.head_dim
+            qkv = fused(linear(attn.qkv_proj), (q_size, kv_size, kv_size))
+        else:
+            qkv = separate(linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj))
+        qk_norms = None
+        if hasattr(attn, "q_norm"):  # Qwen3: each head's q and k RMS-normed before the rotary embedding
+            qk_norms = (attn.q_norm.weight, float(attn.q_norm.variance_epsilon), attn.k_norm.weight,
+                        float(attn.k_norm.variance_epsilon))
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up as one projection, gate first
+            half = mlp.gate_up_proj.out_features // 2
+            gate_up = fused(linear(mlp.gate_up_proj), (half, half))
+        else:
+            gate_up = separate(linear(mlp.gate_proj), linear(mlp.up_proj))
+        inputs = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon), qkv, qk_norms)
         outputs = (linear(attn.o_proj), layer.post_attention_layernorm.weight,
-                   float(layer.post_attention_layernorm.variance_epsilon), linear(mlp.gate_proj), linear(mlp.up_proj),
-                   linear(mlp.down_proj), mlp.act_fn)
+                   float(layer.post_attention_layernorm.variance_epsilon), gate_up, linear(mlp.down_proj),
+                   mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
         return _Layer(index, inputs, outputs, float(attn.scaling))
 
     @property

@@ -84,6 +84,20 @@ MUTANTS = (
         GRAPH_TESTS,
     ),
     Mutant(
+        "decoder step: Qwen3's q and k norms skipped",
+        "lmkit/decoder_step.py",
+        "    if qk_norms is not None:\n",
+        "    if qk_norms is not None and False:\n",
+        ("tests/unit/lmkit/test_families.py",),
+    ),
+    Mutant(
+        "decoder step: Phi-3's fused gate and up taken in the wrong order",
+        "lmkit/decoder_step.py",
+        "    gate, up = gate_up(rms_norm(hidden, norm, eps))\n",
+        "    up, gate = gate_up(rms_norm(hidden, norm, eps))\n",
+        ("tests/unit/lmkit/test_families.py",),
+    ),
+    Mutant(
         "draft chain: each step fed at the chain's first position",
         "lmkit/chain_step.py",
         "            chain.step.positions.add_(1)\n",

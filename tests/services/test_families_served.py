@@ -29,11 +29,10 @@ NEW_TOKENS = 16
 # What runs each family's steps on the CPU (``lmkit.forward``): the decoder step where its checks pass, else
 # transformers' forward over packed rows or its stock forward, each saying why.
 FORWARDS = {
-    "llama3": "the decoder step, eager", "qwen2.5": "the decoder step, eager",
-    "qwen3": "transformers' forward over packed rows (Qwen3ForCausalLM (qwen3) is not a Llama, Mistral or Qwen2 layout)",
-    "phi3": "transformers' forward over packed rows (Phi3ForCausalLM (phi3) is not a Llama, Mistral or Qwen2 layout)",
-    "mixtral": "transformers' forward over packed rows (MixtralForCausalLM (mixtral) is not a Llama, Mistral or "
-               "Qwen2 layout)",
+    "llama3": "the decoder step, eager", "qwen2.5": "the decoder step, eager", "qwen3": "the decoder step, eager",
+    "phi3": "the decoder step, eager",
+    "mixtral": "transformers' forward over packed rows (MixtralForCausalLM (mixtral) is not a Llama, Mistral, "
+               "Qwen2, Qwen3 or Phi-3 layout)",
     "mistral": "transformers' stock forward (MistralForCausalLM (mistral) has sliding-window layers",
     "gemma3": "transformers' stock forward (Gemma3ForCausalLM (gemma3_text) has sliding_attention layers",
 }

@@ -126,16 +126,16 @@ def test_the_step_is_what_runs(pair, monkeypatch):
 
 
 def test_a_layout_it_does_not_run_is_named_and_left_to_transformers():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    model = Qwen3ForCausalLM(config)
-    assert "(qwen3) is not a Llama, Mistral or Qwen2 layout" in decoder_step.unsupported(model)
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
+    model = MixtralForCausalLM(config)
+    assert "(mixtral) is not a Llama, Mistral, Qwen2, Qwen3 or Phi-3 layout" in decoder_step.unsupported(model)
     with pytest.raises(ValueError, match="cannot run this model"):
         decoder_step.DecoderStep(model)
     kind = packed_rows.install_fast_forward(model, "off")
-    assert kind.startswith("transformers' forward over packed rows (Qwen3ForCausalLM (qwen3)")
+    assert kind.startswith("transformers' forward over packed rows (MixtralForCausalLM (mixtral)")
     assert packed_rows.step_of(model) is None
 
 
