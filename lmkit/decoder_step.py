@@ -78,15 +78,92 @@ def rotary(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtyp
 Linear = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
 
 
-def linear(module) -> Linear:
-    """A projection of ``module`` (an ``nn.Linear`` or a ``PackedLinear``) as one call, the same op its forward runs."""
+def linear(module, gather: bool = False) -> Linear:
+    """A projection of ``module`` (an ``nn.Linear`` or a ``PackedLinear``) as one call, the same op its forward runs.
+
+    A tensor-parallel shard (a ``DTensor`` weight, transformers' ``tp_plan``) runs on this rank's part: a
+    column-parallel one gives this rank's slice of the output (``gather``: every rank's, gathered, as the LM head
+    needs), a row-parallel one its partial sums, all-reduced: one collective per row-parallel projection, as
+    Megatron-LM's layers have it."""
     if isinstance(module, PackedLinear):
         weight, bias = module.packed_weight, module.bias
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if type(module) is not torch.nn.Linear:
         raise ValueError(f"the decoder step runs nn.Linear projections, not {type(module).__name__}")
     weight, bias = module.weight, module.bias
+    if _sharded(weight):
+        placement, weight, bias = weight.placements[0], weight.to_local(), local(bias)
+        if placement.is_shard(0) and gather:
+            return lambda x: _all_gather_last(F.linear(x, weight, bias))
+        if placement.is_shard(1):
+            return lambda x: _all_reduce(F.linear(x, weight))  # a bias would be added once, after: refused
     return lambda x: F.linear(x, weight, bias)
+
+
+def _sharded(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor):
+    """This rank's part of a tensor-parallel ``tensor``; any other tensor (or None) as it is."""
+    return tensor.to_local() if _sharded(tensor) else tensor
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    dist.all_reduce(x)
+    return x
+
+
+def _all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def embedding(weight) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The token embedding as one call: over a vocabulary split across ranks (transformers' ``embedding_rowwise``),
+    each rank looks up the ids in its rows, zeroes the others and the ranks' rows are all-reduced."""
+    if not _sharded(weight) or not weight.placements[0].is_shard(0):
+        table = local(weight)
+        return lambda ids: F.embedding(ids, table)
+    import torch.distributed as dist
+
+    table = weight.to_local()
+    first = dist.get_rank() * table.shape[0]
+
+    def lookup(ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= first) & (ids < first + table.shape[0])
+        rows = F.embedding(torch.where(mine, ids - first, 0), table) * mine[..., None].to(table.dtype)
+        return _all_reduce(rows)
+
+    return lookup
+
+
+def _sharding_unsupported(model) -> str | None:
+    """Why the step cannot run a tensor-parallel ``model`` (None: it can, or it is not sharded)."""
+    weights = {name: p for name, p in model.named_parameters() if _sharded(p)}
+    if not weights:
+        return None
+    import torch.distributed as dist
+
+    if any(len(p.placements) != 1 for p in weights.values()):
+        return "its weights are sharded over a mesh of more than one dimension"
+    if any(name.endswith(("qkv_proj.weight", "gate_up_proj.weight")) for name in weights):
+        return "its fused projections are sharded"
+    if any(isinstance(m, torch.nn.Linear) and _sharded(m.weight) and m.weight.placements[0].is_shard(1)
+           and m.bias is not None for m in model.modules()):
+        return "a row-parallel projection has a bias"
+    vocab = int(model.config.vocab_size)
+    if vocab % dist.get_world_size():
+        return f"its vocabulary of {vocab} does not split evenly over {dist.get_world_size()} ranks"
+    return None
 
 
 Projections = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # [..., in] -> several [..., out_i]
@@ -169,7 +246,7 @@ def unsupported(model) -> str | None:
     odd = {type(m).__name__ for m in projections if type(m) not in (torch.nn.Linear, PackedLinear)}
     if odd:
         return f"its projections are {', '.join(sorted(odd))} (the step runs nn.Linear ones)"
-    return None
+    return _sharding_unsupported(model)
 
 
 class DecoderStep:
@@ -186,9 +263,10 @@ class DecoderStep:
         rotary_emb = decoder.rotary_emb
         self.inv_freq = rotary_emb.inv_freq
         self.rope_scaling = float(rotary_emb.attention_scaling)
-        self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
-        self.norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
-        self.lm_head = linear(model.lm_head)  # [..., hidden] -> [..., vocab]
+        self.embed = local(decoder.embed_tokens.weight)  # [vocab, hidden]; a shard: this rank's rows
+        self.embedding = embedding(decoder.embed_tokens.weight)  # ids -> [..., hidden]
+        self.norm = (local(decoder.norm.weight), float(decoder.norm.variance_epsilon))
+        self.lm_head = linear(model.lm_head, gather=True)  # [..., hidden] -> [..., vocab]
         self.head_dim = decoder.layers[0].self_attn.head_dim
         self.layers = [self._layer(i, layer) for i, layer in enumerate(decoder.layers[: model.config.num_hidden_layers])]
         self.attention_inputs = compile_fn(attention_inputs) if compile_fn else attention_inputs
@@ -205,15 +283,15 @@ class DecoderStep:
             qkv = separate(linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj))
         qk_norms = None
         if hasattr(attn, "q_norm"):  # Qwen3: each head's q and k RMS-normed before the rotary embedding
-            qk_norms = (attn.q_norm.weight, float(attn.q_norm.variance_epsilon), attn.k_norm.weight,
+            qk_norms = (local(attn.q_norm.weight), float(attn.q_norm.variance_epsilon), local(attn.k_norm.weight),
                         float(attn.k_norm.variance_epsilon))
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up as one projection, gate first
             half = mlp.gate_up_proj.out_features // 2
             gate_up = fused(linear(mlp.gate_up_proj), (half, half))
         else:
             gate_up = separate(linear(mlp.gate_proj), linear(mlp.up_proj))
-        inputs = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon), qkv, qk_norms)
-        outputs = (linear(attn.o_proj), layer.post_attention_layernorm.weight,
+        inputs = (local(layer.input_layernorm.weight), float(layer.input_layernorm.variance_epsilon), qkv, qk_norms)
+        outputs = (linear(attn.o_proj), local(layer.post_attention_layernorm.weight),
                    float(layer.post_attention_layernorm.variance_epsilon), gate_up, linear(mlp.down_proj),
                    mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
         return _Layer(index, inputs, outputs, float(attn.scaling))
@@ -232,7 +310,7 @@ class DecoderStep:
         layers = the final norm's output).
 
         ``rows`` are ``packed_rows._Row``s: each row's keys/values are written into its buffer at its positions."""
-        hidden = F.embedding(ids, self.embed)  # [1, T, hidden]
+        hidden = self.embedding(ids)  # [1, T, hidden]
         cos, sin = rotary(self.inv_freq, self.rope_scaling, positions, hidden.dtype)
         wanted = set(feature_layers)
         features = {}

@@ -42,7 +42,8 @@ MODES = (STOCK, "off", "inductor", "cuda-graphs")  # what ``install`` takes (``-
 
 def install(model, mode: str, sharded: bool = False, alone: bool = False) -> str:
     """Set ``model`` up to run its steps as ``mode`` says (see the module's text); returns what runs them, for the
-    log. ``sharded``: a tensor-parallel shard (its collectives run in transformers' forward: the stock forward).
+    log. ``sharded``: a tensor-parallel shard: on the CPU the eager decoder step over this rank's part, its
+    collectives explicit; elsewhere transformers' stock forward, whose collectives run inside it.
     ``alone``: its steps run one session at a time (a drafter), where packed rows without the decoder step gain
     nothing (``bench --suite step --step-parts draft``), so a model the step cannot run keeps the stock forward."""
     if mode not in MODES:
@@ -56,6 +57,14 @@ def install(model, mode: str, sharded: bool = False, alone: bool = False) -> str
     device = next(model.parameters()).device.type
     if not sharded and device == "cpu":
         return packed_rows.install_fast_forward(model, mode, pack=pack_linears)
+    if sharded and device == "cpu" and mode == "off":
+        # the eager decoder step on this rank's shard, its collectives explicit (gloo); plain linears: oneDNN
+        # packing takes whole weights
+        reason = decoder_step.unsupported(model)
+        if reason is None:
+            return packed_rows.install_fast_forward(model, mode) + " on this rank's shard, one all-reduce per " \
+                                                                  "row-parallel projection"
+        return f"transformers' stock forward (the decoder step cannot run this shard: {reason})"
     where = "a sharded model" if sharded else f"a {device} model"
     if mode == "off":
         return f"transformers' stock forward (the fast forward runs on an unsharded CPU model; on {where}: " \

@@ -233,7 +233,7 @@ class GraphStep:
         ``inputs.logits``: only tensor operations, no host value read."""
         step, size = self.step, self.block_size
         batch, width = inputs.ids.shape
-        hidden = F.embedding(inputs.ids, step.embed)  # [b, w, hidden]
+        hidden = step.embedding(inputs.ids)  # [b, w, hidden]
         cos, sin = decoder_step.rotary(step.inv_freq, step.rope_scaling, inputs.rope, hidden.dtype)
         tables = self.tables.index_select(0, inputs.slots)  # [b, max_blocks]
         written = tables.gather(1, torch.div(inputs.positions, size, rounding_mode="floor"))  # [b, w] blocks

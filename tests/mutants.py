@@ -98,6 +98,20 @@ MUTANTS = (
         ("tests/unit/lmkit/test_families.py",),
     ),
     Mutant(
+        "sharded decoder step: a row-parallel projection's partial sums not all-reduced",
+        "lmkit/decoder_step.py",
+        "            return lambda x: _all_reduce(F.linear(x, weight))",
+        "            return lambda x: F.linear(x, weight)",
+        ("tests/services/test_tp_step.py",),
+    ),
+    Mutant(
+        "sharded decoder step: the embedding's split vocabulary looked up from row 0 on every rank",
+        "lmkit/decoder_step.py",
+        "    first = dist.get_rank() * table.shape[0]",
+        "    first = 0 * table.shape[0]",
+        ("tests/services/test_tp_step.py",),
+    ),
+    Mutant(
         "draft chain: each step fed at the chain's first position",
         "lmkit/chain_step.py",
         "            chain.step.positions.add_(1)\n",

@@ -1,7 +1,7 @@
 """The tensor-parallel target: --tp 2 over gloo on loopback equals TP=1 and the model's own generate.
 
 Real processes: the supervisor starts two ranks; rank 0 serves gRPC and leads
-every forward step, rank 1 replays it on its shard.
+every forward step, rank 1 replays it on its shard; each runs the decoder step over its part of the weights.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def test_tp2_greedy_equals_tp1_and_generate(tp2_target, tiny_services, tiny_targ
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
     expected = [reference_greedy(model, gguf_tokenizer.encode(p), 20) for p in PROMPTS]
     assert info.tp_degree == 2
+    # each rank runs the eager decoder step on its shard, one all-reduce per row-parallel projection; chains only
+    assert info.forward.startswith("the decoder step, eager on this rank's shard") and not info.token_trees
     assert tp2 == tp1 == expected
 
 
