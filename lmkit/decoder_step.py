@@ -224,10 +224,9 @@ def unsupported(model) -> str | None:
     config = model.config
     if config.model_type not in SUPPORTED_TYPES:
         return f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral, Qwen2, Qwen3 or Phi-3 layout"
-    if (getattr(config, "sliding_window", None) and config.model_type not in ("qwen2", "qwen3")) or getattr(
-        config, "use_sliding_window", False
-    ) or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "it uses sliding-window attention"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if len(kinds) > 1 or (kinds and kinds != {"full_attention"} and not getattr(config, "sliding_window", None)):
+        return f"its layers are {', '.join(sorted(kinds))} (the step runs one attention kind for every layer)"
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         return "its rotary embedding turns part of each head (partial_rotary_factor)"
     rotary_emb = getattr(getattr(model, "model", None), "rotary_emb", None)

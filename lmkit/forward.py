@@ -11,7 +11,7 @@ every drafter that runs a model (the model drafter and the self-drafts).
     stock         transformers' forward over a ``DynamicCache`` (``--stock-forward``)
     off           the packed-rows forward (``lmkit.packed_rows``): the decoder step, eager, with oneDNN-packed
                   linears on the CPU, where the model's layout allows; transformers' forward over packed rows
-                  where only the attention allows; the stock forward where neither (a sliding window)
+                  where only the attention allows; the stock forward where neither (mixed layer kinds)
     inductor      the same, the decoder step compiled by ``torch.compile`` (plain linears)
     cuda-graphs   the static decoder step over KV blocks from a pool allocated at start, captured per (batch,
                   width, span) bucket (``lmkit.graph_step``): a session's cache is a slot (``slots``), chains and

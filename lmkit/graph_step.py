@@ -19,7 +19,7 @@ the graph reads, never a Python value or a new allocation:
                   and which fed tokens each fed token sees [batch, width, width] (a chain: those up to it; a tree:
                   the fed context before it and its ancestors)
     mask          computed inside the step: a fed token sees every position before its row's block and the fed
-                  tokens its row of the block mask names
+                  tokens its row of the block mask names, within the model's sliding window where it has one
     output        logits [batch, width, vocab] of every fed token, in a buffer the graph owns; with
                   ``feature_layers``, also the hidden states entering those layers (0 = the embeddings; the number
                   of layers = the final norm's output) [batch, width, layers, hidden], which feature drafters
@@ -54,7 +54,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.lmkit import chain_step, decoder_step, errors, token_tree
+from specsplit.lmkit import chain_step, decoder_step, errors, packed_rows, token_tree
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.transfer import to_host
 
@@ -167,6 +167,7 @@ class GraphStep:
         first = model.model.layers[0].self_attn
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.feature_layers = tuple(sorted(set(feature_layers)))
+        self.window = packed_rows.window(config)  # every layer's sliding window (Mistral), or None
         if any(not 0 <= i <= self.step.num_layers for i in self.feature_layers):
             raise ValueError(f"feature layers {list(self.feature_layers)} must be in [0, {self.step.num_layers}]")
         self.head_dim = int(first.head_dim)
@@ -243,6 +244,11 @@ class GraphStep:
         offset = torch.arange(span * size, device=self.device) - inputs.positions[:, :1]  # [b, span * size]
         in_block = inputs.sees.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, -1))
         visible = ((offset < 0)[:, None, :] | ((offset < width)[:, None, :] & in_block))[:, None]  # [b, 1, w, s]
+        if self.window:  # a key at position p is seen from position q when q - p < window (a tree's by depth)
+            held = offset + inputs.positions[:, :1]  # [b, s]: a key's place, its position before the block
+            key_positions = torch.where((offset >= 0) & (offset < width),
+                                        inputs.rope.gather(1, offset.clamp(0, width - 1)), held)
+            visible = visible & (key_positions[:, None, None, :] > inputs.rope[:, None, :, None] - self.window)
         rows = (self.kv_heads, batch, span * size, self.head_dim)
         kept = dict.fromkeys(self.feature_layers)  # hidden states entering these layers
         for layer in step.layers:

@@ -10,10 +10,11 @@ registered with transformers' ``AttentionInterface``) against the row's own cach
 row computes what its solo step computes, and a wide row costs the forward its own tokens only. A
 model given a decoder step (``use_step``; ``specsplit.lmkit.decoder_step``) runs the same arithmetic
 as plain tensor functions instead of transformers' module tree.
-Only the positions whose logits are needed go through the LM head (``logits_to_keep``). A model
-whose layers are not all full attention (sliding windows, linear attention) or that does not
-dispatch attention through ``AttentionInterface`` is not installed and keeps its stock forward and
-``DynamicCache``.
+Only the positions whose logits are needed go through the LM head (``logits_to_keep``). A model whose
+layers all attend within one sliding window (Mistral) gets the window in each row's mask, counted by
+position (a tree node's by its depth). A model whose layers mix attention kinds (Gemma 3's sliding and
+full layers, linear attention) or that does not dispatch attention through ``AttentionInterface`` is not
+installed and keeps its stock forward and ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -73,15 +74,34 @@ class _Row:
     mask: torch.Tensor | None  # [width, start + width] bool, or None: every cached and fed position
 
 
+def window(config) -> int | None:
+    """The sliding window every layer of a model attends within (Mistral: key position p is seen from query
+    position q when q - p < window), or None: full attention. Raises ValueError for a mix of layer kinds."""
+    size = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if size else "full_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and size:
+        return int(size)
+    raise ValueError(f"its layers are {', '.join(sorted(kinds))}; packed rows run one attention kind for every layer")
+
+
+def window_mask(start: int, positions: Sequence[int], size: int) -> torch.Tensor:  # -> [n, start + n] bool
+    """Which keys each fed token sees inside a sliding window of ``size``: the cached positions 0..start-1 and the
+    fed tokens' own ``positions`` (a tree's by depth), each seen from a query at position q when q - p < size."""
+    keys = torch.tensor([*range(start), *positions])
+    return keys[None, :] > torch.tensor(list(positions))[:, None] - size
+
+
 def unsupported(model) -> str | None:
-    """Why the packed forward cannot run ``model`` (None: it can): it needs every layer full attention, a causal
-    model and attention dispatched by name."""
+    """Why the packed forward cannot run ``model`` (None: it can): it needs one attention kind for every layer
+    (full, or one sliding window), a causal model and attention dispatched by name."""
     config = model.config
     name = f"{type(model).__name__} ({config.model_type})"
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    windowed = sorted({kind for kind in layer_types if kind != "full_attention"})
-    if windowed or getattr(config, "sliding_window", None):
-        return f"{name} has {', '.join(windowed) or 'sliding-window'} layers; packed rows run full attention only"
+    try:
+        window(config)
+    except ValueError as exc:
+        return f"{name}: {exc}"
     if not getattr(config, "is_causal", True):
         return f"{name} is not causal"
     if not getattr(model, "_can_set_attn_implementation", lambda: False)() or \
@@ -191,14 +211,18 @@ def forward_rows_with_features(
     device = next(model.parameters()).device
     rows, ids, positions, keep = [], [], [], []
     offset = 0
+    size = window(model.config)
     for step in steps:
         width = len(step.tokens)
         if width == 0:
             raise ValueError("a packed step must feed at least one token")
         step.kv.crop(step.start)
         mask = step.mask
-        if mask is None and width > 1:
+        if mask is None and (width > 1 or size):
             mask = causal_mask(step.start, width)
+        if size:
+            fed = range(step.start, step.start + width) if step.positions is None else step.positions
+            mask = mask & window_mask(step.start, fed, size)
         if mask is not None and tuple(mask.shape) != (width, step.start + width):
             raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {(width, step.start + width)}")
         rows.append(_Row(step.kv, step.start, width, offset, None if mask is None else mask.to(device)))

@@ -112,6 +112,20 @@ MUTANTS = (
         ("tests/services/test_tp_step.py",),
     ),
     Mutant(
+        "packed rows: Mistral's sliding window left out of a row's mask",
+        "lmkit/packed_rows.py",
+        "            mask = mask & window_mask(step.start, fed, size)\n",
+        "            pass\n",
+        ("tests/unit/lmkit/test_families.py",),
+    ),
+    Mutant(
+        "static step: Mistral's sliding window measured from a tree node's place in the block, not its depth",
+        "lmkit/graph_step.py",
+        "> inputs.rope[:, None, :, None] - self.window)",
+        "> inputs.positions[:, None, :, None] - self.window)",
+        ("tests/unit/lmkit/test_families.py",),
+    ),
+    Mutant(
         "draft chain: each step fed at the chain's first position",
         "lmkit/chain_step.py",
         "            chain.step.positions.add_(1)\n",

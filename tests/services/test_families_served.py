@@ -33,8 +33,9 @@ FORWARDS = {
     "phi3": "the decoder step, eager",
     "mixtral": "transformers' forward over packed rows (MixtralForCausalLM (mixtral) is not a Llama, Mistral, "
                "Qwen2, Qwen3 or Phi-3 layout)",
-    "mistral": "transformers' stock forward (MistralForCausalLM (mistral) has sliding-window layers",
-    "gemma3": "transformers' stock forward (Gemma3ForCausalLM (gemma3_text) has sliding_attention layers",
+    "mistral": "the decoder step, eager",
+    "gemma3": "transformers' stock forward (Gemma3ForCausalLM (gemma3_text): its layers are full_attention, "
+              "sliding_attention",
 }
 
 

@@ -94,15 +94,20 @@ TREE_PARENTS = [-1, 0, 1, -1, 3, 0, 2]
 
 
 def test_each_tree_node_gets_its_root_paths_logits_where_trees_run(family):
+    """Through the fast forward and the static step (where the decoder step runs the family): a tree after a context
+    longer than a sliding window, each node's logits its root path's, the window counted by the node's depth."""
     name, _, _, stock, fast, runs = family
     context = _ids(30, 4, stock.config.vocab_size)
-    cache = SessionCache(fast)
-    if not cache.supports_trees:
+    caches = [SessionCache(fast)]
+    if not caches[0].supports_trees:
         pytest.skip(f"{name} runs {runs}: no token trees")
-    logits = cache.logits(context, TREE_TOKENS, TREE_PARENTS)
-    for node in range(len(TREE_TOKENS)):
-        path = [TREE_TOKENS[i] for i in token_tree.path_to(TREE_PARENTS, node)]
-        _close(logits[node + 1], SessionCache(stock).logits(context, path)[-1])
+    if decoder_step.unsupported(stock) is None:
+        caches.append(forward.slots(copy.deepcopy(stock), sessions=1, context=64, width=8, batch=1, graphs=False)[0]())
+    for cache in caches:
+        logits = cache.logits(context, TREE_TOKENS, TREE_PARENTS)
+        for node in range(len(TREE_TOKENS)):
+            path = [TREE_TOKENS[i] for i in token_tree.path_to(TREE_PARENTS, node)]
+            _close(logits[node + 1], SessionCache(stock).logits(context, path)[-1])
 
 
 def test_the_static_step_gives_the_same_greedy_output(family, gguf_tokenizer):
