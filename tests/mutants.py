@@ -170,8 +170,8 @@ MUTANTS = (
     Mutant(
         "captured step: keys and values written one position off",
         "lmkit/graph_step.py",
-        "write_index = (base + inputs.positions).reshape(-1)",
-        "write_index = (base + inputs.positions + 1).reshape(-1)",
+        "write_index = (written * size + inputs.positions % size).reshape(-1)",
+        "write_index = (written * size + (inputs.positions + 1) % size).reshape(-1)",
         GRAPH_TESTS,
     ),
     Mutant(
@@ -184,8 +184,8 @@ MUTANTS = (
     Mutant(
         "captured step: two replay groups share one output",
         "lmkit/graph_step.py",
-        "out += [t.clone() for t in logits] if len(groups) > 1 else logits",
-        "out += logits",
+        "            if len(groups) > 1:\n",
+        "            if False:\n",
         GRAPH_TESTS,
     ),
     Mutant(
