@@ -200,7 +200,10 @@ def inverse_cdf(
     """The token whose CDF cell holds ``uniform``: one sample; zero-probability tokens are never returned."""
     if fallback is not None and not float(probs.sum()) > 0.0:
         return inverse_cdf(fallback, uniform)
-    return int(inverse_cdf_index(probs, torch.tensor(uniform, dtype=torch.float64, device=probs.device)))
+    token = int(_cell(probs, torch.tensor(uniform, dtype=torch.float64, device=probs.device)))
+    if token >= probs.shape[0]:  # uniform * total rounded up onto the total: take the last token with mass
+        token = int(probs.nonzero()[-1])
+    return token
 
 
 def inverse_cdf_index(
@@ -208,10 +211,14 @@ def inverse_cdf_index(
     uniform: torch.Tensor,  # [...] float64 in (0, 1): a draw per row
 ) -> torch.Tensor:  # [...] int64
     """``inverse_cdf`` of each row by tensor operations only (no host value read: a CUDA graph captures it)."""
-    cdf = torch.cumsum(probs, dim=-1)
-    # right=True finds the first token whose CDF exceeds the target, which skips tokens with p == 0.
-    token = torch.searchsorted(cdf, (uniform * cdf[..., -1])[..., None], right=True)[..., 0]
-    # uniform * total rounded up onto the total: the last token with mass
+    token = _cell(probs, uniform)
     ids = torch.arange(probs.shape[-1], device=probs.device)
-    last = torch.where(probs > 0, ids, torch.zeros_like(ids)).amax(dim=-1)
+    last = torch.where(probs > 0, ids, torch.zeros_like(ids)).amax(dim=-1)  # the last token with mass
     return torch.where(token >= probs.shape[-1], last, token)
+
+
+def _cell(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:  # [..., vocab], [...] -> [...] int64
+    """The first token whose CDF exceeds ``uniform`` times the row's total (right=True skips tokens with p == 0);
+    the vocabulary size where rounding puts the target onto the total."""
+    cdf = torch.cumsum(probs, dim=-1)
+    return torch.searchsorted(cdf, (uniform * cdf[..., -1])[..., None], right=True)[..., 0]
