@@ -57,6 +57,11 @@ class _Settings:
     quantize: torch.Tensor  # [] bool
     probs: torch.Tensor  # [max_length, vocab] float32: row i, the q drawn from at the chain's i-th position
 
+    def load(self, draw: Draw) -> None:
+        """``draw``'s settings into these tensors (the graph's inputs keep their addresses)."""
+        for name in ("temperature", "top_k", "top_p", "coupled", "quantize"):
+            getattr(self, name).fill_(getattr(draw, name))
+
 
 @dataclass
 class _Chain:
@@ -85,11 +90,7 @@ class ChainStep:
                 torch.zeros(k, dtype=torch.float32, device=device),
             ) for kind in KINDS for k in range(1, max_length + 1)}
             self.vocab = torch.arange(int(graph.step.embed.shape[0]), device=device)
-            self.settings = _Settings(
-                torch.ones((), dtype=torch.float32, device=device), torch.zeros((), **long),
-                torch.ones((), dtype=torch.float64, device=device), torch.ones((), dtype=torch.bool, device=device),
-                torch.zeros((), dtype=torch.bool, device=device),
-                torch.zeros(max_length, self.vocab.numel(), dtype=torch.float32, device=device))
+            self.settings = settings_of(Draw(0, 1.0), device, (max_length, self.vocab.numel()))
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         if graphs:
             self._capture()
@@ -156,12 +157,7 @@ class ChainStep:
             stream = draws.Stream.COUPLED if draw.coupled else draws.Stream.DRAFT
             keys = draws.position_keys(draw.seed, stream, range(start + 1, start + 1 + k))
             chain.keys.copy_(draws.key_tensor(keys), non_blocking=True)
-            settings = self.settings
-            settings.temperature.fill_(draw.temperature)
-            settings.top_k.fill_(draw.top_k)
-            settings.top_p.fill_(draw.top_p)
-            settings.coupled.fill_(draw.coupled)
-            settings.quantize.fill_(draw.quantize)
+            self.settings.load(draw)
         if (kind, k) in self.graphs:
             self.graphs[(kind, k)].replay()
         else:
@@ -185,10 +181,10 @@ def choose(logits: torch.Tensor, settings: _Settings, keys: torch.Tensor,
     return torch.where(settings.coupled, coupled, draws.inverse_cdf_index(q.to(torch.float64), uniform)), q
 
 
-def settings_of(draw: Draw, device=None) -> _Settings:
-    """``draw``'s settings as the tensors ``choose`` reads (probs: a row for one position)."""
-    vocab_row = torch.zeros(1, 1, dtype=torch.float32, device=device)
+def settings_of(draw: Draw, device=None, probs: tuple[int, int] = (1, 1)) -> _Settings:
+    """``draw``'s settings as the tensors ``choose`` reads, with a ``probs`` buffer of that shape (rows, vocab)."""
     return _Settings(torch.tensor(float(draw.temperature), dtype=torch.float32, device=device),
                      torch.tensor(draw.top_k, dtype=torch.long, device=device),
                      torch.tensor(draw.top_p, dtype=torch.float64, device=device),
-                     torch.tensor(draw.coupled, device=device), torch.tensor(draw.quantize, device=device), vocab_row)
+                     torch.tensor(draw.coupled, device=device), torch.tensor(draw.quantize, device=device),
+                     torch.zeros(probs, dtype=torch.float32, device=device))
