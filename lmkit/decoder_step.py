@@ -219,14 +219,28 @@ class _Layer:
     scaling: float
 
 
+def window(config) -> int | None:
+    """The sliding window every layer of a model attends within (Mistral: key position p is seen from query
+    position q when q - p < window), or None: full attention. Raises ValueError for a mix of layer kinds."""
+    size = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if size else "full_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and size:
+        return int(size)
+    raise ValueError(f"its layers are {', '.join(sorted(kinds))}; packed rows and the decoder step run one "
+                     "attention kind for every layer")
+
+
 def unsupported(model) -> str | None:
     """Why ``DecoderStep`` cannot run ``model`` (None: it can)."""
     config = model.config
     if config.model_type not in SUPPORTED_TYPES:
         return f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral, Qwen2, Qwen3 or Phi-3 layout"
-    kinds = set(getattr(config, "layer_types", None) or ())
-    if len(kinds) > 1 or (kinds and kinds != {"full_attention"} and not getattr(config, "sliding_window", None)):
-        return f"its layers are {', '.join(sorted(kinds))} (the step runs one attention kind for every layer)"
+    try:
+        window(config)
+    except ValueError as exc:
+        return str(exc)
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         return "its rotary embedding turns part of each head (partial_rotary_factor)"
     rotary_emb = getattr(getattr(model, "model", None), "rotary_emb", None)

@@ -49,12 +49,12 @@ in a slot (what the target engine holds per session under ``serve-target --compi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from specsplit.lmkit import chain_step, decoder_step, errors, packed_rows, token_tree
+from specsplit.lmkit import chain_step, decoder_step, errors, token_tree
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.lmkit.transfer import to_host
 
@@ -124,21 +124,26 @@ class _Inputs:
     features: torch.Tensor | None = None  # [batch, width, len(feature_layers), hidden]: the hidden states kept
 
 
-# (slot, start position, tokens fed at start.., and optionally the parents of the last len(parents) of them: a token
-# tree after the fed context, ``lmkit.token_tree``)
-Row = tuple
+class Row(NamedTuple):
+    """One session's share of a step: ``tokens`` fed at ``start``.. of ``slot``, the last len(parents) of them a
+    token tree after the fed context (``lmkit.token_tree``) where ``parents`` is given. A plain (slot, start,
+    tokens) tuple is a chain's row."""
+
+    slot: int
+    start: int
+    tokens: Sequence[int]
+    parents: Sequence[int] | None = None
 
 
 def row_layout(start: int, count: int, width: int, parents: Sequence[int] | None) -> tuple[list[int], torch.Tensor]:
     """A row's rotary positions [width] and block mask [width, width] for ``count`` fed tokens padded to ``width``:
-    a chain causal; with ``parents``, the last len(parents) fed tokens a tree whose node i sits at the position
-    after the fed context plus its depth and sees the fed context and its ancestors (``token_tree.step_layout``)."""
+    a chain causal; with ``parents``, the fed tokens' part of ``token_tree.step_layout`` (a tree node at the fed
+    context's end plus its depth, seeing the fed context and its ancestors)."""
     rope = list(range(start, start + width))
     sees = torch.ones(width, width, dtype=torch.bool).tril()
     if parents:
-        tail = count - len(parents)
-        rope[tail:count] = [start + tail + depth for depth in token_tree.depths(parents)]
-        sees[tail:count, tail:count] = token_tree.ancestor_mask(parents)
+        positions, mask = token_tree.step_layout(0, count - len(parents), parents)  # the block's part alone
+        rope[:count], sees[:count, :count] = [start + position for position in positions], mask
     return rope, sees
 
 
@@ -167,7 +172,7 @@ class GraphStep:
         first = model.model.layers[0].self_attn
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.feature_layers = tuple(sorted(set(feature_layers)))
-        self.window = packed_rows.window(config)  # every layer's sliding window (Mistral), or None
+        self.window = decoder_step.window(config)  # every layer's sliding window (Mistral), or None
         if any(not 0 <= i <= self.step.num_layers for i in self.feature_layers):
             raise ValueError(f"feature layers {list(self.feature_layers)} must be in [0, {self.step.num_layers}]")
         self.head_dim = int(first.head_dim)
@@ -241,13 +246,13 @@ class GraphStep:
         write_index = (written * size + inputs.positions % size).reshape(-1)  # [b * w]
         read_index = (tables[:, :span, None] * size + self.offsets).reshape(-1)  # [b * span * size]
         # a key before the row's block is seen by every fed token; one in the block as the block mask says
-        offset = torch.arange(span * size, device=self.device) - inputs.positions[:, :1]  # [b, span * size]
-        in_block = inputs.sees.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, -1))
+        places = torch.arange(span * size, device=self.device)  # [s]: the keys' places in the row's blocks
+        offset = places - inputs.positions[:, :1]  # [b, s]: their places in the fed block
+        fed = offset.clamp(0, width - 1)
+        in_block = inputs.sees.gather(2, fed[:, None, :].expand(batch, width, -1))
         visible = ((offset < 0)[:, None, :] | ((offset < width)[:, None, :] & in_block))[:, None]  # [b, 1, w, s]
         if self.window:  # a key at position p is seen from position q when q - p < window (a tree's by depth)
-            held = offset + inputs.positions[:, :1]  # [b, s]: a key's place, its position before the block
-            key_positions = torch.where((offset >= 0) & (offset < width),
-                                        inputs.rope.gather(1, offset.clamp(0, width - 1)), held)
+            key_positions = torch.where((offset >= 0) & (offset < width), inputs.rope.gather(1, fed), places)
             visible = visible & (key_positions[:, None, None, :] > inputs.rope[:, None, :, None] - self.window)
         rows = (self.kv_heads, batch, span * size, self.head_dim)
         kept = dict.fromkeys(self.feature_layers)  # hidden states entering these layers
@@ -336,16 +341,17 @@ class GraphStep:
     def forward_rows_with_features(self, rows: Sequence[Row]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """``forward_rows``, and each row's hidden states [len(tokens), len(feature_layers), hidden] (None when the
         step keeps none), valid until the next call."""
-        for slot, _, tokens, *parents in rows:
-            if parents and parents[0] and len(parents[0]) > len(tokens):
-                raise ValueError(f"a tree of {len(parents[0])} nodes in a row of {len(tokens)} tokens")
+        rows = [Row(*row) for row in rows]
+        for slot, _, tokens, parents in rows:
+            if parents and len(parents) > len(tokens):
+                raise ValueError(f"a tree of {len(parents)} nodes in a row of {len(tokens)} tokens")
             if not 0 <= slot < self.slots:
                 raise ValueError(f"slot {slot} is not one of the {self.slots} slots")
             if not tokens:
                 raise ValueError("feed at least one token")
             if len(tokens) > self.max_width:
                 raise ValueError(f"a row of {len(tokens)} tokens is wider than max_width {self.max_width}")
-        if len({row[0] for row in rows}) != len(rows):
+        if len({row.slot for row in rows}) != len(rows):
             raise ValueError("a step feeds each slot at most once")
         groups = [rows[i : i + self.max_batch] for i in range(0, len(rows), self.max_batch)]
         out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -356,8 +362,7 @@ class GraphStep:
             out += outputs
         return out
 
-    def _replay(self, rows: Sequence[Row]) -> list[torch.Tensor]:
-        rows = [(slot, start, tokens, extra[0] if extra else None) for slot, start, tokens, *extra in rows]
+    def _replay(self, rows: Sequence[Row]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         batch = next(b for b in self.batches if b >= len(rows))
         width = next(w for w in self.widths if w >= max(len(tokens) for _, _, tokens, _ in rows))
         for _, start, tokens, _ in rows:
@@ -504,11 +509,8 @@ class GraphSessionCache(SessionCache):
     def crop(self, length: int) -> None:
         self._forget_from(length)
 
-    def keep_path(self, length: int, path: Sequence[int]) -> None:
-        nodes = self._tokens[length:]
+    def _move_path(self, length: int, path: Sequence[int]) -> None:
         self._graph.keep_path(self.slot, length, path)
-        self._forget_from(length)
-        self._tokens.extend(nodes[i] for i in path)
 
     @property
     def chains(self):

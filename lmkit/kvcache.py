@@ -248,9 +248,13 @@ class SessionCache:
     def keep_path(self, length: int, path: Sequence[int]) -> None:
         """After a tree step: keep ``length`` positions, then the tree nodes ``path`` (root first) after them."""
         nodes = self._tokens[length:]
-        self.kv.keep_path(length, path)
+        self._move_path(length, path)
         self._forget_from(length)
         self._tokens.extend(nodes[i] for i in path)
+
+    def _move_path(self, length: int, path: Sequence[int]) -> None:
+        """The keys and values of nodes ``path`` moved to positions length, length + 1, ... (``keep_path``)."""
+        self.kv.keep_path(length, path)
 
     def crop(self, length: int) -> None:
         """Drop cached positions at index >= ``length``."""

@@ -74,18 +74,6 @@ class _Row:
     mask: torch.Tensor | None  # [width, start + width] bool, or None: every cached and fed position
 
 
-def window(config) -> int | None:
-    """The sliding window every layer of a model attends within (Mistral: key position p is seen from query
-    position q when q - p < window), or None: full attention. Raises ValueError for a mix of layer kinds."""
-    size = getattr(config, "sliding_window", None)
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if size else "full_attention"])
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"} and size:
-        return int(size)
-    raise ValueError(f"its layers are {', '.join(sorted(kinds))}; packed rows run one attention kind for every layer")
-
-
 def window_mask(start: int, positions: Sequence[int], size: int) -> torch.Tensor:  # -> [n, start + n] bool
     """Which keys each fed token sees inside a sliding window of ``size``: the cached positions 0..start-1 and the
     fed tokens' own ``positions`` (a tree's by depth), each seen from a query at position q when q - p < size."""
@@ -99,7 +87,7 @@ def unsupported(model) -> str | None:
     config = model.config
     name = f"{type(model).__name__} ({config.model_type})"
     try:
-        window(config)
+        decoder_step.window(config)
     except ValueError as exc:
         return f"{name}: {exc}"
     if not getattr(config, "is_causal", True):
@@ -211,7 +199,7 @@ def forward_rows_with_features(
     device = next(model.parameters()).device
     rows, ids, positions, keep = [], [], [], []
     offset = 0
-    size = window(model.config)
+    size = decoder_step.window(model.config)
     for step in steps:
         width = len(step.tokens)
         if width == 0:

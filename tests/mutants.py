@@ -64,15 +64,15 @@ MUTANTS = (
     Mutant(
         "static step: a tree node's rotary position its place in the block, not its depth",
         "lmkit/graph_step.py",
-        "        rope[tail:count] = [start + tail + depth for depth in token_tree.depths(parents)]\n",
-        "",
+        "[start + position for position in positions], mask",
+        "[start + place for place in range(count)], mask",
         GRAPH_TESTS,
     ),
     Mutant(
         "static step: a tree's accepted path left where its nodes were",
         "lmkit/graph_step.py",
         "        self._graph.keep_path(self.slot, length, path)\n",
-        "",
+        "        pass\n",
         GRAPH_TESTS,
     ),
     Mutant(
