@@ -12,8 +12,9 @@ as transformers' Llama forward, so in float32 it returns the same logits bit for
 
 The two per-token functions see the packed tokens [1, T, hidden] whatever the rows are, so one
 ``torch.compile`` with a dynamic T serves every width and batch (``compiler``); attention stays per row,
-against each session's cache in place, as ``packed_rows`` does it. Llama, Mistral and Qwen2 layouts
-(full attention, default or frequency-scaled RoPE) are supported; ``unsupported`` names what is not.
+against each session's cache in place, as ``packed_rows`` does it. Llama, Qwen2, Qwen3, Phi-3, Mistral and
+Gemma 3 layouts (full and sliding-window layers, default or frequency-scaled RoPE, one base per layer kind)
+are supported; ``unsupported`` names what is not.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from specsplit.lmkit.packed_linear import PackedLinear
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 COMPILE_MODES = ("off", "auto", "inductor", "cuda-graphs")  # serve-target --compile
 
 
@@ -61,6 +62,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(variance + eps)
     return weight * x.to(dtype)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma3RMSNorm: normalised and scaled by (1 + weight) in float32, then cast to the input's
+    dtype."""
+    out = x.float()
+    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+Norm = Callable[[torch.Tensor], torch.Tensor]  # an RMS norm over the last dimension, its weight bound
+
+
+def norm_of(module) -> Norm:
+    """``module`` (an RMS norm: Llama's kind, or Gemma's, which scales by 1 + weight) as one call."""
+    if hasattr(module, "variance_epsilon"):
+        return functools.partial(rms_norm, weight=local(module.weight), eps=float(module.variance_epsilon))
+    return functools.partial(offset_rms_norm, weight=local(module.weight), eps=float(module.eps))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -181,17 +200,17 @@ def fused(projection: Linear, sizes: Sequence[int]) -> Projections:
 
 def attention_inputs(
     hidden: torch.Tensor,  # [1, T, hidden]
-    norm: torch.Tensor, eps: float, qkv: Projections,
-    qk_norms: tuple | None,  # (q weight, eps, k weight, eps): Qwen3's RMS norms of each head's q and k; None: none
+    norm: Norm, qkv: Projections,
+    qk_norms: tuple[Norm, Norm] | None,  # Qwen3's and Gemma 3's norms of each head's q and k; None: none
     cos: torch.Tensor, sin: torch.Tensor,  # [1, T, head_dim]
     head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries [1, heads, T, head_dim], keys and values [1, kv_heads, T, head_dim], rotary applied."""
-    x = rms_norm(hidden, norm, eps)
+    x = norm(hidden)
     shape = (*hidden.shape[:-1], -1, head_dim)
     q, k, v = (projected.view(shape) for projected in qkv(x))
     if qk_norms is not None:
-        q, k = rms_norm(q, *qk_norms[:2]), rms_norm(k, *qk_norms[2:])
+        q, k = qk_norms[0](q), qk_norms[1](k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin), v
@@ -200,13 +219,16 @@ def attention_inputs(
 def attention_outputs(
     residual: torch.Tensor,  # [1, T, hidden]
     attended: torch.Tensor,  # [1, T, heads, head_dim]
-    o_proj: Linear, norm: torch.Tensor, eps: float, gate_up: Projections, down_proj: Linear,
-    act: Callable[[torch.Tensor], torch.Tensor],
+    o_proj: Linear,
+    norms: tuple[Norm | None, Norm, Norm | None],  # after attention (Gemma 3), before the MLP, after it (Gemma 3)
+    gate_up: Projections, down_proj: Linear, act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The layer's output [1, T, hidden]: o projection and residual, then the MLP and residual."""
-    hidden = residual + o_proj(attended.reshape(*residual.shape[:-1], -1).contiguous())
-    gate, up = gate_up(rms_norm(hidden, norm, eps))
-    return hidden + down_proj(act(gate) * up)
+    attention = o_proj(attended.reshape(*residual.shape[:-1], -1).contiguous())
+    hidden = residual + (attention if norms[0] is None else norms[0](attention))
+    gate, up = gate_up(norms[1](hidden))
+    mlp = down_proj(act(gate) * up)
+    return hidden + (mlp if norms[2] is None else norms[2](mlp))
 
 
 @dataclass(frozen=True)
@@ -214,40 +236,63 @@ class _Layer:
     """One decoder layer's weights (the model's own tensors) and settings."""
 
     index: int
-    inputs: tuple  # attention_inputs' weight arguments: norm, eps, qkv, qk_norms
-    outputs: tuple  # attention_outputs' weight arguments: o_proj, norm, eps, gate_up, down_proj, act
+    inputs: tuple  # attention_inputs' weight arguments: norm, qkv, qk_norms
+    outputs: tuple  # attention_outputs' weight arguments: o_proj, norms, gate_up, down_proj, act
     scaling: float
+    window: int | None  # the sliding window it attends within; None: full attention
+    rope: str  # the rotary embedding it takes (``DecoderStep.rotations``' key)
 
 
-def window(config) -> int | None:
-    """The sliding window every layer of a model attends within (Mistral: key position p is seen from query
-    position q when q - p < window), or None: full attention. Raises ValueError for a mix of layer kinds."""
+def windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window (key position p is seen from query position q when q - p < window), or None
+    for a layer of full attention: Mistral's layers all slide, Gemma 3's mix sliding and full ones. Raises
+    ValueError for a layer of another kind (linear or chunked attention, say)."""
     size = getattr(config, "sliding_window", None)
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if size else "full_attention"])
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"} and size:
-        return int(size)
-    raise ValueError(f"its layers are {', '.join(sorted(kinds))}; packed rows and the decoder step run one "
-                     "attention kind for every layer")
+    count = int(config.num_hidden_layers)
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if not kinds:
+        kinds = ["sliding_attention" if size and getattr(config, "use_sliding_window", True) else "full_attention"]
+        kinds *= count
+    other = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if other:
+        raise ValueError(f"its layers include {', '.join(other)}; packed rows and the decoder step run full "
+                         "and sliding-window attention")
+    if "sliding_attention" in kinds and not size:
+        raise ValueError("its layers slide but its config gives no sliding_window")
+    return tuple(int(size) if kind == "sliding_attention" else None for kind in kinds[:count])
+
+
+def _rotaries(decoder) -> dict[str, tuple[torch.Tensor, float]]:
+    """The model's rotary embeddings as (inverse frequencies, scaling), by the layer kind that takes each: one
+    for every layer (``full_attention``), or one a kind (Gemma 3's rotary base of its sliding layers differs)."""
+    rotary_emb = decoder.rotary_emb
+    if hasattr(rotary_emb, "inv_freq"):
+        return {"full_attention": (rotary_emb.inv_freq, float(rotary_emb.attention_scaling))}
+    return {kind: (getattr(rotary_emb, f"{kind}_inv_freq"), float(getattr(rotary_emb, f"{kind}_attention_scaling")))
+            for kind in rotary_emb.layer_types}
 
 
 def unsupported(model) -> str | None:
     """Why ``DecoderStep`` cannot run ``model`` (None: it can)."""
     config = model.config
     if config.model_type not in SUPPORTED_TYPES:
-        return f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral, Qwen2, Qwen3 or Phi-3 layout"
+        return (f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral, Qwen2, Qwen3, Phi-3 or "
+                "Gemma 3 layout")
     try:
-        window(config)
+        windows(config)
     except ValueError as exc:
         return str(exc)
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         return "its rotary embedding turns part of each head (partial_rotary_factor)"
     rotary_emb = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rotary_emb is None or getattr(rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+    rope_types = getattr(rotary_emb, "rope_type", "default")
+    rope_types = set(rope_types.values()) if isinstance(rope_types, dict) else {rope_types}
+    if rotary_emb is None or rope_types & {"dynamic", "longrope"}:
         return "its rotary embedding depends on the forward's positions (dynamic or longrope)"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "it splits its projections (pretraining_tp > 1)"
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        return "it caps its logits (attn_logit_softcapping or final_logit_softcapping, Gemma 2)"
     if not isinstance(getattr(getattr(model.model, "norm", None), "weight", None), torch.Tensor):
         return "its final norm is not an RMS norm with a weight (an exit adapter before it, say)"
     projections = [getattr(part, name) for layer in model.model.layers for part, names in
@@ -273,20 +318,25 @@ class DecoderStep:
         if reason:
             raise ValueError(f"the decoder step cannot run this model: {reason}")
         decoder = model.model
-        rotary_emb = decoder.rotary_emb
-        self.inv_freq = rotary_emb.inv_freq
-        self.rope_scaling = float(rotary_emb.attention_scaling)
+        self.rotaries = _rotaries(decoder)
         self.embed = local(decoder.embed_tokens.weight)  # [vocab, hidden]; a shard: this rank's rows
         self.embedding = embedding(decoder.embed_tokens.weight)  # ids -> [..., hidden]
-        self.norm = (local(decoder.norm.weight), float(decoder.norm.variance_epsilon))
+        scale = getattr(decoder.embed_tokens, "embed_scale", None)  # Gemma 3: embeddings times sqrt(hidden)
+        if scale is not None:
+            lookup, scale = self.embedding, scale.to(self.embed.dtype)
+            self.embedding = lambda ids: lookup(ids) * scale
+        self.norm = norm_of(decoder.norm)
         self.lm_head = linear(model.lm_head, gather=True)  # [..., hidden] -> [..., vocab]
         self.head_dim = decoder.layers[0].self_attn.head_dim
-        self.layers = [self._layer(i, layer) for i, layer in enumerate(decoder.layers[: model.config.num_hidden_layers])]
+        count = model.config.num_hidden_layers
+        kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * count
+        self.layers = [self._layer(i, layer, window, kinds[i] if len(self.rotaries) > 1 else "full_attention")
+                       for i, (layer, window) in enumerate(zip(decoder.layers[:count], windows(model.config)))]
         self.attention_inputs = compile_fn(attention_inputs) if compile_fn else attention_inputs
         self.attention_outputs = compile_fn(attention_outputs) if compile_fn else attention_outputs
 
     @staticmethod
-    def _layer(index: int, layer) -> _Layer:
+    def _layer(index: int, layer, window: int | None, rope: str) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         if hasattr(attn, "qkv_proj"):  # Phi-3: one projection, split as its forward splits it
             q_size = attn.config.num_attention_heads * attn.head_dim
@@ -294,24 +344,30 @@ class DecoderStep:
             qkv = fused(linear(attn.qkv_proj), (q_size, kv_size, kv_size))
         else:
             qkv = separate(linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj))
-        qk_norms = None
-        if hasattr(attn, "q_norm"):  # Qwen3: each head's q and k RMS-normed before the rotary embedding
-            qk_norms = (local(attn.q_norm.weight), float(attn.q_norm.variance_epsilon), local(attn.k_norm.weight),
-                        float(attn.k_norm.variance_epsilon))
+        # Qwen3, Gemma 3: each head's q and k RMS-normed before the rotary embedding
+        qk_norms = (norm_of(attn.q_norm), norm_of(attn.k_norm)) if hasattr(attn, "q_norm") else None
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up as one projection, gate first
             half = mlp.gate_up_proj.out_features // 2
             gate_up = fused(linear(mlp.gate_up_proj), (half, half))
         else:
             gate_up = separate(linear(mlp.gate_proj), linear(mlp.up_proj))
-        inputs = (local(layer.input_layernorm.weight), float(layer.input_layernorm.variance_epsilon), qkv, qk_norms)
-        outputs = (linear(attn.o_proj), local(layer.post_attention_layernorm.weight),
-                   float(layer.post_attention_layernorm.variance_epsilon), gate_up, linear(mlp.down_proj),
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: the attention's and the MLP's outputs normed too
+            norms = (norm_of(layer.post_attention_layernorm), norm_of(layer.pre_feedforward_layernorm),
+                     norm_of(layer.post_feedforward_layernorm))
+        else:
+            norms = (None, norm_of(layer.post_attention_layernorm), None)
+        inputs = (norm_of(layer.input_layernorm), qkv, qk_norms)
+        outputs = (linear(attn.o_proj), norms, gate_up, linear(mlp.down_proj),
                    mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
-        return _Layer(index, inputs, outputs, float(attn.scaling))
+        return _Layer(index, inputs, outputs, float(attn.scaling), window, rope)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def rotations(self, positions: torch.Tensor, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin [..., T, head_dim] of ``positions`` [..., T], by the rotary embedding's key (``_Layer.rope``)."""
+        return {kind: rotary(inv_freq, scaling, positions, dtype) for kind, (inv_freq, scaling) in self.rotaries.items()}
 
     @torch.inference_mode()
     def __call__(
@@ -324,19 +380,19 @@ class DecoderStep:
 
         ``rows`` are ``packed_rows._Row``s: each row's keys/values are written into its buffer at its positions."""
         hidden = self.embedding(ids)  # [1, T, hidden]
-        cos, sin = rotary(self.inv_freq, self.rope_scaling, positions, hidden.dtype)
+        rotations = self.rotations(positions, hidden.dtype)
         wanted = set(feature_layers)
         features = {}
         for layer in self.layers:
             if layer.index in wanted:
                 features[layer.index] = hidden
-            q, k, v = self.attention_inputs(hidden, *layer.inputs, cos, sin, self.head_dim)
+            q, k, v = self.attention_inputs(hidden, *layer.inputs, *rotations[layer.rope], self.head_dim)
             attended = _row_attention(layer, q, k, v, rows)
             hidden = self.attention_outputs(hidden, attended, *layer.outputs)
         if self.num_layers in wanted:  # the final hidden state, after the norm (what the LM head reads)
-            features[self.num_layers] = rms_norm(hidden, *self.norm)
+            features[self.num_layers] = self.norm(hidden)
             return self.lm_head(features[self.num_layers][:, keep])[0], features
-        kept = rms_norm(hidden[:, keep], *self.norm)
+        kept = self.norm(hidden[:, keep])
         return self.lm_head(kept)[0], features
 
 
@@ -345,19 +401,21 @@ def _row_attention(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     for row in rows:
         fed = slice(row.offset, row.offset + row.width)
         row.kv.write(layer.index, row.start, k[:, :, fed], v[:, :, fed])
-    return attend_rows(layer.index, q, rows, layer.scaling, gqa=q.shape[1] != k.shape[1])
+    return attend_rows(layer.index, q, rows, layer.scaling, gqa=q.shape[1] != k.shape[1], window=layer.window)
 
 
-def attend_rows(layer: int, q: torch.Tensor, rows: Sequence, scaling: float, gqa: bool) -> torch.Tensor:
+def attend_rows(layer: int, q: torch.Tensor, rows: Sequence, scaling: float, gqa: bool,
+                window: int | None = None) -> torch.Tensor:
     """Each row's queries (q: [1, heads, T, head_dim]) against its own buffer of ``layer`` (no copy), under its
-    mask (causal, or a token tree's ancestor mask): [1, T, heads, head_dim]. Grouped-query attention runs through
-    ``enable_gqa`` instead of repeating the keys/values per query head (the same numbers, without the copy)."""
+    mask for the layer's ``window`` (causal, or a token tree's ancestor mask, within the window where the layer
+    slides): [1, T, heads, head_dim]. Grouped-query attention runs through ``enable_gqa`` instead of repeating the
+    keys/values per query head (the same numbers, without the copy)."""
     out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     for row in rows:
         keys, values = row.kv.view(layer, row.start + row.width)
         fed = slice(row.offset, row.offset + row.width)
         attended = F.scaled_dot_product_attention(
-            q[:, :, fed], keys, values, attn_mask=row.mask, scale=scaling, enable_gqa=gqa
+            q[:, :, fed], keys, values, attn_mask=row.masks[window], scale=scaling, enable_gqa=gqa
         )  # [1, heads, width, head_dim]
         out[:, fed] = attended.transpose(1, 2)
     return out

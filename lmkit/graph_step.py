@@ -172,7 +172,7 @@ class GraphStep:
         first = model.model.layers[0].self_attn
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.feature_layers = tuple(sorted(set(feature_layers)))
-        self.window = decoder_step.window(config)  # every layer's sliding window (Mistral), or None
+        self.windows = sorted({layer.window for layer in self.step.layers}, key=lambda w: w or 0)  # None: full
         if any(not 0 <= i <= self.step.num_layers for i in self.feature_layers):
             raise ValueError(f"feature layers {list(self.feature_layers)} must be in [0, {self.step.num_layers}]")
         self.head_dim = int(first.head_dim)
@@ -240,7 +240,7 @@ class GraphStep:
         step, size = self.step, self.block_size
         batch, width = inputs.ids.shape
         hidden = step.embedding(inputs.ids)  # [b, w, hidden]
-        cos, sin = decoder_step.rotary(step.inv_freq, step.rope_scaling, inputs.rope, hidden.dtype)
+        rotations = step.rotations(inputs.rope, hidden.dtype)
         tables = self.tables.index_select(0, inputs.slots)  # [b, max_blocks]
         written = tables.gather(1, torch.div(inputs.positions, size, rounding_mode="floor"))  # [b, w] blocks
         write_index = (written * size + inputs.positions % size).reshape(-1)  # [b * w]
@@ -251,15 +251,18 @@ class GraphStep:
         fed = offset.clamp(0, width - 1)
         in_block = inputs.sees.gather(2, fed[:, None, :].expand(batch, width, -1))
         visible = ((offset < 0)[:, None, :] | ((offset < width)[:, None, :] & in_block))[:, None]  # [b, 1, w, s]
-        if self.window:  # a key at position p is seen from position q when q - p < window (a tree's by depth)
+        masks = {None: visible}
+        if self.windows != [None]:  # a sliding layer's: a key at position p is seen from position q when q - p <
+            # window (a tree's by depth)
             key_positions = torch.where((offset >= 0) & (offset < width), inputs.rope.gather(1, fed), places)
-            visible = visible & (key_positions[:, None, None, :] > inputs.rope[:, None, :, None] - self.window)
+            masks.update({window: visible & (key_positions[:, None, None, :] > inputs.rope[:, None, :, None] - window)
+                          for window in self.windows if window})
         rows = (self.kv_heads, batch, span * size, self.head_dim)
         kept = dict.fromkeys(self.feature_layers)  # hidden states entering these layers
         for layer in step.layers:
             if layer.index in kept:
                 kept[layer.index] = hidden
-            q, k, v = step.attention_inputs(hidden, *layer.inputs, cos, sin, self.head_dim)
+            q, k, v = step.attention_inputs(hidden, *layer.inputs, *rotations[layer.rope], self.head_dim)
             keys, values = self.keys[layer.index], self.values[layer.index]
             keys.index_copy_(1, write_index, k.transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim))
             values.index_copy_(1, write_index, v.transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim))
@@ -267,10 +270,10 @@ class GraphStep:
                 q,
                 keys.index_select(1, read_index).view(rows).transpose(0, 1),
                 values.index_select(1, read_index).view(rows).transpose(0, 1),
-                attn_mask=visible, scale=layer.scaling, enable_gqa=q.shape[1] != k.shape[1],
+                attn_mask=masks[layer.window], scale=layer.scaling, enable_gqa=q.shape[1] != k.shape[1],
             )  # [b, heads, w, head_dim]
             hidden = step.attention_outputs(hidden, attended.transpose(1, 2), *layer.outputs)
-        normed = decoder_step.rms_norm(hidden, *step.norm)
+        normed = step.norm(hidden)
         if step.num_layers in kept:  # the final hidden state, after the norm (what the LM head reads)
             kept[step.num_layers] = normed
         logits = step.lm_head(normed)

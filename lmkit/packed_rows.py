@@ -10,11 +10,11 @@ registered with transformers' ``AttentionInterface``) against the row's own cach
 row computes what its solo step computes, and a wide row costs the forward its own tokens only. A
 model given a decoder step (``use_step``; ``specsplit.lmkit.decoder_step``) runs the same arithmetic
 as plain tensor functions instead of transformers' module tree.
-Only the positions whose logits are needed go through the LM head (``logits_to_keep``). A model whose
-layers all attend within one sliding window (Mistral) gets the window in each row's mask, counted by
-position (a tree node's by its depth). A model whose layers mix attention kinds (Gemma 3's sliding and
-full layers, linear attention) or that does not dispatch attention through ``AttentionInterface`` is not
-installed and keeps its stock forward and ``DynamicCache``.
+Only the positions whose logits are needed go through the LM head (``logits_to_keep``). A layer that
+attends within a sliding window (all of Mistral's, five in six of Gemma 3's) reads each row's mask for its
+window, counted by position (a tree node's by its depth). A model with layers of another kind (linear
+attention, say) or that does not dispatch attention through ``AttentionInterface`` is not installed and
+keeps its stock forward and ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ class _Row:
     start: int
     width: int
     offset: int  # where the row's tokens start in the packed sequence
-    mask: torch.Tensor | None  # [width, start + width] bool, or None: every cached and fed position
+    # by a layer's sliding window (None: full attention): [width, start + width] bool, or None: every cached and
+    # fed position
+    masks: dict[int | None, torch.Tensor | None]
 
 
 def window_mask(start: int, positions: Sequence[int], size: int) -> torch.Tensor:  # -> [n, start + n] bool
@@ -82,16 +84,18 @@ def window_mask(start: int, positions: Sequence[int], size: int) -> torch.Tensor
 
 
 def unsupported(model) -> str | None:
-    """Why the packed forward cannot run ``model`` (None: it can): it needs one attention kind for every layer
-    (full, or one sliding window), a causal model and attention dispatched by name."""
+    """Why the packed forward cannot run ``model`` (None: it can): it needs layers of full or sliding-window
+    attention, uncapped, a causal model and attention dispatched by name."""
     config = model.config
     name = f"{type(model).__name__} ({config.model_type})"
     try:
-        decoder_step.window(config)
+        decoder_step.windows(config)
     except ValueError as exc:
         return f"{name}: {exc}"
     if not getattr(config, "is_causal", True):
         return f"{name} is not causal"
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"{name} caps its attention logits (attn_logit_softcapping), which SDPA cannot"
     if not getattr(model, "_can_set_attn_implementation", lambda: False)() or \
             config._attn_implementation not in ("sdpa", "eager", ATTENTION):
         return f"{name} runs attention {config._attn_implementation!r}, which cannot be swapped for packed rows"
@@ -199,21 +203,21 @@ def forward_rows_with_features(
     device = next(model.parameters()).device
     rows, ids, positions, keep = [], [], [], []
     offset = 0
-    size = decoder_step.window(model.config)
+    sizes = set(decoder_step.windows(model.config))
     for step in steps:
         width = len(step.tokens)
         if width == 0:
             raise ValueError("a packed step must feed at least one token")
         step.kv.crop(step.start)
         mask = step.mask
-        if mask is None and (width > 1 or size):
+        if mask is None and (width > 1 or sizes != {None}):
             mask = causal_mask(step.start, width)
-        if size:
-            fed = range(step.start, step.start + width) if step.positions is None else step.positions
-            mask = mask & window_mask(step.start, fed, size)
         if mask is not None and tuple(mask.shape) != (width, step.start + width):
             raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {(width, step.start + width)}")
-        rows.append(_Row(step.kv, step.start, width, offset, None if mask is None else mask.to(device)))
+        fed = range(step.start, step.start + width) if step.positions is None else step.positions
+        masks = {size: mask if size is None else mask & window_mask(step.start, fed, size) for size in sizes}
+        rows.append(_Row(step.kv, step.start, width, offset,
+                         {size: None if m is None else m.to(device) for size, m in masks.items()}))
         ids.extend(step.tokens)
         positions.extend(range(step.start, step.start + width) if step.positions is None else step.positions)
         keep.extend(offset + i for i in step.logit_rows)
@@ -236,6 +240,7 @@ def forward_rows_with_features(
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
             output_hidden_states=bool(wanted),
             specsplit_rows=rows,
+            specsplit_windows=decoder_step.windows(model.config),
         )
         logits, hidden = out.logits[0], out.hidden_states
     logits = to_host(logits)  # [len(keep), vocab]
@@ -296,7 +301,8 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     keys/values plus its new ones, which the cache adapter wrote there before attention
     reads them (``decoder_step.attend_rows``, which the decoder step runs too).
     """
-    rows = kwargs.pop("specsplit_rows", None)
+    rows, windows = kwargs.pop("specsplit_rows", None), kwargs.pop("specsplit_windows", None)
     if rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return decoder_step.attend_rows(module.layer_idx, query, rows, scaling, gqa=query.shape[1] != key.shape[1]), None
+    return decoder_step.attend_rows(module.layer_idx, query, rows, scaling, gqa=query.shape[1] != key.shape[1],
+                                    window=windows[module.layer_idx]), None

@@ -30,12 +30,9 @@ NEW_TOKENS = 16
 # transformers' forward over packed rows or its stock forward, each saying why.
 FORWARDS = {
     "llama3": "the decoder step, eager", "qwen2.5": "the decoder step, eager", "qwen3": "the decoder step, eager",
-    "phi3": "the decoder step, eager",
+    "phi3": "the decoder step, eager", "mistral": "the decoder step, eager", "gemma3": "the decoder step, eager",
     "mixtral": "transformers' forward over packed rows (MixtralForCausalLM (mixtral) is not a Llama, Mistral, "
-               "Qwen2, Qwen3 or Phi-3 layout)",
-    "mistral": "the decoder step, eager",
-    "gemma3": "transformers' stock forward (Gemma3ForCausalLM (gemma3_text): its layers are full_attention, "
-              "sliding_attention",
+               "Qwen2, Qwen3, Phi-3 or Gemma 3 layout)",
 }
 
 

@@ -131,7 +131,7 @@ def test_a_layout_it_does_not_run_is_named_and_left_to_transformers():
     config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
     model = MixtralForCausalLM(config)
-    assert "(mixtral) is not a Llama, Mistral, Qwen2, Qwen3 or Phi-3 layout" in decoder_step.unsupported(model)
+    assert "(mixtral) is not a Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma 3 layout" in decoder_step.unsupported(model)
     with pytest.raises(ValueError, match="cannot run this model"):
         decoder_step.DecoderStep(model)
     kind = packed_rows.install_fast_forward(model, "off")
