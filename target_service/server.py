@@ -37,7 +37,8 @@ DEFAULT_PORT = 50052
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="specsplit serve-target", description=__doc__)
-    parser.add_argument("--model", default=models.DEFAULT_MODEL, help="folder, .gguf file, cached hub id or 'smollm2-135m'")
+    parser.add_argument("--model", default=models.DEFAULT_MODEL,
+                        help="folder, .gguf file, cached hub id, 'smollm2-135m' or 'gemma3-270m'")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default=models.AUTO_DTYPE, choices=models.DTYPE_CHOICES,
                         help="auto: bfloat16 on CUDA, float32 on CPU")
