@@ -198,7 +198,8 @@ def inline_tools(turns: Sequence[dict], tools: Sequence[dict], fmt: ToolCallForm
     """The conversation for a chat template that renders no tools, in the roles every template knows, as the
     Hermes-style templates render it (docs/http-api.md, "Tool calls"): the tools' definitions appended to the
     system turn (one is added when there is none), each assistant call written in ``fmt``'s call text after the
-    turn's content, and each run of tool results one user turn of ``<tool_response>`` blocks."""
+    turn's content, and each run of tool results one user turn of results in ``fmt``'s wrapper (Hermes:
+    ``<tool_response>`` blocks)."""
     out: list[dict] = []
     for i, turn in enumerate(turns):
         role, content = turn["role"], turn.get("content") or ""
@@ -207,7 +208,7 @@ def inline_tools(turns: Sequence[dict], tools: Sequence[dict], fmt: ToolCallForm
                      + fmt.call_suffix() for call in turn["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join([content, *calls] if content else calls)})
         elif role == "tool":
-            block = f"<tool_response>\n{content}\n</tool_response>"
+            block = f"{fmt.response[0]}{content}{fmt.response[1]}"
             if i and turns[i - 1]["role"] == "tool":  # a run of results: one user turn
                 out[-1]["content"] += "\n" + block
             else:
@@ -219,7 +220,7 @@ def inline_tools(turns: Sequence[dict], tools: Sequence[dict], fmt: ToolCallForm
         example = fmt.call_prefix("<function-name>").replace('"<function-name>"', "<function-name>")
         block = (f"# Tools\n\n{TOOLS_INTRO}\n\nYou are provided with function signatures within <tools></tools> XML "
                  f"tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, return a json object with function name "
-                 f"and arguments within {fmt.start}{fmt.end} XML tags:\n{example}<args-json-object>{fmt.call_suffix()}")
+                 f"and arguments {fmt.where}:\n{example}<args-json-object>{fmt.call_suffix()}")
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
         else:

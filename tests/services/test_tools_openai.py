@@ -438,7 +438,8 @@ def test_the_flags_reach_the_config_and_a_bad_template_file_is_refused(tmp_path,
     with pytest.raises(ValueError, match="cannot read it"):
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--tool-call-parser", "mistral"])
-    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes"):
-        OrchestratorConfig("127.0.0.1:1", tool_call_parser="mistral")
+        build_parser().parse_args(["--tool-call-parser", "pythonic"])
+    assert build_parser().parse_args(["--tool-call-parser", "mistral"]).tool_call_parser == "mistral"
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, llama3_json, mistral"):
+        OrchestratorConfig("127.0.0.1:1", tool_call_parser="pythonic")
     assert models.load_tokenizer(str(tiny_target_dir)).chat_template  # the tokenizer's own, which has no tools

@@ -1,4 +1,5 @@
-"""Reading tool calls out of a completion (the Hermes format): whole and streamed, whatever the chunking."""
+"""Reading tool calls out of a completion (Hermes, Llama 3's JSON, Mistral's list): whole and streamed, whatever
+the chunking."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import random
 
 import pytest
 
-from specsplit.orchestrator.api.tool_parsers import FORMATS, HERMES, CallArguments, CallHead, ParsedCall
+from specsplit.orchestrator.api.tool_parsers import (
+    FORMATS,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    CallArguments,
+    CallHead,
+    ParsedCall,
+    ToolCallFormat,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -15,8 +25,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "day
 WEATHER = ParsedCall("get_weather", '{"city": "Paris", "days": 2}')
 
 
-def test_the_registry_names_hermes():
-    assert FORMATS["hermes"] is HERMES
+def test_the_registry_names_the_formats_as_vllm_does():
+    assert FORMATS == {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL}
 
 
 def test_a_call_alone_has_no_content():
@@ -75,8 +85,8 @@ def calls_of(pieces) -> list[ParsedCall]:
     return [ParsedCall(name, arguments) for name, arguments in calls]
 
 
-def streamed(text: str, size: int) -> list:
-    stream = HERMES.stream()
+def streamed(text: str, size: int, fmt: ToolCallFormat = HERMES) -> list:
+    stream = fmt.stream()
     pieces = []
     for start in range(0, len(text), size):
         pieces += stream.feed(text[start : start + size])
@@ -158,49 +168,112 @@ def _random_value(rng: random.Random, depth: int = 0):
     return {_random_text(rng): _random_value(rng, depth + 1) for _ in range(rng.randrange(3))}
 
 
-def _random_completion(rng: random.Random) -> tuple[str, list[tuple[str, dict]] | None]:
-    """Content and calls as a model may write them: name first or not, arguments as an object or a JSON string,
-    compact or spaced, sometimes broken, sometimes cut anywhere; with the calls it holds (name, arguments) when
-    none was broken or cut."""
-    parts, calls, intact = [], [], True
-    for _ in range(rng.randrange(1, 4)):
-        parts.append(_random_text(rng).replace("<tool_call>", ""))
-        arguments = {_random_text(rng): _random_value(rng) for _ in range(rng.randrange(3))}
-        name = rng.choice(["f", "get_weather", "日本", _random_text(rng)])
-        body = {"name": name, "arguments": arguments}
-        if rng.random() < 0.2:
-            body = {"arguments": arguments, "name": name}
-        if rng.random() < 0.1:
-            body["arguments"] = json.dumps(arguments)
-        written = json.dumps(body, ensure_ascii=rng.random() < 0.5, separators=rng.choice([(",", ":"), (", ", ": ")]))
-        if rng.random() < 0.05:
-            written, intact = written[:-1] + ', "name": "other"}', False
-        if rng.random() < 0.05:
-            written, intact = written[: rng.randrange(len(written))], False
-        parts.append(f"<tool_call>{rng.choice(['', chr(10)])}{written}{rng.choice(['', chr(10)])}</tool_call>")
-        calls.append((name, arguments))
-    text = "".join(parts) + _random_text(rng).replace("<tool_call>", "")
+def _random_object(rng: random.Random, fmt: ToolCallFormat) -> tuple[str, str, dict, bool]:
+    """One call object as a model may write it: name first or not, arguments as an object or a JSON string,
+    compact or spaced, sometimes broken (a second name), sometimes cut; (text, name, arguments, intact)."""
+    arguments = {_random_text(rng): _random_value(rng) for _ in range(rng.randrange(3))}
+    name = rng.choice(["f", "get_weather", "日本", _random_text(rng)])
+    key = rng.choice(fmt.keys)
+    body = {"name": name, key: arguments}
     if rng.random() < 0.2:
-        text, intact = text[: rng.randrange(len(text) + 1)], False
-    return text, calls if intact else None
+        body = {key: arguments, "name": name}
+    if rng.random() < 0.1:
+        body[key] = json.dumps(arguments)
+    if rng.random() < 0.1:
+        body["id"] = "call9"  # a key after the arguments, as Mistral's templates write them
+    written = json.dumps(body, ensure_ascii=rng.random() < 0.5, separators=rng.choice([(",", ":"), (", ", ": ")]))
+    intact = True
+    if rng.random() < 0.05:
+        written, intact = written[:-1] + ', "name": "other"}', False
+    if rng.random() < 0.05:
+        written, intact = written[: rng.randrange(len(written))], False
+    return written, name, arguments, intact
 
 
-def test_a_whole_reply_and_the_same_reply_streamed_in_any_chunks_always_agree():
+def _random_completion(rng: random.Random, fmt: ToolCallFormat = HERMES) -> tuple[str, list[tuple[str, dict]] | None]:
+    """Content and runs of calls in ``fmt`` as a model may write them, sometimes cut anywhere; with the calls it
+    holds (name, arguments) when none was broken or cut."""
+    def text() -> str:
+        return _random_text(rng).replace(fmt.start, "")
+
+    parts, calls, intact = [], [], True
+    runs = rng.randrange(1, 4) if fmt.end and not fmt.separator else 1
+    for _ in range(runs):
+        if not fmt.leading:
+            parts.append(text())
+        objects = []
+        for _ in range(rng.randrange(1, 3) if fmt.separator else 1):
+            written, name, arguments, whole = _random_object(rng, fmt)
+            objects.append(written)
+            calls.append((name, arguments))
+            intact = intact and whole
+        space = rng.choice(["", "\n", " "])
+        start = fmt.start if not fmt.leading or rng.random() < 0.3 else ""
+        parts.append(f"{start}{fmt.opening}{space}{(fmt.separator + space).join(objects)}{space}{fmt.end}")
+    text_after = text()
+    if fmt.end or not text_after.strip():  # a run to the text's end takes what follows it; content goes before
+        parts.append(text_after)
+    completion = "".join(parts)
+    if rng.random() < 0.2:
+        completion, intact = completion[: rng.randrange(len(completion) + 1)], False
+    return completion, calls if intact else None
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL], ids=lambda fmt: fmt.name)
+def test_a_whole_reply_and_the_same_reply_streamed_in_any_chunks_always_agree(fmt):
     """10,000 random completions, each streamed in random chunks: the calls and the content are the whole
     parse's; where no call was broken or cut, the calls are exactly those written."""
     rng = random.Random(7)
     checked = 0
     for _ in range(10_000):
-        text, written = _random_completion(rng)
+        text, written = _random_completion(rng, fmt)
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(6)))) if len(text) > 1 else []
-        stream, pieces = HERMES.stream(), []
+        stream, pieces = fmt.stream(), []
         for start, end in zip([0, *cuts], [*cuts, len(text)]):
             pieces += stream.feed(text[start:end])
         pieces += stream.finish()
         content = "".join(p for p in pieces if isinstance(p, str)).strip() or None
-        whole = HERMES.parse(text)
+        whole = fmt.parse(text)
         assert (content, calls_of(pieces)) == whole, text
         if written is not None:
             assert [(call.name, json.loads(call.arguments)) for call in whole[1]] == written, text
             checked += 1
     assert checked > 5_000
+
+
+WEATHER_ARGS = '{"city": "Paris", "days": 2}'
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL], ids=lambda fmt: fmt.name)
+def test_each_formats_prefix_and_suffix_make_a_call_its_parser_reads(fmt):
+    text = fmt.call_prefix("get_weather") + WEATHER_ARGS + fmt.call_suffix()
+    assert fmt.parse(text) == (None, [WEATHER])
+    assert calls_of(streamed(text, 1, fmt)) == [WEATHER]
+
+
+def test_llama3_calls_are_the_reply_with_or_without_the_python_tag_and_joined_by_semicolons():
+    one = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+    two = '{"name": "add", "arguments": {"a": 1}}'
+    assert LLAMA3_JSON.call_prefix("f") == '{"name": "f", "parameters": '
+    assert LLAMA3_JSON.parse(one) == (None, [WEATHER])
+    assert LLAMA3_JSON.parse(f"  <|python_tag|>{one}; {two}") == (None, [WEATHER, ParsedCall("add", '{"a": 1}')])
+    assert LLAMA3_JSON.parse(f"\n{one};{two}") == (None, [WEATHER, ParsedCall("add", '{"a": 1}')])
+    # text first: no call (a run without the tag only begins the reply); an object that is not a call: content
+    assert LLAMA3_JSON.parse(f"Sure: {one}") == (f"Sure: {one}", [])
+    assert LLAMA3_JSON.parse('{"answer": 42}') == ('{"answer": 42}', [])
+    pieces = streamed(f"{one}; {two}", 3, LLAMA3_JSON)
+    assert pieces[0] == CallHead("get_weather") and calls_of(pieces) == [WEATHER, ParsedCall("add", '{"a": 1}')]
+
+
+def test_mistral_calls_are_one_list_after_its_marker_keys_after_the_arguments_skipped():
+    text = ('Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, '
+            '"id": "a1b2c3d4e"}, {"name": "add", "arguments": {"a": 1}}]')
+    assert MISTRAL.call_prefix("f") == '[TOOL_CALLS][{"name": "f", "arguments": '
+    assert MISTRAL.parse(text) == ("Checking.", [WEATHER, ParsedCall("add", '{"a": 1}')])
+    stream = MISTRAL.stream()
+    assert stream.feed('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": ') == [
+        CallHead("get_weather"), CallArguments('{"city": ')]
+    assert stream.feed('"Paris", "days": 2}}, {"arguments": {"a": 1}, "name": "add"}]') == [
+        CallArguments('"Paris", "days": 2}'), CallHead("add"), CallArguments('{"a": 1}')]
+    assert stream.finish() == []
+    assert MISTRAL.parse("[TOOL_CALLS] not a list") == ("[TOOL_CALLS] not a list", [])
