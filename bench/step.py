@@ -36,7 +36,8 @@ from specsplit.lmkit.kv_buffer import KVBuffer
 from specsplit.lmkit.packed_linear import PackedLinear, pack_linears, packs
 
 MODES = ("transformers", "step", "inductor")
-PARTS = ("forward", "decision", "cache", "engine", "linears", "bound", "draft", "static")  # --step-parts, in running order
+PARTS = ("forward", "decision", "cache", "engine", "linears", "bound", "draft", "static",
+         "families")  # --step-parts, in running order
 CONTEXT = 64
 
 
@@ -54,7 +55,10 @@ def add_flags(parser) -> None:
                              "(the model drafter's proposal of 1 and of k tokens with --model, its layer-skip and its "
                              "int8 self-drafts, on transformers' stock forward and on the fast one), static (--model's static "
                              "step, what --compile cuda-graphs captures, uncaptured: a verify at 512, 2,048 and 8,192 "
-                             "held positions reading the span of blocks held against reading every block)")
+                             "held positions reading the span of blocks held against reading every block), "
+                             "families (each family's tiny test model, bench/families.py, and Gemma 3 270M where "
+                             "its packages are installed: a decode step and a verify of 5 tokens after a 64-token "
+                             "context, transformers' stock forward against the fast one, the same greedy tokens)")
     parser.add_argument("--step-draft-k", type=int, default=4, help="--suite step: the draft block measured beside 1")
 
 
@@ -409,6 +413,50 @@ def measure_draft(ref: str, k: int, repeats: int = 3, n: int = 5) -> dict:
             "cells": cells, "mismatches": mismatch}
 
 
+def measure_families(repeats: int, n: int = 5) -> dict:
+    """Each family's tiny model (``bench/families.py``) and Gemma 3 270M (real weights, where its packages are
+    installed): a decode step (1 token fed) and a verify of 5 (the context's last token and a block of 4) after a
+    64-token context, through a session cache over transformers' stock forward and over the fast one
+    (``forward.install(model, "off")``), interleaved, the fastest repeat kept; the argmax of every row must agree."""
+    import copy
+
+    from specsplit.bench.families import FAMILIES, save_family
+    from specsplit.lmkit import forward
+    from specsplit.lmkit.kvcache import SessionCache
+
+    context = [(11 * i + 5) % 1000 + 100 for i in range(CONTEXT)]
+    block = [(7 * i + 3) % 1000 + 100 for i in range(4)]
+    cells, mismatch = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = models.load_tokenizer(models.DEFAULT_MODEL)
+        refs = {family: str(save_family(Path(tmp) / family, family, tokenizer)) for family in FAMILIES}
+        if models.gemma_installed():
+            refs["gemma3-270m (real)"] = models.GEMMA3_270M
+        for family, ref in refs.items():
+            stock = models.load_model(models.ModelSpec(ref))
+            fast = copy.deepcopy(stock)
+            what = forward.install(fast, "off")
+            caches = {"stock": SessionCache(stock), "fast": SessionCache(fast)}
+            rows = {name: cache.logits(context, block) for name, cache in caches.items()}
+            if not torch.equal(rows["stock"].argmax(-1), rows["fast"].argmax(-1)):
+                mismatch.append({"family": family, **{name: r.argmax(-1).tolist() for name, r in rows.items()}})
+            times: dict[tuple, list[float]] = {}
+            for _ in range(repeats):
+                for fed in ((), block):
+                    for name, cache in caches.items():
+                        cache.logits(context, fed)
+                        began = time.perf_counter()
+                        for _ in range(n):
+                            cache.logits(context, fed)
+                        times.setdefault((name, len(fed) + 1), []).append((time.perf_counter() - began) / n)
+            for width in (1, len(block) + 1):
+                stock_s, fast_s = min(times[("stock", width)]), min(times[("fast", width)])
+                cells.append({"family": family, "width": width, "stock_ms": round(stock_s * 1e3, 3),
+                              "fast_ms": round(fast_s * 1e3, 3), "speedup": round(stock_s / fast_s, 3), "what": what})
+            del stock, fast, caches
+    return {"context": CONTEXT, "cells": cells, "mismatches": mismatch}
+
+
 STATIC_CONTEXTS = (512, 2048, 8192)
 
 
@@ -453,10 +501,11 @@ def run(args) -> int:
         bound = measure_bound(args.model, widths) if "bound" in parts else None
         draft = measure_draft(args.model, args.step_draft_k, args.step_repeats) if "draft" in parts else None
         static = measure_static(args.model, max(args.step_repeats, 3)) if "static" in parts else None
+        families = measure_families(args.step_repeats) if "families" in parts else None
     out = {
         "benchmark": "step", "threads": 1, "context": CONTEXT, "widths": widths, "batches": batches,
         "repeats": args.step_repeats, "results": results, "decision": decision, "cache": cache, "engine": engine,
-        "linears": linears, "bound": bound, "draft": draft, "static": static, "machine": runs.machine(),
+        "linears": linears, "bound": bound, "draft": draft, "static": static, "families": families, "machine": runs.machine(),
         "duration_s": round(time.time() - started, 1),
     }
     path = runs.write(out, args.json)
@@ -500,8 +549,15 @@ def run(args) -> int:
         for row in static["contexts"]:
             print(f"  {row['context']} positions held, span {row['span_blocks']}: verify ms {row['verify_ms']}; "
                   f"reading every block {row['verify_ms_full_span']} (t(1) x{row['full_span_over_held']})")
+    if families:
+        print(f"each family, a session cache after {families['context']} tokens, stock forward against the fast one:")
+        for row in families["cells"]:
+            print(f"  {row['family']:>18}, width {row['width']}: stock {row['stock_ms']} ms, fast {row['fast_ms']} ms "
+                  f"(x{row['speedup']}; {row['what']})")
+        print(f"  mismatches: {families['mismatches'] or 'none'}")
     print(f"-> {path}" + (f", {png}" if png else ""))
-    return 0 if not any(r["mismatches"] for r in out["results"]) and not (draft or {}).get("mismatches") else 1
+    failed = any(r["mismatches"] for r in out["results"]) or any((part or {}).get("mismatches") for part in (draft, families))
+    return 1 if failed else 0
 
 
 def plot(out: dict, path: Path) -> Path | None:

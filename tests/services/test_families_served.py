@@ -1,4 +1,4 @@
-"""Each family people serve (``tests/families.py``), served: a target and a draft service of that family behind
+"""Each family people serve (``bench/families.py``), served: a target and a draft service of that family behind
 real gRPC and the orchestrator, greedy output equal to the target model's own ``generate``, target-only, with the
 model drafter (the target's weights perturbed: some drafts accepted, some rejected) and with n-gram drafts. Each
 service's ``Info`` says what runs its model's steps, and where that is not the decoder step, why (no silent
@@ -18,7 +18,7 @@ from specsplit.orchestrator.api.generation import Orchestrator
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.conftest import Services, make_engines, run_async
-from tests.families import FAMILIES, save_family
+from specsplit.bench.families import FAMILIES, save_family
 from tests.services.test_greedy_e2e import generate_all, generate_ids
 
 pytestmark = pytest.mark.services

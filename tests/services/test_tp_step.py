@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.families import save_family
+from specsplit.bench.families import save_family
 
 pytestmark = pytest.mark.services
 

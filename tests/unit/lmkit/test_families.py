@@ -1,4 +1,4 @@
-"""Each family people serve (``tests/families.py``) runs through specsplit's caches with its own model's output.
+"""Each family people serve (``bench/families.py``) runs through specsplit's caches with its own model's output.
 
 Per family: greedy through a session cache (over the stock forward and over the forward ``lmkit.forward`` installs)
 equals the model's own ``generate``; several sessions in one batched step, with a rejected block rolled back,
@@ -17,7 +17,7 @@ import torch
 from specsplit.lmkit import decoder_step, forward, models, token_tree
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.target_service.batched_forward import Step, forward_batch
-from tests.families import FAMILIES, save_family
+from specsplit.bench.families import FAMILIES, save_family
 
 pytestmark = pytest.mark.unit
 
