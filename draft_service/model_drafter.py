@@ -108,7 +108,8 @@ class ModelDrafter(SamplingDrafter):
         copied."""
         wanted = len(self._tokens) - 1
         same_model = source._cache.runs_like(self._cache)
-        if wanted < 1 or not same_model or common_prefix(source._cache.tokens, self._tokens[:wanted]) < wanted:
+        if wanted < max(1, source._cache.copy_floor) or not same_model or \
+                common_prefix(source._cache.tokens, self._tokens[:wanted]) < wanted:
             self.prepare()
             return 0
         self._cache.copy_prefix(source._cache, wanted)

@@ -414,9 +414,12 @@ def attend_rows(layer: int, q: torch.Tensor, rows: Sequence, scaling: float, gqa
     out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     for row in rows:
         keys, values = row.kv.view(layer, row.start + row.width)
+        mask, front = row.masks[window], row.kv.fronts[layer]
+        if front:  # a sliding layer's buffer holds positions front.. only
+            mask = mask[:, front:]
         fed = slice(row.offset, row.offset + row.width)
         attended = F.scaled_dot_product_attention(
-            q[:, :, fed], keys, values, attn_mask=row.masks[window], scale=scaling, enable_gqa=gqa
+            q[:, :, fed], keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa
         )  # [1, heads, width, head_dim]
         out[:, fed] = attended.transpose(1, 2)
     return out

@@ -19,8 +19,8 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from specsplit.lmkit import packed_rows, token_tree
-from specsplit.lmkit.kv_buffer import KVBuffer
+from specsplit.lmkit import decoder_step, packed_rows, token_tree
+from specsplit.lmkit.kv_buffer import ROLLBACK, KVBuffer
 from specsplit.lmkit.models import cache_kwargs
 from specsplit.lmkit.transfer import to_device, to_host
 
@@ -78,19 +78,20 @@ def rows_share_rope(model) -> bool:
 class SessionCache:
     """KV cache of one session; not thread-safe (one compute thread per service).
 
-    Every layer keeps all its positions, sliding-window layers included (Mistral, Gemma 2/3, Qwen2
-    with the window on): the window is applied by the model's attention mask, which transformers
-    builds from the config's window whatever the cache holds. transformers' own
-    ``DynamicSlidingWindowLayer`` keeps only the last window - 1 positions and cannot be cropped once
-    full, so a rejected draft token past the window could not be rolled back. Memory is O(context)
-    per layer instead of O(window).
+    On the packed forward a sliding-window layer (Mistral's, Gemma 3's) keeps its window and
+    ``kv_buffer.ROLLBACK`` positions more (``KVBuffer``), so its memory follows the window while a
+    rejected block can still be rolled back; a step that would roll back further feeds the context again
+    (``plan``). On the stock forward every layer keeps all its positions (the window is the attention
+    mask's job): transformers' own ``DynamicSlidingWindowLayer`` keeps only the last window - 1 positions
+    and cannot be cropped once full, so a rejected draft token past the window could not be rolled back.
     """
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, rollback: int = ROLLBACK) -> None:
         self._model = model
         self._device = next(model.parameters()).device
+        self._rollback = rollback  # positions a sliding layer keeps beyond its window (``KVBuffer``)
         packed = packed_rows.installed(model)
-        self.kv = KVBuffer(int(model.config.num_hidden_layers)) if packed else None
+        self.kv = self._new_kv() if packed else None
         # full layers only: a sliding window is the mask's job (class docstring)
         self.cache = None if packed else DynamicCache()
         self.tokens = []  # through the setter: no match remembered yet
@@ -100,6 +101,10 @@ class SessionCache:
         self.features: torch.Tensor | None = None  # [fed, width] of the last forward, row 0 at features_from
         self.features_from = 0
         self.fed = 0  # positions this cache's own steps (``apply``) computed, for the service's counters
+
+    def _new_kv(self) -> KVBuffer:
+        return KVBuffer(int(self._model.config.num_hidden_layers), decoder_step.windows(self._model.config),
+                        self._rollback)
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -162,8 +167,16 @@ class SessionCache:
         limit = len(context) - 1  # the last context token is always fed so its logits exist
         start = min(self._matched, limit) if grown else 0
         keep = start + common_prefix(self._tokens[start:limit], context[start:limit])
+        if keep < self.copy_floor:  # its sliding layers dropped positions that step would need: feed them again
+            keep = 0
         self._matched = keep
         return keep, [*context[keep:], *block]
+
+    @property
+    def copy_floor(self) -> int:
+        """The fewest positions, but 0, this cache can be cropped to or copied (``copy_prefix``): its sliding
+        layers keep only the window and the roll-back positions before the last step."""
+        return self.kv.floor if self.kv is not None else 0
 
     def row_step(
         self, keep: int, feed: Sequence[int], n_logits: int, parents: Sequence[int] | None = None
@@ -183,6 +196,9 @@ class SessionCache:
         if parents is not None and not self.supports_trees:
             raise ValueError("this model runs its stock forward, which cannot verify token trees")
         self.crop(keep)
+        if len(self._tokens) != keep:
+            raise ValueError(f"cannot feed after {keep} positions: the cache holds {len(self._tokens)} (plan a step "
+                             "for its sliding layers' floor, copy_floor)")
         if self.kv is not None:
             step = self.row_step(keep, feed, n_logits, parents)
             logits, features = packed_rows.forward_rows_with_features(self._model, [step])
@@ -203,7 +219,7 @@ class SessionCache:
     def reset(self) -> None:
         """Forget every cached position (a failed step may have left the cache half-written)."""
         if self.kv is not None:
-            self.kv = KVBuffer(int(self._model.config.num_hidden_layers))
+            self.kv = self._new_kv()
         else:
             self.cache = DynamicCache()
         self.tokens = []
@@ -257,8 +273,11 @@ class SessionCache:
         self.kv.keep_path(length, path)
 
     def crop(self, length: int) -> None:
-        """Drop cached positions at index >= ``length``."""
+        """Drop cached positions at index >= ``length`` (every position, where the sliding layers no longer hold
+        what ``length`` would need: ``copy_floor``)."""
         extra = len(self._tokens) - length
+        if 0 < length < self.copy_floor:
+            length, extra = 0, len(self._tokens)
         if extra > 0:
             if self.kv is not None:
                 self.kv.crop(length)

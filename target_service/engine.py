@@ -264,6 +264,9 @@ class TargetEngine:
         if shared <= 0:
             return
         cached = common_prefix(source.cache.tokens, source.tokens[:shared])
+        floor = source.cache.copy_floor  # its sliding layers hold no positions before this one
+        if shared < floor or 0 < cached < floor:
+            return
         try:
             if cached < shared:
                 source.cache.apply(cached, source.tokens[cached:shared], 1)

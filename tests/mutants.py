@@ -126,6 +126,27 @@ MUTANTS = (
         ("tests/unit/lmkit/test_families.py",),
     ),
     Mutant(
+        "sliding KV: a row's mask not cut to the positions a sliding layer still holds",
+        "lmkit/decoder_step.py",
+        "        if front:  # a sliding layer's buffer holds positions front.. only\n",
+        "        if False:\n",
+        ("tests/unit/lmkit/test_families.py",),
+    ),
+    Mutant(
+        "sliding KV: a tree's path moved to positions counted from 0, not from the layer's front",
+        "lmkit/kv_buffer.py",
+        "                at = start - self.fronts[layer]\n",
+        "                at = start\n",
+        ("tests/unit/lmkit/test_families.py",),
+    ),
+    Mutant(
+        "sliding KV: a step planned past what the sliding layers hold",
+        "lmkit/kvcache.py",
+        "        if keep < self.copy_floor:",
+        "        if False:",
+        ("tests/unit/lmkit/test_families.py",),
+    ),
+    Mutant(
         "sharded decoder step: a row-parallel projection's partial sums not all-reduced",
         "lmkit/decoder_step.py",
         "            return lambda x: _all_reduce(F.linear(x, weight))",

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from specsplit.lmkit import decoder_step, forward, models, token_tree
+from specsplit.lmkit import decoder_step, forward, kv_buffer, models, token_tree
 from specsplit.lmkit.kvcache import SessionCache
 from specsplit.target_service.batched_forward import Step, forward_batch
 from specsplit.bench.families import FAMILIES, save_family
@@ -122,3 +122,43 @@ def test_the_static_step_gives_the_same_greedy_output(family, gguf_tokenizer):
             assert _greedy(cache, ids) == _generate(reference, ids), f"{name}, static step, {prompt!r}"
         finally:
             cache.release()
+
+
+def test_sliding_layers_keep_their_window_and_a_rollback_and_the_output_stays_generates(family):
+    """Greedy over 300 positions, each step verifying a wrong block of 3 that is then rolled back: the sliding
+    layers' buffers stay within their window, the roll-back allowance and the minimum buffer (the full layers hold
+    everything), and the tokens are generate's; a step back past what they hold feeds the context again."""
+    name, _, reference, stock, fast, _ = family
+    windows = decoder_step.windows(stock.config)
+    if not any(windows) or SessionCache(fast).kv is None:
+        pytest.skip(f"{name} has no sliding layers on packed rows")
+    rollback, wrong = 4, [5, 6, 7]
+    cache, context = SessionCache(fast, rollback=rollback), _ids(24, 5, stock.config.vocab_size)
+    want = _generate_n(reference, context, 280)
+    bound = max(kv_buffer._MIN_CAPACITY, 2 * (max(w or 0 for w in windows) + rollback + len(wrong) + 1))
+    got = []
+    for _ in range(280):
+        got.append(int(cache.logits(context + got, wrong)[0].argmax()))
+        for layer, window in enumerate(windows):
+            held = cache.kv.held(layer)
+            assert held <= bound if window else held == len(context) + len(got) - 1 + len(wrong), (layer, held)
+    assert got == want, name
+    assert min(cache.kv.fronts[layer] for layer, window in enumerate(windows) if window) > 0  # positions dropped
+    # a tree there, its path 0 -> 1 -> 2 -> 6 kept: the next step reads the path where the chain would be
+    full = context + got
+    logits = cache.logits(full, TREE_TOKENS, TREE_PARENTS)
+    path = token_tree.path_to(TREE_PARENTS, 6)
+    cache.keep_path(len(full), path)
+    chain = [TREE_TOKENS[i] for i in path]
+    _close(logits[7], SessionCache(stock).logits(full, chain)[-1])
+    _close(cache.logits(full + chain, [9])[-1], SessionCache(stock).logits(full + chain, [9])[-1])
+    back = context + got[:100]
+    assert cache.plan(back, [])[0] == 0  # past the floor: fed again
+    _close(cache.logits(back, []), SessionCache(stock).logits(back, []))
+
+
+def _generate_n(model, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=2)
+    return out[0, len(ids):].tolist()
