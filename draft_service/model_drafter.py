@@ -162,11 +162,14 @@ class ModelDrafter(SamplingDrafter):
         """The chain; with ``runners_up`` (greedy, coupled), also the second choice at each position."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
-        chained, draw = (False, None) if runners_up is not None else self._chain_draw(k)
-        if chained:  # the k tokens in one replay, chosen on the device
-            drafted, sure, others, probs = self._cache.draft_chain(self._tokens, k, draw)
-            index = min(range(k), key=lambda i: sure[i])
-            return Proposal(tokens=drafted, probs=probs, second_guess=(index, others[index]))
+        chained, draw = self._chain_draw(k)
+        if chained:  # the k tokens in one replay, chosen on the device, each position's second choice beside
+            chain = self._cache.draft_chain(self._tokens, k, draw)
+            if runners_up is not None:
+                runners_up += [(second, position, branch) for position, (second, branch)
+                               in enumerate(zip(chain.seconds, chain.branches)) if second >= 0]
+            index = min(range(k), key=lambda i: chain.margins[i])
+            return Proposal(tokens=chain.tokens, probs=chain.probs, second_guess=(index, chain.others[index]))
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
         margins: list[tuple[float, int]] = []  # (how sure, runner-up) per drafted position

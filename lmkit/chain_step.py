@@ -15,14 +15,17 @@ that runner-up (and, sampling, the q each was drawn from), to buffers the host r
               at the position's DRAFT uniform (``draws.uniform_rows``), q first rounded as it travels
               (``probs_codec.quantize_unchecked``) when the draft sends its probabilities
 
-Each chooses what ``ModelDrafter``'s token-at-a-time loop chooses, by the same arithmetic over the same values.
-Requests with penalties, biases or min_tokens, and token trees, draft token by token over the same slot. Off CUDA
+Each position also writes its second choice for a token tree and that choice's probability: greedy, the likeliest
+other token; coupled, the runner-up of log q + G. Each chooses what ``ModelDrafter``'s token-at-a-time loop
+chooses, by the same arithmetic over the same values. Requests with penalties, biases or min_tokens draft token by
+token over the same slot. Off CUDA
 the chain runs eagerly: the tests' path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -72,6 +75,20 @@ class _Chain:
     tokens: torch.Tensor  # [k] long
     others: torch.Tensor  # [k] long: each position's runner-up
     margins: torch.Tensor  # [k] float32: each token's logit minus its runner-up's
+    branches: torch.Tensor  # [k] long: each position's second choice for a tree (greedy, coupled)
+    seconds: torch.Tensor  # [k] float32: its probability; -1 where there is none (a support of one token)
+
+
+class Chained(NamedTuple):
+    """What a chain drafted: k tokens, each one's margin over its runner-up and that runner-up, the q each was
+    drawn from (where it travels), and each position's second choice for a tree with its probability."""
+
+    tokens: list[int]
+    margins: list[float]
+    others: list[int]
+    probs: torch.Tensor | None
+    branches: list[int]
+    seconds: list[float]
 
 
 class ChainStep:
@@ -87,6 +104,7 @@ class ChainStep:
         with torch.inference_mode():
             self.chains = {(kind, k): _Chain(
                 graph.new_inputs(1, 1), torch.zeros(k, **long), torch.zeros(k, **long), torch.zeros(k, **long),
+                torch.zeros(k, dtype=torch.float32, device=device), torch.zeros(k, **long),
                 torch.zeros(k, dtype=torch.float32, device=device),
             ) for kind in KINDS for k in range(1, max_length + 1)}
             self.vocab = torch.arange(int(graph.step.embed.shape[0]), device=device)
@@ -118,26 +136,36 @@ class ChainStep:
             logits = chain.step.logits[0, 0].float()  # [vocab]
             if kind == GREEDY:
                 token = logits.argmax()
+                # the tree's second choice: the likeliest other token (the first of a tie: never the token itself)
+                probs = torch.softmax(logits, dim=-1)
+                branch = probs.index_fill(0, token.view(1), -1.0).argmax()
+                second = probs[branch]
             else:
-                token, q = choose(logits[None], self.settings, chain.keys[i : i + 1], self.vocab)
+                token, q, scores = choose(logits[None], self.settings, chain.keys[i : i + 1], self.vocab)
                 token = token[0]
                 self.settings.probs[i] = q[0]
+                # coupled: the runner-up of log q + G, what the target's coupled token is when it is not this one
+                runner = scores[0].index_fill(0, token.view(1), float("-inf"))
+                branch = runner.argmax()
+                second = torch.where(runner[branch] > float("-inf"), q[0, branch], -1.0)
             top = torch.topk(logits, 2).indices
             other = torch.where(top[0] == token, top[1], top[0])
             chain.tokens[i] = token
             chain.others[i] = other
             chain.margins[i] = logits[token] - logits[other]
+            chain.branches[i] = branch
+            chain.seconds[i] = second
             chain.step.ids.copy_(token.view(1, 1))
             chain.step.positions.add_(1)
             chain.step.rope.add_(1)
 
     @torch.inference_mode()
-    def run(self, slot: int, start: int, token: int, k: int, draw: Draw | None = None
-            ) -> tuple[list[int], list[float], list[int], torch.Tensor | None]:
+    def run(self, slot: int, start: int, token: int, k: int, draw: Draw | None = None) -> Chained:
         """Feed ``token`` at ``start`` of ``slot`` (whose positions < start hold the session's keys and values) and
         the k - 1 tokens chosen after it: the argmax (``draw`` None) or drawn as ``draw`` says, the token at position
-        n with n's noise. Returns the k chosen tokens, each one's margin, its runner-up, and (``draw.quantize``) the
-        [k, vocab] q each was drawn from, on the device. The slot then holds positions up to start + k - 1."""
+        n with n's noise. Returns the k chosen tokens, each one's margin, its runner-up, (``draw.quantize``) the
+        [k, vocab] q each was drawn from, on the device, and each position's second choice for a tree with its
+        probability. The slot then holds positions up to start + k - 1."""
         if not 1 <= k <= self.max_length:
             raise ValueError(f"a chain of {k} tokens; this step chains 1 to {self.max_length}")
         if start + k > self.graph.capacity:
@@ -162,23 +190,24 @@ class ChainStep:
             self.graphs[(kind, k)].replay()
         else:
             self._run(chain, kind, k)
-        ids = torch.cat([chain.tokens, chain.others]).tolist()  # the one wait for the device
+        ids = torch.cat([chain.tokens, chain.others, chain.branches]).tolist()  # the one wait for the device
         probs = self.settings.probs[:k].clone() if draw is not None and draw.quantize else None
-        return ids[:k], chain.margins.tolist(), ids[k:], probs
+        return Chained(ids[:k], chain.margins.tolist(), ids[k : 2 * k], probs, ids[2 * k:], chain.seconds.tolist())
 
 
 def choose(logits: torch.Tensor, settings: _Settings, keys: torch.Tensor,
-           vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens a sampled chain step draws from [rows, vocab] float32 logits ([rows] long) and the q [rows, vocab]
-    each was drawn from, by tensor operations only: q = ``sampling.static_probs`` under ``settings``; coupled,
-    argmax(log q + G), G the Gumbel noise of ``vocab`` (every token id) under the row's COUPLED key (``keys``
-    [rows]; Gumbel-max: a sample from q); else the inverse CDF of q (rounded as it travels where
-    ``settings.quantize``) at the row's DRAFT uniform under its key."""
+           vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens a sampled chain step draws from [rows, vocab] float32 logits ([rows] long), the q [rows, vocab]
+    each was drawn from and the coupled scores log q + G [rows, vocab] float64, by tensor operations only:
+    q = ``sampling.static_probs`` under ``settings``; coupled, argmax(log q + G), G the Gumbel noise of ``vocab``
+    (every token id) under the row's COUPLED key (``keys`` [rows]; Gumbel-max: a sample from q); else the inverse
+    CDF of q (rounded as it travels where ``settings.quantize``) at the row's DRAFT uniform under its key."""
     q = sampling.static_probs(logits, settings.temperature, settings.top_k, settings.top_p)
-    coupled = (q.to(torch.float64).log() + draws.gumbel_rows(keys, vocab)).argmax(dim=-1)
+    scores = q.to(torch.float64).log() + draws.gumbel_rows(keys, vocab)
+    coupled = scores.argmax(dim=-1)
     q = torch.where(settings.quantize, probs_codec.quantize_unchecked(q), q)
     uniform = draws.uniform_rows(keys, torch.zeros(1, dtype=torch.long, device=keys.device))[:, 0]
-    return torch.where(settings.coupled, coupled, draws.inverse_cdf_index(q.to(torch.float64), uniform)), q
+    return torch.where(settings.coupled, coupled, draws.inverse_cdf_index(q.to(torch.float64), uniform)), q, scores
 
 
 def settings_of(draw: Draw, device=None, probs: tuple[int, int] = (1, 1)) -> _Settings:

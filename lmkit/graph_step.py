@@ -520,20 +520,18 @@ class GraphSessionCache(SessionCache):
         """The step's ``chain_step.ChainStep`` (a model drafter's: its k-token chains in one replay), or None."""
         return self._graph.chains
 
-    def draft_chain(self, context: Sequence[int], k: int, draw: chain_step.Draw | None = None
-                    ) -> tuple[list[int], list[float], list[int], torch.Tensor | None]:
+    def draft_chain(self, context: Sequence[int], k: int, draw: chain_step.Draw | None = None) -> chain_step.Chained:
         """The k tokens after ``context`` chosen on the device in one replay of ``chains`` (the argmax, or drawn as
-        ``draw`` says), each one's margin and runner-up, and the q they were drawn from where ``draw.quantize``;
-        the cache then holds ``context`` and the first k - 1 of them. A context more than one token past the cache
-        is read first, but its last token."""
+        ``draw`` says), with what ``ChainStep.run`` gives beside them; the cache then holds ``context`` and the first
+        k - 1 of them. A context more than one token past the cache is read first, but its last token."""
         keep, feed = self.plan(context, [])
         if len(feed) > 1:  # the chain starts from one fed token: the others are read first
             self.apply(keep, feed[:-1], 1)
             keep = len(context) - 1
         self.start_step(keep, None)
-        tokens, margins, others, probs = self._graph.chains.run(self.slot, keep, context[-1], k, draw)
-        self.end_step([context[-1], *tokens[:-1]])
-        return tokens, margins, others, probs
+        chained = self._graph.chains.run(self.slot, keep, context[-1], k, draw)
+        self.end_step([context[-1], *chained.tokens[:-1]])
+        return chained
 
     def reset(self) -> None:
         self.tokens = []

@@ -175,6 +175,20 @@ MUTANTS = (
         ("tests/unit/lmkit/test_families.py",),
     ),
     Mutant(
+        "draft chain: a coupled tree's second choice taken from the logits, not from log q + G",
+        "lmkit/chain_step.py",
+        '                runner = scores[0].index_fill(0, token.view(1), float("-inf"))\n',
+        '                runner = logits.double().index_fill(0, token.view(1), float("-inf"))\n',
+        CHAIN_TESTS,
+    ),
+    Mutant(
+        "draft chain: a greedy tree's second choice may be the drafted token itself",
+        "lmkit/chain_step.py",
+        "                branch = probs.index_fill(0, token.view(1), -1.0).argmax()\n",
+        "                branch = probs.argmax()\n",
+        CHAIN_TESTS,
+    ),
+    Mutant(
         "draft chain: each step fed at the chain's first position",
         "lmkit/chain_step.py",
         "            chain.step.positions.add_(1)\n",

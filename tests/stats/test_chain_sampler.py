@@ -27,7 +27,7 @@ def _keys(coupled: bool) -> torch.Tensor:
 
 def _counts(draw: chain_step.Draw, keys: torch.Tensor) -> np.ndarray:
     settings = chain_step.settings_of(draw)
-    picks, _ = chain_step.choose(LOGITS.expand(TRIALS, -1), settings, keys, VOCAB)  # a row a position
+    picks, *_ = chain_step.choose(LOGITS.expand(TRIALS, -1), settings, keys, VOCAB)  # a row a position
     return np.bincount(picks.numpy(), minlength=LOGITS.numel())
 
 

@@ -51,6 +51,19 @@ def rounds(drafter: ModelDrafter) -> list:
     return seen
 
 
+def tree_rounds(drafter: ModelDrafter) -> list:
+    """Five rounds of trees (the chain and up to 2 second choices as leaves): what each proposed (tokens, parents);
+    the target takes the chain's first token and its own next one."""
+    seen, committed = [], len(PROMPT)
+    for _ in range(5):
+        tree = drafter.propose_tree(K, 3, 8)
+        seen.append((tree.tokens, tree.parents))
+        taken = [tree.tokens[0], 5]
+        drafter.commit(committed, taken)
+        committed += len(taken)
+    return seen
+
+
 MODES = {  # (sampling, draft probabilities sent, coupled)
     "greedy": (SamplingParams(), False, False),
     "sampled": (SamplingParams(temperature=0.8, top_k=50, seed=3), True, False),
@@ -81,6 +94,11 @@ def test_every_forward_proposes_the_stock_forwards_tokens(tiny_target_dir, mode)
             if label == "chained slot":
                 assert drafter._chain_draw(K)[0] == (mode != "penalized")
             got = rounds(drafter)
+            if name == "model" and (sampling.greedy or coupled):  # trees: the chain's second choices as leaves
+                trees = tree_rounds(ModelDrafter(stock[name], PROMPT, sampling, sampled, coupled))
+                assert tree_rounds(ModelDrafter(fast[name], PROMPT, sampling, sampled, coupled,
+                                                new_cache=new_cache)) == trees, label
+                assert any(parents for _, parents in trees)
             assert [tokens for tokens, *_ in got] == [tokens for tokens, *_ in want], (name, label)
             assert [guess for *_, guess in got] == [guess for *_, guess in want], (name, label)
             # int8 activations are rounded per token: a float32 difference in the forward's sums may cross a

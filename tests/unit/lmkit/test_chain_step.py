@@ -47,19 +47,29 @@ def _host_choice(logits: torch.Tensor, draw: chain_step.Draw | None, position: i
 
 
 def _one_by_one(graph, slot: int, context: list[int], k: int, draw: chain_step.Draw | None):
-    """The chain's tokens, margins, runners-up and q chosen on the host, a step of the same static step a token."""
-    tokens, margins, others, rows = [], [], [], []
+    """The chain's tokens, margins, runners-up and q chosen on the host, a step of the same static step a token, and
+    each position's second choice for a tree with its probability, as the model drafter's loop chooses them
+    (greedy: the likeliest other token; coupled: draws.gumbel_runner_up; else not used: left out)."""
+    tokens, margins, others, rows, branches = [], [], [], [], []
     for _ in range(k):
         fed = [*context, *tokens]
         logits = graph.forward(slot, len(fed) - 1, fed[-1:])[-1].float()
         token, q = _host_choice(logits, draw, len(fed))
         top = torch.topk(logits, 2).indices.tolist()
         other = top[1] if top[0] == token else top[0]
+        if draw is None:
+            probs = torch.softmax(logits, dim=-1)
+            branch = int(probs.index_fill(0, torch.tensor([token]), -1.0).argmax())
+            branches.append((branch, float(probs[branch])))
+        elif draw.coupled:
+            noise = lambda ids, n=len(fed): draws.gumbel(draw.seed, draws.Stream.COUPLED, n, ids)  # noqa: E731
+            branch = draws.gumbel_runner_up(q, noise, token)
+            branches.append((branch, float(q[branch])) if branch is not None else None)
         tokens.append(token)
         others.append(other)
         margins.append(float(logits[token] - logits[other]))
         rows.append(q)
-    return tokens, margins, others, torch.stack(rows) if draw is not None and draw.quantize else None
+    return tokens, margins, others, torch.stack(rows) if draw is not None and draw.quantize else None, branches
 
 
 DRAWS = {
@@ -83,15 +93,18 @@ def test_a_chain_chooses_what_single_steps_choose_and_leaves_their_cache(step, n
     step.forward(0, 0, prompt[:-1])
     step.forward(1, 0, prompt[:-1])
     for k in (1, 3, MAX_CHAIN):
-        *chained, probs = step.chains.run(0, len(prompt) - 1, prompt[-1], k, draw)
-        *single, rows = _one_by_one(step, 1, prompt, k, draw)
-        assert chained == single, (name, k)
+        chained = step.chains.run(0, len(prompt) - 1, prompt[-1], k, draw)
+        *single, rows, branches = _one_by_one(step, 1, prompt, k, draw)
+        assert [chained.tokens, chained.margins, chained.others] == single, (name, k)
         if rows is None:
-            assert probs is None
+            assert chained.probs is None
         else:  # the q sent with the tokens: the host's, rounded as it travels
-            assert torch.equal(probs, rows)
+            assert torch.equal(chained.probs, rows)
+        if draw is None or draw.coupled:  # a tree's second choices, with their probabilities
+            assert [None if second < 0 else (branch, second) for branch, second
+                    in zip(chained.branches, chained.seconds)] == branches, (name, k)
         # both slots now hold the prompt and the first k - 1 tokens: the next step reads the same keys and values
-        following = [*prompt, *chained[0]]
+        following = [*prompt, *chained.tokens]
         torch.testing.assert_close(step.forward(0, len(following) - 1, following[-1:]),
                                    step.forward(1, len(following) - 1, following[-1:]), rtol=0, atol=0)
         prompt = following
@@ -135,7 +148,7 @@ def test_a_session_cache_drafts_its_chains_through_rejected_and_accepted_blocks(
     new_cache, _ = forward.slots(model, sessions=1, context=96, width=8, batch=1, graphs=False, chain=4)
     cache, context = new_cache(), _prompt(15, 4)
     for taken in (0, 2, 4, 4, 1):
-        tokens, margins, others, probs = cache.draft_chain(context, 4)
+        tokens, margins, others, probs, *_ = cache.draft_chain(context, 4)
         assert probs is None
         assert cache.tokens == [*context, *tokens[:-1]]
         reference, fed = SessionCache(model), list(context)
