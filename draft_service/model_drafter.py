@@ -151,7 +151,7 @@ class ModelDrafter(SamplingDrafter):
         the argmax); else (False, None): token by token."""
         chains = getattr(self._cache, "chains", None)
         sampling = self._sampling
-        if chains is None or not 1 <= k <= chains.max_length or sampling.penalizes:
+        if chains is None or not 1 <= k <= chains.max_length:
             return False, None
         if sampling.greedy:
             return True, None
@@ -164,7 +164,8 @@ class ModelDrafter(SamplingDrafter):
             raise ValueError(f"k must be >= 0, got {k}")
         chained, draw = self._chain_draw(k)
         if chained:  # the k tokens in one replay, chosen on the device, each position's second choice beside
-            chain = self._cache.draft_chain(self._tokens, k, draw)
+            chain = self._cache.draft_chain(self._tokens, k, draw,
+                                            self._sampling if self._sampling.penalizes else None)
             if runners_up is not None:
                 runners_up += [(second, position, branch) for position, (second, branch)
                                in enumerate(zip(chain.seconds, chain.branches)) if second >= 0]

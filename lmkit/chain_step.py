@@ -17,21 +17,24 @@ that runner-up (and, sampling, the q each was drawn from), to buffers the host r
 
 Each position also writes its second choice for a token tree and that choice's probability: greedy, the likeliest
 other token; coupled, the runner-up of log q + G. Each chooses what ``ModelDrafter``'s token-at-a-time loop
-chooses, by the same arithmetic over the same values. Requests with penalties, biases or min_tokens draft token by
-token over the same slot. Off CUDA
+chooses, by the same arithmetic over the same values. A request's penalties, biases and min_tokens adjust each
+position's logits first (``penalties.adjust``: the host's arithmetic), from its committed tokens' counts, each
+drafted token counted in on the device. Off CUDA
 the chain runs eagerly: the tests' path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
-from specsplit.lmkit import draws, probs_codec, sampling
+from specsplit.lmkit import draws, penalties, probs_codec, sampling
+from specsplit.lmkit.penalties import PenaltyParams
 
 GREEDY, SAMPLE = "greedy", "sample"
+_NEUTRAL = sampling.SamplingParams()  # adjusts nothing
 KINDS = (GREEDY, SAMPLE)
 MAX_CHAIN = 16  # the longest chain captured (a graph per length and kind); longer blocks draft token by token
 
@@ -101,14 +104,20 @@ class ChainStep:
         self.graph, self.max_length = graph, max_length
         device = graph.device
         long = dict(dtype=torch.long, device=device)
+        vocab = int(graph.step.embed.shape[0])
         with torch.inference_mode():
+            # a penalized request's adjustments, neutral otherwise (``penalties.chain_state``): one set, every chain
+            self.penalties = {name: value.to(device) for name, value in
+                              penalties.chain_state(_NEUTRAL, [], vocab).items()}
+            self._penalized = False
             self.chains = {(kind, k): _Chain(
                 graph.new_inputs(1, 1), torch.zeros(k, **long), torch.zeros(k, **long), torch.zeros(k, **long),
                 torch.zeros(k, dtype=torch.float32, device=device), torch.zeros(k, **long),
                 torch.zeros(k, dtype=torch.float32, device=device),
             ) for kind in KINDS for k in range(1, max_length + 1)}
-            self.vocab = torch.arange(int(graph.step.embed.shape[0]), device=device)
+            self.vocab = torch.arange(vocab, device=device)
             self.settings = settings_of(Draw(0, 1.0), device, (max_length, self.vocab.numel()))
+            self._one = torch.ones(1, dtype=torch.float32, device=device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         if graphs:
             self._capture()
@@ -133,7 +142,8 @@ class ChainStep:
         """k steps, each feeding the token the last one chose: tensor operations only."""
         for i in range(k):
             self.graph.run(chain.step, self.graph.spans[-1])
-            logits = chain.step.logits[0, 0].float()  # [vocab]
+            position = chain.step.positions[0, 0] + 1  # the drafted token's
+            logits = penalties.adjust(chain.step.logits[0, 0].float(), self.penalties, position)  # [vocab]
             if kind == GREEDY:
                 token = logits.argmax()
                 # the tree's second choice: the likeliest other token (the first of a tie: never the token itself)
@@ -155,17 +165,22 @@ class ChainStep:
             chain.margins[i] = logits[token] - logits[other]
             chain.branches[i] = branch
             chain.seconds[i] = second
+            self.penalties["generated"].index_add_(0, token.view(1), self._one)  # counted in for the next position
+            self.penalties["seen"].index_fill_(0, token.view(1), True)
             chain.step.ids.copy_(token.view(1, 1))
             chain.step.positions.add_(1)
             chain.step.rope.add_(1)
 
     @torch.inference_mode()
-    def run(self, slot: int, start: int, token: int, k: int, draw: Draw | None = None) -> Chained:
+    def run(self, slot: int, start: int, token: int, k: int, draw: Draw | None = None,
+            penalized: tuple[PenaltyParams, Sequence[int]] | None = None) -> Chained:
         """Feed ``token`` at ``start`` of ``slot`` (whose positions < start hold the session's keys and values) and
         the k - 1 tokens chosen after it: the argmax (``draw`` None) or drawn as ``draw`` says, the token at position
         n with n's noise. Returns the k chosen tokens, each one's margin, its runner-up, (``draw.quantize``) the
         [k, vocab] q each was drawn from, on the device, and each position's second choice for a tree with its
-        probability. The slot then holds positions up to start + k - 1."""
+        probability. ``penalized``: a request's penalties, biases and min_tokens with its committed tokens (prompt
+        first), applied to each position's logits as ``penalties.apply_penalties`` applies them, the drafted tokens
+        counted in. The slot then holds positions up to start + k - 1."""
         if not 1 <= k <= self.max_length:
             raise ValueError(f"a chain of {k} tokens; this step chains 1 to {self.max_length}")
         if start + k > self.graph.capacity:
@@ -186,6 +201,11 @@ class ChainStep:
             keys = draws.position_keys(draw.seed, stream, range(start + 1, start + 1 + k))
             chain.keys.copy_(draws.key_tensor(keys), non_blocking=True)
             self.settings.load(draw)
+        if penalized is not None or self._penalized:  # loaded, or set back to neutral after a penalized chain
+            params, context = penalized if penalized is not None else (_NEUTRAL, [])
+            for name, value in penalties.chain_state(params, context, self.vocab.numel()).items():
+                self.penalties[name].copy_(value, non_blocking=True)
+            self._penalized = penalized is not None
         if (kind, k) in self.graphs:
             self.graphs[(kind, k)].replay()
         else:

@@ -520,16 +520,19 @@ class GraphSessionCache(SessionCache):
         """The step's ``chain_step.ChainStep`` (a model drafter's: its k-token chains in one replay), or None."""
         return self._graph.chains
 
-    def draft_chain(self, context: Sequence[int], k: int, draw: chain_step.Draw | None = None) -> chain_step.Chained:
+    def draft_chain(self, context: Sequence[int], k: int, draw: chain_step.Draw | None = None,
+                    penalized=None) -> chain_step.Chained:
         """The k tokens after ``context`` chosen on the device in one replay of ``chains`` (the argmax, or drawn as
         ``draw`` says), with what ``ChainStep.run`` gives beside them; the cache then holds ``context`` and the first
-        k - 1 of them. A context more than one token past the cache is read first, but its last token."""
+        k - 1 of them. A context more than one token past the cache is read first, but its last token.
+        ``penalized``: the request's penalty settings (``PenaltyParams``); they count ``context``."""
         keep, feed = self.plan(context, [])
         if len(feed) > 1:  # the chain starts from one fed token: the others are read first
             self.apply(keep, feed[:-1], 1)
             keep = len(context) - 1
         self.start_step(keep, None)
-        chained = self._graph.chains.run(self.slot, keep, context[-1], k, draw)
+        chained = self._graph.chains.run(self.slot, keep, context[-1], k, draw,
+                                         None if penalized is None else (penalized, context))
         self.end_step([context[-1], *chained.tokens[:-1]])
         return chained
 

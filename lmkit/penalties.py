@@ -78,6 +78,40 @@ def apply_penalties(
     return out
 
 
+def chain_state(params: PenaltyParams, context: Sequence[int], vocab: int) -> dict[str, torch.Tensor]:
+    """What ``adjust`` reads for the positions after ``context`` (the committed tokens, prompt first), as [vocab]
+    tensors and scalars: a chain drafted on the device adjusts each next position's logits by them and counts
+    each drafted token in (``lmkit.chain_step``). Neutral (``adjust`` changes nothing) where ``params`` adjusts
+    nothing."""
+    bias = torch.zeros(vocab, dtype=torch.float32)
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        bias[list(ids)] += torch.tensor(biases, dtype=torch.float32)
+    eos = torch.zeros(vocab, dtype=torch.bool)
+    if params.min_tokens and params.eos_token_ids:
+        eos[list(params.eos_token_ids)] = True
+    generated = _counts(context[params.prompt_length :], [()], vocab)[0]
+    seen = (_counts(context[: params.prompt_length], [()], vocab)[0] + generated > 0) \
+        if params.repetition_penalty != 1.0 else torch.zeros(vocab, dtype=torch.bool)
+    return {"bias": bias, "eos": eos, "ban_until": torch.tensor(params.prompt_length + params.min_tokens),
+            "repetition": torch.tensor(float(params.repetition_penalty), dtype=torch.float32),
+            "frequency": torch.tensor(float(params.frequency_penalty), dtype=torch.float32),
+            "presence": torch.tensor(float(params.presence_penalty), dtype=torch.float32),
+            "generated": generated, "seen": seen}
+
+
+def adjust(logits: torch.Tensor, state: dict[str, torch.Tensor], position: torch.Tensor) -> torch.Tensor:
+    """``apply_penalties`` for one position (absolute ``position``, a [] long tensor) of [vocab] float32 logits by
+    tensor operations only, from ``chain_state`` (updated as tokens are drafted): the same operations in the same
+    order, so the same values; a neutral state leaves the logits as they are."""
+    out = logits + state["bias"]
+    out = torch.where(state["eos"] & (position < state["ban_until"]), -math.inf, out)
+    penalty = state["repetition"]
+    out = torch.where(state["seen"], torch.where(out > 0, out / penalty, out * penalty), out)
+    out = out - state["frequency"] * state["generated"]
+    return out - state["presence"] * (state["generated"] > 0).to(torch.float32)
+
+
 def chain_paths(draft_tokens: Sequence[int]) -> list[Sequence[int]]:
     """The paths of a chain's k + 1 rows: row i follows draft_tokens[:i]."""
     return [draft_tokens[:i] for i in range(len(draft_tokens) + 1)]

@@ -189,6 +189,27 @@ MUTANTS = (
         CHAIN_TESTS,
     ),
     Mutant(
+        "draft chain: a penalized request's logits left unadjusted",
+        "lmkit/chain_step.py",
+        "            logits = penalties.adjust(chain.step.logits[0, 0].float(), self.penalties, position)  # [vocab]\n",
+        "            logits = chain.step.logits[0, 0].float()\n",
+        CHAIN_TESTS,
+    ),
+    Mutant(
+        "draft chain: a drafted token not counted for the next position's penalties",
+        "lmkit/chain_step.py",
+        "            self.penalties[\"generated\"].index_add_(0, token.view(1), self._one)  # counted in for the next position\n",
+        "",
+        CHAIN_TESTS,
+    ),
+    Mutant(
+        "draft chain: a penalized chain's adjustments left for the next request",
+        "lmkit/chain_step.py",
+        "        if penalized is not None or self._penalized:",
+        "        if penalized is not None:",
+        CHAIN_TESTS,
+    ),
+    Mutant(
         "draft chain: each step fed at the chain's first position",
         "lmkit/chain_step.py",
         "            chain.step.positions.add_(1)\n",
@@ -198,8 +219,8 @@ MUTANTS = (
     Mutant(
         "draft chain: the last drafted token taken as cached",
         "lmkit/graph_step.py",
-        "self.end_step([context[-1], *tokens[:-1]])",
-        "self.end_step([context[-1], *tokens])",
+        "self.end_step([context[-1], *chained.tokens[:-1]])",
+        "self.end_step([context[-1], *chained.tokens])",
         CHAIN_TESTS,
     ),
     Mutant(

@@ -73,13 +73,18 @@ MODES = {  # (sampling, draft probabilities sent, coupled)
     "coupled-top-p": (SamplingParams(temperature=0.9, top_p=0.9, seed=6), False, True),
     "token-only": (SamplingParams(temperature=1.1, top_p=0.85, seed=7), False, False),
     "penalized": (SamplingParams(temperature=0.8, frequency_penalty=0.5, seed=8), True, False),
+    "penalized-greedy": (SamplingParams(repetition_penalty=1.3, logit_bias=((27, -1.0), (300, 2.5)), min_tokens=12,
+                                        eos_token_ids=(9, 27), prompt_length=4), False, False),
+    "penalized-coupled": (SamplingParams(temperature=0.9, presence_penalty=0.7, frequency_penalty=0.2, seed=9),
+                          False, True),
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_forward_proposes_the_stock_forwards_tokens(tiny_target_dir, mode):
-    """Requests without penalties draft through the slot's chains (each block in one replay, every token chosen on
-    the device); penalized ones token by token; every forward proposes the same blocks, second guesses and q."""
+    """Every request drafts through the slot's chains (each block in one replay, every token chosen on the device,
+    penalties, biases and min_tokens applied there); every forward proposes the same blocks, second guesses, q and
+    trees."""
     sampling, sampled, coupled = MODES[mode]
     stock, fast = drafting(str(tiny_target_dir), forward.STOCK), drafting(str(tiny_target_dir), "off")
     new_slot, _ = forward.slots(fast["model"], sessions=2, context=96, width=K + 1, batch=1, graphs=False)
@@ -92,7 +97,7 @@ def test_every_forward_proposes_the_stock_forwards_tokens(tiny_target_dir, mode)
         for label, new_cache in caches:
             drafter = ModelDrafter(fast[name], PROMPT, sampling, sampled, coupled, new_cache=new_cache)
             if label == "chained slot":
-                assert drafter._chain_draw(K)[0] == (mode != "penalized")
+                assert drafter._chain_draw(K)[0]
             got = rounds(drafter)
             if name == "model" and (sampling.greedy or coupled):  # trees: the chain's second choices as leaves
                 trees = tree_rounds(ModelDrafter(stock[name], PROMPT, sampling, sampled, coupled))

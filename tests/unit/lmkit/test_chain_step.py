@@ -110,6 +110,31 @@ def test_a_chain_chooses_what_single_steps_choose_and_leaves_their_cache(step, n
         prompt = following
 
 
+def test_a_penalized_chain_adjusts_as_the_host_and_leaves_the_next_request_unadjusted(step):
+    """Greedy under a repetition penalty, a bias and min_tokens: each position's logits adjusted by
+    ``apply_penalties`` over the committed tokens and those drafted before it; then a plain greedy chain of the same
+    context chooses the unadjusted argmax again."""
+    from specsplit.lmkit.penalties import apply_penalties
+
+    params = SamplingParams(repetition_penalty=1.8, frequency_penalty=0.3, logit_bias=((40, 3.0),), min_tokens=3,
+                            eos_token_ids=(2,), prompt_length=8)
+    prompt = _prompt(16, 12)
+    step.clear(0)
+    step.forward(0, 0, prompt[:-1])
+    chained = step.chains.run(0, len(prompt) - 1, prompt[-1], MAX_CHAIN, None, (params, prompt))
+    want, fed = [], list(prompt)
+    step.clear(1)
+    step.forward(1, 0, prompt[:-1])
+    for _ in range(MAX_CHAIN):
+        logits = step.forward(1, len(fed) - 1, fed[-1:])[-1].float()
+        adjusted = apply_penalties(logits[None], params, prompt, [fed[len(prompt):]])[0]
+        want.append(int(adjusted.argmax()))
+        fed.append(want[-1])
+    assert chained.tokens == want
+    plain = step.chains.run(0, len(prompt) - 1, prompt[-1], MAX_CHAIN, None)
+    assert plain.tokens == _one_by_one(step, 1, prompt, MAX_CHAIN, None)[0] != want
+
+
 @pytest.mark.parametrize("coupled", [True, False])
 def test_a_sampled_chain_depends_on_its_seed_and_a_greedy_one_does_not(step, coupled):
     prompt = _prompt(12, 9)
