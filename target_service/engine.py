@@ -673,9 +673,9 @@ class TargetEngine:
 
     @property
     def verifies_trees(self) -> bool:
-        """Token-tree blocks are verified (``ModelInfo.token_trees``): the packed forward or the static step runs
-        the model, unsharded (the ranks of a tensor-parallel target replay chains)."""
-        return self._static_step or (packed_rows.installed(self.model) and self.tp_degree == 1)
+        """Token-tree blocks are verified (``ModelInfo.token_trees``): the packed forward (on each rank's shard of a
+        tensor-parallel target, which replays the tree and its kept path) or the static step runs the model."""
+        return self._static_step or packed_rows.installed(self.model)
 
     def _check_tree(self, session, draft_tokens, parents) -> None:
         if not session.cache.supports_trees:

@@ -8,8 +8,10 @@ positions to keep, which tokens to feed) and the other ranks replay it on
 their shard of that session's KV cache. NCCL on GPUs, gloo on CPU.
 
 Wire between ranks: an int64 header ``[op, slot, keep, n_feed, n_logits,
-n_released]`` then one int64 payload of fed tokens and released slots. No
-pickling. NCCL moves only CUDA tensors, so on GPUs the two live on the rank's
+n_released, n_parents]`` then one int64 payload of fed tokens, released slots
+and a token tree's parents (a forward step), or of the accepted path's node
+offsets in place of the fed tokens (``OP_KEEP_PATH``, after a tree's verdict:
+every rank moves the path's keys and values the same way). No pickling. NCCL moves only CUDA tensors, so on GPUs the two live on the rank's
 device (``comm_device``); gloo keeps them on the CPU.
 """
 
@@ -31,7 +33,8 @@ log = logging.getLogger(__name__)
 
 OP_FORWARD = 1
 OP_SHUTDOWN = 2
-_HEADER = 6
+OP_KEEP_PATH = 3
+_HEADER = 7
 
 
 def check_divisible(config, tp: int, model_id: str) -> None:
@@ -121,13 +124,15 @@ class Leader:
         with self._lock:
             self._released.append(slot)
 
-    def announce(self, op: int, slot: int = 0, keep: int = 0, feed: Sequence[int] = (), n_logits: int = 0) -> None:
+    def announce(self, op: int, slot: int = 0, keep: int = 0, feed: Sequence[int] = (), n_logits: int = 0,
+                 parents: Sequence[int] = ()) -> None:
         with self._lock:
             released, self._released = self._released, []
         device = comm_device()
-        header = torch.tensor([op, slot, keep, len(feed), n_logits, len(released)], dtype=torch.int64, device=device)
+        header = torch.tensor([op, slot, keep, len(feed), n_logits, len(released), len(parents)], dtype=torch.int64,
+                              device=device)
         dist.broadcast(header, src=0)
-        payload = torch.tensor([*feed, *released], dtype=torch.int64, device=device)
+        payload = torch.tensor([*feed, *released, *parents], dtype=torch.int64, device=device)
         if payload.numel():
             dist.broadcast(payload, src=0)
 
@@ -147,17 +152,29 @@ class ShardedSessionCache(SessionCache):
         self, context: Sequence[int], block: Sequence[int], parents: Sequence[int] | None = None,
         all_rows: bool = False, grown: bool = False,
     ) -> torch.Tensor:
-        if parents is not None:  # ModelInfo.token_trees is false for a sharded target: chains only
-            raise ValueError("a tensor-parallel target verifies chains only, not token trees")
-        if self._leader.broken:
-            raise errors.Unavailable(f"the tensor-parallel target lost a rank ({self._leader.broken})")
+        if parents is not None and not self.supports_trees:
+            raise ValueError("this tensor-parallel target runs transformers' forward on its shards: chains only")
+        self._check_group()
         keep, feed = self.plan(context, block, grown)
         n_logits = len(feed) if all_rows else len(block) + 1
         try:
-            self._leader.announce(OP_FORWARD, self.slot, keep, feed, n_logits)
-            return self.apply(keep, feed, n_logits)
+            self._leader.announce(OP_FORWARD, self.slot, keep, feed, n_logits, parents or ())
+            return self.apply(keep, feed, n_logits, parents)
         except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError) included
             raise self._leader.fail(exc) from None
+
+    def _move_path(self, length: int, path: Sequence[int]) -> None:
+        """A tree's accepted path moved on every rank's shard of the cache alike."""
+        self._check_group()
+        try:
+            self._leader.announce(OP_KEEP_PATH, self.slot, length, path)
+            super()._move_path(length, path)
+        except RuntimeError as exc:
+            raise self._leader.fail(exc) from None
+
+    def _check_group(self) -> None:
+        if self._leader.broken:
+            raise errors.Unavailable(f"the tensor-parallel target lost a rank ({self._leader.broken})")
 
     @property
     def can_copy(self) -> bool:
@@ -174,14 +191,17 @@ def follow(model) -> None:
     while True:
         header = torch.empty(_HEADER, dtype=torch.int64, device=device)
         dist.broadcast(header, src=0)
-        op, slot, keep, n_feed, n_logits, n_released = header.tolist()
-        payload = torch.empty(n_feed + n_released, dtype=torch.int64, device=device)
+        op, slot, keep, n_feed, n_logits, n_released, n_parents = header.tolist()
+        payload = torch.empty(n_feed + n_released + n_parents, dtype=torch.int64, device=device)
         if payload.numel():
             dist.broadcast(payload, src=0)
         values = payload.tolist()
-        for released in values[n_feed:]:
+        for released in values[n_feed : n_feed + n_released]:
             caches.pop(released, None)
         if op == OP_SHUTDOWN:
             return
         cache = caches.setdefault(slot, SessionCache(model))
-        cache.apply(keep, values[:n_feed], n_logits)
+        if op == OP_KEEP_PATH:
+            cache.keep_path(keep, values[:n_feed])
+        else:
+            cache.apply(keep, values[:n_feed], n_logits, values[n_feed + n_released :] or None)

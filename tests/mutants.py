@@ -147,6 +147,13 @@ MUTANTS = (
         ("tests/unit/lmkit/test_families.py",),
     ),
     Mutant(
+        "tensor parallel: a tree's accepted path moved on rank 0's shard alone",
+        "target_service/tp.py",
+        "            self._leader.announce(OP_KEEP_PATH, self.slot, length, path)\n",
+        "            pass\n",
+        ("tests/services/test_tensor_parallel.py",),
+    ),
+    Mutant(
         "sharded decoder step: a row-parallel projection's partial sums not all-reduced",
         "lmkit/decoder_step.py",
         "            return lambda x: _all_reduce(F.linear(x, weight))",

@@ -42,7 +42,8 @@ def tp2_target(tmp_path_factory, tiny_target_dir):
     assert service.stop(30) == 0, service.log_tail()  # SIGTERM: rank 0 drains, followers exit, all 0
 
 
-async def run_prompts(target, draft, tokenizer_dir, k, drafter, sampling, draft_probs=False, max_new=20):
+async def run_prompts(target, draft, tokenizer_dir, k, drafter, sampling, draft_probs=False, max_new=20, branches=1,
+                      stats=None):
     # Sampled verification gives the same text only from the same blocks: a block late for its round's
     # deadline (the target, TP or not, steps alone) changes them. A pinned deadline keeps every block.
     policy = LinkPolicy(draft_deadline_s=30.0, draft_timeout_s=30.0)
@@ -52,28 +53,38 @@ async def run_prompts(target, draft, tokenizer_dir, k, drafter, sampling, draft_
     try:
         for i, prompt in enumerate(PROMPTS):
             params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, 1000 + i)
-            request = GenerationRequest("", False, max_new, params, (), k, drafter, draft_probs)
+            request = GenerationRequest("", False, max_new, params, (), k, drafter, draft_probs,
+                                        tree_branches=branches)
             ids: list[int] = []
             async for event in orch.generate(request, orch.encode(prompt, False)):
                 ids.extend(event.token_ids)
+                if event.stats is not None and stats is not None:
+                    stats.append(event.stats)
             outputs.append(ids)
         return outputs, orch.target.info
     finally:
         await orch.close()
 
 
-@pytest.mark.parametrize("drafter", [DrafterKind.MODEL, DrafterKind.NGRAM])
-def test_tp2_greedy_equals_tp1_and_generate(tp2_target, tiny_services, tiny_target_dir, gguf_tokenizer, drafter):
-    greedy = SamplingParams()
-    tp2, info = run_async(run_prompts(tp2_target.address, tiny_services.draft_address, tiny_target_dir, 4, drafter, greedy))
+@pytest.mark.parametrize("drafter, branches", [(DrafterKind.MODEL, 1), (DrafterKind.NGRAM, 1), (DrafterKind.MODEL, 3)],
+                         ids=["model", "ngram", "model-trees"])
+def test_tp2_greedy_equals_tp1_and_generate(tp2_target, tiny_services, tiny_target_dir, gguf_tokenizer, drafter,
+                                            branches):
+    """Chains, and token trees (the model's second choices as leaves): every rank runs the tree on its shard and
+    moves the accepted path alike."""
+    greedy, stats = SamplingParams(), []
+    tp2, info = run_async(run_prompts(tp2_target.address, tiny_services.draft_address, tiny_target_dir, 4, drafter,
+                                      greedy, branches=branches, stats=stats))
     tp1, _ = run_async(run_prompts(tiny_services.target_address, tiny_services.draft_address, tiny_target_dir, 4,
-                                   drafter, greedy))
+                                   drafter, greedy, branches=branches))
     model = models.load_model(models.ModelSpec(str(tiny_target_dir)))
     expected = [reference_greedy(model, gguf_tokenizer.encode(p), 20) for p in PROMPTS]
     assert info.tp_degree == 2
-    # each rank runs the eager decoder step on its shard, one all-reduce per row-parallel projection; chains only
-    assert info.forward.startswith("the decoder step, eager on this rank's shard") and not info.token_trees
+    # each rank runs the eager decoder step on its shard, one all-reduce per row-parallel projection
+    assert info.forward.startswith("the decoder step, eager on this rank's shard") and info.token_trees
     assert tp2 == tp1 == expected
+    if branches > 1:
+        assert sum(s.tree_rounds for s in stats) > 0  # trees were verified by the sharded target
 
 
 @pytest.mark.parametrize("draft_probs", [False, True], ids=["token-only", "draft-probs"])
