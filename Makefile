@@ -94,8 +94,9 @@ lint-imports: install
 	$(PY) tests/layers.py
 
 # The fast tier, tests/unit/: pure algorithms and small pieces; no service process, no Ray, no k8s linters.
+# Spread over the workers of `make test`, a module to a worker, it stays under a minute on two cores.
 test-unit: install
-	$(PY) -m pytest -q -m unit tests/unit
+	$(PY) -m pytest -q -m unit -n $(TEST_WORKERS) --dist loadscope tests/unit
 
 bench: install
 	$(VENV)/bin/specsplit bench --json bench/results/core-ngram.json --target-cpus 1 --draft-cpus 0
