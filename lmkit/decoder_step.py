@@ -33,13 +33,10 @@ COMPILE_MODES = ("off", "auto", "inductor", "cuda-graphs")  # serve-target --com
 
 
 def resolve_compile(mode: str, device_type: str) -> str:
-    """The mode ``auto`` stands for on ``device_type``: the faster one measured there (``bench --suite step``).
-
-    On the CPU the compiled step runs plain linears, which lose to the eager step's oneDNN-packed ones for a
-    real model (SmolLM2: 0.65-0.91x at widths above 1; only a near-zero model gains, docs/performance.md),
-    so ``off``. On CUDA ``cuda-graphs`` (``lmkit.graph_step``) runs one session's step 2.4x faster than the
-    stock forward (H200, 8B shape, in-process), but its served figures with sessions batched, trees, features and
-    the captured draft are not measured yet: until they are, ``off`` there as well."""
+    """The mode ``auto`` stands for on ``device_type``: the faster one measured there (``bench --suite step``,
+    ``bench/gpu_check``; docs/performance.md has the figures). On the CPU the compiled step runs plain linears,
+    which lose to the eager step's oneDNN-packed ones for a real model: ``off``. On CUDA the captured step's served
+    figures (sessions batched, trees, features, the captured draft) are not measured yet: ``off`` there too."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
     if mode == "cuda-graphs" and device_type != "cuda":

@@ -2,7 +2,7 @@
 
 Services export their session table (active sessions, sessions opened, rounds)
 and compute-queue depth through a collector read at scrape time; the
-orchestrator records per-request figures (orchestrator.metrics).
+orchestrator records per-request figures (orchestrator.api.metrics).
 """
 
 from __future__ import annotations

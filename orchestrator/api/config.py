@@ -61,7 +61,7 @@ class OrchestratorConfig:
     # "auto": the target's generation_config.json sampling defaults fill what a request leaves unset; "ignore": not.
     generation_config: str = "auto"
     chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's; empty: the tokenizer's
-    tool_call_parser: str = "hermes"  # how the model writes tool calls (orchestrator.tool_parsers.FORMATS)
+    tool_call_parser: str = "hermes"  # how the model writes tool calls (orchestrator.api.tool_parsers.FORMATS)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": free text with its tool calls parsed out
 
     def __post_init__(self) -> None:
@@ -115,7 +115,7 @@ class OrchestratorConfig:
 
 @dataclass(frozen=True)
 class HttpLimits:
-    """Bounds of the OpenAI-compatible HTTP API (``orchestrator.http_guard``; ``--http-*`` flags)."""
+    """Bounds of the OpenAI-compatible HTTP API (``orchestrator.api.http_guard``; ``--http-*`` flags)."""
 
     max_body_bytes: int = 8 * 1024 * 1024
     header_timeout_s: float = 10.0  # from connection (or the last response) to the end of the headers

@@ -68,7 +68,7 @@ class GenerationRequest:
     # draft_probs is set, else the server's default sampling mode. Greedy requests verify GREEDY.
     sampling_mode: VerificationMode | None = None
     tree_branches: int = 1  # continuations a round may verify as a token tree; 1 = chains only
-    grammar: object | None = None  # the compiled grammar the output follows (orchestrator.grammar); None: free text
+    grammar: object | None = None  # the compiled grammar the output follows (orchestrator.decode.grammar); None: free text
 
 
 def reserve_tokens(prompt_ids: Sequence[int], request: GenerationRequest, max_block: int) -> int:
@@ -93,7 +93,7 @@ class GenerationEvent:
 
 @dataclass(frozen=True)
 class PromptFork:
-    """A sample's part in sharing its prompt (``orchestrator.samples``): sample 0 (``leader``) publishes its
+    """A sample's part in sharing its prompt (``orchestrator.api.samples``): sample 0 (``leader``) publishes its
     target and draft sessions' ids in ``source`` once open ("" where it has none); the others open forked
     from them."""
 
@@ -142,7 +142,7 @@ def read_chat_template(path: str) -> str:
 
 
 def shared_stream(replica, call_type, calls_type, info: pb.ModelInfo) -> None:
-    """Give ``replica`` a shared Sessions stream (``orchestrator.mux``), its messages bounded as ``info`` says."""
+    """Give ``replica`` a shared Sessions stream (``orchestrator.decode.mux``), its messages bounded as ``info`` says."""
     replica.mux = Mux(replica.stub.Sessions, call_type, calls_type, replica.kind)
     replica.mux.max_bytes = info.max_request_bytes
 
@@ -306,7 +306,7 @@ class Orchestrator:
 
         ``arrived``: when the request reached the server (``time.perf_counter()``),
         the start of its queue time, time to first token and end-to-end latency.
-        ``fork``: this generation is one of several samples of the prompt (``orchestrator.samples``).
+        ``fork``: this generation is one of several samples of the prompt (``orchestrator.api.samples``).
         """
         timer = metrics.RequestTimer(arrived)
         start = time.perf_counter()

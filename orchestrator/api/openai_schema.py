@@ -477,7 +477,7 @@ def _chat_message(turn: ChatTurn) -> pb.ChatMessage:
 
 
 def _tool_plan(req: ChatCompletionRequest, config: OrchestratorConfig) -> ToolPlan | None:
-    """What the request's tools and tool_choice make of the generation (``orchestrator.tools``); None: no tools."""
+    """What the request's tools and tool_choice make of the generation (``orchestrator.api.tools``); None: no tools."""
     if req.tools is None:
         if req.tool_choice not in (None, "none"):
             raise RequestError("tool_choice needs tools: send the functions the model may call as tools", "tool_choice")

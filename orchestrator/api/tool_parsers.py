@@ -1,7 +1,7 @@
 """Tool-call formats: the text a chat template's model writes for a call, and how a completion is read back.
 
 A format gives the text around one call's arguments (``call_prefix`` + the arguments' JSON + ``call_suffix``),
-from which ``orchestrator.tools`` builds the grammar of a forced call, and parses a completion into its
+from which ``orchestrator.api.tools`` builds the grammar of a forced call, and parses a completion into its
 content and calls as it streams (``stream``) or whole (``parse``: the same scanner over the whole text).
 ``FORMATS`` is the registry that ``--tool-call-parser`` names, with vLLM's names; a convention is one
 ``ToolCallFormat`` and one line there. Each writes a run of calls, each call a JSON object

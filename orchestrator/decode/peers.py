@@ -128,7 +128,7 @@ class OwnStream:
 
 
 class _Session:
-    """A session's calls, over its own stream (``OwnStream``) or a shared one (``orchestrator.mux``)."""
+    """A session's calls, over its own stream (``OwnStream``) or a shared one (``orchestrator.decode.mux``)."""
 
     def __init__(self, transport) -> None:
         self._transport = transport
@@ -190,7 +190,7 @@ class ServiceClient:
     channel: grpc.aio.Channel
     stub: object
     info: pb.ModelInfo | None = None
-    mux: object | None = None  # every session on one Sessions stream (orchestrator.mux.Mux); None: a stream each
+    mux: object | None = None  # every session on one Sessions stream (orchestrator.decode.mux.Mux); None: a stream each
     kind: str = "service"  # "target" or "draft", as messages name it
     sessions: int = 0  # this orchestrator's sessions open here (``Pool.place``)
     opened: int = 0  # sessions placed here so far: ties go to the replica given fewer
