@@ -33,13 +33,8 @@ DEFAULT_PORT = 50051
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="specsplit serve-draft", description=__doc__)
-    parser.add_argument("--model", default="", help="draft model (folder, .gguf, cached hub id); empty = n-gram only")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=models.AUTO_DTYPE, choices=models.DTYPE_CHOICES,
-                        help="auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
+    models.add_flags(parser, "", "draft model (folder, .gguf, cached hub id); empty = n-gram only")
     parser.add_argument("--max-block", type=int, default=32, help="largest k accepted per propose")
-    parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
     parser.add_argument("--kv-budget-bytes", type=int, default=0,
                         help="KV-cache bytes every live session may reserve together (each reserves its prompt + most "
                              "new tokens + one block at its open, at what its drafter keeps a position: a model's "

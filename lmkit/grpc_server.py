@@ -459,6 +459,7 @@ def add_common_flags(parser, default_port: int) -> None:
     parser.add_argument("--cpus", default="", help="pin the process to these CPU ids, e.g. '1' or '0,1'")
     parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
     parser.add_argument("--session-ttl-s", type=float, default=300.0, help="evict sessions idle this long")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     parser.add_argument(

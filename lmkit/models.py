@@ -44,6 +44,16 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.
 _convert_lock = threading.Lock()
 
 
+def add_flags(parser, default: str, model_help: str) -> None:
+    """The flags that say which model a service loads and how: --model (``default``), --device, --dtype,
+    --trust-remote-code."""
+    parser.add_argument("--model", default=default, help=model_help)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=AUTO_DTYPE, choices=DTYPE_CHOICES,
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
+
+
 def resolve_dtype(device: str, dtype: str) -> str:
     """``auto`` is bfloat16 on CUDA and float32 on the CPU; any other name stands."""
     if dtype != AUTO_DTYPE:

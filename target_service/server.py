@@ -37,14 +37,9 @@ DEFAULT_PORT = 50052
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="specsplit serve-target", description=__doc__)
-    parser.add_argument("--model", default=models.DEFAULT_MODEL,
-                        help="folder, .gguf file, cached hub id, 'smollm2-135m' or 'gemma3-270m'")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=models.AUTO_DTYPE, choices=models.DTYPE_CHOICES,
-                        help="auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
+    models.add_flags(parser, models.DEFAULT_MODEL,
+                     "folder, .gguf file, cached hub id, 'smollm2-135m' or 'gemma3-270m'")
     parser.add_argument("--max-block", type=int, default=32, help="largest draft block accepted per verify")
-    parser.add_argument("--max-sessions", type=int, default=64, help="live sessions at most")
     parser.add_argument("--kv-budget-bytes", type=int, default=0,
                         help="KV-cache bytes per device every live session may reserve together (each reserves its "
                              "prompt + most new tokens + one block at its open; under --compile cuda-graphs it also sizes the KV pool); "
