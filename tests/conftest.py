@@ -272,6 +272,31 @@ class Services:
         self.loop.run(self.draft_server.stop(0))
 
 
+class ServiceProcesses:
+    """The addresses of a real serve-target and serve-draft process (``service_processes``)."""
+
+    def __init__(self, target_address: str, draft_address: str) -> None:
+        self.target_address, self.draft_address = target_address, draft_address
+
+
+@contextlib.contextmanager
+def service_processes(workdir: Path, target_args: list[str], draft_args: list[str], timeout_s: float = 120):
+    """Real serve-target and serve-draft processes with these flags, stopped on leaving."""
+    from specsplit.lmkit.processes import start_service
+
+    target = start_service("specsplit.target_service.server", "target", target_args, workdir, timeout_s)
+    try:
+        draft = start_service("specsplit.draft_service.server", "draft", draft_args, workdir, timeout_s)
+    except BaseException:
+        target.stop()
+        raise
+    try:
+        yield ServiceProcesses(target.address, draft.address)
+    finally:
+        draft.stop()
+        target.stop()
+
+
 def make_engines(target_ref: str, draft_ref: str | None, max_block: int = 32, compile_mode: str = "off",
                  prefill_chunk: int | None = None):
     """Target and draft engines as the servers build them, with the servers' default prefill chunk unless told."""

@@ -18,7 +18,7 @@ from specsplit.orchestrator.api.config import OrchestratorConfig
 from specsplit.orchestrator.api.generation import Orchestrator
 from specsplit.v1 import specsplit_pb2 as pb
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from tests.conftest import run_async
+from tests.conftest import run_async, service_processes
 from tests.services.test_greedy_e2e import generate_all
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -28,11 +28,6 @@ PROMPTS = ["The capital of France is", "Monday, Tuesday, Wednesday, Thursday, Fr
 NEW = 24
 
 
-class _Addresses:
-    def __init__(self, target_address: str, draft_address: str) -> None:
-        self.target_address, self.draft_address = target_address, draft_address
-
-
 @pytest.fixture(scope="module")
 def folder():
     return models.resolve(models.GEMMA3_270M)  # about a minute the first time on a machine; then cached
@@ -40,19 +35,9 @@ def folder():
 
 @pytest.fixture(scope="module")
 def gemma_services(folder, tmp_path_factory):
-    from specsplit.lmkit.processes import start_service
-
-    workdir = tmp_path_factory.mktemp("gemma-services")
-    target = start_service("specsplit.target_service.server", "target",
-                           ["--model", models.GEMMA3_270M, "--threads", "1"], workdir, 300)
-    try:
-        draft = start_service("specsplit.draft_service.server", "draft", ["--threads", "1"], workdir, 120)
-    except BaseException:
-        target.stop()
-        raise
-    yield _Addresses(target.address, draft.address)
-    draft.stop()
-    target.stop()
+    with service_processes(tmp_path_factory.mktemp("gemma-services"), ["--model", models.GEMMA3_270M, "--threads", "1"],
+                           ["--threads", "1"], 300) as services:
+        yield services
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from specsplit.orchestrator.api.config import OrchestratorConfig
 from specsplit.orchestrator.api.generation import Orchestrator
 from specsplit.orchestrator.api.requests import parse_request
 from specsplit.v1 import specsplit_pb2 as pb
-from tests.conftest import reference_greedy, run_async
+from tests.conftest import reference_greedy, run_async, service_processes
 
 pytestmark = pytest.mark.services
 
@@ -44,28 +44,13 @@ def penalized_dir(tiny_target_dir, tmp_path_factory):
     return folder
 
 
-class _Addresses:
-    def __init__(self, target_address: str, draft_address: str) -> None:
-        self.target_address, self.draft_address = target_address, draft_address
-
-
 @pytest.fixture(scope="module")
 def penalized_services(penalized_dir, tiny_draft_dir, tmp_path_factory):
     """Real serve-target (over the penalized folder) and serve-draft processes."""
-    from specsplit.lmkit.processes import start_service
-
-    workdir = tmp_path_factory.mktemp("penalized-services")
-    target = start_service("specsplit.target_service.server", "target",
-                           ["--model", str(penalized_dir), "--threads", "1"], workdir, 120)
-    try:
-        draft = start_service("specsplit.draft_service.server", "draft",
-                              ["--model", str(tiny_draft_dir), "--threads", "1"], workdir, 120)
-    except BaseException:
-        target.stop()
-        raise
-    yield _Addresses(target.address, draft.address)
-    draft.stop()
-    target.stop()
+    with service_processes(tmp_path_factory.mktemp("penalized-services"),
+                           ["--model", str(penalized_dir), "--threads", "1"],
+                           ["--model", str(tiny_draft_dir), "--threads", "1"]) as services:
+        yield services
 
 
 @pytest.fixture(scope="module")
