@@ -538,11 +538,9 @@ def run(args) -> int:
             print(f"  width {row['width']}: {row['ms']} ms, x{row['over_bound']} the bound; its linears alone "
                   f"{row['linears_ms']} ms, x{row['linears_over_bound']}")
     if draft:
-        print(f"the model drafter on {draft['model']}, stock forward against the fast one:")
-        for row in draft["cells"]:
-            print(f"  {row['drafter']:>10}, {row['tokens']} token(s): stock {row['stock_ms']} ms, fast {row['fast_ms']} ms "
-                  f"(x{row['speedup']}; {draft['what'][row['drafter']]})")
-        print(f"  mismatches: {draft['mismatches'] or 'none'}")
+        _print_against_stock(f"the model drafter on {draft['model']}", draft,
+                             lambda row: f"{row['drafter']:>10}, {row['tokens']} token(s)",
+                             lambda row: draft["what"][row["drafter"]])
     if static:
         print(f"the static step of {static['model']} (uncaptured; spans {static['spans_blocks']} blocks of "
               f"{static['block_size']}):")
@@ -550,14 +548,20 @@ def run(args) -> int:
             print(f"  {row['context']} positions held, span {row['span_blocks']}: verify ms {row['verify_ms']}; "
                   f"reading every block {row['verify_ms_full_span']} (t(1) x{row['full_span_over_held']})")
     if families:
-        print(f"each family, a session cache after {families['context']} tokens, stock forward against the fast one:")
-        for row in families["cells"]:
-            print(f"  {row['family']:>18}, width {row['width']}: stock {row['stock_ms']} ms, fast {row['fast_ms']} ms "
-                  f"(x{row['speedup']}; {row['what']})")
-        print(f"  mismatches: {families['mismatches'] or 'none'}")
+        _print_against_stock(f"each family, a session cache after {families['context']} tokens", families,
+                             lambda row: f"{row['family']:>18}, width {row['width']}", lambda row: row["what"])
     print(f"-> {path}" + (f", {png}" if png else ""))
-    failed = any(r["mismatches"] for r in out["results"]) or any((part or {}).get("mismatches") for part in (draft, families))
+    failed = any(r["mismatches"] for r in out["results"]) or \
+        any((part or {}).get("mismatches") for part in (draft, families))
     return 1 if failed else 0
+
+
+def _print_against_stock(title: str, part: dict, label, what) -> None:
+    """A part's cells, each a ``label``led row timed on transformers' stock forward and on the fast one."""
+    print(f"{title}, stock forward against the fast one:")
+    for row in part["cells"]:
+        print(f"  {label(row)}: stock {row['stock_ms']} ms, fast {row['fast_ms']} ms (x{row['speedup']}; {what(row)})")
+    print(f"  mismatches: {part['mismatches'] or 'none'}")
 
 
 def plot(out: dict, path: Path) -> Path | None:
