@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from specsplit.lmkit.packed_linear import PackedLinear
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "mixtral")
 COMPILE_MODES = ("off", "auto", "inductor", "cuda-graphs")  # serve-target --compile
 
 
@@ -162,6 +162,10 @@ def embedding(weight) -> Callable[[torch.Tensor], torch.Tensor]:
     return lookup
 
 
+def _sharded_any(model) -> bool:
+    return any(_sharded(p) for p in model.parameters())
+
+
 def _sharding_unsupported(model) -> str | None:
     """Why the step cannot run a tensor-parallel ``model`` (None: it can, or it is not sharded)."""
     weights = {name: p for name, p in model.named_parameters() if _sharded(p)}
@@ -218,14 +222,27 @@ def attention_outputs(
     attended: torch.Tensor,  # [1, T, heads, head_dim]
     o_proj: Linear,
     norms: tuple[Norm | None, Norm, Norm | None],  # after attention (Gemma 3), before the MLP, after it (Gemma 3)
-    gate_up: Projections, down_proj: Linear, act: Callable[[torch.Tensor], torch.Tensor],
+    feed_forward: Linear,  # ``gated_mlp``'s, or a routed-experts block (Mixtral's own module)
 ) -> torch.Tensor:
     """The layer's output [1, T, hidden]: o projection and residual, then the MLP and residual."""
     attention = o_proj(attended.reshape(*residual.shape[:-1], -1).contiguous())
     hidden = residual + (attention if norms[0] is None else norms[0](attention))
-    gate, up = gate_up(norms[1](hidden))
-    mlp = down_proj(act(gate) * up)
+    mlp = feed_forward(norms[1](hidden))
     return hidden + (mlp if norms[2] is None else norms[2](mlp))
+
+
+def gated_mlp(gate_up: Projections, down_proj: Linear, act: Callable[[torch.Tensor], torch.Tensor]) -> Linear:
+    """A gated MLP as one call: down(act(gate(x)) * up(x))."""
+    def feed_forward(x: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up(x)
+        return down_proj(act(gate) * up)
+
+    return feed_forward
+
+
+def routed(mlp) -> bool:
+    """Whether a layer's feed-forward ``mlp`` is a block of routed experts (Mixtral's: a router, then experts)."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate") and not hasattr(mlp, "down_proj")
 
 
 @dataclass(frozen=True)
@@ -269,12 +286,13 @@ def _rotaries(decoder) -> dict[str, tuple[torch.Tensor, float]]:
             for kind in rotary_emb.layer_types}
 
 
-def unsupported(model) -> str | None:
-    """Why ``DecoderStep`` cannot run ``model`` (None: it can)."""
+def unsupported(model, static: bool = False) -> str | None:
+    """Why ``DecoderStep`` cannot run ``model`` (None: it can); ``static``: as the static step (``graph_step``) runs
+    it, replayable as CUDA graphs."""
     config = model.config
     if config.model_type not in SUPPORTED_TYPES:
-        return (f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral, Qwen2, Qwen3, Phi-3 or "
-                "Gemma 3 layout")
+        return (f"{type(model).__name__} ({config.model_type}) is not a Llama, Mistral, Mixtral, Qwen2, Qwen3, Phi-3 "
+                "or Gemma 3 layout")
     try:
         windows(config)
     except ValueError as exc:
@@ -296,8 +314,13 @@ def unsupported(model) -> str | None:
                    ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")),
                     (getattr(layer, "mlp", None), ("gate_proj", "up_proj", "gate_up_proj", "down_proj")))
                    for name in names if hasattr(part, name)]
-    if any(not hasattr(layer, "mlp") or not hasattr(layer.mlp, "down_proj") for layer in model.model.layers):
-        return "its layers' feed-forward is not a gated MLP (routed experts, say)"
+    if any(not hasattr(layer, "mlp") or not (hasattr(layer.mlp, "down_proj") or routed(layer.mlp))
+           for layer in model.model.layers):
+        return "its layers' feed-forward is neither a gated MLP nor routed experts"
+    if static and any(routed(layer.mlp) for layer in model.model.layers):
+        return "its routed experts send a varying number of tokens to each expert, which a captured graph cannot"
+    if _sharded_any(model) and any(routed(layer.mlp) for layer in model.model.layers):
+        return "its routed experts are sharded"
     odd = {type(m).__name__ for m in projections if type(m) not in (torch.nn.Linear, PackedLinear)}
     if odd:
         return f"its projections are {', '.join(sorted(odd))} (the step runs nn.Linear ones)"
@@ -343,19 +366,22 @@ class DecoderStep:
             qkv = separate(linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj))
         # Qwen3, Gemma 3: each head's q and k RMS-normed before the rotary embedding
         qk_norms = (norm_of(attn.q_norm), norm_of(attn.k_norm)) if hasattr(attn, "q_norm") else None
-        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up as one projection, gate first
+        if routed(mlp):  # Mixtral: its own block of routed experts, whatever implementation transformers picked
+            feed_forward = mlp
+        elif hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up as one projection, gate first
             half = mlp.gate_up_proj.out_features // 2
-            gate_up = fused(linear(mlp.gate_up_proj), (half, half))
+            feed_forward = gated_mlp(fused(linear(mlp.gate_up_proj), (half, half)), linear(mlp.down_proj),
+                                     mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
         else:
-            gate_up = separate(linear(mlp.gate_proj), linear(mlp.up_proj))
+            feed_forward = gated_mlp(separate(linear(mlp.gate_proj), linear(mlp.up_proj)), linear(mlp.down_proj),
+                                     mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: the attention's and the MLP's outputs normed too
             norms = (norm_of(layer.post_attention_layernorm), norm_of(layer.pre_feedforward_layernorm),
                      norm_of(layer.post_feedforward_layernorm))
         else:
             norms = (None, norm_of(layer.post_attention_layernorm), None)
         inputs = (norm_of(layer.input_layernorm), qkv, qk_norms)
-        outputs = (linear(attn.o_proj), norms, gate_up, linear(mlp.down_proj),
-                   mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
+        outputs = (linear(attn.o_proj), norms, feed_forward)
         return _Layer(index, inputs, outputs, float(attn.scaling), window, rope)
 
     @property

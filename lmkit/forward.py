@@ -50,7 +50,7 @@ def install(model, mode: str, sharded: bool = False, alone: bool = False) -> str
         raise ValueError(f"forward mode must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == STOCK:
         return "transformers' stock forward"
-    if alone and (reason := decoder_step.unsupported(model)):
+    if alone and (reason := decoder_step.unsupported(model, static=mode == "cuda-graphs")):
         return f"transformers' stock forward (the decoder step cannot run it: {reason})"
     if mode == "cuda-graphs":
         return "the static decoder step, captured as CUDA graphs (sessions batched, chains)"

@@ -166,6 +166,8 @@ class GraphStep:
             raise ValueError(f"capacity {capacity} must hold at least one block of max_width {max_width}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if reason := decoder_step.unsupported(model, static=True):
+            raise ValueError(f"the static step cannot run this model: {reason}")
         # the weights and per-token functions (``compile_fn``: compiled first, then captured with the rest)
         self.step = decoder_step.DecoderStep(model, compile_fn)
         config = model.config

@@ -93,8 +93,8 @@ MUTANTS = (
     Mutant(
         "decoder step: Phi-3's fused gate and up taken in the wrong order",
         "lmkit/decoder_step.py",
-        "    gate, up = gate_up(norms[1](hidden))\n",
-        "    up, gate = gate_up(norms[1](hidden))\n",
+        "        gate, up = gate_up(x)\n",
+        "        up, gate = gate_up(x)\n",
         ("tests/unit/lmkit/test_families.py",),
     ),
     Mutant(
@@ -152,6 +152,13 @@ MUTANTS = (
         "            self._leader.announce(OP_KEEP_PATH, self.slot, length, path)\n",
         "            pass\n",
         ("tests/services/test_tensor_parallel.py",),
+    ),
+    Mutant(
+        "decoder step: Mixtral's routed experts skipped (the feed-forward returns nothing)",
+        "lmkit/decoder_step.py",
+        "            feed_forward = mlp\n",
+        "            feed_forward = torch.zeros_like\n",
+        ("tests/unit/lmkit/test_families.py",),
     ),
     Mutant(
         "sharded decoder step: a row-parallel projection's partial sums not all-reduced",

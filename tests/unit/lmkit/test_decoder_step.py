@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.lmkit import decoder_step, packed_rows, token_tree
+from specsplit.lmkit import decoder_step, graph_step, packed_rows, token_tree
 from specsplit.lmkit.kv_buffer import KVBuffer
 from specsplit.lmkit.packed_linear import pack_linears
 
@@ -126,17 +126,29 @@ def test_the_step_is_what_runs(pair, monkeypatch):
 
 
 def test_a_layout_it_does_not_run_is_named_and_left_to_transformers():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2)
+    model = GPTNeoXForCausalLM(config)
+    assert "(gpt_neox) is not a Llama" in decoder_step.unsupported(model)
+    with pytest.raises(ValueError, match="cannot run this model"):
+        decoder_step.DecoderStep(model)
+    kind = packed_rows.install_fast_forward(model, "off")
+    assert kind.startswith("transformers' forward over packed rows (GPTNeoXForCausalLM (gpt_neox)")
+    assert packed_rows.step_of(model) is None
+
+
+def test_routed_experts_run_eagerly_but_are_refused_by_the_static_step():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
     model = MixtralForCausalLM(config)
-    assert "(mixtral) is not a Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma 3 layout" in decoder_step.unsupported(model)
-    with pytest.raises(ValueError, match="cannot run this model"):
-        decoder_step.DecoderStep(model)
-    kind = packed_rows.install_fast_forward(model, "off")
-    assert kind.startswith("transformers' forward over packed rows (MixtralForCausalLM (mixtral)")
-    assert packed_rows.step_of(model) is None
+    assert decoder_step.unsupported(model) is None
+    assert "routed experts" in decoder_step.unsupported(model, static=True)
+    with pytest.raises(ValueError, match="static step cannot run this model: its routed experts"):
+        graph_step.GraphStep(model, slots=1, capacity=32, max_width=4)
 
 
 def test_auto_resolves_to_the_measured_mode_and_unknown_modes_are_refused():
