@@ -162,10 +162,6 @@ def embedding(weight) -> Callable[[torch.Tensor], torch.Tensor]:
     return lookup
 
 
-def _sharded_any(model) -> bool:
-    return any(_sharded(p) for p in model.parameters())
-
-
 def _sharding_unsupported(model) -> str | None:
     """Why the step cannot run a tensor-parallel ``model`` (None: it can, or it is not sharded)."""
     weights = {name: p for name, p in model.named_parameters() if _sharded(p)}
@@ -173,6 +169,8 @@ def _sharding_unsupported(model) -> str | None:
         return None
     import torch.distributed as dist
 
+    if any(routed(getattr(layer, "mlp", None)) for layer in model.model.layers):
+        return "its routed experts are sharded"
     if any(len(p.placements) != 1 for p in weights.values()):
         return "its weights are sharded over a mesh of more than one dimension"
     if any(name.endswith(("qkv_proj.weight", "gate_up_proj.weight")) for name in weights):
@@ -251,7 +249,7 @@ class _Layer:
 
     index: int
     inputs: tuple  # attention_inputs' weight arguments: norm, qkv, qk_norms
-    outputs: tuple  # attention_outputs' weight arguments: o_proj, norms, gate_up, down_proj, act
+    outputs: tuple  # attention_outputs' weight arguments: o_proj, norms, feed_forward
     scaling: float
     window: int | None  # the sliding window it attends within; None: full attention
     rope: str  # the rotary embedding it takes (``DecoderStep.rotations``' key)
@@ -319,8 +317,6 @@ def unsupported(model, static: bool = False) -> str | None:
         return "its layers' feed-forward is neither a gated MLP nor routed experts"
     if static and any(routed(layer.mlp) for layer in model.model.layers):
         return "its routed experts send a varying number of tokens to each expert, which a captured graph cannot"
-    if _sharded_any(model) and any(routed(layer.mlp) for layer in model.model.layers):
-        return "its routed experts are sharded"
     odd = {type(m).__name__ for m in projections if type(m) not in (torch.nn.Linear, PackedLinear)}
     if odd:
         return f"its projections are {', '.join(sorted(odd))} (the step runs nn.Linear ones)"
@@ -368,12 +364,13 @@ class DecoderStep:
         qk_norms = (norm_of(attn.q_norm), norm_of(attn.k_norm)) if hasattr(attn, "q_norm") else None
         if routed(mlp):  # Mixtral: its own block of routed experts, whatever implementation transformers picked
             feed_forward = mlp
-        elif hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up as one projection, gate first
-            half = mlp.gate_up_proj.out_features // 2
-            feed_forward = gated_mlp(fused(linear(mlp.gate_up_proj), (half, half)), linear(mlp.down_proj),
-                                     mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
         else:
-            feed_forward = gated_mlp(separate(linear(mlp.gate_proj), linear(mlp.up_proj)), linear(mlp.down_proj),
+            if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up as one projection, gate first
+                half = mlp.gate_up_proj.out_features // 2
+                gate_up = fused(linear(mlp.gate_up_proj), (half, half))
+            else:
+                gate_up = separate(linear(mlp.gate_proj), linear(mlp.up_proj))
+            feed_forward = gated_mlp(gate_up, linear(mlp.down_proj),
                                      mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: the attention's and the MLP's outputs normed too
             norms = (norm_of(layer.post_attention_layernorm), norm_of(layer.pre_feedforward_layernorm),

@@ -196,9 +196,6 @@ class SessionCache:
         if parents is not None and not self.supports_trees:
             raise ValueError("this model runs its stock forward, which cannot verify token trees")
         self.crop(keep)
-        if len(self._tokens) != keep:
-            raise ValueError(f"cannot feed after {keep} positions: the cache holds {len(self._tokens)} (plan a step "
-                             "for its sliding layers' floor, copy_floor)")
         if self.kv is not None:
             step = self.row_step(keep, feed, n_logits, parents)
             logits, features = packed_rows.forward_rows_with_features(self._model, [step])
@@ -273,11 +270,9 @@ class SessionCache:
         self.kv.keep_path(length, path)
 
     def crop(self, length: int) -> None:
-        """Drop cached positions at index >= ``length`` (every position, where the sliding layers no longer hold
-        what ``length`` would need: ``copy_floor``)."""
+        """Drop cached positions at index >= ``length`` (``KVBuffer.crop`` refuses a length its sliding layers no
+        longer hold: ``plan`` feeds the context again there)."""
         extra = len(self._tokens) - length
-        if 0 < length < self.copy_floor:
-            length, extra = 0, len(self._tokens)
         if extra > 0:
             if self.kv is not None:
                 self.kv.crop(length)

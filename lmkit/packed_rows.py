@@ -203,7 +203,8 @@ def forward_rows_with_features(
     device = next(model.parameters()).device
     rows, ids, positions, keep = [], [], [], []
     offset = 0
-    sizes = set(decoder_step.windows(model.config))
+    windows = decoder_step.windows(model.config)  # each layer's
+    sizes = set(windows)
     for step in steps:
         width = len(step.tokens)
         if width == 0:
@@ -240,7 +241,7 @@ def forward_rows_with_features(
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
             output_hidden_states=bool(wanted),
             specsplit_rows=rows,
-            specsplit_windows=decoder_step.windows(model.config),
+            specsplit_windows=windows,
         )
         logits, hidden = out.logits[0], out.hidden_states
     logits = to_host(logits)  # [len(keep), vocab]

@@ -11,7 +11,8 @@ Wire between ranks: an int64 header ``[op, slot, keep, n_feed, n_logits,
 n_released, n_parents]`` then one int64 payload of fed tokens, released slots
 and a token tree's parents (a forward step), or of the accepted path's node
 offsets in place of the fed tokens (``OP_KEEP_PATH``, after a tree's verdict:
-every rank moves the path's keys and values the same way). No pickling. NCCL moves only CUDA tensors, so on GPUs the two live on the rank's
+every rank moves the path's keys and values the same way). No pickling. NCCL
+moves only CUDA tensors, so on GPUs the two live on the rank's
 device (``comm_device``); gloo keeps them on the CPU.
 """
 

@@ -166,7 +166,6 @@ class CallStream:
             spaces = len(buffer) - len(buffer.lstrip())
             if fmt.leading and not self.begun and buffer[spaces:spaces + 1] == "{":
                 self._enter(pieces, spaces, spaces)
-                self.opened = True
                 return True
             if fmt.leading and not self.begun and spaces == len(buffer):
                 return False  # spaces alone: a leading run may follow
